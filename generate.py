@@ -1,0 +1,538 @@
+"""Generate text with a (compressed) static KV cache and measure latency and memory.
+
+    python generate.py --checkpoint DIR --prompt FILE [--method full] [--budget N] [--json OUT]
+    python generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 --max-new-tokens 64
+
+The decode step (``decode_one_token``) is compiled with ``torch.compile(fullgraph=True)``
+(``mode="reduce-overhead"``, i.e. CUDA graphs, on GPU); its shapes never depend on data and
+``input_pos`` is a device tensor, so it compiles once per run. Compilation and graph capture run
+in a warm-up generation before the measured one and are reported apart (``compile_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from checkpoint import RANDOM_PREFIX, load_model
+from kv_cache import METHODS, build_caches
+from model import ConfigError, Transformer
+from tokenizer import Tokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling and the decode step
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
+           top_p: float | None = None) -> Tensor:
+    """Next tokens (B, 1) int64 from logits (B, vocab); greedy when ``temperature == 0``.
+
+    Sampling draws with the exponential trick (argmax of p / Exp(1)), so no host sync.
+    """
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p  # keeps the top token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(1)
+    return (probs / noise).argmax(dim=-1, keepdim=True)
+
+
+def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor, temperature: float,
+                     top_k: int | None, top_p: float | None) -> Tensor:
+    """One decode step: tokens (B, 1) at ``input_pos`` (1,) -> next tokens (B, 1)."""
+    return sample(model(tokens, input_pos), temperature, top_k, top_p)
+
+
+_compiled: dict[Any, Any] = {}
+
+
+def compiled_decode(device: torch.device, backend: Any = None):
+    """``decode_one_token`` compiled once per (device type, backend) and reused across calls."""
+    key = (device.type, backend)
+    if key not in _compiled:
+        if backend is not None:
+            fn = torch.compile(decode_one_token, backend=backend, fullgraph=True)
+        elif device.type == "cuda":
+            fn = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+        else:
+            fn = torch.compile(decode_one_token, fullgraph=True)
+        _compiled[key] = fn
+    return _compiled[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement
+
+
+class MemoryMeter:
+    """Peak memory per phase.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` with ``reset_peak_memory_stats`` at phase
+    boundaries (``kind = "cuda_max_memory_allocated"``). CPU: the process peak resident set
+    (VmHWM), reset through ``/proc/self/clear_refs`` where Linux allows
+    (``kind = "cpu_process_peak_rss"``); where it cannot be reset, each phase reports the peak
+    since process start (``kind = "cpu_process_peak_rss_since_start"``).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        if self.cuda:
+            self.kind = "cuda_max_memory_allocated"
+        else:
+            self.kind = "cpu_process_peak_rss" if self._clear_rss() else \
+                "cpu_process_peak_rss_since_start"
+
+    @staticmethod
+    def _clear_rss() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.kind == "cpu_process_peak_rss":
+            self._clear_rss()
+
+    def peak(self) -> int:
+        """Peak bytes since the last ``reset``."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class StepTimer:
+    """Per-step latency: CUDA events on GPU, synchronized wall clock on CPU (ms)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def start(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, start: Any) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.marks.append((start, end))
+        else:
+            self.marks.append((start, time.perf_counter()))
+
+    def ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [s.elapsed_time(e) for s, e in self.marks]
+        return [(e - s) * 1e3 for s, e in self.marks]
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated ``q``-th percentile (0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Generation
+
+
+def _prepare_caches(model: Transformer, spec: dict[str, Any]) -> None:
+    """Attach caches for ``spec``; reuse the model's current ones (reset) when the spec matches,
+    so repeated calls keep the compiled graph and its static buffers."""
+    if getattr(model, "_cache_spec", None) == spec and all(c is not None for c in model.caches):
+        for cache in model.caches:
+            if hasattr(cache, "reset"):
+                cache.reset()
+        return
+    for layer in model.layers:  # free the old buffers before allocating new ones
+        layer.attention.kv_cache = None
+    model._cache_spec = None
+    caches = build_caches(spec["method"], model.args, batch_size=spec["batch_size"],
+                          prompt_len=spec["prompt_len"], max_new_tokens=spec["new_tokens"],
+                          budget=spec["budget"], dtype=spec["dtype"], device=spec["device"],
+                          **spec["options"])
+    model.setup_caches(caches, spec["prompt_len"] + spec["new_tokens"])
+    model._cache_spec = spec
+
+
+@torch.no_grad()
+def _run(model: Transformer, prompt: Tensor, new_tokens: int, step_fn, sampling: dict,
+         stop_ids: Tensor, meter: MemoryMeter, max_steps: int | None = None) -> dict[str, Any]:
+    device = prompt.device
+    B, T = prompt.shape
+    timer = StepTimer(device)
+    meter.reset()
+    _sync(device)
+    t0 = time.perf_counter()
+    next_tok = sample(model.prefill(prompt), **sampling)  # (B, 1)
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    peak_prefill = meter.peak()
+    meter.reset()
+
+    out = torch.empty(B, new_tokens, dtype=torch.long, device=device)
+    out[:, :1] = next_tok
+    done = torch.isin(next_tok[:, 0], stop_ids)
+    n = 1
+    input_pos = torch.tensor([T], dtype=torch.long, device=device)
+    steps = new_tokens - 1 if max_steps is None else min(max_steps, new_tokens - 1)
+    for _ in range(steps):
+        if bool(done.all()):
+            break
+        start = timer.start()
+        next_tok = step_fn(model, next_tok, input_pos, **sampling).clone()
+        timer.stop(start)
+        out[:, n:n + 1] = next_tok
+        n += 1
+        input_pos += 1
+        done |= torch.isin(next_tok[:, 0], stop_ids)
+    decode_ms = timer.ms()
+    return {"tokens": out[:, :n].tolist(), "prefill_s": prefill_s, "decode_ms": decode_ms,
+            "peak_prefill": peak_prefill, "peak_decode": meter.peak()}
+
+
+def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]], *,
+             method: str = "full", budget: int | None = None, max_new_tokens: int = 256,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, stop_ids: Sequence[int] = (), compile: bool = False,
+             compile_backend: Any = None, method_options: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+    """Prefill ``prompt``, then decode until a stop token, ``max_new_tokens`` or the context end.
+
+    Args:
+        model: a loaded ``Transformer``.
+        prompt: token ids, (T,) or (B, T) (B sequences of equal length).
+        method, budget, method_options: the KV cache (``kv_cache.METHODS``); budget in tokens.
+        max_new_tokens: generated tokens at most (the prefill's token included).
+        temperature, top_k, top_p: sampling (temperature 0 is greedy); ``seed`` seeds it.
+        stop_ids: a sequence stops after emitting one of these; the run stops when all have.
+        compile: compile the decode step (CUDA graphs on GPU); a warm-up generation of a few
+            steps runs first and its time is reported as ``compile_s``.
+        compile_backend: a ``torch.compile`` backend (tests use a counting backend).
+    Returns:
+        dict with ``token_ids`` (per sequence, stop token included), ``prefill_s``,
+        ``decode_ms`` (one entry per decode step), summary latencies, ``tokens_per_s`` (tokens
+        from decode steps over their time), ``peak_memory_bytes`` {prefill, decode, total},
+        ``kv_cache_bytes``, ``kv_bytes_per_step``, ``weight_bytes``, ``bandwidth_gbps`` and the
+        method's parameters.
+    Raises:
+        ConfigError: empty prompt, prompt that leaves no room in the model's context, bad
+            ``max_new_tokens``, unknown method or invalid budget.
+    """
+    device = model.tok_embeddings.weight.device
+    dtype = model.tok_embeddings.weight.dtype
+    prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)
+    if prompt.dim() == 1:
+        prompt = prompt[None]
+    B, T = prompt.shape
+    if T == 0:
+        raise ConfigError("the prompt is empty")
+    if max_new_tokens <= 0:
+        raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    context = model.args.max_seq_len
+    if T >= context:
+        raise ConfigError(f"the prompt ({T} tokens) leaves no room in the model's context "
+                          f"({context} tokens)")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= model.args.vocab_size:
+        raise ConfigError(f"prompt token ids must lie in [0, {model.args.vocab_size})")
+    new_tokens = min(max_new_tokens, context - T)  # prompt + generated never exceed the context
+
+    spec = {"method": method, "budget": budget, "batch_size": B, "prompt_len": T,
+            "new_tokens": new_tokens, "dtype": dtype, "device": device,
+            "options": dict(method_options or {})}
+    meter = MemoryMeter(device)
+    meter.reset()
+    _prepare_caches(model, spec)
+    peak_setup = meter.peak()
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
+
+    compile_s = None
+    step_fn = decode_one_token
+    if compile:
+        step_fn = compiled_decode(device, compile_backend)
+        _sync(device)
+        t0 = time.perf_counter()
+        # warm-up: compile (and record CUDA graphs) on the same shapes, then start afresh
+        _run(model, prompt, new_tokens, step_fn, sampling, stop[:0], meter, max_steps=3)
+        _sync(device)
+        compile_s = time.perf_counter() - t0
+        _prepare_caches(model, spec)
+    if seed is not None:
+        torch.manual_seed(seed)
+    run = _run(model, prompt, new_tokens, step_fn, sampling, stop, meter)
+
+    # each sequence ends at its first stop token (kept); the rest of the batch may run on
+    tokens = []
+    stop_set = set(stop_ids)
+    for row in run["tokens"]:
+        end = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
+        tokens.append(row[:end])
+    n_generated = len(run["tokens"][0])
+    if any(t and t[-1] in stop_set for t in tokens) and all(
+            t and t[-1] in stop_set for t in tokens):
+        stop_reason = "eos"
+    elif n_generated >= max_new_tokens:
+        stop_reason = "max_new_tokens"
+    else:
+        stop_reason = "context_length"
+
+    decode_ms = run["decode_ms"]
+    median = percentile(decode_ms, 50)
+    caches = model.caches
+    kv_cache_bytes = sum(c.allocated_bytes() for c in caches)
+    kv_per_step = sum(c.bytes_read_per_step() for c in caches)
+    w_per_step = model.weight_bytes_per_step()
+    return {
+        "method": method,
+        "budget": budget,
+        "method_params": {**caches[-1].method_params(), **spec["options"]},
+        "batch_size": B,
+        "prompt_tokens": T,
+        "prompt_token_ids": prompt.tolist(),
+        "token_ids": tokens,
+        "new_tokens": n_generated,
+        "stop_reason": stop_reason,
+        "prefill_s": run["prefill_s"],
+        "decode_steps": len(decode_ms),
+        "decode_ms": decode_ms,
+        "decode_ms_median": median,
+        "decode_ms_p10": percentile(decode_ms, 10),
+        "decode_ms_p90": percentile(decode_ms, 90),
+        "tokens_per_s": (B * len(decode_ms) / (sum(decode_ms) / 1e3)) if decode_ms else None,
+        "tokens_per_s_per_sequence": (len(decode_ms) / (sum(decode_ms) / 1e3))
+        if decode_ms else None,
+        "peak_memory_bytes": {"prefill": run["peak_prefill"], "decode": run["peak_decode"],
+                              "total": max(peak_setup, run["peak_prefill"], run["peak_decode"])},
+        "peak_memory_kind": meter.kind,
+        "kv_cache_bytes": kv_cache_bytes,
+        "kv_bytes_per_step": kv_per_step,
+        "weight_bytes": model.weight_bytes(),
+        "weight_bytes_per_step": w_per_step,
+        "bandwidth_gbps": ((w_per_step + kv_per_step) / (median / 1e3) / 1e9) if median else None,
+        "compile_s": compile_s,
+        "compiled": bool(compile),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_version": torch.__version__,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        self.exit(2, f"error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    methods = "\n".join(f"  {name:<12} {desc}" for name, (desc, _) in METHODS.items())
+    p = _Parser(description=__doc__.split("\n\n")[0], epilog=f"methods:\n{methods}",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory (HF layout or converted), or random:NAME with NAME "
+                        "a named config (random weights at the real shapes)")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
+    p.add_argument("--method", default="full", choices=list(METHODS), metavar="METHOD",
+                   help="KV cache method (see below; default full)")
+    p.add_argument("--budget", type=int, help="token budget: KV pairs read per decode step per "
+                   "layer per KV-head group")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text file, - for stdin")
+    src.add_argument("--prompt-tokens", type=int, metavar="N",
+                     help="synthetic prompt of N random token ids (efficiency runs)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="copies of the prompt decoded together")
+    p.add_argument("--device", default=None, help="cuda if available, else cpu")
+    p.add_argument("--dtype", choices=list(DTYPES),
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: on for cuda)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the instruct template")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    return p
+
+
+def _read_prompt(path: str) -> str:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read prompt file {path}: {e}") from None
+    if not text.strip():
+        raise ConfigError(f"prompt file {path} is empty")
+    return text.removesuffix("\n").removesuffix("\r")  # the newline that ends a text file
+
+
+def _resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda requested but CUDA is not available on this machine")
+    if device.type not in ("cuda", "cpu"):
+        raise ConfigError(f"unsupported device {name!r} (cuda or cpu)")
+    return device
+
+
+def format_report(r: dict[str, Any]) -> str:
+    def mb(x):
+        return f"{x / 2**20:.1f} MiB"
+
+    lines = [
+        f"method {r['method']}  budget {r['budget']}  params {r['method_params']}",
+        f"prompt tokens {r['prompt_tokens']}  generated {r['new_tokens']} ({r['stop_reason']})"
+        f"  batch {r['batch_size']}",
+        f"prefill (time to first token) {r['prefill_s'] * 1e3:.1f} ms",
+    ]
+    if r["decode_steps"]:
+        lines += [
+            f"decode {r['decode_steps']} steps: median {r['decode_ms_median']:.2f} ms  "
+            f"p10 {r['decode_ms_p10']:.2f} ms  p90 {r['decode_ms_p90']:.2f} ms  "
+            f"{r['tokens_per_s']:.1f} tokens/s",
+            f"achieved bandwidth {r['bandwidth_gbps']:.1f} GB/s "
+            f"(weights {mb(r['weight_bytes_per_step'])} + KV {mb(r['kv_bytes_per_step'])} "
+            "read per step)",
+        ]
+    pk = r["peak_memory_bytes"]
+    lines += [
+        f"peak memory ({r['peak_memory_kind']}): prefill {mb(pk['prefill'])}  decode "
+        f"{mb(pk['decode'])}  total {mb(pk['total'])}",
+        f"KV cache {mb(r['kv_cache_bytes'])}  weights {mb(r['weight_bytes'])}",
+        f"device {r['device']}  dtype {r['dtype']}  torch {r['torch_version']}  compiled "
+        f"{r['compiled']}" + (f" (compile {r['compile_s']:.1f} s)" if r["compile_s"] else ""),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.budget is not None and args.budget <= 0:
+            raise ConfigError(f"--budget must be a positive number of tokens, got {args.budget}")
+        for flag in ("max_new_tokens", "batch_size", "prompt_tokens", "top_k"):
+            value = getattr(args, flag)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+        if args.top_p is not None and not 0 < args.top_p <= 1:
+            raise ConfigError(f"--top-p must lie in (0, 1], got {args.top_p}")
+        if args.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+        if args.json:
+            parent = Path(args.json).resolve().parent
+            if not parent.is_dir():
+                raise ConfigError(f"--json: directory {parent} does not exist")
+        device = _resolve_device(args.device)
+        dtype = DTYPES[args.dtype] if args.dtype else (
+            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        compile = device.type == "cuda" if args.compile is None else args.compile
+        text = _read_prompt(args.prompt) if args.prompt is not None else None
+
+        tok: Tokenizer | None = None
+        if args.tokenizer:
+            tok = load_tokenizer(args.tokenizer)
+        elif not args.checkpoint.startswith(RANDOM_PREFIX):
+            tok = load_tokenizer(args.checkpoint) if Path(args.checkpoint).is_dir() else None
+        model = load_model(args.checkpoint, device, dtype)
+        if tok is None and text is not None:
+            raise ConfigError("a text prompt needs a tokenizer: pass --tokenizer FILE "
+                              "(random checkpoints have none) or use --prompt-tokens N")
+        if tok is not None and tok.vocab_size > model.args.vocab_size:
+            raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only "
+                              f"{model.args.vocab_size}")
+        if text is not None:
+            ids = tok.encode_chat(text) if args.chat else tok.encode(text)
+        else:
+            gen = torch.Generator().manual_seed(args.seed)
+            ids = torch.randint(0, model.args.vocab_size, (args.prompt_tokens,),
+                                generator=gen).tolist()
+        prompt = torch.tensor([ids] * args.batch_size)
+        stop_ids = () if (tok is None or args.ignore_eos) else tok.stop_ids
+        result = generate(model, prompt, method=args.method, budget=args.budget,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          stop_ids=stop_ids, compile=compile)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError as e:
+        print(f"error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+    stop_set = set(stop_ids)
+    result["text"] = ([tok.decode([t for t in row if t not in stop_set])
+                       for row in result["token_ids"]] if tok is not None else None)
+    result["checkpoint"] = args.checkpoint
+    result["model"] = model.args.name
+    if result["text"] is not None:
+        print(result["text"][0])
+        print("-" * 80)
+    print(format_report(result))
+    if args.json:
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

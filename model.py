@@ -1,0 +1,405 @@
+"""One-file Llama/Mistral transformer for decoding with a pluggable KV cache.
+
+The model knows nothing about KV-cache compression: every attention layer computes q, k, v,
+rotates q and k at the tokens' true positions, and hands them to its cache object
+(``kv_cache.KVCache``), which stores what it wants and returns the attention output.
+
+Two entry points:
+
+* ``Transformer.prefill(tokens)`` runs the whole prompt layer by layer (all prompt tokens through
+  layer 0, then layer 1, ...), so a cache may compress one layer's KV before the next layer runs.
+  Projections and the MLP run in token chunks, so activations stay bounded at 128K tokens, and
+  logits are computed for the last position only.
+* ``Transformer.forward(tokens, input_pos)`` is the single-token decode step; its shapes never
+  depend on data, so it compiles once (``torch.compile(fullgraph=True)``, CUDA graphs on GPU).
+
+RoPE uses Meta's layout (adjacent pairs rotate together); Hugging Face checkpoints, which use the
+rotate-half layout, are permuted on load (``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class ConfigError(ValueError):
+    """Bad user input (config, checkpoint, CLI value). The CLI prints it as one line, exit 2."""
+
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass
+class ModelArgs:
+    """Shape and numerics of a Llama-family decoder.
+
+    Attributes:
+        dim: hidden size.
+        n_layers: transformer blocks.
+        n_heads: query heads.
+        n_kv_heads: key/value heads (``n_heads`` for MHA; fewer for GQA).
+        head_dim: per-head size (``dim // n_heads`` unless the config says otherwise).
+        intermediate_size: SwiGLU hidden size.
+        vocab_size: vocabulary size.
+        norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base.
+        rope_scaling: ``None`` or a dict with ``type`` in ``{"llama3", "linear"}`` and its
+            parameters (``factor``; llama3 adds ``low_freq_factor``, ``high_freq_factor``,
+            ``original_max_position_embeddings``).
+        max_seq_len: context length in tokens (``max_position_embeddings``).
+        tie_word_embeddings: the classifier shares the token embedding matrix.
+        name: the config's name, for reports.
+    """
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 11008
+    vocab_size: int = 32000
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_seq_len: int = 4096
+    tie_word_embeddings: bool = False
+    name: str = "custom"
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
+                    "vocab_size", "max_seq_len"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config: {key} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model config: n_heads={self.n_heads} is not a multiple of "
+                              f"n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"model config: head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("type")
+            if kind not in ("llama3", "linear"):
+                raise ConfigError(f"model config: unsupported rope_scaling type {kind!r} "
+                                  "(supported: llama3, linear)")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (the query group)."""
+        return self.n_heads // self.n_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_name(cls, name: str) -> ModelArgs:
+        """The named config ``name`` (exact key of ``CONFIGS``); raises ConfigError otherwise."""
+        if name not in CONFIGS:
+            raise ConfigError(f"unknown model config {name!r}; known: {', '.join(CONFIGS)}")
+        return cls(name=name, **CONFIGS[name])
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], name: str | None = None) -> ModelArgs:
+        """Read a Hugging Face ``config.json`` dict of a Llama or Mistral model.
+
+        Both the classic layout (``rope_theta`` + ``rope_scaling``) and the ``rope_parameters``
+        layout written by transformers 5 are accepted.
+
+        Raises:
+            ConfigError: unsupported architecture (not Llama/Mistral, biases, sliding window),
+                unsupported rope type, or a missing field.
+        """
+        model_type = config.get("model_type")
+        if model_type not in ("llama", "mistral"):
+            archs = config.get("architectures")
+            raise ConfigError(f"unsupported architecture: model_type={model_type!r} "
+                              f"architectures={archs!r} (supported: llama, mistral)")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise ConfigError("unsupported architecture: attention or MLP biases")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported activation {config.get('hidden_act')!r} (need silu)")
+        window = config.get("sliding_window")
+        max_pos = config.get("max_position_embeddings")
+        if window is not None and (max_pos is None or window < max_pos):
+            raise ConfigError(f"unsupported architecture: sliding-window attention "
+                              f"(sliding_window={window})")
+        try:
+            dim = config["hidden_size"]
+            n_heads = config["num_attention_heads"]
+            args = dict(
+                dim=dim,
+                n_layers=config["num_hidden_layers"],
+                n_heads=n_heads,
+                n_kv_heads=config.get("num_key_value_heads") or n_heads,
+                head_dim=config.get("head_dim") or dim // n_heads,
+                intermediate_size=config["intermediate_size"],
+                vocab_size=config["vocab_size"],
+                norm_eps=config.get("rms_norm_eps", 1e-6),
+                max_seq_len=config.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks the field {e.args[0]!r}") from None
+
+        rope = config.get("rope_parameters")
+        if rope is None:  # classic layout
+            rope = dict(config.get("rope_scaling") or {})
+            rope["rope_theta"] = config.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"unsupported rope_scaling type {rope_type!r} "
+                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        args["rope_theta"] = float(rope.get("rope_theta", 10000.0))
+        if rope_type == "linear":
+            args["rope_scaling"] = {"type": "linear", "factor": float(rope["factor"])}
+        elif rope_type == "llama3":
+            args["rope_scaling"] = {
+                "type": "llama3",
+                "factor": float(rope["factor"]),
+                "low_freq_factor": float(rope["low_freq_factor"]),
+                "high_freq_factor": float(rope["high_freq_factor"]),
+                "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+            }
+        return cls(name=name or config.get("_name_or_path") or model_type, **args)
+
+
+_LLAMA31_ROPE = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# Values from each model's config.json (see ../shared/REFERENCE_NOTES.md). Exact keys only.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                         vocab_size=128256, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
+                         max_seq_len=131072, norm_eps=1e-5),
+    "llama-3.1-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, intermediate_size=28672,
+                          vocab_size=128256, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
+                          max_seq_len=131072, norm_eps=1e-5),
+    "llama-3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                       vocab_size=128256, rope_theta=500000.0, max_seq_len=8192, norm_eps=1e-5),
+    "llama-2-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate_size=11008,
+                       vocab_size=32000, rope_theta=10000.0, max_seq_len=4096, norm_eps=1e-5),
+    "mistral-7b-v0.2": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                            intermediate_size=14336, vocab_size=32000, rope_theta=1e6,
+                            max_seq_len=32768, norm_eps=1e-5),
+    "longchat-7b-v1.5-32k": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                                 intermediate_size=11008, vocab_size=32000, rope_theta=10000.0,
+                                 rope_scaling={"type": "linear", "factor": 8.0},
+                                 max_seq_len=32768, norm_eps=1e-5),
+    "stories260K": dict(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, intermediate_size=172,
+                        vocab_size=512, rope_theta=10000.0, max_seq_len=512, norm_eps=1e-5,
+                        tie_word_embeddings=True),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """Per-pair inverse frequencies, float32 ``(head_dim // 2,)``, with the config's scaling.
+
+    Llama 3.1 scaling (Meta's Llama 3.1 release): wavelengths below
+    ``original / high_freq_factor`` keep their frequency, those above ``original /
+    low_freq_factor`` are divided by ``factor``, and the band between interpolates with
+    ``smooth = (original / wavelength - low) / (high - low)``. Linear scaling divides every
+    frequency by ``factor`` (position interpolation, as LongChat uses).
+    """
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["type"] == "linear":
+        return inv_freq / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    interpolated = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(is_medium, interpolated, scaled)
+
+
+def precompute_rope(args: ModelArgs, seq_len: int, device=None) -> Tensor:
+    """Cos/sin table, float32 ``(seq_len, head_dim // 2, 2)`` for positions ``0..seq_len-1``."""
+    inv_freq = rope_inv_freq(args).to(device)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate adjacent pairs of ``x`` (B, T, n, head_dim) by ``rope`` (T, head_dim // 2, 2)."""
+    xp = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, T, n, D/2, 2)
+    cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]  # (T, 1, D/2)
+    out = torch.stack([xp[..., 0] * cos - xp[..., 1] * sin,
+                       xp[..., 1] * cos + xp[..., 0] * sin], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()  # accumulate in fp32 whatever the model dtype
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention. K/V stay at KV-head granularity; the cache does the attending."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        # q, k and v in one matmul (fewer kernels in the decode step)
+        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim,
+                              bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.kv_cache = None  # a kv_cache.KVCache, set by Transformer.setup_caches
+
+    def qkv(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Project and rotate. ``x`` (B, T, dim) -> q (B, H, T, D), k and v (B, H_kv, T, D)."""
+        B, T, _ = x.shape
+        D = self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_heads * D, self.n_kv_heads * D,
+                                      self.n_kv_heads * D], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_heads, D), rope)  # (B, T, H, D)
+        k = apply_rope(k.view(B, T, self.n_kv_heads, D), rope)  # (B, T, H_kv, D)
+        v = v.view(B, T, self.n_kv_heads, D)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def out(self, y: Tensor) -> Tensor:
+        """Output projection. ``y`` (B, H, T, D) -> (B, T, dim)."""
+        B, _, T, _ = y.shape
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
+        """Decode step. ``x`` (B, 1, dim), ``rope`` (1, D/2, 2), ``input_pos`` (1,) int64."""
+        q, k, v = self.attention.qkv(self.attention_norm(x), rope)
+        h = x + self.attention.out(self.attention.kv_cache.decode(q, k, v, input_pos))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def prefill(self, x: Tensor, rope: Tensor, chunk_size: int) -> Tensor:
+        """Whole prompt through this block; updates and returns ``x`` (B, T, dim) in place."""
+        B, T, _ = x.shape
+        attn = self.attention
+        q = x.new_empty(B, attn.n_heads, T, attn.head_dim)
+        k = x.new_empty(B, attn.n_kv_heads, T, attn.head_dim)
+        v = torch.empty_like(k)
+        for s in range(0, T, chunk_size):
+            e = min(s + chunk_size, T)
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e] = attn.qkv(self.attention_norm(x[:, s:e]),
+                                                                rope[s:e])
+        y = attn.kv_cache.prefill(q, k, v)  # (B, H, T, D); the cache may compress here
+        del q, k, v
+        for s in range(0, T, chunk_size):
+            e = min(s + chunk_size, T)
+            x[:, s:e] += attn.out(y[:, :, s:e])
+            x[:, s:e] += self.feed_forward(self.ffn_norm(x[:, s:e]))
+        return x
+
+
+class Transformer(nn.Module):
+    """Llama/Mistral decoder. Call ``setup_caches`` before ``prefill``/``forward``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.prefill_chunk_size = 4096  # tokens per projection/MLP chunk in prefill
+        self.register_buffer("rope", torch.empty(0, args.head_dim // 2, 2), persistent=False)
+
+    def setup_caches(self, caches: list[nn.Module], max_seq_len: int) -> None:
+        """Attach one cache per layer and build the RoPE table for ``max_seq_len`` positions."""
+        if len(caches) != self.args.n_layers:
+            raise ValueError(f"need {self.args.n_layers} caches, got {len(caches)}")
+        if max_seq_len > self.args.max_seq_len:
+            raise ConfigError(f"{max_seq_len} tokens exceed the model's context "
+                              f"({self.args.max_seq_len} tokens)")
+        for layer, cache in zip(self.layers, caches):
+            layer.attention.kv_cache = cache
+        if self.rope.shape[0] < max_seq_len:
+            self.rope = precompute_rope(self.args, max_seq_len, self.tok_embeddings.weight.device)
+
+    @property
+    def caches(self) -> list[nn.Module]:
+        return [layer.attention.kv_cache for layer in self.layers]
+
+    def forward(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
+        """Decode step: ``tokens`` (B, 1) int64 at position ``input_pos`` (1,) int64 on the
+        model's device. Returns logits (B, vocab) in the model dtype."""
+        rope = self.rope[input_pos]  # (1, D/2, 2)
+        x = self.tok_embeddings(tokens)  # (B, 1, dim)
+        for layer in self.layers:
+            x = layer(x, rope, input_pos)
+        return self.output(self.norm(x))[:, -1]
+
+    @torch.no_grad()
+    def prefill(self, tokens: Tensor) -> Tensor:
+        """Prompt ``tokens`` (B, T) int64 at positions ``0..T-1``, layer by layer.
+
+        Returns logits of the last position only, (B, vocab) in the model dtype.
+        """
+        T = tokens.shape[1]
+        x = self.tok_embeddings(tokens)  # (B, T, dim)
+        rope = self.rope[:T]
+        for layer in self.layers:
+            x = layer.prefill(x, rope, self.prefill_chunk_size)
+        return self.output(self.norm(x[:, -1:]))[:, -1]
+
+    def weight_bytes(self) -> int:
+        """Bytes of all parameters (tied matrices counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def weight_bytes_per_step(self) -> int:
+        """Parameter bytes one decode step reads: all but the embedding table, which is only
+        gathered (B rows), unless it is tied to the classifier."""
+        emb = self.tok_embeddings.weight
+        skip = 0 if self.args.tie_word_embeddings else emb.numel() * emb.element_size()
+        return self.weight_bytes() - skip

@@ -1,0 +1,49 @@
+"""Convert a Hugging Face Llama/Mistral directory into a checkpoint directory of this project.
+
+    python scripts/convert_hf_checkpoint.py --checkpoint HF_DIR --out DIR [--dtype bfloat16]
+
+The output holds ``model_args.json``, one ``model.safetensors`` in ``model.py``'s names (q/k rows
+already permuted to the adjacent-pair RoPE layout, q/k/v fused) and the tokenizer, so loading
+skips the renaming. ``generate.py`` also loads HF directories directly; converting is optional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from checkpoint import load_model, save_native  # noqa: E402
+from model import ConfigError  # noqa: E402
+from tokenizer import TOKENIZER_FILES  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="HF directory (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--dtype", choices=list(DTYPES), help="cast weights (default: keep)")
+    a = p.parse_args(argv)
+    src = Path(a.checkpoint)
+    try:
+        if not (src / "config.json").is_file():
+            raise ConfigError(f"{src} is not a Hugging Face checkpoint (no config.json)")
+        model = load_model(str(src), "cpu", DTYPES[a.dtype] if a.dtype else None)
+        tok = next((src / n for n in TOKENIZER_FILES if (src / n).is_file()), None)
+        out = save_native(a.out, model.args, model.state_dict(), tok)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    note = "" if tok else " (no tokenizer.model found: pass --tokenizer to generate.py)"
+    print(f"wrote {out}{note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
