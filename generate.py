@@ -27,7 +27,7 @@ from torch import Tensor
 from checkpoint import RANDOM_PREFIX, load_model
 from kv_cache import METHODS, build_caches
 from model import ConfigError, Transformer
-from tokenizer import Tokenizer, load_tokenizer
+from tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -487,15 +487,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         compile = device.type == "cuda" if args.compile is None else args.compile
         text = _read_prompt(args.prompt) if args.prompt is not None else None
 
+        model = load_model(args.checkpoint, device, dtype)
         tok: Tokenizer | None = None
         if args.tokenizer:
             tok = load_tokenizer(args.tokenizer)
-        elif not args.checkpoint.startswith(RANDOM_PREFIX):
-            tok = load_tokenizer(args.checkpoint) if Path(args.checkpoint).is_dir() else None
-        model = load_model(args.checkpoint, device, dtype)
+        elif not args.checkpoint.startswith(RANDOM_PREFIX) and any(
+                (Path(args.checkpoint) / name).is_file() for name in TOKENIZER_FILES):
+            tok = load_tokenizer(args.checkpoint)
         if tok is None and text is not None:
-            raise ConfigError("a text prompt needs a tokenizer: pass --tokenizer FILE "
-                              "(random checkpoints have none) or use --prompt-tokens N")
+            raise ConfigError("a text prompt needs a tokenizer: the checkpoint has no "
+                              f"{' or '.join(TOKENIZER_FILES)}; pass --tokenizer FILE or use "
+                              "--prompt-tokens N")
         if tok is not None and tok.vocab_size > model.args.vocab_size:
             raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only "
                               f"{model.args.vocab_size}")

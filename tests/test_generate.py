@@ -1,0 +1,259 @@
+"""generate.py on the real stories260K checkpoint and on tiny random models."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+from checkpoint import random_model
+from generate import generate, percentile, sample
+from kv_cache import build_caches
+from model import ConfigError, ModelArgs
+from tokenizer import load_tokenizer
+
+# llama2.c doc/stories260K.md: greedy decoding from BOS with the full cache begins with this
+PUBLISHED = ("Once upon a time, there was a little girl named Lily. She loved to play outside "
+             "in the park. One day, she saw a big, red ball. She wanted to play with it, but it "
+             "was too high.")
+
+
+def test_stories260K_greedy_reproduces_published_output_from_bos(stories_model, stories_dir):
+    tok = load_tokenizer(stories_dir)
+    r = generate(stories_model, [tok.bos_id], max_new_tokens=255, stop_ids=tok.stop_ids)
+    assert tok.decode(r["token_ids"][0]).startswith(PUBLISHED)
+
+
+def test_stories260K_greedy_continues_once_upon_a_time(stories_model, stories_dir):
+    tok = load_tokenizer(stories_dir)
+    prompt = tok.encode("Once upon a time")
+    assert prompt == [1, 403, 407, 261, 378]
+    r = generate(stories_model, prompt, max_new_tokens=60, stop_ids=tok.stop_ids)
+    text = tok.decode(r["token_ids"][0])
+    assert text.startswith(PUBLISHED[len("Once upon a time"):])
+    assert r["new_tokens"] == 60 and r["decode_steps"] == 59
+
+
+def test_cached_decode_equals_recomputing_the_sequence(stories_model):
+    model = stories_model
+    prompt = torch.tensor([[1, 403, 407, 261, 378]])
+    r = generate(model, prompt, max_new_tokens=40)
+    seq = prompt[0].tolist() + r["token_ids"][0]
+    # without a cache's history: prefill the whole prefix afresh for every position
+    for t in range(prompt.shape[1], len(seq)):
+        model.setup_caches(build_caches("full", model.args, batch_size=1, prompt_len=t,
+                                        max_new_tokens=1, budget=None, dtype=torch.float32,
+                                        device="cpu"), t + 1)
+        model._cache_spec = None
+        logits = model.prefill(torch.tensor([seq[:t]]))
+        assert int(logits.argmax()) == seq[t], f"position {t}"
+    # and the logits themselves: step-by-step decode vs one prefill of the whole sequence
+    model.setup_caches(build_caches("full", model.args, batch_size=1, prompt_len=5,
+                                    max_new_tokens=len(seq), budget=None,
+                                    dtype=torch.float32, device="cpu"), len(seq) + 5)
+    with torch.no_grad():
+        model.prefill(prompt)
+        for t in range(5, len(seq) - 1):
+            step = model(torch.tensor([[seq[t]]]), torch.tensor([t]))
+        full = build_caches("full", model.args, batch_size=1, prompt_len=len(seq) - 1,
+                            max_new_tokens=1, budget=None, dtype=torch.float32, device="cpu")
+        model.setup_caches(full, len(seq))
+        ref = model.prefill(torch.tensor([seq[:-1]]))
+    assert (step - ref).abs().max() < 1e-4
+
+
+def test_generate_can_be_called_repeatedly(stories_model):
+    a = generate(stories_model, [1, 403, 407], max_new_tokens=20)
+    b = generate(stories_model, [1, 403, 407, 261, 378, 13], max_new_tokens=10)
+    c = generate(stories_model, [1, 403, 407], max_new_tokens=20)
+    assert a["token_ids"] == c["token_ids"] and len(b["token_ids"][0]) == 10
+
+
+def test_decode_step_compiles_once_without_graph_breaks(stories_model):
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    eager = generate(stories_model, [1, 403, 407, 261], max_new_tokens=24)
+    for _ in range(2):
+        r = generate(stories_model, [1, 403, 407, 261], max_new_tokens=24, compile=True,
+                     compile_backend=counter)
+        assert r["token_ids"] == eager["token_ids"]
+    assert counter.frame_count == 1  # fullgraph=True would raise on a graph break
+    assert r["compiled"] and r["compile_s"] is not None and r["decode_steps"] == 23
+
+
+def test_batch_rows_decode_like_single_sequences(stories_model):
+    prompts = torch.tensor([[1, 403, 407, 261, 378], [1, 403, 407, 261, 300]])
+    both = generate(stories_model, prompts, max_new_tokens=15)
+    for row, p in zip(both["token_ids"], prompts):
+        assert generate(stories_model, p, max_new_tokens=15)["token_ids"][0] == row
+
+
+def test_sampling_is_seeded(stories_model):
+    kw = dict(max_new_tokens=30, temperature=1.0, top_k=50, top_p=0.9)
+    a = generate(stories_model, [1, 403], seed=3, **kw)
+    b = generate(stories_model, [1, 403], seed=3, **kw)
+    c = generate(stories_model, [1, 403], seed=4, **kw)
+    assert a["token_ids"] == b["token_ids"] != c["token_ids"]
+
+
+def test_sample_respects_top_k_and_top_p():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(2000, 1)
+    drawn = sample(logits, temperature=1.0, top_k=2)
+    assert set(drawn.flatten().tolist()) == {0, 1}
+    p = torch.softmax(logits[0], 0)  # 0.636, 0.234, ...: top-p 0.7 keeps tokens 0 and 1
+    assert p[0] < 0.7 < p[0] + p[1]
+    assert set(sample(logits, temperature=1.0, top_p=0.7).flatten().tolist()) == {0, 1}
+    assert set(sample(logits, temperature=1.0, top_p=0.5).flatten().tolist()) == {0}
+    assert sample(logits[:1], temperature=0.0).item() == 0
+
+
+def test_stops_at_eos_and_at_context_end(stories_model):
+    r = generate(stories_model, [1, 403], max_new_tokens=400, stop_ids=[13])  # 13 = newline
+    assert r["stop_reason"] == "eos" and r["token_ids"][0][-1] == 13
+    assert 13 not in r["token_ids"][0][:-1]
+    r = generate(stories_model, [1] * 500, max_new_tokens=50)
+    assert r["stop_reason"] == "context_length" and r["new_tokens"] == 12  # 512-token context
+
+
+def test_generate_rejects_bad_prompts(stories_model):
+    with pytest.raises(ConfigError, match="empty"):
+        generate(stories_model, torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ConfigError, match="context"):
+        generate(stories_model, [1] * 512)
+    with pytest.raises(ConfigError, match="token ids"):
+        generate(stories_model, [1, 9999])
+
+
+def test_figures_are_consistent(stories_model):
+    r = generate(stories_model, [1, 403, 407], max_new_tokens=12)
+    assert len(r["decode_ms"]) == r["decode_steps"] == 11
+    assert r["tokens_per_s"] == pytest.approx(11 / (sum(r["decode_ms"]) / 1e3))
+    assert r["decode_ms_p10"] <= r["decode_ms_median"] <= r["decode_ms_p90"]
+    args = stories_model.args
+    max_seq = 3 + 12
+    assert r["kv_cache_bytes"] == 2 * args.n_layers * args.n_kv_heads * max_seq * args.head_dim * 4
+    assert r["weight_bytes"] == sum(p.numel() * 4 for p in stories_model.parameters())
+    assert r["bandwidth_gbps"] == pytest.approx(
+        (r["weight_bytes_per_step"] + r["kv_bytes_per_step"]) / r["decode_ms_median"] / 1e6)
+
+
+def test_percentile():
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 90) == 5.0 and percentile([], 50) is None
+
+
+def test_random_model_at_a_named_shape():
+    args = ModelArgs.from_name("stories260K")
+    m = random_model(args, "cpu", torch.bfloat16)
+    assert m.output.weight is m.tok_embeddings.weight
+    r = generate(m, torch.randint(0, 512, (2, 33)), max_new_tokens=5)
+    assert r["dtype"] == "bfloat16" and len(r["token_ids"]) == 2
+
+
+# ---- the CLI ---------------------------------------------------------------------------------
+
+def run_cli(*args, stdin=None):
+    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *map(str, args)],
+                          capture_output=True, text=True, input=stdin, timeout=300)
+
+
+def test_cli_end_to_end_json(stories_dir, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time\n")
+    out = tmp_path / "run.json"
+    p = run_cli("--checkpoint", stories_dir, "--prompt", prompt, "--max-new-tokens", 40,
+                "--json", out)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(PUBLISHED[len("Once upon a time"):][:60])
+    r = json.loads(out.read_text())
+    for key in ("method", "budget", "method_params", "prompt_token_ids", "token_ids", "text",
+                "prefill_s", "decode_ms", "decode_ms_median", "tokens_per_s",
+                "peak_memory_bytes", "kv_cache_bytes", "kv_bytes_per_step", "weight_bytes",
+                "device", "dtype", "torch_version", "compiled", "bandwidth_gbps"):
+        assert key in r, key
+    assert r["method"] == "full" and r["device"] == "cpu" and r["compiled"] is False
+    assert r["prompt_token_ids"] == [[1, 403, 407, 261, 378]]
+    assert len(r["token_ids"][0]) == 40 and len(r["decode_ms"]) == 39
+    assert r["text"][0].startswith(", there was a little girl named Lily.")
+    assert set(r["peak_memory_bytes"]) == {"prefill", "decode", "total"}
+    assert r["peak_memory_bytes"]["total"] >= max(r["peak_memory_bytes"]["prefill"],
+                                                  r["peak_memory_bytes"]["decode"]) > 0
+    assert r["kv_bytes_per_step"] == r["kv_cache_bytes"] > 0
+
+
+def test_cli_stdin_chat_batch_and_random_prompt(stories_dir):
+    p = run_cli("--checkpoint", stories_dir, "--prompt", "-", "--chat", "--batch-size", 2,
+                "--max-new-tokens", 5, stdin="Tell me a story")
+    assert p.returncode == 0, p.stderr
+    p = run_cli("--checkpoint", "random:stories260K", "--prompt-tokens", 64,
+                "--max-new-tokens", 4, "--temperature", 0.8, "--top-k", 20)
+    assert p.returncode == 0, p.stderr
+    assert "prompt tokens 64" in p.stdout
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(stories_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "empty.txt").write_text("  \n")
+    (d / "ok.txt").write_text("Once upon a time")
+    (d / "long.txt").write_text("Once upon a time " * 300)
+    (d / "no_weights").mkdir()
+    (d / "no_weights" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512}))
+    (d / "gpt2").mkdir()
+    (d / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2",
+                                                        "architectures": ["GPT2LMHeadModel"]}))
+    (d / "corrupt").mkdir()
+    (d / "corrupt" / "config.json").write_text("{not json")
+    (d / "truncated").mkdir()
+    for f in stories_dir.iterdir():
+        (d / "truncated" / f.name).write_bytes(f.read_bytes()[:100] if f.suffix ==
+                                               ".safetensors" else f.read_bytes())
+    return d
+
+
+BAD = [
+    ("missing checkpoint", ["--checkpoint", "{d}/nope", "--prompt", "{d}/ok.txt"],
+     "checkpoint not found"),
+    ("unreadable config", ["--checkpoint", "{d}/corrupt", "--prompt", "{d}/ok.txt"],
+     "cannot read"),
+    ("unreadable weights", ["--checkpoint", "{d}/truncated", "--prompt", "{d}/ok.txt"],
+     "cannot read weights"),
+    ("config without weights", ["--checkpoint", "{d}/no_weights", "--prompt-tokens", "8"],
+     "config without weights"),
+    ("unsupported architecture", ["--checkpoint", "{d}/gpt2", "--prompt-tokens", "8"],
+     "unsupported architecture"),
+    ("empty prompt", ["--checkpoint", "{s}", "--prompt", "{d}/empty.txt"], "is empty"),
+    ("missing prompt file", ["--checkpoint", "{s}", "--prompt", "{d}/none.txt"],
+     "cannot read prompt"),
+    ("prompt too long", ["--checkpoint", "{s}", "--prompt", "{d}/long.txt"], "context"),
+    ("budget <= 0", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--budget", "0"],
+     "--budget must be a positive"),
+    ("unknown method", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--method", "magic"],
+     "invalid choice"),
+    ("cuda without cuda", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--device",
+                           "cuda"], "CUDA is not available"),
+    ("unknown named config", ["--checkpoint", "random:llama-9", "--prompt-tokens", "8"],
+     "unknown model config"),
+    ("json into a missing directory", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt",
+                                       "--json", "{d}/no/dir/out.json"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("case,argv,message", BAD, ids=[b[0] for b in BAD])
+def test_cli_bad_input_one_clear_line(bad_inputs, stories_dir, case, argv, message):
+    if case == "cuda without cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    argv = [a.format(d=bad_inputs, s=stories_dir) for a in argv]
+    p = run_cli(*argv)
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert message in lines[0]
+    assert "Traceback" not in p.stderr
+    assert not list(bad_inputs.glob("**/*.json.tmp"))

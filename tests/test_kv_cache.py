@@ -1,0 +1,87 @@
+"""kv_cache.py: attention helpers and the full cache against slow references."""
+
+import math
+
+import pytest
+import torch
+
+from kv_cache import FullKVCache, attend, build_caches, causal_attention
+from model import ConfigError, ModelArgs
+
+
+def slow_attention(q, k, v, allowed):
+    """Loop over batch, heads and queries; ``allowed(b, h, i, j)`` says whether query i sees j."""
+    B, H, Tq, D = q.shape
+    G = H // k.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            kh, vh = k[b, h // G], v[b, h // G]
+            for i in range(Tq):
+                js = [j for j in range(k.shape[2]) if allowed(b, h, i, j)]
+                s = torch.stack([q[b, h, i] @ kh[j] / math.sqrt(D) for j in js])
+                p = torch.softmax(s, 0)
+                out[b, h, i] = sum(p[n] * vh[j] for n, j in enumerate(js))
+    return out
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (6, 1)])
+def test_causal_attention_matches_loop(H, Hkv):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, H, 9, 8, generator=g)
+    k, v = torch.randn(2, 2, Hkv, 9, 8, generator=g)
+    ref = slow_attention(q, k, v, lambda b, h, i, j: j <= i)
+    assert torch.allclose(causal_attention(q, k, v), ref, atol=1e-5)
+
+
+def test_attend_with_mask_matches_loop():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    k, v = torch.randn(2, 2, 2, 12, 8, generator=g)
+    mask = torch.arange(12) <= 6
+    ref = slow_attention(q, k, v, lambda b, h, i, j: j <= 6)
+    assert torch.allclose(attend(q, k, v, mask), ref, atol=1e-5)
+
+
+def tiny_args(**kw):
+    return ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=48,
+                     vocab_size=50, max_seq_len=64, **kw)
+
+
+def test_full_cache_decode_equals_attention_over_everything_so_far():
+    args = tiny_args()
+    cache = FullKVCache(0, args, 1, torch.float32, "cpu", max_seq_len=20)
+    g = torch.Generator().manual_seed(0)
+    T = 7
+    q = torch.randn(1, 4, 20, 8, generator=g)
+    k, v = torch.randn(2, 1, 2, 20, 8, generator=g)
+    out = cache.prefill(q[:, :, :T], k[:, :, :T], v[:, :, :T])
+    assert torch.allclose(out, slow_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T],
+                                              lambda b, h, i, j: j <= i), atol=1e-5)
+    for t in range(T, 20):
+        out = cache.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                           torch.tensor([t]))
+        ref = slow_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1],
+                             lambda b, h, i, j: True)
+        assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_cache_bytes(dtype):
+    args = tiny_args()
+    caches = build_caches("full", args, batch_size=3, prompt_len=10, max_new_tokens=6,
+                          budget=None, dtype=dtype, device="cpu")
+    assert len(caches) == args.n_layers
+    per_layer = 2 * 3 * args.n_kv_heads * 16 * args.head_dim * (4 if dtype == torch.float32
+                                                                  else 2)
+    assert all(c.allocated_bytes() == per_layer for c in caches)
+    assert all(c.bytes_read_per_step() == per_layer for c in caches)
+
+
+def test_build_caches_rejects_unknown_method_and_bad_budget():
+    with pytest.raises(ConfigError, match="unknown method"):
+        build_caches("snapkv2", tiny_args(), batch_size=1, prompt_len=4, max_new_tokens=4,
+                     budget=8, dtype=torch.float32, device="cpu")
+    with pytest.raises(ConfigError, match="positive"):
+        build_caches("full", tiny_args(), batch_size=1, prompt_len=4, max_new_tokens=4,
+                     budget=0, dtype=torch.float32, device="cpu")
