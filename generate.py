@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import compression  # noqa: F401  (registers the compression methods)
 from checkpoint import RANDOM_PREFIX, load_model
 from kv_cache import METHODS, build_caches
 from model import ConfigError, Transformer

@@ -131,9 +131,11 @@ class FullKVCache(KVCache):
     """
 
     def __init__(self, layer_idx: int, args: ModelArgs, batch_size: int, dtype: torch.dtype,
-                 device: torch.device | str, max_seq_len: int):
+                 device: torch.device | str, max_seq_len: int,
+                 params: dict[str, Any] | None = None):
         super().__init__(layer_idx, args, batch_size, dtype, device)
         self.max_seq_len = max_seq_len
+        self._params = dict(params or {})
         shape = (batch_size, args.n_kv_heads, max_seq_len, args.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
@@ -158,7 +160,139 @@ class FullKVCache(KVCache):
         return self.allocated_bytes()  # the whole static buffer, masked
 
     def method_params(self) -> dict[str, Any]:
-        return {"max_seq_len": self.max_seq_len}
+        return {**self._params, "max_seq_len": self.max_seq_len}
+
+
+def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
+    """Rows of ``x`` (B, H_kv, S, D) at token indices ``idx`` (B, H_kv, n) -> (B, H_kv, n, D)."""
+    return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+
+def attend_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, idx: Tensor,
+                    valid: Tensor) -> Tensor:
+    """Exact attention of q (B, H, 1, D) over the cached tokens ``idx`` (B, H_kv, n), shared by
+    each query group; ``valid`` (S,) bool marks written slots (unwritten picks are masked)."""
+    mask = valid[idx][:, :, None, :]  # (B, H_kv, 1, n)
+    return attend(q, gather_tokens(k_cache, idx), gather_tokens(v_cache, idx), mask)
+
+
+class Selector(nn.Module):
+    """Decode-time token selection over a cache's slots; the base class attends densely.
+
+    A selector may own auxiliary buffers (page summaries, running means): they are counted in
+    the cache's ``allocated_bytes``. Subclasses override ``build`` (after prefill), ``update``
+    (after each write), ``attend`` and the byte/parameter reports.
+    """
+
+    page_size = 1  # the cache's buffer length is rounded up to a multiple of this
+
+    def allocate(self, cache: CompressedKVCache) -> None:
+        """Create auxiliary buffers for ``cache`` (its shapes are final)."""
+
+    def build(self, cache: CompressedKVCache) -> None:
+        """Recompute auxiliary data from the ``cache.kept`` prompt slots after prefill."""
+
+    def update(self, cache: CompressedKVCache, slot: Tensor, k: Tensor) -> None:
+        """Account for key ``k`` (B, H_kv, 1, D) just written at ``slot`` (1,)."""
+
+    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        """Attention output (B, H, 1, D) for q over the slots marked ``valid`` (S,)."""
+        mask = valid
+        if cache.head_mask is not None:  # per-query-head token sets (original SnapKV)
+            mask = valid & cache.head_mask  # (B, H_kv, G, S)
+        return attend(q, cache.k_cache, cache.v_cache, mask)
+
+    def bytes_read(self, cache: CompressedKVCache) -> int:
+        """Bytes one decode step reads: every slot's key and value."""
+        return cache.kv_bytes(cache.capacity)
+
+    def params(self) -> dict[str, Any]:
+        return {"selection": "dense"}
+
+
+class CompressedKVCache(KVCache):
+    """Static compact cache shared by every compression method.
+
+    Slots ``0 .. kept-1`` hold the prompt tokens kept at the end of prefill (all of them, or the
+    ones an eviction policy chose, in position order); slots ``kept ..`` hold generated tokens
+    in order, so they never overwrite prompt slots. A decode step writes the token at
+    ``input_pos`` into slot ``input_pos - (prompt_len - kept)`` and lets the selector attend.
+
+    Args:
+        prompt_len: prompt tokens (T).
+        prompt_capacity: prompt tokens to keep; ``>= T`` means nothing to evict.
+        max_new_tokens: slots reserved for generated tokens.
+        evict: ``evict(q, k) -> (idx, head_mask)`` choosing ``kept`` prompt tokens per KV head
+            (idx (B, H_kv, kept) ascending; head_mask (B, H_kv, G, kept) bool or None when the
+            selection is shared by the query group); None keeps the whole prompt.
+        selector: decode-time selection (``Selector``).
+        per_head: reserve a per-query-head mask (original SnapKV on GQA models).
+        params: derived parameters to report.
+    """
+
+    def __init__(self, layer_idx: int, args: ModelArgs, batch_size: int, dtype: torch.dtype,
+                 device, *, prompt_len: int, prompt_capacity: int, max_new_tokens: int,
+                 selector: Selector, evict: Callable | None = None, per_head: bool = False,
+                 params: dict[str, Any] | None = None):
+        super().__init__(layer_idx, args, batch_size, dtype, device)
+        self.prompt_len = prompt_len
+        self.kept = min(prompt_len, prompt_capacity)
+        self.capacity = self.kept + max_new_tokens
+        self.evict = evict
+        self.selector = selector
+        self._params = dict(params or {})
+        length = -(-self.capacity // selector.page_size) * selector.page_size
+        shape = (batch_size, args.n_kv_heads, length, args.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("slot_offset", torch.tensor(prompt_len - self.kept, device=device),
+                             persistent=False)
+        head_mask = torch.ones(batch_size, args.n_kv_heads, args.group_size, length,
+                               dtype=torch.bool, device=device) if per_head else None
+        self.register_buffer("head_mask", head_mask, persistent=False)  # None: group-shared
+        selector.allocate(self)
+
+    @property
+    def length(self) -> int:
+        """Slots in the static buffers (capacity rounded up to whole pages)."""
+        return self.k_cache.shape[2]
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of ``tokens`` key+value pairs for every sequence and KV head."""
+        return 2 * self.batch_size * self.n_kv_heads * tokens * self.head_dim * \
+            self.k_cache.element_size()
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        T = k.shape[2]
+        if T != self.prompt_len:
+            raise ValueError(f"cache set up for {self.prompt_len} prompt tokens, got {T}")
+        out = causal_attention(q, k, v)  # prefill attends to the whole prompt (RocketKV A.3)
+        if self.evict is not None:
+            idx, head_mask = self.evict(q, k)  # (B, H_kv, kept)
+            k, v = gather_tokens(k, idx), gather_tokens(v, idx)
+            if self.head_mask is not None:
+                self.head_mask[..., :self.kept] = head_mask
+        self.k_cache[:, :, :self.kept] = k
+        self.v_cache[:, :, :self.kept] = v
+        self.selector.build(self)
+        return out
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        slot = input_pos - self.slot_offset  # (1,)
+        self.k_cache.index_copy_(2, slot, k)
+        self.v_cache.index_copy_(2, slot, v)
+        self.selector.update(self, slot, k)
+        valid = torch.arange(self.length, device=slot.device) <= slot  # (S,)
+        return self.selector.attend(self, q, valid)
+
+    def bytes_read_per_step(self) -> int:
+        return self.selector.bytes_read(self)
+
+    def method_params(self) -> dict[str, Any]:
+        return {**self._params, "prompt_tokens_kept": self.kept, "capacity": self.capacity,
+                **self.selector.params()}
 
 
 def _build_full(args: ModelArgs, *, batch_size: int, prompt_len: int, max_new_tokens: int,
@@ -187,6 +321,8 @@ def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
     Raises:
         ConfigError: unknown method, or a budget that is not a positive integer.
     """
+    import compression  # noqa: F401  (registers the compression methods in METHODS)
+
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     if budget is not None and budget <= 0:

@@ -1,0 +1,237 @@
+"""Compression methods: how a token budget becomes each method's parameters, and their caches.
+
+The token budget ``t`` means one thing for every method (RocketKV paper Sec. 3.5): key+value
+pairs read per decode step, per layer, per KV-head group, approximation traffic included. With
+prompt length T, ``max_new_tokens`` m and capacity T + m:
+
+==============  ==============================================================================
+method          parameters from t
+==============  ==============================================================================
+exact_topk      k = t (oracle, scoring not counted)
+snapkv          prompt budget P = t - m, per query head P // G (GQA baseline), window 32,
+                kernel 7 (avg pooling unless --pooling max)
+snapkv_pp       prompt budget P = t - m shared by the group, window 32, max pooling, kernel
+                63 or 511 by prompt length (--kernel-size overrides)
+quest           k = t // 2, page_size = max(16, ceil((T + m) / (t - k))) unless --page-size,
+                k // page_size whole pages read
+sparq           k = t // 2, r = round(t * d / (T + m))
+hybrid          c = (T + m) / t, page_size = min(floor(c), ceil(sqrt(c))),
+                r = round(d * page_size / c), k = t // 2
+rocketkv        c = T / t; stage 1 SnapKV++ keeps T / sqrt(c) prompt tokens (``sqrt`` split,
+                paper v1) or T / c^alpha with alpha = min(0.2 + 0.06 log2 c, 0.8)
+                (``adaptive``); stage 2 hybrid on the kept tokens + m as above
+==============  ==============================================================================
+
+A budget of at least T + m means nothing needs compressing: the run uses the full cache and the
+parameters say so. A budget too small for a method raises ``ConfigError`` naming the smallest
+valid budget. ``skip_layers`` leaves the first layers uncompressed (LongChat in the paper).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from compression.snapkv import (
+    SNAPKV_KERNEL,
+    WINDOW,
+    snapkv_pp_kernel,
+    snapkv_pp_select,
+    snapkv_select,
+)
+from compression.sparse import ExactTopK, Hybrid, Quest, SparQ
+from kv_cache import METHODS, CompressedKVCache, FullKVCache, KVCache, Selector
+from model import ConfigError, ModelArgs
+
+
+class BudgetError(ConfigError):
+    """A budget the method cannot honour."""
+
+
+def hybrid_split(capacity: int, t: int, head_dim: int) -> dict[str, Any]:
+    """Stage-2 parameters (released-code split): page_size and r from c = capacity / t."""
+    c = capacity / t
+    if c <= 1:
+        return {"c2": c, "page_size": 1, "r": head_dim, "k": capacity, "dense": True}
+    page = max(1, min(math.floor(c), math.ceil(math.sqrt(c))))
+    r = min(head_dim, round(head_dim * page / c))
+    if r < 1:
+        raise BudgetError(f"r rounds to zero (c = {c:.1f})")
+    if t // 2 < 1:
+        raise BudgetError("k = t // 2 rounds to zero")
+    return {"c2": c, "page_size": page, "r": r, "k": t // 2, "dense": False}
+
+
+def derive(method: str, t: int, T: int, m: int, args: ModelArgs,
+           options: dict[str, Any]) -> dict[str, Any]:
+    """Every parameter of ``method`` at budget ``t`` for a prompt of T tokens and m new tokens.
+
+    Raises:
+        BudgetError: the budget is too small for the method (the reason, without the minimum).
+    """
+    d, G = args.head_dim, args.group_size
+    cap = T + m
+    window = options.get("window") or WINDOW
+    p: dict[str, Any] = {"budget": t, "compression_ratio": T / t}
+    if method in ("snapkv", "snapkv_pp", "rocketkv") and t < window:
+        raise BudgetError(f"below the observation window ({window} tokens)")
+    if method == "exact_topk":
+        p["k"] = t
+    elif method in ("snapkv", "snapkv_pp"):
+        prompt_budget = t - m
+        if prompt_budget <= 0:
+            raise BudgetError(f"the prompt budget t - max_new_tokens = {prompt_budget} is not "
+                              "positive")
+        p.update(window=window, prompt_budget=prompt_budget)
+        if method == "snapkv":
+            per_head = prompt_budget // G
+            if per_head <= window:
+                raise BudgetError(f"the per-head prompt budget (t - m) // G = {per_head} does "
+                                  f"not exceed the observation window ({window})")
+            p.update(per_head_budget=per_head, pooling=options.get("pooling") or "avg",
+                     kernel_size=options.get("kernel_size") or SNAPKV_KERNEL,
+                     keep=min(T, G * (per_head - window) + window), evict=T > per_head)
+        else:
+            if prompt_budget <= window:
+                raise BudgetError(f"the prompt budget t - m = {prompt_budget} does not exceed "
+                                  f"the observation window ({window})")
+            p.update(kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args.name, T),
+                     pooling="max", keep=min(T, prompt_budget), evict=T > prompt_budget)
+    elif method == "quest":
+        k = t // 2
+        page = options.get("page_size") or max(16, math.ceil(cap / max(1, t - k)))
+        if k // page < 1:
+            raise BudgetError(f"k = t // 2 = {k} is less than one page ({page} tokens)")
+        p.update(k=k, page_size=page, pages_read=k // page)
+    elif method == "sparq":
+        k, r = t // 2, min(d, round(t * d / cap))
+        if k < 1 or r < 1:
+            raise BudgetError(f"{'k' if k < 1 else 'r'} rounds to zero")
+        p.update(k=k, r=r, reallocate=bool(options.get("sparq_reallocate")))
+    elif method == "hybrid":
+        p.update(hybrid_split(cap, t, d))
+    elif method == "rocketkv":
+        split = options.get("rocket_split") or "sqrt"
+        c = T / t
+        if split == "sqrt":
+            alpha = 0.5
+        elif split == "adaptive":
+            alpha = min(0.2 + 0.06 * math.log2(c), 0.8) if c > 1 else 0.0
+        else:
+            raise ConfigError(f"--rocket-split must be sqrt or adaptive, got {split!r}")
+        keep = T if c <= 1 else min(T, round(T / c ** alpha))
+        if keep < T and keep <= window:
+            raise BudgetError(f"stage 1 would keep {keep} tokens, not more than the "
+                              f"observation window ({window})")
+        p.update(split=split, alpha=alpha, c1=T / keep, window=window, keep=keep,
+                 evict=keep < T, pooling="max",
+                 kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args.name, T))
+        p.update(hybrid_split(keep + m, t, d))
+    else:
+        raise ConfigError(f"unknown method {method!r}")
+    return p
+
+
+def smallest_budget(method: str, T: int, m: int, args: ModelArgs, options: dict) -> int | None:
+    """The smallest budget ``derive`` accepts (None if none below the whole sequence)."""
+    for t in range(1, T + m):
+        try:
+            derive(method, t, T, m, args, options)
+            return t
+        except BudgetError:
+            continue
+    return None
+
+
+def _selector(method: str, p: dict[str, Any]) -> Selector:
+    if method == "exact_topk":
+        return ExactTopK(p["k"])
+    if method == "quest":
+        return Quest(p["page_size"], p["k"])
+    if method == "sparq":
+        return SparQ(p["r"], p["k"], p["reallocate"])
+    if method in ("hybrid", "rocketkv") and not p["dense"]:
+        return Hybrid(p["page_size"], p["r"], p["k"])
+    return Selector()  # dense over what is kept (SnapKV family; stage 2 within budget)
+
+
+def _evictor(method: str, p: dict[str, Any]) -> Callable | None:
+    if not p.get("evict"):
+        return None
+    window, kernel, keep = p["window"], p["kernel_size"], p["keep"]
+    if method == "snapkv":
+        per_head, pooling = p["per_head_budget"], p["pooling"]
+        return lambda q, k: snapkv_select(q, k, keep, per_head, window, kernel, pooling)
+    return lambda q, k: (snapkv_pp_select(q, k, keep, window, kernel), None)
+
+
+def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
+                 max_new_tokens: int, budget: int | None, dtype: torch.dtype, device,
+                 skip_layers: int = 0, **options) -> list[KVCache]:
+    """Caches of ``method`` for every layer (the first ``skip_layers`` stay uncompressed).
+
+    Raises:
+        ConfigError: missing budget, a budget too small (naming the smallest valid one), or a
+            bad option.
+    """
+    T, m = prompt_len, max_new_tokens
+    if budget is None:
+        raise ConfigError(f"method {method} needs --budget (tokens per decode step)")
+    if not 0 <= skip_layers <= args.n_layers:
+        raise ConfigError(f"--skip-layers must lie in [0, {args.n_layers}], got {skip_layers}")
+    for name in ("kernel_size", "page_size", "window"):
+        if options.get(name) is not None and options[name] <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if options.get("kernel_size") is not None and options["kernel_size"] % 2 == 0:
+        raise ConfigError("--kernel-size must be odd (pooling keeps the sequence length)")
+
+    def full(i: int, note: str) -> FullKVCache:
+        return FullKVCache(i, args, batch_size, dtype, device, T + m,
+                           params={"compressed": False, "note": note})
+
+    if budget >= T + m:
+        note = (f"budget {budget} >= the whole sequence ({T} prompt + {m} new tokens): "
+                "no compression")
+        return [full(i, note) for i in range(args.n_layers)]
+    try:
+        p = derive(method, budget, T, m, args, options)
+    except BudgetError as e:
+        t_min = smallest_budget(method, T, m, args, options)
+        hint = (f"the smallest valid budget here is {t_min}" if t_min is not None else
+                "no budget below the whole sequence works here")
+        raise ConfigError(f"{method}: budget {budget} is too small: {e}; {hint} (prompt {T} "
+                          f"tokens, max_new_tokens {m})") from None
+    p.update(method=method, skip_layers=skip_layers, compressed=True)
+    caches: list[KVCache] = []
+    for i in range(args.n_layers):
+        if i < skip_layers:
+            caches.append(full(i, "layer skipped (--skip-layers)"))
+            continue
+        caches.append(CompressedKVCache(
+            i, args, batch_size, dtype, device, prompt_len=T,
+            prompt_capacity=p.get("keep", T), max_new_tokens=m, selector=_selector(method, p),
+            evict=_evictor(method, p), per_head=method == "snapkv" and bool(p.get("evict")),
+            params={k: v for k, v in p.items() if k not in ("evict", "dense")}))
+    return caches
+
+
+_DESCRIPTIONS = {
+    "exact_topk": "oracle top-k on exact attention scores (k = t), exact attention over them",
+    "snapkv": "SnapKV: per-head observation-window voting evicts prompt tokens (budget t - m)",
+    "snapkv_pp": "SnapKV++: group-shared voting, adaptive max-pool kernel (RocketKV Alg. 1)",
+    "quest": "Quest: page min/max bounds pick pages, exact attention over them (t/2 + t/2)",
+    "sparq": "SparQ: top-r query dims approximate scores, top-k exact attention (t/2 + t/2)",
+    "hybrid": "hybrid attention (RocketKV Alg. 2) on the full cache (t/2 + t/2)",
+    "rocketkv": "RocketKV: SnapKV++ at prefill, then hybrid attention at every decode step",
+}
+
+
+def _factory(method: str) -> Callable[..., list[KVCache]]:
+    return lambda args, **kw: build_method(method, args, **kw)
+
+
+for _name, _desc in _DESCRIPTIONS.items():
+    METHODS[_name] = (_desc, _factory(_name))

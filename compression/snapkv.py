@@ -1,0 +1,133 @@
+"""SnapKV and SnapKV++: prompt eviction by observation-window voting.
+
+SnapKV (snapkv.tex Sec. 4, listing): the last ``window`` prompt queries vote for prefix keys
+(softmax attention weights summed over the window), the votes are pooled along the sequence
+(kernel 7, avg or max, stride 1, padding kernel // 2) so neighbours of important tokens survive,
+and each query head keeps its top ``prompt_budget - window`` prefix tokens plus the window.
+
+SnapKV++ (RocketKV paper, Sec. 3.3, Alg. 1): the votes are also summed over the query heads of
+each KV group, so one selection is shared by the group (GQA-compatible), pooling is max-pooling,
+and the kernel adapts to the prompt length (63 below a model's threshold, 511 above).
+
+Token budget ``t`` (RocketKV Sec. 3.5 and App. A.3): both methods compress only the prompt and
+read everything they keep, so the prompt budget is ``t - max_new_tokens``. The SnapKV baseline on
+GQA models divides it by the group size, because each query head keeps its own tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+WINDOW = 32  # observation window (tokens), both methods
+SNAPKV_KERNEL = 7
+SNAPKV_PP_KERNELS = (63, 511)  # (below the threshold, at or above it)
+# Prompt length (tokens) from which SnapKV++ pools with 511 (RocketKV App. A.3), by named
+# config; None: always 63 (Mistral, and any model not listed, as in the released code).
+SNAPKV_PP_THRESHOLDS = {"llama-3.1-8b": 48 * 1024, "llama-3.1-70b": 48 * 1024,
+                        "longchat-7b-v1.5-32k": 12 * 1024, "mistral-7b-v0.2": None}
+
+
+def window_votes(q: Tensor, k: Tensor, window: int) -> Tensor:
+    """Attention weights of the last ``window`` queries on each prefix key, summed over them.
+
+    Args:
+        q: (B, H, T, D) queries; k: (B, H_kv, T, D) keys (RoPE applied), T > window.
+    Returns:
+        (B, H, T - window) float32: per query head, sum over window queries i of
+        softmax_j(q_i . k_j / sqrt(D)) (causal over the whole prompt) at prefix keys j.
+    """
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    q_obs = q[:, :, T - window:].reshape(B, Hkv, G * window, D)
+    scores = torch.matmul(q_obs, k.transpose(-1, -2)).float() / math.sqrt(D)  # (B,Hkv,G*w,T)
+    scores = scores.view(B, Hkv, G, window, T)
+    # window query i sits at position T - window + i and sees keys j <= that position
+    future = torch.arange(T, device=q.device)[None, :] > \
+        torch.arange(T - window, T, device=q.device)[:, None]  # (w, T)
+    scores = scores.masked_fill(future, float("-inf"))
+    votes = scores.softmax(dim=-1)[..., :T - window].sum(dim=-2)  # (B, H_kv, G, T-w)
+    return votes.reshape(B, H, T - window)
+
+
+def pool_votes(votes: Tensor, kernel: int, kind: str) -> Tensor:
+    """Pool ``votes`` (..., L) along the sequence: stride 1, padding kernel // 2, same length.
+
+    ``kind`` is "max" or "avg" (avg counts the zero padding, as F.avg_pool1d does by default).
+    """
+    shape = votes.shape
+    x = votes.reshape(-1, 1, shape[-1])
+    if kind == "max":
+        y = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    elif kind == "avg":
+        y = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    else:
+        raise ValueError(f"pooling must be max or avg, got {kind!r}")
+    return y[..., :shape[-1]].reshape(shape)
+
+
+def _with_window(prefix_idx: Tensor, T: int, window: int) -> Tensor:
+    """Sorted prefix indices (..., n) followed by the window positions T-window..T-1."""
+    win = torch.arange(T - window, T, device=prefix_idx.device)
+    prefix_idx = prefix_idx.sort(dim=-1).values
+    return torch.cat([prefix_idx, win.expand(*prefix_idx.shape[:-1], window)], dim=-1)
+
+
+def snapkv_pp_select(q: Tensor, k: Tensor, keep: int, window: int, kernel: int) -> Tensor:
+    """SnapKV++ (Alg. 1): token indices kept per KV head, shared by its query group.
+
+    Args:
+        q: (B, H, T, D); k: (B, H_kv, T, D); keep: prompt tokens to keep (window < keep < T).
+    Returns:
+        (B, H_kv, keep) int64, ascending: top ``keep - window`` prefix tokens by max-pooled
+        group-summed votes, then the ``window`` observation tokens.
+    """
+    B, H, T, _ = q.shape
+    Hkv = k.shape[1]
+    votes = window_votes(q, k, window).view(B, Hkv, H // Hkv, T - window).sum(dim=2)
+    pooled = pool_votes(votes, kernel, "max")
+    return _with_window(pooled.topk(keep - window, dim=-1).indices, T, window)
+
+
+def snapkv_select(q: Tensor, k: Tensor, keep: int, per_head: int, window: int, kernel: int,
+                  pooling: str) -> tuple[Tensor, Tensor]:
+    """Original SnapKV with per-query-head selection, stored without repeating K/V.
+
+    Each query head keeps its top ``per_head - window`` prefix tokens plus the window. A KV
+    head stores the union of its query heads' tokens (at most ``G * (per_head - window) +
+    window <= keep``), padded with unselected tokens to ``keep`` slots; the returned mask says
+    which query head may attend to which stored slot.
+
+    Args:
+        q: (B, H, T, D); k: (B, H_kv, T, D); keep: stored prompt slots per KV head;
+        per_head: tokens each query head keeps (window < per_head, G * per_head <= keep + ...).
+    Returns:
+        idx (B, H_kv, keep) int64 ascending, and head_mask (B, H_kv, G, keep) bool.
+    """
+    B, H, T, _ = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    L = T - window
+    pooled = pool_votes(window_votes(q, k, window), kernel, pooling)  # (B, H, L)
+    chosen = torch.zeros(B, H, L, dtype=torch.bool, device=q.device)
+    chosen.scatter_(-1, pooled.topk(per_head - window, dim=-1).indices, True)
+    chosen = chosen.view(B, Hkv, G, L)
+    union = chosen.any(dim=2)  # (B, H_kv, L)
+    # union members first (in position order), then padding tokens; keep the first keep-window
+    order = torch.argsort((~union).to(torch.int8), dim=-1, stable=True)[..., :keep - window]
+    idx = _with_window(order, T, window)  # (B, H_kv, keep)
+    prefix = idx[..., :keep - window]
+    mask = chosen.gather(-1, prefix[:, :, None, :].expand(-1, -1, G, -1))
+    head_mask = torch.cat([mask, mask.new_ones(B, Hkv, G, window)], dim=-1)
+    return idx, head_mask
+
+
+def snapkv_pp_kernel(model_name: str, prompt_len: int) -> int:
+    """Adaptive SnapKV++ kernel (RocketKV App. A.3) for a named model and prompt length."""
+    threshold = SNAPKV_PP_THRESHOLDS.get(model_name)
+    small, large = SNAPKV_PP_KERNELS
+    return large if threshold is not None and prompt_len >= threshold else small

@@ -1,0 +1,227 @@
+"""compression/__init__.py: budget -> parameters, errors, bytes, and every method end to end."""
+
+import math
+
+import pytest
+import torch
+from conftest import SHARED, shared_file
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compression import derive, smallest_budget
+from generate import generate
+from kv_cache import METHODS, CompressedKVCache, FullKVCache, build_caches
+from model import ConfigError, ModelArgs
+from tokenizer import load_tokenizer
+
+COMPRESSED = ["exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid", "rocketkv"]
+LLAMA = ModelArgs.from_name("llama-3.1-8b")
+
+
+def test_every_method_is_registered():
+    assert set(METHODS) == {"full", *COMPRESSED}
+
+
+def test_rocketkv_sqrt_split_parameters():
+    # S = 4096, t = 256: c = 16 -> stage 1 keeps S / 4; stage 2 c2 = 4 -> page 2, r = d / 2
+    p = derive("rocketkv", 256, 4096, 0, LLAMA, {})
+    assert p["keep"] == 1024 and p["c2"] == 4
+    assert (p["page_size"], p["r"], p["k"]) == (2, 64, 128)
+    assert p["kernel_size"] == 63  # below Llama-3.1's 48K threshold
+    p = derive("rocketkv", 256, 64 * 1024, 0, LLAMA, {})
+    assert p["kernel_size"] == 511 and p["keep"] == round(64 * 1024 / 16)
+
+
+def test_rocketkv_adaptive_split_matches_the_released_example():
+    # c = 64: alpha = 0.2 + 0.06 * 6 = 0.56 -> 10.3x at stage 1, then 6.2x
+    p = derive("rocketkv", 256, 16384, 0, LLAMA, {"rocket_split": "adaptive"})
+    assert p["alpha"] == pytest.approx(0.56)
+    assert p["c1"] == pytest.approx(10.3, abs=0.05) and p["c2"] == pytest.approx(6.2, abs=0.05)
+    c2 = p["c2"]
+    assert p["page_size"] == min(math.floor(c2), math.ceil(math.sqrt(c2)))
+    assert p["r"] == round(128 * p["page_size"] / c2)
+
+
+def test_derived_parameters_of_the_other_methods():
+    T, m = 4096, 0
+    assert derive("exact_topk", 256, T, m, LLAMA, {})["k"] == 256
+    p = derive("snapkv", 1024, T, 32, LLAMA, {})
+    assert p["prompt_budget"] == 992 and p["per_head_budget"] == 992 // 4
+    assert p["keep"] == 4 * (248 - 32) + 32 and (p["kernel_size"], p["pooling"]) == (7, "avg")
+    p = derive("snapkv_pp", 1024, T, 32, LLAMA, {})
+    assert p["keep"] == 992 and p["pooling"] == "max"
+    p = derive("quest", 512, T, m, LLAMA, {})
+    assert (p["k"], p["page_size"], p["pages_read"]) == (256, 16, 16)
+    p = derive("quest", 256, T, m, LLAMA, {})  # 4096 / 128 pages > t/2 with 16-token pages
+    assert p["page_size"] == 32 and T / p["page_size"] <= 128
+    assert derive("quest", 512, T, m, LLAMA, {"page_size": 64})["page_size"] == 64
+    p = derive("sparq", 256, T, m, LLAMA, {})
+    assert (p["k"], p["r"]) == (128, 8)
+    p = derive("hybrid", 256, T, m, LLAMA, {})
+    assert (p["page_size"], p["r"], p["k"]) == (4, 32, 128)
+
+
+def table1_bytes(method, t, S, args):
+    """Storage and traffic of one layer at B = 1, bf16, via build_caches."""
+    caches = build_caches(method, args, batch_size=1, prompt_len=S, max_new_tokens=0,
+                          budget=t, dtype=torch.bfloat16, device="meta")
+    return caches[0].allocated_bytes(), caches[0].bytes_read_per_step()
+
+
+@pytest.mark.parametrize("method", ["snapkv_pp", "quest", "sparq", "rocketkv"])
+def test_bytes_against_table_1(method):
+    """RocketKV Table 1: traffic 1/c for all; storage 1/c (SnapKV), 1 + 1/c (Quest),
+    2 (SparQ, which stores K twice; we store it once), 1/sqrt(c) + 2/c^(3/4) (RocketKV, which
+    counts min and max each as 1/page of the whole KV; they hold keys only, so half that)."""
+    args = ModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
+                     vocab_size=10, max_seq_len=8192)
+    S, t = 4096, 256
+    c = S / t
+    full = 2 * args.n_kv_heads * S * args.head_dim * 2  # K and V, bf16
+    storage, traffic = table1_bytes(method, t, S, args)
+    assert traffic == pytest.approx(full / c, rel=0.02)
+    expected = {"snapkv_pp": 1 / c, "quest": 1 + 1 / (2 * c), "sparq": 1,
+                "rocketkv": 1 / math.sqrt(c) + 1 / c ** 0.75}[method]
+    assert storage / full == pytest.approx(expected, rel=1e-4)  # + an 8-byte slot offset
+    paper = {"snapkv_pp": 1 / c, "quest": 1 + 1 / c, "sparq": 2,
+             "rocketkv": 1 / math.sqrt(c) + 2 / c ** 0.75}[method]
+    assert storage / full <= paper * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("method,budget,T,m,smallest", [
+    ("snapkv", 64, 400, 32, 32 + 2 * 33),  # (t - m) // G must exceed the window
+    ("snapkv", 32, 400, 32, 32 + 2 * 33),  # budget <= max_new_tokens
+    ("snapkv_pp", 60, 400, 32, 65),
+    ("rocketkv", 16, 400, 32, None),  # below the observation window
+    ("quest", 10, 400, 32, None),
+    ("sparq", 1, 4000, 32, None),  # r rounds to zero
+])
+def test_too_small_budgets_name_the_smallest_valid_one(method, budget, T, m, smallest):
+    args = ModelArgs.from_name("stories260K") if T < 500 else LLAMA
+    expected = smallest if smallest is not None else smallest_budget(method, T, m, args, {})
+    with pytest.raises(ConfigError, match=f"smallest valid budget here is {expected}"):
+        build_caches(method, args, batch_size=1, prompt_len=T, max_new_tokens=m,
+                     budget=budget, dtype=torch.float32, device="meta")
+    build_caches(method, args, batch_size=1, prompt_len=T, max_new_tokens=m,
+                 budget=expected, dtype=torch.float32, device="meta")
+
+
+def test_budget_at_least_the_sequence_means_no_compression():
+    caches = build_caches("rocketkv", LLAMA, batch_size=1, prompt_len=100, max_new_tokens=10,
+                          budget=110, dtype=torch.float32, device="meta")
+    assert all(isinstance(c, FullKVCache) for c in caches)
+    assert "no compression" in caches[0].method_params()["note"]
+
+
+def test_skip_layers_and_bad_options():
+    caches = build_caches("rocketkv", LLAMA, batch_size=1, prompt_len=4096, max_new_tokens=8,
+                          budget=256, dtype=torch.bfloat16, device="meta", skip_layers=2)
+    assert [type(c).__name__ for c in caches[:3]] == ["FullKVCache", "FullKVCache",
+                                                     "CompressedKVCache"]
+    with pytest.raises(ConfigError, match="needs --budget"):
+        build_caches("quest", LLAMA, batch_size=1, prompt_len=10, max_new_tokens=1,
+                     budget=None, dtype=torch.float32, device="meta")
+    with pytest.raises(ConfigError, match="odd"):
+        build_caches("snapkv_pp", LLAMA, batch_size=1, prompt_len=4096, max_new_tokens=8,
+                     budget=512, dtype=torch.float32, device="meta", kernel_size=64)
+
+
+# ---- end to end on the real checkpoint -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def story_prompt(stories_dir):
+    tok = load_tokenizer(stories_dir)
+    text = shared_file(SHARED / "text" / "tinystories_sample_cs336.txt").read_text()
+    ids = tok.encode(" ".join(text.split("<|endoftext|>")[:2]).strip())
+    assert len(ids) >= 400
+    return ids[:400]
+
+
+@pytest.mark.parametrize("method", COMPRESSED)
+def test_budget_covering_the_sequence_equals_full(stories_model, story_prompt, method):
+    m = 16
+    full = generate(stories_model, story_prompt, max_new_tokens=m)
+    r = generate(stories_model, story_prompt, method=method, budget=len(story_prompt) + m,
+                 max_new_tokens=m)
+    assert r["token_ids"] == full["token_ids"]
+    assert r["method_params"]["compressed"] is False
+
+
+@pytest.mark.parametrize("method", COMPRESSED)
+def test_real_checkpoint_runs_every_method_at_64_128_256(stories_model, story_prompt, method):
+    m = 32
+    T = len(story_prompt)
+    full = generate(stories_model, story_prompt, max_new_tokens=m)
+    for budget in (64, 128, 256):
+        t_min = smallest_budget(method, T, m, stories_model.args, {})
+        if budget < t_min:
+            with pytest.raises(ConfigError, match=f"smallest valid budget here is {t_min}"):
+                generate(stories_model, story_prompt, method=method, budget=budget,
+                         max_new_tokens=m)
+            continue
+        r = generate(stories_model, story_prompt, method=method, budget=budget,
+                     max_new_tokens=m)
+        assert len(r["token_ids"][0]) == m
+        assert r["method_params"]["budget"] == budget and r["method_params"]["compressed"]
+        assert 0 < r["kv_bytes_per_step"] < full["kv_bytes_per_step"] or method == "exact_topk"
+        if method in ("snapkv_pp", "rocketkv", "snapkv"):
+            assert r["kv_cache_bytes"] < full["kv_cache_bytes"]
+    # the oracle with k = 256 of 432 tokens keeps the greedy continuation on this prompt
+    if method == "exact_topk":
+        assert r["token_ids"] == full["token_ids"]
+
+
+@pytest.mark.parametrize("method", COMPRESSED)
+def test_decode_step_compiles_once_per_method(stories_model, story_prompt, method):
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    eager = generate(stories_model, story_prompt[:300], method=method, budget=128,
+                     max_new_tokens=12)
+    r = generate(stories_model, story_prompt[:300], method=method, budget=128,
+                 max_new_tokens=12, compile=True, compile_backend=counter)
+    assert counter.frame_count == 1  # fullgraph: a graph break would raise
+    assert r["token_ids"] == eager["token_ids"]
+
+
+# ---- random shapes and budgets --------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(method=st.sampled_from(COMPRESSED), T=st.integers(40, 120), m=st.integers(1, 12),
+       budget=st.integers(1, 140), heads=st.sampled_from([(4, 4), (4, 2), (6, 1)]),
+       seed=st.integers(0, 10))
+def test_random_shapes_and_budgets(method, T, m, budget, heads, seed):
+    H, Hkv = heads
+    args = ModelArgs(dim=16 * H, n_layers=1, n_heads=H, n_kv_heads=Hkv, intermediate_size=8,
+                     vocab_size=10, max_seq_len=512)
+    try:
+        caches = build_caches(method, args, batch_size=2, prompt_len=T, max_new_tokens=m,
+                              budget=budget, dtype=torch.float32, device="cpu")
+    except ConfigError as e:
+        assert "smallest valid budget" in str(e) or "no budget below" in str(e)
+        return
+    cache = caches[0]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, H, T + m, 16, generator=g)
+    k, v = torch.randn(2, 2, Hkv, T + m, 16, generator=g)
+    out = cache.prefill(q[:, :, :T], k[:, :, :T], v[:, :, :T])
+    assert out.shape == (2, H, T, 16) and torch.isfinite(out).all()
+    if isinstance(cache, CompressedKVCache):
+        # kept prompt keys are the original keys at ascending positions
+        kept = cache.k_cache[:, :, :cache.kept]
+        pos = [[[int(((k[b, h, :T] - kept[b, h, s]).abs().sum(-1) == 0).nonzero()[0])
+                 for s in range(cache.kept)] for h in range(Hkv)] for b in range(2)]
+        assert all(p == sorted(p) and len(set(p)) == len(p) for row in pos for p in row)
+        assert all(p[-1] == T - 1 for row in pos for p in row)  # the last prompt token kept
+        buffers = sum(b.numel() * b.element_size() for b in cache.buffers())
+        assert cache.allocated_bytes() == buffers
+        kv = 2 * 2 * Hkv * cache.length * 16 * 4
+        assert cache.allocated_bytes() >= kv
+    for t in range(T, T + m - 1):
+        y = cache.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], torch.tensor([t]))
+        assert y.shape == (2, H, 1, 16) and torch.isfinite(y).all()
+        if isinstance(cache, CompressedKVCache):
+            slot = t - int(cache.slot_offset)
+            assert cache.kept <= slot < cache.capacity
+            assert torch.equal(cache.k_cache[:, :, slot], k[:, :, t])

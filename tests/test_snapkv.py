@@ -1,0 +1,110 @@
+"""compression/snapkv.py against slow loop references (SnapKV listing, RocketKV Alg. 1)."""
+
+import math
+
+import pytest
+import torch
+
+from compression.snapkv import (
+    pool_votes,
+    snapkv_pp_kernel,
+    snapkv_pp_select,
+    snapkv_select,
+    window_votes,
+)
+
+
+def slow_votes(q, k, window):
+    """Per query head: sum over window queries of softmax attention on each prefix key."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    out = torch.zeros(B, H, T - window)
+    for b in range(B):
+        for h in range(H):
+            for i in range(T - window, T):
+                s = torch.tensor([float(q[b, h, i] @ k[b, h // G, j]) / math.sqrt(D)
+                                  for j in range(i + 1)])
+                p = torch.softmax(s, 0)
+                for j in range(T - window):
+                    out[b, h, j] += p[j]
+    return out
+
+
+def slow_pool(x, kernel, kind):
+    L = x.shape[-1]
+    out = torch.empty_like(x)
+    for j in range(L):
+        lo, hi = j - kernel // 2, j + kernel // 2
+        vals = [x[..., i] for i in range(max(lo, 0), min(hi, L - 1) + 1)]
+        stacked = torch.stack(vals, -1)
+        out[..., j] = stacked.amax(-1) if kind == "max" else stacked.sum(-1) / kernel
+    return out
+
+
+def is_top(scores, chosen, n):
+    """``chosen`` (set of n indices) is a valid top-n of ``scores`` (1-D), ties allowed."""
+    rest = [s for i, s in enumerate(scores.tolist()) if i not in chosen]
+    return len(chosen) == n and (not rest or min(float(scores[i]) for i in chosen)
+                                 >= max(rest) - 1e-6)
+
+
+@pytest.fixture
+def qk():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 40, 8, generator=g)
+    k = torch.randn(2, 2, 40, 8, generator=g)
+    return q, k
+
+
+def test_window_votes_match_loops(qk):
+    q, k = qk
+    assert torch.allclose(window_votes(q, k, 6), slow_votes(q, k, 6), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize("kernel", [1, 3, 7, 63])
+def test_pooling_matches_loops(kind, kernel):
+    x = torch.rand(2, 3, 30)
+    assert torch.allclose(pool_votes(x, kernel, kind), slow_pool(x, kernel, kind), atol=1e-6)
+
+
+def test_snapkv_pp_selection_is_group_shared_top_k_plus_window(qk):
+    q, k = qk
+    T, window, keep, kernel = 40, 6, 16, 3
+    idx = snapkv_pp_select(q, k, keep, window, kernel)
+    assert idx.shape == (2, 2, keep)
+    votes = slow_votes(q, k, window)
+    for b in range(2):
+        for kv in range(2):
+            group = votes[b, 2 * kv] + votes[b, 2 * kv + 1]  # sum over the group's heads
+            pooled = slow_pool(group, kernel, "max")
+            sel = idx[b, kv].tolist()
+            assert sel == sorted(sel) and sel[-window:] == list(range(T - window, T))
+            assert is_top(pooled, set(sel[:-window]), keep - window)
+
+
+def test_snapkv_per_head_selection_and_union_storage(qk):
+    q, k = qk
+    T, window, per_head, kernel = 40, 6, 10, 7
+    keep = 2 * (per_head - window) + window  # G * (per_head - window) + window
+    idx, head_mask = snapkv_select(q, k, keep, per_head, window, kernel, "avg")
+    assert idx.shape == (2, 2, keep) and head_mask.shape == (2, 2, 2, keep)
+    votes = slow_votes(q, k, window)
+    for b in range(2):
+        for h in range(4):
+            kv, g = divmod(h, 2)
+            pooled = slow_pool(votes[b, h], kernel, "avg")
+            slots = idx[b, kv].tolist()
+            mine = {slots[s] for s in range(keep) if head_mask[b, kv, g, s]}
+            window_tokens = set(range(T - window, T))
+            assert window_tokens <= mine
+            assert is_top(pooled, mine - window_tokens, per_head - window)
+            assert slots == sorted(slots)  # stored once per KV head, in position order
+
+
+def test_adaptive_kernel():
+    assert snapkv_pp_kernel("llama-3.1-8b", 48 * 1024 - 1) == 63
+    assert snapkv_pp_kernel("llama-3.1-8b", 48 * 1024) == 511
+    assert snapkv_pp_kernel("longchat-7b-v1.5-32k", 12 * 1024) == 511
+    assert snapkv_pp_kernel("mistral-7b-v0.2", 32000) == 63
+    assert snapkv_pp_kernel("stories260K", 400) == 63
