@@ -30,6 +30,8 @@ from kv_cache import METHODS, build_caches
 from model import ConfigError, Transformer
 from tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
 
+METHOD_OPTIONS = ("kernel_size", "pooling", "window", "page_size", "rocket_split",
+                  "sparq_reallocate", "skip_layers")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -393,6 +395,20 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text file, - for stdin")
     src.add_argument("--prompt-tokens", type=int, metavar="N",
                      help="synthetic prompt of N random token ids (efficiency runs)")
+    m = p.add_argument_group("method options (every derived parameter is printed and saved)")
+    m.add_argument("--kernel-size", type=int,
+                   help="SnapKV/SnapKV++/RocketKV pooling kernel (odd; default 7 for snapkv, "
+                        "63/511 by prompt length for snapkv_pp and rocketkv)")
+    m.add_argument("--pooling", choices=["avg", "max"], help="snapkv pooling (default avg)")
+    m.add_argument("--window", type=int, help="observation window in tokens (default 32)")
+    m.add_argument("--page-size", type=int,
+                   help="quest page size (default max(16, tokens / (budget / 2)))")
+    m.add_argument("--rocket-split", choices=["sqrt", "adaptive"],
+                   help="RocketKV budget split between stages (default sqrt: paper v1)")
+    m.add_argument("--sparq-reallocate", action="store_true",
+                   help="sparq: mix in the mean value by the unselected probability mass")
+    m.add_argument("--skip-layers", type=int, default=0,
+                   help="leave the first N layers uncompressed (the paper: 2 for LongChat)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-k", type=int)
@@ -510,10 +526,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 generator=gen).tolist()
         prompt = torch.tensor([ids] * args.batch_size)
         stop_ids = () if (tok is None or args.ignore_eos) else tok.stop_ids
+        options = {name: getattr(args, name) for name in METHOD_OPTIONS
+                   if getattr(args, name) not in (None, False, 0)}
+        if args.method == "full" and options:
+            raise ConfigError(f"method full takes no method options ({', '.join(options)})")
         result = generate(model, prompt, method=args.method, budget=args.budget,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          stop_ids=stop_ids, compile=compile)
+                          stop_ids=stop_ids, compile=compile, method_options=options)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

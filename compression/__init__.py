@@ -201,7 +201,7 @@ def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
     except BudgetError as e:
         t_min = smallest_budget(method, T, m, args, options)
         hint = (f"the smallest valid budget here is {t_min}" if t_min is not None else
-                "no budget below the whole sequence works here")
+                f"the smallest valid budget here is {T + m} (the whole sequence, uncompressed)")
         raise ConfigError(f"{method}: budget {budget} is too small: {e}; {hint} (prompt {T} "
                           f"tokens, max_new_tokens {m})") from None
     p.update(method=method, skip_layers=skip_layers, compressed=True)

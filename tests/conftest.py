@@ -7,6 +7,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+# The models under test are tiny: one thread avoids parallel-region overhead and contention.
+torch.set_num_threads(1)
+
 SHARED = ROOT.parent / "shared" / "data"
 STORIES_BIN = SHARED / "models" / "stories260K.bin"
 TOK512 = SHARED / "tokenizers" / "tok512.model"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, SHARED
 
 from checkpoint import random_model
 from generate import generate, percentile, sample
@@ -195,6 +195,24 @@ def test_cli_stdin_chat_batch_and_random_prompt(stories_dir):
     assert "prompt tokens 64" in p.stdout
 
 
+def test_cli_rocketkv_json_has_every_derived_parameter(stories_dir, tmp_path):
+    prompt = tmp_path / "story.txt"
+    prompt.write_text((SHARED / "text" / "tinystories_sample_cs336.txt").read_text()[:900])
+    out = tmp_path / "rocket.json"
+    p = run_cli("--checkpoint", stories_dir, "--prompt", prompt, "--method", "rocketkv",
+                "--budget", 64, "--rocket-split", "adaptive", "--max-new-tokens", 8,
+                "--json", out)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    params = r["method_params"]
+    for key in ("split", "alpha", "c1", "c2", "keep", "kernel_size", "window", "page_size", "r",
+                "k", "capacity", "prompt_tokens_kept"):
+        assert key in params, key
+    assert params["split"] == "adaptive" and r["budget"] == 64
+    assert r["kv_cache_bytes"] < 2 * 5 * 4 * (r["prompt_tokens"] + 8) * 8 * 4  # < full cache
+    assert "rocketkv" in p.stdout and "c2" in p.stdout
+
+
 @pytest.fixture(scope="module")
 def bad_inputs(stories_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
@@ -236,6 +254,9 @@ BAD = [
      "--budget must be a positive"),
     ("unknown method", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--method", "magic"],
      "invalid choice"),
+    ("budget below a method's minimum", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt",
+                                         "--method", "snapkv", "--budget", "20",
+                                         "--max-new-tokens", "32"], "smallest valid budget"),
     ("cuda without cuda", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--device",
                            "cuda"], "CUDA is not available"),
     ("unknown named config", ["--checkpoint", "random:llama-9", "--prompt-tokens", "8"],
