@@ -214,10 +214,15 @@ def test_random_shapes_and_budgets(method, T, m, budget, heads, seed):
                  for s in range(cache.kept)] for h in range(Hkv)] for b in range(2)]
         assert all(p == sorted(p) and len(set(p)) == len(p) for row in pos for p in row)
         assert all(p[-1] == T - 1 for row in pos for p in row)  # the last prompt token kept
-        buffers = sum(b.numel() * b.element_size() for b in cache.buffers())
-        assert cache.allocated_bytes() == buffers
-        kv = 2 * 2 * Hkv * cache.length * 16 * 4
-        assert cache.allocated_bytes() >= kv
+        # the formula: K and V slots, the slot offset, and each method's auxiliary data
+        sel, L = cache.selector, cache.length
+        expected = 2 * 2 * Hkv * L * 16 * 4 + 8
+        if getattr(sel, "page_size", 1) > 1:
+            expected += 2 * 2 * Hkv * (L // sel.page_size) * 16 * 4  # page min and max keys
+        if cache.head_mask is not None:
+            expected += 2 * Hkv * (H // Hkv) * L  # per-query-head bool mask (original SnapKV)
+        assert cache.allocated_bytes() == expected
+        assert L == cache.capacity + (-cache.capacity) % getattr(sel, "page_size", 1)
     for t in range(T, T + m - 1):
         y = cache.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], torch.tensor([t]))
         assert y.shape == (2, H, 1, 16) and torch.isfinite(y).all()
