@@ -1,0 +1,312 @@
+"""Decode speed and memory sweep: the RocketKV paper's Fig. 5, measured against the roofline.
+
+    python scripts/bench.py                       # paper defaults: llama-3.1-8b, bf16, CUDA
+    python scripts/bench.py --device cpu --model stories260K --context 128 256 --budgets 64 \\
+        --new-tokens 8                            # CPU smoke run (under a minute)
+
+For every (batch size, context, method, budget) the script runs ``generate.generate`` on a
+random prompt of ``context`` tokens with random weights at the model's real shapes (or a real
+checkpoint directory) and records, from the repeat with the median decode step:
+
+* ``decode_ms_median/p10/p90``: per-step latency (CUDA events around each step on GPU,
+  synchronized wall clock on CPU), after a warm-up generation that compiles the step (its time
+  is ``compile_s``, excluded); ``tokens_per_s``; ``prefill_s``.
+* ``peak_memory_bytes`` {prefill, decode, total} (``torch.cuda.max_memory_allocated`` reset at
+  phase boundaries; process peak RSS on CPU), ``kv_cache_bytes``, ``kv_bytes_per_step``,
+  ``weight_bytes`` and ``weight_bytes_per_step``.
+* ``bandwidth_gbps``: device bandwidth measured in the same run by a large device-to-device
+  copy (bytes read + bytes written over the copy time), and ``roofline_ms``: the bytes that
+  step must read (weights + ``kv_bytes_per_step``) over that bandwidth.
+
+``gptfast_dense`` is the paper's Full-KV baseline as gpt-fast ran it; ``full`` is our Full-KV.
+Results go to ``results/<device>/bench-<timestamp>.json`` (a list of rows) with four charts:
+(a) decode speedup vs Full-KV per context and budget, (b) peak-memory saving (decode phase and
+whole run), (c) per-step latency vs context with the roofline, (d) all methods at one context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
+from generate import DTYPES, _resolve_device, generate  # noqa: E402
+from kv_cache import METHODS  # noqa: E402
+from model import CONFIGS, ConfigError  # noqa: E402
+
+UNBUDGETED = ("full", "gptfast_dense")
+
+
+def measure_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Device memory bandwidth in GB/s from copying ``nbytes`` (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def configurations(args) -> list[tuple[int, int, str, int | None]]:
+    rows = []
+    for batch in args.batch_sizes:
+        for context in args.context:
+            for method in args.methods:
+                for budget in ([None] if method in UNBUDGETED else args.budgets):
+                    rows.append((batch, context, method, budget))
+    return rows
+
+
+def run_one(model, batch: int, context: int, method: str, budget, args, bandwidth: float,
+            device: torch.device) -> dict:
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, model.args.vocab_size, (batch, context), generator=gen)
+    best = None
+    for _ in range(args.repeats):
+        r = generate(model, prompt, method=method, budget=budget,
+                     max_new_tokens=args.new_tokens, compile=args.compile)
+        if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
+            best = r
+    step_bytes = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]
+    return {
+        "device": device_name(device), "torch_version": torch.__version__,
+        "model": model.args.name, "dtype": best["dtype"], "method": method, "budget": budget,
+        "context": context, "batch_size": batch, "new_tokens": args.new_tokens,
+        "decode_ms_median": best["decode_ms_median"], "decode_ms_p10": best["decode_ms_p10"],
+        "decode_ms_p90": best["decode_ms_p90"], "tokens_per_s": best["tokens_per_s"],
+        "prefill_s": best["prefill_s"], "compile_s": best["compile_s"],
+        "peak_memory_bytes": best["peak_memory_bytes"],
+        "peak_memory_kind": best["peak_memory_kind"], "kv_cache_bytes": best["kv_cache_bytes"],
+        "kv_bytes_per_step": best["kv_bytes_per_step"], "weight_bytes": best["weight_bytes"],
+        "weight_bytes_per_step": best["weight_bytes_per_step"], "bandwidth_gbps": bandwidth,
+        "achieved_gbps": best["bandwidth_gbps"],
+        "roofline_ms": step_bytes / (bandwidth * 1e9) * 1e3,
+        "method_params": best["method_params"], "compiled": best["compiled"],
+    }
+
+
+def _find(rows, **kw):
+    return next((r for r in rows if all(r.get(k) == v for k, v in kw.items())), None)
+
+
+def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]:
+    """Draw the four charts; returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    ok = [r for r in rows if "error" not in r]
+    batch = min(r["batch_size"] for r in ok)
+    ok = [r for r in ok if r["batch_size"] == batch]
+    contexts = sorted({r["context"] for r in ok})
+    budgets = sorted({r["budget"] for r in ok if r["budget"] is not None})
+    methods = sorted({r["method"] for r in ok if r["method"] not in UNBUDGETED})
+    title = f"{ok[0]['model']} {ok[0]['dtype']} batch {batch} on {ok[0]['device']}"
+
+    def speedups(method, budget, base):
+        xs, ys = [], []
+        for c in contexts:
+            a, b = _find(ok, method=method, budget=budget, context=c), \
+                _find(ok, method=base, context=c)
+            if a and b:
+                xs.append(c)
+                ys.append(b["decode_ms_median"] / a["decode_ms_median"])
+        return xs, ys
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))  # (a)
+    for m in methods:
+        for t in budgets:
+            for base, style in (("full", "-o"), ("gptfast_dense", "--s")):
+                xs, ys = speedups(m, t, base)
+                if xs:
+                    ax.plot(xs, ys, style, label=f"{m} t={t} vs {base}")
+    ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode speedup (x)",
+           title=f"(a) decode speedup vs Full-KV\n{title}")
+    ax.axhline(1, color="gray", lw=0.5)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    paths.append(_save(fig, out_prefix, "a_speedup"))
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))  # (b)
+    for m in methods:
+        for t in budgets:
+            for phase, style in (("decode", "-o"), ("total", "--s")):
+                xs, ys = [], []
+                for c in contexts:
+                    a, b = _find(ok, method=m, budget=t, context=c), \
+                        _find(ok, method="full", context=c)
+                    if a and b:
+                        xs.append(c)
+                        ys.append(100 * (1 - a["peak_memory_bytes"][phase]
+                                         / b["peak_memory_bytes"][phase]))
+                if xs:
+                    ax.plot(xs, ys, style, label=f"{m} t={t} ({phase} phase)")
+    ax.set(xscale="log", xlabel="context (tokens)", ylabel="peak memory saving vs full (%)",
+           title=f"(b) peak-memory saving\n{title}")
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    paths.append(_save(fig, out_prefix, "b_memory"))
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))  # (c)
+    for r_method in sorted({r["method"] for r in ok}):
+        for t in ([None] if r_method in UNBUDGETED else budgets):
+            pts = [(c, _find(ok, method=r_method, budget=t, context=c)) for c in contexts]
+            pts = [(c, r) for c, r in pts if r]
+            if not pts:
+                continue
+            label = r_method if t is None else f"{r_method} t={t}"
+            line = ax.plot([c for c, _ in pts], [r["decode_ms_median"] for _, r in pts], "-o",
+                           label=label)[0]
+            ax.plot([c for c, _ in pts], [r["roofline_ms"] for _, r in pts], ":",
+                    color=line.get_color(), label=f"{label} roofline")
+    ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode step (ms)",
+           title=f"(c) per-token latency and roofline\n{title}")
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    paths.append(_save(fig, out_prefix, "c_latency"))
+
+    ctx = compare_context if compare_context in contexts else contexts[len(contexts) // 2]
+    fig, ax = plt.subplots(figsize=(8, 4.5))  # (d)
+    bars = [(r["method"] if r["budget"] is None else f"{r['method']}\nt={r['budget']}",
+             r["decode_ms_median"], r["roofline_ms"]) for r in ok if r["context"] == ctx]
+    ax.bar(range(len(bars)), [b[1] for b in bars], label="measured")
+    ax.scatter(range(len(bars)), [b[2] for b in bars], color="k", marker="_", s=200,
+               label="roofline", zorder=3)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=6, rotation=60)
+    ax.set(ylabel="decode step (ms)", title=f"(d) all methods at {ctx} tokens\n{title}")
+    ax.legend(fontsize=7)
+    paths.append(_save(fig, out_prefix, "d_methods"))
+    return paths
+
+
+def _save(fig, prefix: Path, name: str) -> Path:
+    path = prefix.parent / f"{prefix.name}-{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def summary(rows: list[dict]) -> str:
+    head = ("| batch | context | method | budget | step ms (p10-p90) | roofline ms | tok/s | "
+            "peak decode GiB | peak total GiB | KV MiB |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['batch_size']} | {r['context']} | {r['method']} | "
+                         f"{r['budget']} | error: {r['error']} | | | | | |")
+            continue
+        pk = r["peak_memory_bytes"]
+        lines.append(
+            f"| {r['batch_size']} | {r['context']} | {r['method']} | {r['budget'] or '-'} | "
+            f"{r['decode_ms_median']:.3f} ({r['decode_ms_p10']:.3f}-{r['decode_ms_p90']:.3f}) | "
+            f"{r['roofline_ms']:.3f} | {r['tokens_per_s']:.1f} | {pk['decode'] / 2**30:.2f} | "
+            f"{pk['total'] / 2**30:.2f} | {r['kv_cache_bytes'] / 2**20:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help="named config (random weights) or a checkpoint directory")
+    p.add_argument("--methods", nargs="+", default=["full", "gptfast_dense", "rocketkv"],
+                   help="methods, or 'all'")
+    p.add_argument("--budgets", nargs="+", type=int, default=[256, 512, 1024, 2048, 4096])
+    p.add_argument("--context", nargs="+", type=int,
+                   default=[16384, 32768, 65536, 98304, 131072 - 64])
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (best kept)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=list(DTYPES))
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: on for cuda)")
+    p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
+    p.add_argument("--out", default="results", help="results root (default results/)")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        device = _resolve_device(args.device)
+        args.compile = device.type == "cuda" if args.compile is None else args.compile
+        dtype = DTYPES[args.dtype] if args.dtype else (
+            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if args.methods == ["all"]:
+            args.methods = list(METHODS)
+        unknown = [m for m in args.methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        for name in ("budgets", "context", "batch_sizes"):
+            if min(getattr(args, name)) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        ckpt = RANDOM_PREFIX + args.model if args.model in CONFIGS else args.model
+        model = load_model(ckpt, device, dtype)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from tqdm import tqdm
+
+    copy_bytes = 1 << 30 if device.type == "cuda" else 1 << 27
+    bandwidth = measure_bandwidth(device, copy_bytes)
+    rows = []
+    configs = configurations(args)
+    for batch, context, method, budget in tqdm(configs, desc="bench", unit="config"):
+        try:
+            rows.append(run_one(model, batch, context, method, budget, args, bandwidth, device))
+        except (ConfigError, torch.OutOfMemoryError) as e:
+            msg = str(e).splitlines()[0]
+            rows.append({"device": device_name(device), "model": model.args.name,
+                         "method": method, "budget": budget, "context": context,
+                         "batch_size": batch, "error": msg})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", device_name(device))
+    out_dir = Path(args.out) / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    prefix = out_dir / f"bench-{stamp}"
+    tmp = prefix.with_suffix(".json.tmp")
+    for r in rows:
+        r.update(date=stamp, command="python " + " ".join(sys.argv))
+    tmp.write_text(json.dumps(rows, indent=1))
+    os.replace(tmp, prefix.with_suffix(".json"))
+    pngs = [] if args.no_plots or not any("error" not in r for r in rows) else \
+        plot(rows, prefix, args.compare_context)
+    print(summary(rows))
+    print(f"measured copy bandwidth {bandwidth:.1f} GB/s")
+    print(f"wrote {prefix.with_suffix('.json')}" + "".join(f"\n      {p}" for p in pngs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

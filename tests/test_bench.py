@@ -1,0 +1,44 @@
+"""scripts/bench.py: the CPU smoke sweep writes complete rows and the four charts."""
+
+import json
+
+from scripts.bench import main
+
+KEYS = ("device", "torch_version", "model", "dtype", "method", "budget", "context",
+        "batch_size", "decode_ms_median", "decode_ms_p10", "decode_ms_p90", "tokens_per_s",
+        "prefill_s", "peak_memory_bytes", "kv_cache_bytes", "kv_bytes_per_step",
+        "weight_bytes", "bandwidth_gbps", "roofline_ms")
+
+
+def test_cpu_sweep(tmp_path, capsys):
+    rc = main(["--device", "cpu", "--model", "stories260K", "--context", "96", "160",
+               "--budgets", "48", "96", "--new-tokens", "6", "--batch-sizes", "1", "2",
+               "--methods", "full", "gptfast_dense", "rocketkv", "snapkv",
+               "--out", str(tmp_path), "--compare-context", "160"])
+    assert rc == 0
+    (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 2 * (2 + 2 * 2)  # batch x context x (2 dense + 2 methods x 2 budgets)
+    ok = [r for r in rows if "error" not in r]
+    errors = [r for r in rows if "error" in r]
+    assert errors and all("smallest valid budget" in r["error"] for r in errors)
+    assert all(r["method"] == "snapkv" for r in errors)
+    for r in ok:
+        for key in KEYS:
+            assert key in r, key
+        assert r["roofline_ms"] == (r["weight_bytes_per_step"] + r["kv_bytes_per_step"]) / (
+            r["bandwidth_gbps"] * 1e9) * 1e3
+        assert r["device"] == "cpu" and r["decode_ms_p10"] <= r["decode_ms_median"]
+    # the dense baseline holds a max_seq x max_seq mask; rocketkv stores less than full
+    row = {(r["method"], r["budget"], r["context"], r["batch_size"]): r for r in ok}
+    assert row[("gptfast_dense", None, 160, 1)]["kv_cache_bytes"] == \
+        row[("full", None, 160, 1)]["kv_cache_bytes"] + 166 * 166
+    assert row[("rocketkv", 48, 160, 1)]["kv_cache_bytes"] < \
+        row[("full", None, 160, 1)]["kv_cache_bytes"]
+    assert len(list((tmp_path / "cpu").glob("bench-*.png"))) == 4
+    assert "measured copy bandwidth" in capsys.readouterr().out
+
+
+def test_bad_arguments(capsys):
+    assert main(["--device", "cpu", "--model", "stories260K", "--methods", "magic"]) == 2
+    assert "unknown methods" in capsys.readouterr().err
