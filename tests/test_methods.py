@@ -19,7 +19,7 @@ LLAMA = ModelArgs.from_name("llama-3.1-8b")
 
 
 def test_every_method_is_registered():
-    assert set(METHODS) == {"full", *COMPRESSED}
+    assert set(METHODS) == {"full", "gptfast_dense", *COMPRESSED}
 
 
 def test_rocketkv_sqrt_split_parameters():
