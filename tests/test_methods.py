@@ -230,3 +230,20 @@ def test_random_shapes_and_budgets(method, T, m, budget, heads, seed):
             slot = t - int(cache.slot_offset)
             assert cache.kept <= slot < cache.capacity
             assert torch.equal(cache.k_cache[:, :, slot], k[:, :, t])
+
+
+@pytest.mark.parametrize("method", COMPRESSED)
+def test_prompt_shorter_than_the_budget_has_nothing_to_evict(stories_model, method):
+    prompt = [1, 403, 407, 261, 378, 13, 300, 301, 302, 303] * 4  # 40 tokens
+    m = 40
+    try:
+        r = generate(stories_model, prompt, method=method, budget=60, max_new_tokens=m)
+    except ConfigError as e:  # a method whose minimum exceeds 60 says so
+        assert "smallest valid budget" in str(e)
+        return
+    p = r["method_params"]
+    assert p["compressed"] and p["prompt_tokens_kept"] == len(prompt)
+    assert len(r["token_ids"][0]) == m
+    # a second call on the same shapes reuses and resets the caches
+    assert generate(stories_model, prompt, method=method, budget=60,
+                    max_new_tokens=m)["token_ids"] == r["token_ids"]
