@@ -321,8 +321,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         end = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
         tokens.append(row[:end])
     n_generated = len(run["tokens"][0])
-    if any(t and t[-1] in stop_set for t in tokens) and all(
-            t and t[-1] in stop_set for t in tokens):
+    if all(t and t[-1] in stop_set for t in tokens):
         stop_reason = "eos"
     elif n_generated >= max_new_tokens:
         stop_reason = "max_new_tokens"
