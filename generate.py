@@ -179,6 +179,11 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def device_name(device: torch.device) -> str:
+    """The accelerator's name (``torch.cuda.get_device_name``), or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -363,7 +368,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "bandwidth_gbps": ((w_per_step + kv_per_step) / (median / 1e3) / 1e9) if median else None,
         "compile_s": compile_s,
         "compiled": bool(compile),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "dtype": str(dtype).removeprefix("torch."),
         "torch_version": torch.__version__,
     }
@@ -373,14 +378,23 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
 # CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
+class OneLineParser(argparse.ArgumentParser):
+    """ArgumentParser whose usage errors are one ``error: ...`` line and exit status 2."""
+
+    def error(self, message: str):
         self.exit(2, f"error: {message}\n")
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` whole: a temporary file, then ``os.replace``."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
     methods = "\n".join(f"  {name:<12} {desc}" for name, (desc, _) in METHODS.items())
-    p = _Parser(description=__doc__.split("\n\n")[0], epilog=f"methods:\n{methods}",
+    p = OneLineParser(description=__doc__.split("\n\n")[0], epilog=f"methods:\n{methods}",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory (HF layout or converted), or random:NAME with NAME "
@@ -550,9 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("-" * 80)
     print(format_report(result))
     if args.json:
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, args.json)
+        write_json(args.json, result)
     return 0
 
 

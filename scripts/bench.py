@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
 import re
 import sys
 import time
@@ -40,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
-from generate import DTYPES, _resolve_device, generate  # noqa: E402
+from generate import DTYPES, OneLineParser, _resolve_device, device_name, generate, write_json  # noqa: E402
 from kv_cache import METHODS  # noqa: E402
 from model import CONFIGS, ConfigError  # noqa: E402
 
@@ -66,12 +64,6 @@ def measure_bandwidth(device: torch.device, nbytes: int) -> float:
             times.append(time.perf_counter() - t0)
     del src, dst
     return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
 
 
 def configurations(args) -> list[tuple[int, int, str, int | None]]:
@@ -234,7 +226,7 @@ def summary(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b",
                    help="named config (random weights) or a checkpoint directory")
     p.add_argument("--methods", nargs="+", default=["full", "gptfast_dense", "rocketkv"],
@@ -295,11 +287,9 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     prefix = out_dir / f"bench-{stamp}"
-    tmp = prefix.with_suffix(".json.tmp")
     for r in rows:
         r.update(date=stamp, command="python " + " ".join(sys.argv))
-    tmp.write_text(json.dumps(rows, indent=1))
-    os.replace(tmp, prefix.with_suffix(".json"))
+    write_json(prefix.with_suffix(".json"), rows)
     pngs = [] if args.no_plots or not any("error" not in r for r in rows) else \
         plot(rows, prefix, args.compare_context)
     print(summary(rows))

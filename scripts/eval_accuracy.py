@@ -54,9 +54,7 @@ bar (tqdm, when installed) to stderr. Torch runs on ``--threads`` CPU threads (d
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -71,6 +69,7 @@ import torch  # noqa: E402
 
 import compression  # noqa: E402,F401  (registers the compression methods)
 from checkpoint import load_model  # noqa: E402
+from generate import OneLineParser, generate, write_json  # noqa: E402
 from kv_cache import METHODS, KVCache, build_caches  # noqa: E402
 from model import ConfigError, Transformer  # noqa: E402
 from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
@@ -173,19 +172,12 @@ def teacher_forced_logprobs(model: Transformer, prompt: Sequence[int],
     return torch.cat(rows).float().log_softmax(dim=-1)
 
 
-@torch.no_grad()
-def greedy_continuation(model: Transformer, prompt: Sequence[int], m: int) -> list[int]:
-    """m greedy tokens through the model's caches (the first from prefill; EOS does not stop)."""
-    device = model.tok_embeddings.weight.device
-    T = len(prompt)
-    token = int(model.prefill(torch.tensor([list(prompt)], device=device)).argmax(dim=-1))
-    out = [token]
-    for j in range(m - 1):
-        logits = model(torch.tensor([[token]], device=device), torch.tensor([T + j],
-                                                                            device=device))
-        token = int(logits.argmax(dim=-1))
-        out.append(token)
-    return out
+def greedy_continuation(model: Transformer, method: str, budget: int | None,
+                        prompt: Sequence[int], m: int) -> list[int]:
+    """m greedy tokens from ``generate.generate`` with fresh caches of ``method`` (the first
+    from prefill, then m - 1 decode steps; no stop token)."""
+    return generate(model, list(prompt), method=method, budget=budget,
+                    max_new_tokens=m)["token_ids"][0]
 
 
 def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -230,8 +222,7 @@ def reference_continuations(model: Transformer, prompts: Sequence[Prompt],
     """The full cache's greedy continuation of every prompt."""
     refs = []
     for p in prompts:
-        attach_caches(model, "full", None, len(p.prompt), m)
-        refs.append(greedy_continuation(model, p.prompt, m))
+        refs.append(greedy_continuation(model, "full", None, p.prompt, m))
     return refs
 
 
@@ -251,8 +242,8 @@ def evaluate_config(model: Transformer, method: str, budget: int | None,
     row["method_params"] = caches[-1].method_params()
     prefix, top1, nlls = [], [], []
     for p, ref in zip(prompts, refs):
-        attach_caches(model, method, budget, T, m)
-        prefix.append(matching_prefix(greedy_continuation(model, p.prompt, m), ref))
+        prefix.append(matching_prefix(greedy_continuation(model, method, budget, p.prompt, m),
+                                      ref))
         attach_caches(model, method, budget, T, m)
         top1.append(top1_matches(teacher_forced_logprobs(model, p.prompt, ref), ref) / m)
         attach_caches(model, method, budget, T, m)
@@ -342,24 +333,12 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (temporary file, then ``os.replace``)."""
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------------------------
 # CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        self.exit(2, f"error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (converted or HF)")
     p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
     p.add_argument("--text", nargs="+", default=[str(t) for t in DEFAULT_TEXTS], metavar="FILE",
