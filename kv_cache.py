@@ -6,9 +6,14 @@ to read and how to attend. Compression methods (``compression/``) are subclasses
 
 The interface carries what the methods need without bending:
 
-* ``prefill(q, k, v)`` sees one layer's q, k, v for the whole prompt before the next layer runs,
-  so a cache may evict right there (SnapKV family) or process the prompt in blocks, each
-  attending to the already-compressed cache (KeyDiff).
+* Prefill runs layer by layer. ``store_prompt(k, v, q_obs)`` sees one layer's whole-prompt
+  K/V and its last ``obs_window`` queries before any prompt query attends, so a cache may
+  evict right there (SnapKV family); then the model asks ``prefill_attention(q, k, v, start)``
+  for blocks of queries (exact causal attention by default; KeyDiff-style methods attend to
+  their already-compressed cache instead). A cache may offer ``prompt_buffers`` so the model
+  writes the prompt K/V straight into its storage. Whole-prompt queries, attention outputs and
+  (T x T) scores never exist: at 128K tokens, prefill holds the hidden states and one layer's
+  K/V beside the weights and caches.
 * ``decode(q, k, v, input_pos)`` gets the new token at ``input_pos``, a device tensor, so the
   step has static shapes and compiles once; a cache may evict inside it within a fixed
   capacity (H2O, StreamingLLM) or update page summaries on write (Quest, RocketKV).
@@ -37,16 +42,60 @@ from torch import Tensor
 from model import ConfigError, ModelArgs
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal self-attention over a prompt without repeating K/V.
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
+    """Causal attention of a block of prompt queries without repeating K/V.
 
     Args:
-        q: (B, H, T, D) queries; k, v: (B, H_kv, T, D) with H a multiple of H_kv.
+        q: (B, H, Tq, D) queries at positions ``start .. start + Tq - 1``.
+        k, v: (B, H_kv, start + Tq, D) keys and values at positions ``0 .. start + Tq - 1``;
+            H a multiple of H_kv.
+        start: position of the first query (0: the whole prompt at once).
     Returns:
-        (B, H, T, D), dtype of q. Uses fused SDPA kernels (flash on GPU); no T x T mask exists.
+        (B, H, Tq, D), dtype of q: query i attends to keys ``<= start + i``. ``start == 0`` is
+        SDPA's own causal mask; otherwise the causal diagonal is aligned to the bottom right
+        (``torch.nn.attention.bias.causal_lower_right``), which runs flash attention on CUDA.
+        Where flash cannot run, an explicit boolean mask is used, with the query rows split so
+        that the mask (and any score matrix a fallback kernel makes) stays under 2^26 elements.
+        No T x T mask ever exists.
+    Raises:
+        ValueError: ``k`` does not hold exactly ``start + Tq`` positions.
     """
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    B, H, Tq, D = q.shape
+    S = k.shape[2]
+    if S != start + Tq:
+        raise ValueError(f"{Tq} queries from position {start} need {start + Tq} keys, got {S}")
+    gqa = H != k.shape[1]
+    if start == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if _flash_available(q, k, v, gqa):
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Tq, S),
+                                              enable_gqa=gqa)
+    out = torch.empty_like(q)
+    rows = max(1, MASK_ELEMENTS // (S * H * B))
+    keys = torch.arange(S, device=q.device)
+    for r in range(0, Tq, rows):
+        e = min(r + rows, Tq)
+        pos = torch.arange(start + r, start + e, device=q.device)
+        mask = keys[None, :] <= pos[:, None]  # (rows, S)
+        out[:, :, r:e] = F.scaled_dot_product_attention(q[:, :, r:e], k, v, attn_mask=mask,
+                                                        enable_gqa=gqa)
+    return out
+
+
+MASK_ELEMENTS = 1 << 26  # bound on (rows x keys x heads) per fallback block in causal_attention
+
+
+def _flash_available(q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> bool:
+    """Whether SDPA's flash kernel takes these inputs (CUDA only; meta tensors, which carry
+    shapes only, follow the CUDA path for ``scripts/predict_memory.py``)."""
+    if q.device.type == "meta":
+        return True
+    if q.device.type != "cuda":
+        return False
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, gqa)
+    return bool(torch.backends.cuda.can_use_flash_attention(params, False))
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -88,15 +137,47 @@ class KVCache(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.dtype, self.device = dtype, torch.device(device)
 
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Attend over the whole prompt of this layer and store what the method keeps.
+    obs_window = 0  # last prompt queries ``store_prompt`` needs (observation window)
+
+    def prompt_buffers(self, prompt_len: int) -> tuple[Tensor, Tensor] | None:
+        """Views (B, H_kv, T, D) of this cache's own storage where the model may write the
+        prompt's K/V directly (saving a copy), or None: the model allocates them."""
+        return None
+
+    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
+        """Store what the method keeps of one layer's prompt (it may evict here).
+
+        Called once per layer, after every prompt key and value of the layer exists and before
+        any prompt query attends, so only one layer's uncompressed K/V ever exists.
 
         Args:
-            q: (B, H, T, D); k, v: (B, H_kv, T, D), keys rotated at positions 0..T-1.
+            k, v: (B, H_kv, T, D), keys rotated at positions 0..T-1 (possibly the views
+                ``prompt_buffers`` returned).
+            q_obs: (B, H, min(obs_window, T), D), the last prompt queries (rotated).
+        """
+        raise NotImplementedError
+
+    def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        """Attention of the prompt queries at positions ``start ..`` (q (B, H, Tq, D)) over
+        the prompt keys ``0 .. start + Tq - 1`` (k, v (B, H_kv, start + Tq, D)).
+
+        Prefill attends to the whole uncompressed prompt for every method (RocketKV App. A.3);
+        the model calls this in query blocks, so no (T x T) scores and no whole-prompt query
+        or output tensor exist. Returns (B, H, Tq, D).
+        """
+        return causal_attention(q, k, v, start)
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The whole prompt of one layer at once: ``store_prompt`` then ``prefill_attention``.
+
+        Args:
+            q: (B, H, T, D); k, v: (B, H_kv, T, D), rotated at positions 0..T-1.
         Returns:
             attention output (B, H, T, D).
         """
-        raise NotImplementedError
+        T = k.shape[2]
+        self.store_prompt(k, v, q[:, :, T - min(self.obs_window, T):])
+        return self.prefill_attention(q, k, v, 0)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         """Store the new token's k, v and attend.
@@ -142,13 +223,17 @@ class FullKVCache(KVCache):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
 
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        T = k.shape[2]
-        if T > self.max_seq_len:
-            raise ValueError(f"prompt of {T} tokens exceeds the cache ({self.max_seq_len})")
-        self.k_cache[:, :, :T] = k
-        self.v_cache[:, :, :T] = v
-        return causal_attention(q, k, v)
+    def prompt_buffers(self, prompt_len: int) -> tuple[Tensor, Tensor]:
+        if prompt_len > self.max_seq_len:
+            raise ValueError(f"prompt of {prompt_len} tokens exceeds the cache "
+                             f"({self.max_seq_len})")
+        return self.k_cache[:, :, :prompt_len], self.v_cache[:, :, :prompt_len]
+
+    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
+        k_buf, v_buf = self.prompt_buffers(k.shape[2])
+        if not _same_view(k, k_buf):  # the model did not write into our buffers directly
+            k_buf.copy_(k)
+            v_buf.copy_(v)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         self.k_cache.index_copy_(2, input_pos, k)
@@ -202,6 +287,13 @@ def _build_gptfast_dense(args: ModelArgs, *, batch_size: int, prompt_len: int,
     mask = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=device))
     return [GptFastDenseCache(i, args, batch_size, dtype, device, max_seq_len, mask)
             for i in range(args.n_layers)]
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` is exactly the view ``b`` (same storage, offset, shape and strides)."""
+    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
 def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
@@ -263,9 +355,11 @@ class CompressedKVCache(KVCache):
         prompt_len: prompt tokens (T).
         prompt_capacity: prompt tokens to keep; ``>= T`` means nothing to evict.
         max_new_tokens: slots reserved for generated tokens.
-        evict: ``evict(q, k) -> (idx, head_mask)`` choosing ``kept`` prompt tokens per KV head
-            (idx (B, H_kv, kept) ascending; head_mask (B, H_kv, G, kept) bool or None when the
+        evict: ``evict(q_obs, k) -> (idx, head_mask)`` choosing ``kept`` prompt tokens per KV
+            head from the last ``obs_window`` queries q_obs (B, H, w, D) and the keys (idx
+            (B, H_kv, kept) ascending; head_mask (B, H_kv, G, kept) bool or None when the
             selection is shared by the query group); None keeps the whole prompt.
+        obs_window: prompt queries ``evict`` reads (the observation window).
         selector: decode-time selection (``Selector``).
         per_head: reserve a per-query-head mask (original SnapKV on GQA models).
         params: derived parameters to report.
@@ -274,12 +368,13 @@ class CompressedKVCache(KVCache):
     def __init__(self, layer_idx: int, args: ModelArgs, batch_size: int, dtype: torch.dtype,
                  device, *, prompt_len: int, prompt_capacity: int, max_new_tokens: int,
                  selector: Selector, evict: Callable | None = None, per_head: bool = False,
-                 params: dict[str, Any] | None = None):
+                 obs_window: int = 0, params: dict[str, Any] | None = None):
         super().__init__(layer_idx, args, batch_size, dtype, device)
         self.prompt_len = prompt_len
         self.kept = min(prompt_len, prompt_capacity)
         self.capacity = self.kept + max_new_tokens
         self.evict = evict
+        self.obs_window = obs_window if evict is not None else 0
         self.selector = selector
         self._params = dict(params or {})
         length = -(-self.capacity // selector.page_size) * selector.page_size
@@ -305,20 +400,24 @@ class CompressedKVCache(KVCache):
         return 2 * self.batch_size * self.n_kv_heads * tokens * self.head_dim * \
             self.k_cache.element_size()
 
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def prompt_buffers(self, prompt_len: int) -> tuple[Tensor, Tensor] | None:
+        if self.evict is not None or prompt_len != self.prompt_len:
+            return None  # K/V are gathered after eviction
+        return self.k_cache[:, :, :prompt_len], self.v_cache[:, :, :prompt_len]
+
+    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
         T = k.shape[2]
         if T != self.prompt_len:
             raise ValueError(f"cache set up for {self.prompt_len} prompt tokens, got {T}")
-        out = causal_attention(q, k, v)  # prefill attends to the whole prompt (RocketKV A.3)
         if self.evict is not None:
-            idx, head_mask = self.evict(q, k)  # (B, H_kv, kept)
+            idx, head_mask = self.evict(q_obs, k)  # (B, H_kv, kept)
             k, v = gather_tokens(k, idx), gather_tokens(v, idx)
             if self.head_mask is not None:
                 self.head_mask[..., :self.kept] = head_mask
-        self.k_cache[:, :, :self.kept] = k
-        self.v_cache[:, :, :self.kept] = v
+        if not _same_view(k, self.k_cache[:, :, :self.kept]):
+            self.k_cache[:, :, :self.kept] = k
+            self.v_cache[:, :, :self.kept] = v
         self.selector.build(self)
-        return out
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         slot = input_pos - self.slot_offset  # (1,)

@@ -8,8 +8,9 @@ Two entry points:
 
 * ``Transformer.prefill(tokens)`` runs the whole prompt layer by layer (all prompt tokens through
   layer 0, then layer 1, ...), so a cache may compress one layer's KV before the next layer runs.
-  Projections and the MLP run in token chunks, so activations stay bounded at 128K tokens, and
-  logits are computed for the last position only.
+  Projections, attention and the MLP run in token chunks, so beyond the hidden states and one
+  layer's K/V only chunk-sized activations exist at 128K tokens, and logits are computed for
+  the last position only.
 * ``Transformer.forward(tokens, input_pos)`` is the single-token decode step; its shapes never
   depend on data, so it compiles once (``torch.compile(fullgraph=True)``, CUDA graphs on GPU).
 
@@ -241,7 +242,7 @@ def precompute_rope(args: ModelArgs, seq_len: int, device=None) -> Tensor:
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """Rotate adjacent pairs of ``x`` (B, T, n, head_dim) by ``rope`` (T, head_dim // 2, 2)."""
-    xp = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, T, n, D/2, 2)
+    xp = x.float().reshape(*x.shape[:-1], x.shape[-1] // 2, 2)  # (B, T, n, D/2, 2)
     cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]  # (T, 1, D/2)
     out = torch.stack([xp[..., 0] * cos - xp[..., 1] * sin,
                        xp[..., 1] * cos + xp[..., 0] * sin], dim=-1)
@@ -300,6 +301,21 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, D)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
+    def q_proj(self, x: Tensor, rope: Tensor) -> Tensor:
+        """Queries only (prefill): ``x`` (B, T, dim) -> q (B, H, T, D), rotated."""
+        B, T, _ = x.shape
+        w = self.wqkv.weight[:self.n_heads * self.head_dim]  # the q rows of the fused matrix
+        q = F.linear(x, w).view(B, T, self.n_heads, self.head_dim)
+        return apply_rope(q, rope).transpose(1, 2)
+
+    def kv_proj(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (rotated) and values only (prefill): ``x`` (B, T, dim) -> (B, H_kv, T, D)."""
+        B, T, _ = x.shape
+        D = self.head_dim
+        kv = F.linear(x, self.wqkv.weight[self.n_heads * D:])
+        k, v = kv.view(B, T, 2 * self.n_kv_heads, D).split(self.n_kv_heads, dim=2)
+        return apply_rope(k, rope).transpose(1, 2), v.transpose(1, 2)
+
     def out(self, y: Tensor) -> Tensor:
         """Output projection. ``y`` (B, H, T, D) -> (B, T, dim)."""
         B, _, T, _ = y.shape
@@ -321,21 +337,36 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
     def prefill(self, x: Tensor, rope: Tensor, chunk_size: int) -> Tensor:
-        """Whole prompt through this block; updates and returns ``x`` (B, T, dim) in place."""
+        """Whole prompt through this block; updates and returns ``x`` (B, T, dim) in place.
+
+        Two passes over token chunks of ``chunk_size``: (1) keys and values of every token
+        (written straight into the cache's storage where it offers it), then the cache stores
+        them (and may evict) given the last ``obs_window`` queries; (2) per chunk, its queries
+        attend to the prompt keys up to the chunk's end, and the output projection, residuals
+        and MLP update the chunk of ``x`` in place. Chunk i's queries depend only on chunk i
+        of ``x``, which pass 2 has not changed yet. Besides ``x`` and one layer's K/V, only
+        chunk-sized activations exist.
+        """
         B, T, _ = x.shape
         attn = self.attention
-        q = x.new_empty(B, attn.n_heads, T, attn.head_dim)
-        k = x.new_empty(B, attn.n_kv_heads, T, attn.head_dim)
-        v = torch.empty_like(k)
+        cache = attn.kv_cache
+        bufs = cache.prompt_buffers(T)
+        if bufs is None:
+            bufs = (x.new_empty(B, attn.n_kv_heads, T, attn.head_dim),
+                    x.new_empty(B, attn.n_kv_heads, T, attn.head_dim))
+        k, v = bufs
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e] = attn.qkv(self.attention_norm(x[:, s:e]),
-                                                                rope[s:e])
-        y = attn.kv_cache.prefill(q, k, v)  # (B, H, T, D); the cache may compress here
-        del q, k, v
+            k[:, :, s:e], v[:, :, s:e] = attn.kv_proj(self.attention_norm(x[:, s:e]), rope[s:e])
+        w = min(cache.obs_window, T)
+        q_obs = attn.q_proj(self.attention_norm(x[:, T - w:]), rope[T - w:])  # (B, H, w, D)
+        cache.store_prompt(k, v, q_obs)  # the cache may compress here
+        del q_obs
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            x[:, s:e] += attn.out(y[:, :, s:e])
+            q = attn.q_proj(self.attention_norm(x[:, s:e]), rope[s:e])
+            y = cache.prefill_attention(q, k[:, :, :e], v[:, :, :e], s)  # (B, H, e - s, D)
+            x[:, s:e] += attn.out(y)
             x[:, s:e] += self.feed_forward(self.ffn_norm(x[:, s:e]))
         return x
 

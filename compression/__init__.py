@@ -214,6 +214,7 @@ def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
             i, args, batch_size, dtype, device, prompt_len=T,
             prompt_capacity=p.get("keep", T), max_new_tokens=m, selector=_selector(method, p),
             evict=_evictor(method, p), per_head=method == "snapkv" and bool(p.get("evict")),
+            obs_window=p.get("window", 0),
             params={k: v for k, v in p.items() if k not in ("evict", "dense")}))
     return caches
 

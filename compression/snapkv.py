@@ -35,22 +35,27 @@ def window_votes(q: Tensor, k: Tensor, window: int) -> Tensor:
     """Attention weights of the last ``window`` queries on each prefix key, summed over them.
 
     Args:
-        q: (B, H, T, D) queries; k: (B, H_kv, T, D) keys (RoPE applied), T > window.
+        q: (B, H, Tq, D) queries whose last ``window`` rows are the prompt's last ``window``
+            queries (the whole prompt's, or only the observation window: Tq >= window).
+        k: (B, H_kv, T, D) the prompt's keys (RoPE applied), T > window.
     Returns:
         (B, H, T - window) float32: per query head, sum over window queries i of
         softmax_j(q_i . k_j / sqrt(D)) (causal over the whole prompt) at prefix keys j.
+        Scores are computed one KV head at a time, so the float32 transient is
+        (B, G * window, T) (64 MiB at 128K tokens, G = 4, window 32), not H_kv times that.
     """
-    B, H, T, D = q.shape
-    Hkv = k.shape[1]
+    B, H, _, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
     G = H // Hkv
-    q_obs = q[:, :, T - window:].reshape(B, Hkv, G * window, D)
-    scores = torch.matmul(q_obs, k.transpose(-1, -2)).float() / math.sqrt(D)  # (B,Hkv,G*w,T)
-    scores = scores.view(B, Hkv, G, window, T)
+    q_obs = q[:, :, -window:].reshape(B, Hkv, G * window, D)
     # window query i sits at position T - window + i and sees keys j <= that position
     future = torch.arange(T, device=q.device)[None, :] > \
         torch.arange(T - window, T, device=q.device)[:, None]  # (w, T)
-    scores = scores.masked_fill(future, float("-inf"))
-    votes = scores.softmax(dim=-1)[..., :T - window].sum(dim=-2)  # (B, H_kv, G, T-w)
+    votes = torch.empty(B, Hkv, G, T - window, dtype=torch.float32, device=q.device)
+    for h in range(Hkv):
+        scores = torch.matmul(q_obs[:, h], k[:, h].transpose(-1, -2)).float() / math.sqrt(D)
+        scores = scores.view(B, G, window, T).masked_fill_(future, float("-inf"))
+        votes[:, h] = scores.softmax(dim=-1)[..., :T - window].sum(dim=-2)  # (B, G, T-w)
     return votes.reshape(B, H, T - window)
 
 
@@ -81,12 +86,14 @@ def snapkv_pp_select(q: Tensor, k: Tensor, keep: int, window: int, kernel: int) 
     """SnapKV++ (Alg. 1): token indices kept per KV head, shared by its query group.
 
     Args:
-        q: (B, H, T, D); k: (B, H_kv, T, D); keep: prompt tokens to keep (window < keep < T).
+        q: (B, H, Tq, D), its last ``window`` rows the prompt's last queries; k: (B, H_kv, T, D);
+        keep: prompt tokens to keep (window < keep < T).
     Returns:
         (B, H_kv, keep) int64, ascending: top ``keep - window`` prefix tokens by max-pooled
         group-summed votes, then the ``window`` observation tokens.
     """
-    B, H, T, _ = q.shape
+    B, H = q.shape[:2]
+    T = k.shape[2]
     Hkv = k.shape[1]
     votes = window_votes(q, k, window).view(B, Hkv, H // Hkv, T - window).sum(dim=2)
     pooled = pool_votes(votes, kernel, "max")
@@ -103,12 +110,14 @@ def snapkv_select(q: Tensor, k: Tensor, keep: int, per_head: int, window: int, k
     which query head may attend to which stored slot.
 
     Args:
-        q: (B, H, T, D); k: (B, H_kv, T, D); keep: stored prompt slots per KV head;
+        q: (B, H, Tq, D), its last ``window`` rows the prompt's last queries; k: (B, H_kv, T, D);
+        keep: stored prompt slots per KV head;
         per_head: tokens each query head keeps (window < per_head, G * per_head <= keep + ...).
     Returns:
         idx (B, H_kv, keep) int64 ascending, and head_mask (B, H_kv, G, keep) bool.
     """
-    B, H, T, _ = q.shape
+    B, H = q.shape[:2]
+    T = k.shape[2]
     Hkv = k.shape[1]
     G = H // Hkv
     L = T - window

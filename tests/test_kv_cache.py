@@ -34,6 +34,22 @@ def test_causal_attention_matches_loop(H, Hkv):
     assert torch.allclose(causal_attention(q, k, v), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("start", [1, 5, 8])
+@pytest.mark.parametrize("mask_elements", [1 << 26, 50])  # one block; one query row per block
+def test_causal_attention_of_a_query_block(start, mask_elements, monkeypatch):
+    """Queries start..8 over keys 0..8: the causal diagonal sits at the bottom right."""
+    import kv_cache
+
+    monkeypatch.setattr(kv_cache, "MASK_ELEMENTS", mask_elements)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 9, 8, generator=g)
+    k, v = torch.randn(2, 2, 2, 9, 8, generator=g)
+    ref = slow_attention(q, k, v, lambda b, h, i, j: j <= i)[:, :, start:]
+    assert torch.allclose(causal_attention(q[:, :, start:], k, v, start), ref, atol=1e-5)
+    with pytest.raises(ValueError, match="got 9"):
+        causal_attention(q[:, :, start:], k, v, start - 1)
+
+
 def test_attend_with_mask_matches_loop():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 1, 8, generator=g)

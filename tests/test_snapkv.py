@@ -59,6 +59,8 @@ def qk():
 def test_window_votes_match_loops(qk):
     q, k = qk
     assert torch.allclose(window_votes(q, k, 6), slow_votes(q, k, 6), atol=1e-5)
+    # only the observation window's queries are needed (what prefill hands the cache)
+    assert torch.equal(window_votes(q[:, :, -6:], k, 6), window_votes(q, k, 6))
 
 
 @pytest.mark.parametrize("kind", ["max", "avg"])

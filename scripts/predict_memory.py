@@ -1,0 +1,236 @@
+"""Predict the peak device memory of a run without a GPU: the model on the meta device.
+
+    python scripts/predict_memory.py       # llama-3.1-8b bf16, 128K: full vs rocketkv at 256
+    python scripts/predict_memory.py --model mistral-7b-v0.2 --context 32704 \\
+        --methods full snapkv_pp --budgets 256 1024 --json out.json
+
+Meta tensors carry shapes and dtypes but no data, so the real model code (``Transformer.prefill``
+and one eager decode step) runs at full size in seconds on any machine. ``AllocationTracker``
+watches every tensor the code creates (a ``TorchFunctionMode``), keeps the bytes of the storages
+alive at each moment and reports their peak. The prediction for a phase is
+
+    resident (weights, RoPE table, every cache buffer) + peak of the phase's live activations.
+
+What it models and what it does not:
+
+* SDPA calls are counted as their output only, as the fused kernels on CUDA (flash,
+  memory-efficient) run without materializing scores; everything else is counted as written.
+* It counts tensor storage, like ``torch.cuda.max_memory_allocated`` does: not the CUDA
+  context, cuBLAS workspaces, allocator rounding and fragmentation, nor what a compiled
+  decode step (Inductor's buffer planning, CUDA-graph pools) allocates differently from the
+  eager step counted here.
+* It is a prediction for planning and for catching regressions (a whole-prompt tensor, a
+  T x T mask) on machines without a GPU, never a measurement: rows say ``"predicted": true``
+  and ``device: "meta"``; measured figures come from ``scripts/bench.py`` on the GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+from generate import DTYPES, OneLineParser, write_json  # noqa: E402
+from kv_cache import METHODS, build_caches  # noqa: E402
+from model import CONFIGS, ConfigError, ModelArgs, Transformer  # noqa: E402
+
+GB = 1e9
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class AllocationTracker(TorchFunctionMode):
+    """Live and peak bytes of the tensor storages created while the mode is active.
+
+    Every tensor a torch function returns is tracked by its storage (views share their base's
+    storage and count once); a storage is freed when the last tracked tensor on it is garbage
+    collected (weak-reference finalizers, which CPython runs as soon as the last reference
+    goes). Storages in ``resident`` (ids from ``storage_ids``) are never counted.
+    ``F.scaled_dot_product_attention`` is replaced by an empty output of the right shape:
+    a fused kernel's footprint.
+
+    Attributes:
+        live: bytes alive now; peak: the most bytes alive at once since ``reset_peak``.
+    """
+
+    def __init__(self, resident: set[int] = frozenset()):
+        super().__init__()
+        self.resident = set(resident)
+        self.refs: dict[int, int] = {}
+        self.nbytes: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= self.nbytes.pop(key)
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key in self.resident:
+            return
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.nbytes[key] = t.untyped_storage().nbytes()
+            self.live += self.nbytes[key]
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, v = args[0], args[2]
+            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        else:
+            out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+def storage_ids(tensors) -> dict[int, int]:
+    """{storage id: bytes} of ``tensors`` (shared storages once)."""
+    return {_storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+
+
+@torch.no_grad()
+def predict(args: ModelArgs, method: str, budget: int | None, context: int, new_tokens: int,
+            batch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
+            options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Predicted peak bytes of prefill, of one decode step and of the whole run.
+
+    Builds ``args`` on the meta device with ``method``'s caches for a prompt of ``context``
+    tokens and ``new_tokens`` new ones, runs ``Transformer.prefill`` and one eager decode
+    step under ``AllocationTracker``, and returns a row with ``peak_memory_bytes``
+    {prefill, decode, total}, ``resident_bytes``, ``weight_bytes``, ``kv_cache_bytes`` and the
+    activation peaks (bytes). Raises ``ConfigError`` as ``build_caches`` does.
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to(dtype).eval()
+    caches = build_caches(method, args, batch_size=batch_size, prompt_len=context,
+                          max_new_tokens=new_tokens, budget=budget, dtype=dtype, device="meta",
+                          **(options or {}))
+    model.setup_caches(caches, context + new_tokens)
+    resident = storage_ids(list(model.parameters()) + list(model.buffers()))
+    resident_bytes = sum(resident.values())
+    tokens = torch.zeros(batch_size, context, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    with AllocationTracker(set(resident)) as tracker:
+        logits = model.prefill(tokens)
+        prefill_act = tracker.peak
+        del logits
+        tracker.reset_peak()
+        step = model(tokens[:, :1], torch.tensor([context], device="meta"))
+        decode_act = tracker.peak
+        del step
+    prefill, decode = resident_bytes + prefill_act, resident_bytes + decode_act
+    return {
+        "device": "meta", "predicted": True, "torch_version": torch.__version__,
+        "model": args.name, "dtype": str(dtype).removeprefix("torch."), "method": method,
+        "budget": budget, "context": context, "batch_size": batch_size,
+        "new_tokens": new_tokens,
+        "peak_memory_bytes": {"prefill": prefill, "decode": decode,
+                              "total": max(prefill, decode)},
+        "resident_bytes": resident_bytes,
+        "weight_bytes": model.weight_bytes(),
+        "kv_cache_bytes": sum(c.allocated_bytes() for c in model.caches),
+        "prefill_activation_peak_bytes": prefill_act,
+        "decode_activation_peak_bytes": decode_act,
+        "method_params": model.caches[-1].method_params(),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def summary(rows: list[dict]) -> str:
+    lines = ["| method | budget | context | weights GB | KV cache GB | prefill act. GB | "
+             "peak prefill GB | peak decode GB | peak total GB | saving vs full |",
+             "|" + "---|" * 10]
+    full = {(r["context"], r["batch_size"]): r for r in rows
+            if r["method"] == "full" and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['budget']} | {r['context']} | error: "
+                         f"{r['error']} | | | | | | |")
+            continue
+        pk = r["peak_memory_bytes"]
+        base = full.get((r["context"], r["batch_size"]))
+        saving = f"{100 * (1 - pk['total'] / base['peak_memory_bytes']['total']):.1f}%" \
+            if base and r is not base else "-"
+        lines.append(
+            f"| {r['method']} | {r['budget'] or '-'} | {r['context']} | "
+            f"{r['weight_bytes'] / GB:.2f} | {r['kv_cache_bytes'] / GB:.2f} | "
+            f"{r['prefill_activation_peak_bytes'] / GB:.2f} | {pk['prefill'] / GB:.2f} | "
+            f"{pk['decode'] / GB:.2f} | {pk['total'] / GB:.2f} | {saving} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b", choices=list(CONFIGS), metavar="NAME",
+                   help="named config (default llama-3.1-8b)")
+    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
+    p.add_argument("--budgets", nargs="+", type=int, default=[256])
+    p.add_argument("--context", nargs="+", type=int, default=[131072 - 64])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--json", metavar="PATH", help="write the rows here")
+    a = p.parse_args(argv)
+    try:
+        unknown = [m for m in a.methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        for name in ("budgets", "context"):
+            if min(getattr(a, name)) <= 0:
+                raise ConfigError(f"--{name} must be positive")
+        if a.new_tokens <= 0 or a.batch_size <= 0:
+            raise ConfigError("--new-tokens and --batch-size must be positive")
+        if a.json and not Path(a.json).resolve().parent.is_dir():
+            raise ConfigError(f"--json: directory {Path(a.json).resolve().parent} does not exist")
+        args = ModelArgs.from_name(a.model)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = []
+    for context in a.context:
+        for method in a.methods:
+            for budget in ([None] if method in ("full", "gptfast_dense") else a.budgets):
+                try:
+                    rows.append(predict(args, method, budget, context, a.new_tokens,
+                                        a.batch_size, DTYPES[a.dtype]))
+                except ConfigError as e:
+                    rows.append({"device": "meta", "predicted": True, "model": args.name,
+                                 "method": method, "budget": budget, "context": context,
+                                 "batch_size": a.batch_size, "error": str(e)})
+    command = "python " + " ".join(["scripts/predict_memory.py", *(argv or sys.argv[1:])])
+    for r in rows:
+        r["command"] = command
+    print(summary(rows))
+    print("predicted on the meta device (tensor storage only), not measured on a GPU")
+    if a.json:
+        write_json(a.json, rows)
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
