@@ -5,8 +5,9 @@
 
 The decode step (``decode_one_token``) is compiled with ``torch.compile(fullgraph=True)``
 (``mode="reduce-overhead"``, i.e. CUDA graphs, on GPU); its shapes never depend on data and
-``input_pos`` is a device tensor, so it compiles once per run. Compilation and graph capture run
-in a warm-up generation before the measured one and are reported apart (``compile_s``).
+``input_pos`` is a device tensor, so it compiles once per run. Compilation and graph capture
+happen in the first decode steps (``WARMUP_STEPS``), which are timed apart (``compile_s``) and
+left out of the latency figures; the prompt is prefilled once.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
 
 METHOD_OPTIONS = ("kernel_size", "pooling", "window", "page_size", "rocket_split",
                   "sparq_reallocate", "skip_layers")
+WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,11 +72,35 @@ def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor, temp
 
 _compiled: dict[Any, Any] = {}
 
+# How the compiled decode step is reused across runs of other shapes (a sweep over contexts and
+# budgets): the first run of a method compiles with static shapes (the fastest kernels for a
+# single run). When a later run changes a cache length, a page count or an integer parameter of
+# the method (k, r, page size), Dynamo's automatic dynamic shapes recompile once with those
+# sizes symbolic, and that graph then serves every other context and budget. Cache buffers and
+# selector integers live on modules, which Dynamo would otherwise keep static, recompiling for
+# every configuration (and failing at its recompile limit under fullgraph=True).
+DYNAMO_CONFIG = {
+    "force_parameter_static_shapes": False,  # buffers (cache lengths) may become dynamic
+    "force_nn_module_property_static_shapes": False,
+    "allow_unspec_int_on_nn_module": True,  # k, r, page_size may become symbolic
+    "recompile_limit": 64,  # one graph per method structure, not per configuration
+}
+
+
+def _configure_dynamo() -> None:
+    import torch._dynamo.config as config
+
+    for name, value in DYNAMO_CONFIG.items():
+        if hasattr(config, name):  # names present in torch 2.11 and 2.13
+            setattr(config, name, value)
+
 
 def compiled_decode(device: torch.device, backend: Any = None):
-    """``decode_one_token`` compiled once per (device type, backend) and reused across calls."""
+    """``decode_one_token`` compiled once per (device type, backend) and reused across calls
+    (see ``DYNAMO_CONFIG`` for reuse across shapes)."""
     key = (device.type, backend)
     if key not in _compiled:
+        _configure_dynamo()
         if backend is not None:
             fn = torch.compile(decode_one_token, backend=backend, fullgraph=True)
         elif device.type == "cuda":
@@ -214,7 +240,10 @@ def _prepare_caches(model: Transformer, spec: dict[str, Any]) -> None:
 
 @torch.no_grad()
 def _run(model: Transformer, prompt: Tensor, new_tokens: int, step_fn, sampling: dict,
-         stop_ids: Tensor, meter: MemoryMeter, max_steps: int | None = None) -> dict[str, Any]:
+         stop_ids: Tensor, meter: MemoryMeter, warmup_steps: int = 0) -> dict[str, Any]:
+    """Prefill, then decode; the first ``warmup_steps`` decode steps (compilation, CUDA-graph
+    capture) are timed together as ``compile_s`` and left out of ``decode_ms`` and of the
+    decode-phase memory peak. Their tokens are real output."""
     device = prompt.device
     B, T = prompt.shape
     timer = StepTimer(device)
@@ -232,28 +261,38 @@ def _run(model: Transformer, prompt: Tensor, new_tokens: int, step_fn, sampling:
     done = torch.isin(next_tok[:, 0], stop_ids)
     n = 1
     input_pos = torch.tensor([T], dtype=torch.long, device=device)
-    steps = new_tokens - 1 if max_steps is None else min(max_steps, new_tokens - 1)
-    for _ in range(steps):
+    compile_s = None
+    t_warm = time.perf_counter()
+    for step in range(new_tokens - 1):
         if bool(done.all()):
             break
-        start = timer.start()
+        if step == warmup_steps and warmup_steps:
+            _sync(device)
+            compile_s = time.perf_counter() - t_warm
+            meter.reset()
+        start = timer.start() if step >= warmup_steps else None
         next_tok = step_fn(model, next_tok, input_pos, **sampling).clone()
-        timer.stop(start)
+        if start is not None:
+            timer.stop(start)
         out[:, n:n + 1] = next_tok
         n += 1
         input_pos += 1
         done |= torch.isin(next_tok[:, 0], stop_ids)
+    if warmup_steps and compile_s is None:  # the run ended within the warm-up
+        _sync(device)
+        compile_s = time.perf_counter() - t_warm
     decode_ms = timer.ms()
     return {"tokens": out[:, :n].tolist(), "prefill_s": prefill_s, "decode_ms": decode_ms,
-            "peak_prefill": peak_prefill, "peak_decode": meter.peak()}
+            "peak_prefill": peak_prefill, "peak_decode": meter.peak(), "compile_s": compile_s,
+            "warmup_steps": min(warmup_steps, n - 1)}
 
 
 def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]], *,
              method: str = "full", budget: int | None = None, max_new_tokens: int = 256,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, stop_ids: Sequence[int] = (), compile: bool = False,
-             compile_backend: Any = None, method_options: dict[str, Any] | None = None
-             ) -> dict[str, Any]:
+             compile_backend: Any = None, method_options: dict[str, Any] | None = None,
+             warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
     """Prefill ``prompt``, then decode until a stop token, ``max_new_tokens`` or the context end.
 
     Args:
@@ -263,9 +302,13 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         max_new_tokens: generated tokens at most (the prefill's token included).
         temperature, top_k, top_p: sampling (temperature 0 is greedy); ``seed`` seeds it.
         stop_ids: a sequence stops after emitting one of these; the run stops when all have.
-        compile: compile the decode step (CUDA graphs on GPU); a warm-up generation of a few
-            steps runs first and its time is reported as ``compile_s``.
+        compile: compile the decode step (CUDA graphs on GPU). The first ``warmup_steps``
+            decode steps compile it (or find it compiled) and capture the graphs: their time is
+            ``compile_s`` and they are left out of every latency and decode-memory figure.
+            Prefill runs once.
         compile_backend: a ``torch.compile`` backend (tests use a counting backend).
+        warmup_steps: decode steps left out of the figures when compiling (default 3: CUDA
+            graph trees run a step, record the next, and replay from the third).
     Returns:
         dict with ``token_ids`` (per sequence, stop token included), ``prefill_s``,
         ``decode_ms`` (one entry per decode step), summary latencies, ``tokens_per_s`` (tokens
@@ -304,20 +347,11 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
 
-    compile_s = None
-    step_fn = decode_one_token
-    if compile:
-        step_fn = compiled_decode(device, compile_backend)
-        _sync(device)
-        t0 = time.perf_counter()
-        # warm-up: compile (and record CUDA graphs) on the same shapes, then start afresh
-        _run(model, prompt, new_tokens, step_fn, sampling, stop[:0], meter, max_steps=3)
-        _sync(device)
-        compile_s = time.perf_counter() - t0
-        _prepare_caches(model, spec)
+    step_fn = compiled_decode(device, compile_backend) if compile else decode_one_token
     if seed is not None:
         torch.manual_seed(seed)
-    run = _run(model, prompt, new_tokens, step_fn, sampling, stop, meter)
+    run = _run(model, prompt, new_tokens, step_fn, sampling, stop, meter,
+               warmup_steps=warmup_steps if compile else 0)
 
     # each sequence ends at its first stop token (kept); the rest of the batch may run on
     tokens = []
@@ -366,7 +400,8 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "weight_bytes": model.weight_bytes(),
         "weight_bytes_per_step": w_per_step,
         "bandwidth_gbps": ((w_per_step + kv_per_step) / (median / 1e3) / 1e9) if median else None,
-        "compile_s": compile_s,
+        "compile_s": run["compile_s"],
+        "warmup_steps": run["warmup_steps"],
         "compiled": bool(compile),
         "device": device_name(device),
         "dtype": str(dtype).removeprefix("torch."),

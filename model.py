@@ -387,7 +387,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope", torch.empty(0, args.head_dim // 2, 2), persistent=False)
 
     def setup_caches(self, caches: list[nn.Module], max_seq_len: int) -> None:
-        """Attach one cache per layer and build the RoPE table for ``max_seq_len`` positions."""
+        """Attach one cache per layer; build the RoPE table (once, for the whole context)."""
         if len(caches) != self.args.n_layers:
             raise ValueError(f"need {self.args.n_layers} caches, got {len(caches)}")
         if max_seq_len > self.args.max_seq_len:
@@ -395,8 +395,10 @@ class Transformer(nn.Module):
                               f"({self.args.max_seq_len} tokens)")
         for layer, cache in zip(self.layers, caches):
             layer.attention.kv_cache = cache
-        if self.rope.shape[0] < max_seq_len:
-            self.rope = precompute_rope(self.args, max_seq_len, self.tok_embeddings.weight.device)
+        if self.rope.shape[0] < self.args.max_seq_len:  # once, for the whole context: the
+            # decode step's shapes then never depend on the run's length
+            self.rope = precompute_rope(self.args, self.args.max_seq_len,
+                                        self.tok_embeddings.weight.device)
 
     @property
     def caches(self) -> list[nn.Module]:

@@ -130,7 +130,10 @@ def predict(args: ModelArgs, method: str, budget: int | None, context: int, new_
                           max_new_tokens=new_tokens, budget=budget, dtype=dtype, device="meta",
                           **(options or {}))
     model.setup_caches(caches, context + new_tokens)
-    resident = storage_ids(list(model.parameters()) + list(model.buffers()))
+    # weights, RoPE table, cache buffers, and tensors caches hold outside their buffers (the
+    # gptfast_dense baseline's shared max_seq x max_seq mask)
+    held = [v for c in model.caches for v in vars(c).values() if isinstance(v, torch.Tensor)]
+    resident = storage_ids(list(model.parameters()) + list(model.buffers()) + held)
     resident_bytes = sum(resident.values())
     tokens = torch.zeros(batch_size, context, dtype=torch.long, device="meta")
     t0 = time.perf_counter()

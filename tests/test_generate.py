@@ -77,12 +77,21 @@ def test_decode_step_compiles_once_without_graph_breaks(stories_model):
     torch._dynamo.reset()
     counter = CompileCounter()
     eager = generate(stories_model, [1, 403, 407, 261], max_new_tokens=24)
-    for _ in range(2):
-        r = generate(stories_model, [1, 403, 407, 261], max_new_tokens=24, compile=True,
-                     compile_backend=counter)
-        assert r["token_ids"] == eager["token_ids"]
+    prefills = []
+    real_prefill = stories_model.prefill
+    stories_model.prefill = lambda tokens: prefills.append(1) or real_prefill(tokens)
+    try:
+        for _ in range(2):
+            r = generate(stories_model, [1, 403, 407, 261], max_new_tokens=24, compile=True,
+                         compile_backend=counter)
+            assert r["token_ids"] == eager["token_ids"]
+    finally:
+        del stories_model.prefill
     assert counter.frame_count == 1  # fullgraph=True would raise on a graph break
-    assert r["compiled"] and r["compile_s"] is not None and r["decode_steps"] == 23
+    assert len(prefills) == 2  # one prefill per run: the warm-up is the first decode steps
+    # 23 decode steps: 3 warm-up steps (compile_s), 20 measured
+    assert r["compiled"] and r["compile_s"] is not None and r["warmup_steps"] == 3
+    assert r["decode_steps"] == len(r["decode_ms"]) == 20 and r["new_tokens"] == 24
 
 
 def test_batch_rows_decode_like_single_sequences(stories_model):
@@ -278,3 +287,28 @@ def test_cli_bad_input_one_clear_line(bad_inputs, stories_dir, case, argv, messa
     assert message in lines[0]
     assert "Traceback" not in p.stderr
     assert not list(bad_inputs.glob("**/*.json.tmp"))
+
+
+def test_compiled_step_is_reused_across_contexts_and_budgets(stories_model):
+    """A sweep compiles each method structure at most twice (static at first, then once with
+    the sizes that changed made symbolic: cache lengths, page counts, k, r, page_size;
+    ``DYNAMO_CONFIG``), never once per configuration. The structures here: full,
+    gptfast_dense, rocketkv with one-token pages (no min/max buffers) and with pages."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    configs = [("full", None), ("gptfast_dense", None), ("rocketkv", 48), ("rocketkv", 96)]
+    gen = torch.Generator().manual_seed(0)
+    frames = []
+    for context in (96, 160, 224, 288, 352, 416):
+        prompt = torch.randint(3, 500, (context,), generator=gen).tolist()
+        for method, budget in configs:
+            r = generate(stories_model, prompt, method=method, budget=budget, max_new_tokens=6,
+                         compile=True, compile_backend=counter)
+            if context == 416:  # the reused graphs decode exactly as the eager step does
+                eager = generate(stories_model, prompt, method=method, budget=budget,
+                                 max_new_tokens=6)
+                assert r["token_ids"] == eager["token_ids"]
+        frames.append(counter.frame_count)
+    assert frames[-1] == frames[-2] == frames[-3] <= 2 * 4, frames

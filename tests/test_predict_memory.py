@@ -58,7 +58,7 @@ def test_full_cache_is_written_in_place_and_resident_bytes_add_up():
     r = predict(ARGS, "full", None, 8192, 16, dtype=torch.bfloat16)
     kv = 2 * ARGS.n_layers * ARGS.n_kv_heads * (8192 + 16) * ARGS.head_dim * 2
     assert r["kv_cache_bytes"] == kv
-    rope = (8192 + 16) * ARGS.head_dim // 2 * 2 * 4
+    rope = ARGS.max_seq_len * ARGS.head_dim // 2 * 2 * 4  # the table covers the whole context
     assert r["resident_bytes"] == r["weight_bytes"] + kv + rope
     # the full cache takes the prompt's K/V straight into its storage; an evicting cache
     # needs one layer's uncompressed K/V beside it
@@ -66,6 +66,9 @@ def test_full_cache_is_written_in_place_and_resident_bytes_add_up():
     layer_kv = 2 * 8192 * ARGS.n_kv_heads * ARGS.head_dim * 2
     assert evicting["prefill_activation_peak_bytes"] - r["prefill_activation_peak_bytes"] \
         >= layer_kv
+    # the dense baseline's shared (max_seq x max_seq) bool mask is resident too
+    dense = predict(ARGS, "gptfast_dense", None, 8192, 16, dtype=torch.bfloat16)
+    assert dense["resident_bytes"] - r["resident_bytes"] == (8192 + 16) ** 2
     assert r["peak_memory_bytes"]["total"] == max(r["peak_memory_bytes"]["prefill"],
                                                   r["peak_memory_bytes"]["decode"])
 
