@@ -9,8 +9,11 @@ random prompt of ``context`` tokens with random weights at the model's real shap
 checkpoint directory) and records, from the repeat with the median decode step:
 
 * ``decode_ms_median/p10/p90``: per-step latency (CUDA events around each step on GPU,
-  synchronized wall clock on CPU), after a warm-up generation that compiles the step (its time
-  is ``compile_s``, excluded); ``tokens_per_s``; ``prefill_s``.
+  synchronized wall clock on CPU) after the first decode steps, which compile the step or find
+  it compiled and capture CUDA graphs (their time is ``compile_s``, excluded); ``tokens_per_s``;
+  ``prefill_s`` (the prompt is prefilled once per run). The compiled step is reused across
+  contexts and budgets (``generate.DYNAMO_CONFIG``): each method structure compiles at most
+  twice in a sweep.
 * ``peak_memory_bytes`` {prefill, decode, total} (``torch.cuda.max_memory_allocated`` reset at
   phase boundaries; process peak RSS on CPU), ``kv_cache_bytes``, ``kv_bytes_per_step``,
   ``weight_bytes`` and ``weight_bytes_per_step``.
@@ -19,7 +22,9 @@ checkpoint directory) and records, from the repeat with the median decode step:
   step must read (weights + ``kv_bytes_per_step``) over that bandwidth.
 
 ``gptfast_dense`` is the paper's Full-KV baseline as gpt-fast ran it; ``full`` is our Full-KV.
-Results go to ``results/<device>/bench-<timestamp>.json`` (a list of rows) with four charts:
+Results go to ``results/<device>/bench-<timestamp>.json`` (a list of rows, rewritten after
+every configuration so a run cut short keeps what it measured; ``--time-limit`` stops starting
+new configurations after that many seconds) with four charts:
 (a) decode speedup vs Full-KV per context and budget, (b) peak-memory saving (decode phase and
 whole run), (c) per-step latency vs context with the roofline, (d) all methods at one context.
 """
@@ -101,6 +106,7 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         "achieved_gbps": best["bandwidth_gbps"],
         "roofline_ms": step_bytes / (bandwidth * 1e9) * 1e3,
         "method_params": best["method_params"], "compiled": best["compiled"],
+        "warmup_steps": best["warmup_steps"], "decode_steps": best["decode_steps"],
     }
 
 
@@ -245,6 +251,9 @@ def main(argv=None) -> int:
     p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
     p.add_argument("--out", default="results", help="results root (default results/)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--time-limit", type=float, metavar="S",
+                   help="start no configuration after S seconds (the rest are listed as "
+                        "skipped); results are saved after every configuration anyway")
     args = p.parse_args(argv)
     try:
         device = _resolve_device(args.device)
@@ -269,27 +278,34 @@ def main(argv=None) -> int:
 
     copy_bytes = 1 << 30 if device.type == "cuda" else 1 << 27
     bandwidth = measure_bandwidth(device, copy_bytes)
-    rows = []
-    configs = configurations(args)
-    for batch, context, method, budget in tqdm(configs, desc="bench", unit="config"):
-        try:
-            rows.append(run_one(model, batch, context, method, budget, args, bandwidth, device))
-        except (ConfigError, torch.OutOfMemoryError) as e:
-            msg = str(e).splitlines()[0]
-            rows.append({"device": device_name(device), "model": model.args.name,
-                         "method": method, "budget": budget, "context": context,
-                         "batch_size": batch, "error": msg})
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", device_name(device))
     out_dir = Path(args.out) / name
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     prefix = out_dir / f"bench-{stamp}"
-    for r in rows:
-        r.update(date=stamp, command="python " + " ".join(sys.argv))
-    write_json(prefix.with_suffix(".json"), rows)
+    command = " ".join(["python scripts/bench.py", *(sys.argv[1:] if argv is None else argv)])
+    rows = []
+    start = time.perf_counter()
+    for batch, context, method, budget in tqdm(configurations(args), desc="bench",
+                                               unit="config"):
+        if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
+            row = {"device": device_name(device), "model": model.args.name, "method": method,
+                   "budget": budget, "context": context, "batch_size": batch,
+                   "error": f"skipped: --time-limit {args.time_limit:g} s reached"}
+        else:
+            try:
+                row = run_one(model, batch, context, method, budget, args, bandwidth, device)
+            except (ConfigError, torch.OutOfMemoryError) as e:
+                row = {"device": device_name(device), "model": model.args.name,
+                       "method": method, "budget": budget, "context": context,
+                       "batch_size": batch, "error": str(e).splitlines()[0]}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        row.update(date=stamp, command=command,
+                   elapsed_s=round(time.perf_counter() - start, 1))
+        rows.append(row)
+        write_json(prefix.with_suffix(".json"), rows)
+
     pngs = [] if args.no_plots or not any("error" not in r for r in rows) else \
         plot(rows, prefix, args.compare_context)
     print(summary(rows))

@@ -42,3 +42,13 @@ def test_cpu_sweep(tmp_path, capsys):
 def test_bad_arguments(capsys):
     assert main(["--device", "cpu", "--model", "stories260K", "--methods", "magic"]) == 2
     assert "unknown methods" in capsys.readouterr().err
+
+
+def test_time_limit_skips_the_rest_and_saves(tmp_path):
+    assert main(["--device", "cpu", "--model", "stories260K", "--context", "96",
+                 "--methods", "full", "rocketkv", "--budgets", "48", "--new-tokens", "4",
+                 "--time-limit", "0", "--out", str(tmp_path)]) == 0
+    (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 and all(r["error"].startswith("skipped") for r in rows)
+    assert all(r["command"].startswith("python scripts/bench.py --device cpu") for r in rows)

@@ -1,0 +1,176 @@
+"""Check bench results against the speed and memory targets (issue 4), as a Markdown table.
+
+    python scripts/check_targets.py results/NVIDIA-H200/bench-*.json
+    python scripts/check_targets.py results/NVIDIA-H200/bench-*.json --json targets.json
+
+Reads one or more ``scripts/bench.py`` result files (rows of every file together; a later row
+replaces an earlier one of the same configuration) and reports, per target, what was measured,
+the limit and ``pass`` / ``FAIL`` / ``not measured`` (the configuration is missing or errored).
+Rows from the meta device (``scripts/predict_memory.py``) are never taken as measurements.
+Exit status 0 when every target that was measured passed, 1 otherwise, 2 on bad input.
+
+Targets (llama-3.1-8b shape, bf16, batch 1 unless said):
+
+* ``full`` decode step within 1.25x of its roofline (weights + whole KV) at every context;
+* ``rocketkv`` at budget 256 within 1.3x of its roofline at every context up to 128K;
+* ``rocketkv`` at 256 at least 3.5x faster than ``gptfast_dense`` at 96K (98304 tokens);
+* whole-run peak memory of ``rocketkv`` at 256 at 128K at most 20 GB (1e9 bytes) and at least
+  40% below ``full``'s;
+* batch 16 at 32K: ``rocketkv`` at 256 at least 3x the tokens/s of ``full``;
+* the sweep's configurations ran within 600 s (``elapsed_s`` of its last row).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from generate import OneLineParser, write_json  # noqa: E402
+
+K96, K128, K32 = 98304, 131072, 32768
+GB = 1e9
+
+
+def _key(r: dict) -> tuple:
+    return (r.get("model"), r.get("dtype"), r["method"], r.get("budget"), r["context"],
+            r["batch_size"])
+
+
+def load_rows(paths: list[str]) -> list[dict]:
+    """Rows of every file (later files replace earlier rows of the same configuration).
+
+    Raises:
+        ValueError: a file that is missing, not JSON, or not a list of bench rows.
+    """
+    rows: dict[tuple, dict] = {}
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read {path}: {e}") from None
+        if not isinstance(data, list) or not all(
+                isinstance(r, dict) and {"method", "context", "batch_size"} <= r.keys()
+                for r in data):
+            raise ValueError(f"{path} is not a list of bench rows")
+        for r in data:
+            if r.get("device") == "meta" or r.get("predicted"):
+                continue  # predictions are not measurements
+            rows[_key(r)] = r
+    return list(rows.values())
+
+
+def _ok(rows, **kw):
+    return [r for r in rows if "error" not in r and all(r.get(k) == v for k, v in kw.items())]
+
+
+def _one(rows, **kw):
+    found = _ok(rows, **kw)
+    return found[0] if found else None
+
+
+def _roofline_target(rows, method, budget, limit, max_context=None) -> dict:
+    pts = sorted(_ok(rows, method=method, budget=budget, batch_size=1),
+                 key=lambda r: r["context"])
+    if max_context is not None:
+        pts = [r for r in pts if r["context"] <= max_context]
+    name = f"{method}{'' if budget is None else f' @{budget}'} step / roofline, every context"
+    if not pts:
+        return {"target": name, "limit": f"<= {limit}x", "measured": None,
+                "status": "not measured"}
+    ratios = {r["context"]: r["decode_ms_median"] / r["roofline_ms"] for r in pts}
+    worst = max(ratios.values())
+    return {"target": name, "limit": f"<= {limit}x",
+            "measured": ", ".join(f"{c}: {x:.2f}x" for c, x in ratios.items()),
+            "status": "pass" if worst <= limit else "FAIL", "worst": worst}
+
+
+def evaluate(rows: list[dict]) -> list[dict]:
+    """One result per target: target, limit, measured (text), status."""
+    out = [_roofline_target(rows, "full", None, 1.25),
+           _roofline_target(rows, "rocketkv", 256, 1.3, max_context=K128)]
+
+    a, b = _one(rows, method="rocketkv", budget=256, context=K96, batch_size=1), \
+        _one(rows, method="gptfast_dense", context=K96, batch_size=1)
+    name = "rocketkv @256 speedup vs gptfast_dense at 96K"
+    if a and b:
+        x = b["decode_ms_median"] / a["decode_ms_median"]
+        out.append({"target": name, "limit": ">= 3.5x", "measured": f"{x:.2f}x",
+                    "status": "pass" if x >= 3.5 else "FAIL"})
+    else:
+        out.append({"target": name, "limit": ">= 3.5x", "measured": None,
+                    "status": "not measured"})
+
+    big = [r for r in _ok(rows, batch_size=1) if r["context"] >= K128 - 128]
+    a = next((r for r in big if r["method"] == "rocketkv" and r["budget"] == 256), None)
+    b = next((r for r in big if r["method"] == "full" and r["context"] == (a or {}).get(
+        "context")), None)
+    name = "whole-run peak memory, rocketkv @256 at 128K (saving vs full)"
+    if a and b:
+        pa, pb = a["peak_memory_bytes"]["total"], b["peak_memory_bytes"]["total"]
+        saving = 1 - pa / pb
+        out.append({"target": name, "limit": "<= 20 GB and >= 40%",
+                    "measured": f"{pa / GB:.2f} GB vs {pb / GB:.2f} GB ({100 * saving:.1f}%)",
+                    "status": "pass" if pa <= 20 * GB and saving >= 0.4 else "FAIL"})
+    else:
+        out.append({"target": name, "limit": "<= 20 GB and >= 40%", "measured": None,
+                    "status": "not measured"})
+
+    a, b = _one(rows, method="rocketkv", budget=256, context=K32, batch_size=16), \
+        _one(rows, method="full", context=K32, batch_size=16)
+    name = "batch 16 at 32K: rocketkv @256 tokens/s vs full"
+    if a and b:
+        x = a["tokens_per_s"] / b["tokens_per_s"]
+        out.append({"target": name, "limit": ">= 3x", "measured": f"{x:.2f}x",
+                    "status": "pass" if x >= 3 else "FAIL"})
+    else:
+        out.append({"target": name, "limit": ">= 3x", "measured": None,
+                    "status": "not measured"})
+
+    runs: dict[str, float] = {}
+    for r in rows:
+        if "elapsed_s" in r and "date" in r:
+            runs[r["date"]] = max(runs.get(r["date"], 0.0), r["elapsed_s"])
+    name = "sweep time (configurations of one bench run)"
+    if runs:
+        worst = max(runs.values())
+        out.append({"target": name, "limit": "<= 600 s",
+                    "measured": ", ".join(f"{d}: {s:.0f} s" for d, s in runs.items()),
+                    "status": "pass" if worst <= 600 else "FAIL"})
+    else:
+        out.append({"target": name, "limit": "<= 600 s", "measured": None,
+                    "status": "not measured"})
+    return out
+
+
+def markdown(results: list[dict], rows: list[dict]) -> str:
+    devices = sorted({r.get("device", "?") for r in rows}) or ["none"]
+    lines = [f"device: {', '.join(devices)}", "",
+             "| target | limit | measured | status |", "|---|---|---|---|"]
+    for t in results:
+        lines.append(f"| {t['target']} | {t['limit']} | {t['measured'] or '-'} | "
+                     f"{t['status']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", help="bench result JSON files")
+    p.add_argument("--json", metavar="PATH", help="write the target results here")
+    a = p.parse_args(argv)
+    try:
+        rows = load_rows(a.results)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = evaluate(rows)
+    print(markdown(results, rows))
+    if a.json:
+        write_json(a.json, results)
+    return 1 if any(t["status"] == "FAIL" for t in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""scripts/check_targets.py: each target's verdict from synthetic bench rows."""
+
+import json
+
+from scripts.check_targets import evaluate, main
+
+GB = 1e9
+
+
+def row(method, budget, context, ms, roofline, batch=1, tok=None, peak=None, **kw):
+    return {"device": "NVIDIA H200", "model": "llama-3.1-8b", "dtype": "bfloat16",
+            "method": method, "budget": budget, "context": context, "batch_size": batch,
+            "decode_ms_median": ms, "roofline_ms": roofline,
+            "tokens_per_s": tok if tok is not None else batch * 1e3 / ms,
+            "peak_memory_bytes": {"prefill": peak, "decode": peak, "total": peak}, **kw}
+
+
+def passing_rows():
+    rows = []
+    for c in (16384, 32768, 65536, 98304, 131008):
+        full_roof = 4 + c / 8192
+        rows += [row("full", None, c, 1.2 * full_roof, full_roof, peak=(16 + c / 7630) * GB),
+                 row("gptfast_dense", None, c, 4 * full_roof, full_roof, peak=50 * GB),
+                 row("rocketkv", 256, c, 4.4, 4.0, peak=19 * GB)]
+    rows += [row("full", None, 32768, 30.0, 25.0, batch=16),
+             row("rocketkv", 256, 32768, 9.0, 8.0, batch=16)]
+    for r in rows:
+        r.update(date="20261121-000000", elapsed_s=500.0)
+    return rows
+
+
+
+def test_all_targets_pass():
+    results = evaluate(passing_rows())
+    assert [t["status"] for t in results] == ["pass"] * 6, results
+
+
+def test_each_target_can_fail():
+    rows = passing_rows()
+    slow_full = [dict(r, decode_ms_median=r["roofline_ms"] * 1.3) if r["method"] == "full"
+                 and r["batch_size"] == 1 and r["context"] == 65536 else r for r in rows]
+    assert evaluate(slow_full)[0]["status"] == "FAIL"
+    growing = [dict(r, decode_ms_median=5.3) if r["method"] == "rocketkv" and
+               r["context"] == 131008 else r for r in rows]
+    assert evaluate(growing)[1]["status"] == "FAIL"
+    fast_dense = [dict(r, decode_ms_median=10.0) if r["method"] == "gptfast_dense" else r
+                  for r in rows]
+    assert evaluate(fast_dense)[2]["status"] == "FAIL"
+    heavy = [dict(r, peak_memory_bytes={"prefill": 21 * GB, "decode": 17 * GB,
+                                        "total": 21 * GB})
+             if r["method"] == "rocketkv" and r["context"] == 131008 else r for r in rows]
+    assert evaluate(heavy)[3]["status"] == "FAIL"  # the whole run counts, not only decode
+    batch = [dict(r, tokens_per_s=100.0) if r["batch_size"] == 16 else r for r in rows]
+    assert evaluate(batch)[4]["status"] == "FAIL"
+    slow_sweep = [dict(r, elapsed_s=700.0) for r in rows]
+    assert evaluate(slow_sweep)[5]["status"] == "FAIL"
+
+
+def test_missing_or_errored_configurations_are_not_measured():
+    rows = [r for r in passing_rows() if r["method"] != "gptfast_dense"]
+    rows.append(row("gptfast_dense", None, 98304, 1, 1) | {"error": "out of memory"})
+    results = evaluate(rows)
+    assert results[2]["status"] == "not measured"
+    assert all(t["status"] == "not measured" for t in evaluate([]))
+
+
+def test_cli(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(passing_rows()))
+    assert main([str(good), "--json", str(tmp_path / "t.json")]) == 0
+    assert "| pass |" in capsys.readouterr().out
+    assert len(json.loads((tmp_path / "t.json").read_text())) == 6
+    # a later file's row replaces the earlier one of the same configuration
+    worse = tmp_path / "worse.json"
+    worse.write_text(json.dumps([row("rocketkv", 256, 98304, 40.0, 4.0, peak=19 * GB)]))
+    assert main([str(good), str(worse)]) == 1
+    # predictions are never measurements
+    pred = tmp_path / "pred.json"
+    pred.write_text(json.dumps([dict(r, device="meta", predicted=True) for r in passing_rows()]))
+    assert main([str(pred)]) == 0 and "not measured" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert main([str(bad)]) == 2
+    assert "cannot read" in capsys.readouterr().err
