@@ -238,7 +238,7 @@ class FullKVCache(KVCache):
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
-        mask = torch.arange(self.max_seq_len, device=input_pos.device) <= input_pos  # (S,)
+        mask = torch.arange(self.k_cache.shape[2], device=input_pos.device) <= input_pos  # (S,)
         return attend(q, self.k_cache, self.v_cache, mask)
 
     def bytes_read_per_step(self) -> int:

@@ -71,77 +71,57 @@ def _one(rows, **kw):
     return found[0] if found else None
 
 
+def _result(target: str, limit: str, measured: str | None, passed: bool = False) -> dict:
+    status = "not measured" if measured is None else ("pass" if passed else "FAIL")
+    return {"target": target, "limit": limit, "measured": measured, "status": status}
+
+
 def _roofline_target(rows, method, budget, limit, max_context=None) -> dict:
     pts = sorted(_ok(rows, method=method, budget=budget, batch_size=1),
                  key=lambda r: r["context"])
-    if max_context is not None:
-        pts = [r for r in pts if r["context"] <= max_context]
+    pts = [r for r in pts if max_context is None or r["context"] <= max_context]
     name = f"{method}{'' if budget is None else f' @{budget}'} step / roofline, every context"
-    if not pts:
-        return {"target": name, "limit": f"<= {limit}x", "measured": None,
-                "status": "not measured"}
     ratios = {r["context"]: r["decode_ms_median"] / r["roofline_ms"] for r in pts}
-    worst = max(ratios.values())
-    return {"target": name, "limit": f"<= {limit}x",
-            "measured": ", ".join(f"{c}: {x:.2f}x" for c, x in ratios.items()),
-            "status": "pass" if worst <= limit else "FAIL", "worst": worst}
+    measured = ", ".join(f"{c}: {x:.2f}x" for c, x in ratios.items()) if pts else None
+    return _result(name, f"<= {limit}x", measured, bool(pts) and max(ratios.values()) <= limit)
 
 
 def evaluate(rows: list[dict]) -> list[dict]:
-    """One result per target: target, limit, measured (text), status."""
+    """One result per target: target, limit, measured (text or None), status."""
     out = [_roofline_target(rows, "full", None, 1.25),
            _roofline_target(rows, "rocketkv", 256, 1.3, max_context=K128)]
 
     a, b = _one(rows, method="rocketkv", budget=256, context=K96, batch_size=1), \
         _one(rows, method="gptfast_dense", context=K96, batch_size=1)
-    name = "rocketkv @256 speedup vs gptfast_dense at 96K"
-    if a and b:
-        x = b["decode_ms_median"] / a["decode_ms_median"]
-        out.append({"target": name, "limit": ">= 3.5x", "measured": f"{x:.2f}x",
-                    "status": "pass" if x >= 3.5 else "FAIL"})
-    else:
-        out.append({"target": name, "limit": ">= 3.5x", "measured": None,
-                    "status": "not measured"})
+    x = b["decode_ms_median"] / a["decode_ms_median"] if a and b else None
+    out.append(_result("rocketkv @256 speedup vs gptfast_dense at 96K", ">= 3.5x",
+                       None if x is None else f"{x:.2f}x", x is not None and x >= 3.5))
 
     big = [r for r in _ok(rows, batch_size=1) if r["context"] >= K128 - 128]
     a = next((r for r in big if r["method"] == "rocketkv" and r["budget"] == 256), None)
     b = next((r for r in big if r["method"] == "full" and r["context"] == (a or {}).get(
         "context")), None)
-    name = "whole-run peak memory, rocketkv @256 at 128K (saving vs full)"
+    measured, passed = None, False
     if a and b:
         pa, pb = a["peak_memory_bytes"]["total"], b["peak_memory_bytes"]["total"]
-        saving = 1 - pa / pb
-        out.append({"target": name, "limit": "<= 20 GB and >= 40%",
-                    "measured": f"{pa / GB:.2f} GB vs {pb / GB:.2f} GB ({100 * saving:.1f}%)",
-                    "status": "pass" if pa <= 20 * GB and saving >= 0.4 else "FAIL"})
-    else:
-        out.append({"target": name, "limit": "<= 20 GB and >= 40%", "measured": None,
-                    "status": "not measured"})
+        measured = f"{pa / GB:.2f} GB vs {pb / GB:.2f} GB ({100 * (1 - pa / pb):.1f}%)"
+        passed = pa <= 20 * GB and 1 - pa / pb >= 0.4
+    out.append(_result("whole-run peak memory, rocketkv @256 at 128K (saving vs full)",
+                       "<= 20 GB and >= 40%", measured, passed))
 
     a, b = _one(rows, method="rocketkv", budget=256, context=K32, batch_size=16), \
         _one(rows, method="full", context=K32, batch_size=16)
-    name = "batch 16 at 32K: rocketkv @256 tokens/s vs full"
-    if a and b:
-        x = a["tokens_per_s"] / b["tokens_per_s"]
-        out.append({"target": name, "limit": ">= 3x", "measured": f"{x:.2f}x",
-                    "status": "pass" if x >= 3 else "FAIL"})
-    else:
-        out.append({"target": name, "limit": ">= 3x", "measured": None,
-                    "status": "not measured"})
+    x = a["tokens_per_s"] / b["tokens_per_s"] if a and b else None
+    out.append(_result("batch 16 at 32K: rocketkv @256 tokens/s vs full", ">= 3x",
+                       None if x is None else f"{x:.2f}x", x is not None and x >= 3))
 
     runs: dict[str, float] = {}
     for r in rows:
         if "elapsed_s" in r and "date" in r:
             runs[r["date"]] = max(runs.get(r["date"], 0.0), r["elapsed_s"])
-    name = "sweep time (configurations of one bench run)"
-    if runs:
-        worst = max(runs.values())
-        out.append({"target": name, "limit": "<= 600 s",
-                    "measured": ", ".join(f"{d}: {s:.0f} s" for d, s in runs.items()),
-                    "status": "pass" if worst <= 600 else "FAIL"})
-    else:
-        out.append({"target": name, "limit": "<= 600 s", "measured": None,
-                    "status": "not measured"})
+    out.append(_result("sweep time (configurations of one bench run)", "<= 600 s",
+                       ", ".join(f"{d}: {t:.0f} s" for d, t in runs.items()) or None,
+                       bool(runs) and max(runs.values()) <= 600))
     return out
 
 
