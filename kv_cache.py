@@ -450,6 +450,9 @@ METHODS: dict[str, tuple[str, Callable[..., list[KVCache]]]] = {
 }
 
 
+UNBUDGETED = ("full", "gptfast_dense")  # methods that take no token budget
+
+
 def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
                  max_new_tokens: int, budget: int | None, dtype: torch.dtype, device,
                  **options) -> list[KVCache]:

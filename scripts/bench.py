@@ -44,10 +44,8 @@ import torch  # noqa: E402
 
 from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
 from generate import DTYPES, OneLineParser, _resolve_device, device_name, generate, write_json  # noqa: E402
-from kv_cache import METHODS  # noqa: E402
+from kv_cache import METHODS, UNBUDGETED  # noqa: E402
 from model import CONFIGS, ConfigError  # noqa: E402
-
-UNBUDGETED = ("full", "gptfast_dense")
 
 
 def measure_bandwidth(device: torch.device, nbytes: int) -> float:

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from generate import DTYPES, OneLineParser, write_json  # noqa: E402
-from kv_cache import METHODS, build_caches  # noqa: E402
+from kv_cache import METHODS, UNBUDGETED, build_caches  # noqa: E402
 from model import CONFIGS, ConfigError, ModelArgs, Transformer  # noqa: E402
 
 GB = 1e9
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     rows = []
     for context in a.context:
         for method in a.methods:
-            for budget in ([None] if method in ("full", "gptfast_dense") else a.budgets):
+            for budget in ([None] if method in UNBUDGETED else a.budgets):
                 try:
                     rows.append(predict(args, method, budget, context, a.new_tokens,
                                         a.batch_size, DTYPES[a.dtype]))
