@@ -1,4 +1,5 @@
-"""Checkpoint loading: Hugging Face directories, our converted directories, random weights.
+"""Checkpoint loading: Hugging Face directories, GGUF files, our converted directories, random
+weights, and the short names of the models our users run.
 
 Layouts accepted by ``load_model``:
 
@@ -7,23 +8,36 @@ Layouts accepted by ``load_model``:
   HF's rotate-half layout back to Meta's adjacent-pair RoPE layout, and q/k/v fused.
 * Converted (``scripts/convert_*.py``): ``model_args.json`` + ``model.safetensors`` already in
   ``model.py``'s names and layout.
+* GGUF (llama.cpp's format, ``*.gguf``): config from the GGUF metadata, tensors dequantized
+  with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants and the
+  other types it implements) to the run's dtype. llama.cpp's converter stores the q/k rows in
+  Meta's adjacent-pair RoPE order (it applies the same permutation as ``hf_to_meta_rope_rows``),
+  which is ours: they load as they are (``tests/test_gguf.py`` checks this against
+  transformers' GGUF reader).
 * ``random:NAME``: the named config of ``model.CONFIGS`` with random weights (cost depends on
   shapes, not values).
-The tokenizer comes from ``tokenizer.model`` or ``original/tokenizer.model`` in the directory.
+* A short name (``KNOWN_CHECKPOINTS``: ``llama3.1-8b``, ``smollm2-135m``...): resolved to a
+  local copy by ``resolve_checkpoint``.
+The tokenizer (``tokenizer.py``) comes from the directory's ``tokenizer.json`` or
+``tokenizer.model``, or from the GGUF file's own metadata.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from model import ConfigError, ModelArgs, Transformer
 
+GGUF_MAGIC = b"GGUF"
 NATIVE_CONFIG = "model_args.json"
 NATIVE_WEIGHTS = "model.safetensors"
 RANDOM_PREFIX = "random:"
@@ -121,6 +135,81 @@ def hf_state_dict(tensors: dict[str, Tensor], args: ModelArgs) -> dict[str, Tens
     return sd
 
 
+def meta_to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+    """Inverse of ``hf_state_dict``: ``model.py`` names to Hugging Face Llama names, q/k/v
+    split and q/k rows permuted back to HF's rotate-half order. A tied classifier is left out
+    (HF ties it on load)."""
+    top = {new: name for name, new in _HF_TOP_NAMES.items()}
+    layer = {new: name for name, new in _HF_LAYER_NAMES.items()}
+    D = args.head_dim
+    out: dict[str, Tensor] = {}
+    for name, t in sd.items():
+        if name in top:
+            if not (name == "output.weight" and args.tie_word_embeddings):
+                out[top[name]] = t
+            continue
+        _, i, rest = name.split(".", 2)
+        p = f"model.layers.{i}."
+        if rest == "attention.wqkv.weight":
+            q, k, v = t.split([args.n_heads * D, args.n_kv_heads * D, args.n_kv_heads * D])
+            out[p + "self_attn.q_proj.weight"] = meta_to_hf_rope_rows(q, args.n_heads)
+            out[p + "self_attn.k_proj.weight"] = meta_to_hf_rope_rows(k, args.n_kv_heads)
+            out[p + "self_attn.v_proj.weight"] = v
+        else:
+            out[p + layer[rest]] = t
+    return {n: t.contiguous() for n, t in out.items()}
+
+
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` (LlamaForCausalLM) for ``args``; ``from_hf_config`` reads
+    it back to the same ``ModelArgs``.
+
+    Raises:
+        ConfigError: RoPE frequency factors (GGUF ``rope_freqs``) that are not Llama 3.1's
+            scaling, which config.json cannot express.
+    """
+    rope = args.rope_scaling
+    if rope is None:
+        rope_scaling = None
+    elif rope["type"] == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": rope["factor"]}
+    elif rope["type"] == "llama3":
+        rope_scaling = {"rope_type": "llama3", **{k: v for k, v in rope.items() if k != "type"}}
+    else:  # freq_factors: recognize Llama 3.1's, the only ones llama.cpp writes for llama
+        from model import rope_inv_freq
+
+        llama31 = dataclasses.replace(args, rope_scaling={"type": "llama3", **{
+            k: v for k, v in LLAMA31_ROPE.items() if k != "rope_type"}})
+        if not torch.allclose(rope_inv_freq(args), rope_inv_freq(llama31), rtol=1e-5):
+            raise ConfigError("the GGUF's RoPE frequency factors are not Llama 3.1's scaling; "
+                              "config.json cannot express them")
+        rope_scaling = dict(LLAMA31_ROPE)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "vocab_size": args.vocab_size,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
 def _materialize(args: ModelArgs, state_dict: dict[str, Tensor], device, dtype) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
@@ -159,20 +248,290 @@ def random_model(args: ModelArgs, device, dtype, seed: int = 0) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
-def load_model(checkpoint: str, device, dtype) -> Transformer:
-    """Load ``checkpoint`` (a directory, or ``random:NAME``) onto ``device`` in ``dtype``.
+# --------------------------------------------------------------------------------------------
+# GGUF
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a file that starts with the GGUF magic (not judged by its name)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def open_gguf(path: str | Path):
+    """``gguf.GGUFReader`` over ``path`` (memory-mapped; tensors are read when used).
+
+    Parsing the metadata of a 49K-token vocabulary takes seconds, so the last two readers are
+    kept (keyed by path, size and modification time) for the model and the tokenizer to share.
 
     Raises:
-        ConfigError: missing or unreadable directory, config without weights, unsupported
-            architecture, or weights that do not match the config.
+        ConfigError: the ``gguf`` package is missing, or the file is unreadable, not GGUF,
+            truncated or corrupt.
+    """
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError("loading a GGUF checkpoint needs the gguf package "
+                          "(pip install -r requirements.txt)") from None
+    path = Path(path).resolve()
+    if not is_gguf(path):
+        raise ConfigError(f"{path} is not a GGUF file (no GGUF magic)")
+    stat = path.stat()
+    return _gguf_reader(gguf.GGUFReader, path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(reader_cls, path: Path, size: int, mtime_ns: int):
+    try:
+        return reader_cls(path)
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        raise ConfigError(f"cannot read GGUF file {path}: truncated or corrupt ({e})") from None
+
+
+_MISSING = object()
+
+
+def gguf_field(reader, name: str, default: Any = _MISSING) -> Any:
+    """The value of metadata field ``name`` (a Python scalar, string or list).
+
+    Raises:
+        ConfigError: the field is absent and no default is given.
+    """
+    field = reader.fields.get(name)
+    if field is None:
+        if default is _MISSING:
+            raise ConfigError(f"GGUF file lacks the metadata field {name!r}")
+        return default
+    return field.contents()
+
+
+GGUF_ARCHITECTURES = ("llama",)  # Mistral 7B files are labelled llama too
+
+
+def gguf_args(reader, name: str | None = None) -> ModelArgs:
+    """``ModelArgs`` from a llama-architecture GGUF's metadata.
+
+    Fields (``A`` = ``general.architecture``): ``A.block_count``, ``A.embedding_length``,
+    ``A.feed_forward_length``, ``A.attention.head_count(_kv)``, ``A.attention.key_length`` or
+    ``A.rope.dimension_count`` (head_dim), ``A.context_length``, ``A.rope.freq_base``,
+    ``A.rope.scaling.type``/``.factor`` (linear), ``A.attention.layer_norm_rms_epsilon``. The
+    vocabulary size and the tied classifier (no ``output.weight``) come from the tensors; a
+    ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1 RoPE scaling: one divisor per
+    frequency) becomes ``rope_scaling = {"type": "freq_factors", ...}``.
+
+    Raises:
+        ConfigError: another architecture, mixture of experts, partial rotary, an unsupported
+            RoPE scaling, or a missing field.
+    """
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"unsupported architecture in GGUF: {arch!r} (supported: "
+                          f"{', '.join(GGUF_ARCHITECTURES)}, which includes Mistral)")
+    if gguf_field(reader, f"{arch}.expert_count", 0):
+        raise ConfigError("unsupported architecture: mixture of experts in GGUF")
+
+    def get(key, default=_MISSING):
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    dim, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", 0) or get("rope.dimension_count", 0)
+                   or dim // n_heads)
+    n_rot = int(get("rope.dimension_count", head_dim))
+    if n_rot != head_dim:
+        raise ConfigError(f"unsupported architecture: partial rotary embedding ({n_rot} of "
+                          f"{head_dim} dims)")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ConfigError("GGUF file lacks the tensor 'token_embd.weight'")
+    rope_scaling = None
+    kind = get("rope.scaling.type", "none")
+    if kind == "linear":
+        rope_scaling = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif kind not in ("none", None, ""):
+        raise ConfigError(f"unsupported rope scaling in GGUF: {kind!r} (supported: linear, "
+                          "and Llama 3.1's rope_freqs)")
+    if "rope_freqs.weight" in tensors:
+        factors = _dequantize(tensors["rope_freqs.weight"]).reshape(-1)
+        rope_scaling = {"type": "freq_factors", "factors": [float(f) for f in factors]}
+    return ModelArgs(
+        dim=dim,
+        n_layers=int(get("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        intermediate_size=int(get("feed_forward_length")),
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are (in, out)
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_seq_len=int(get("context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        name=name or gguf_field(reader, "general.name", None) or arch,
+    )
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_output.weight": "attention.wo.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+    "attn_norm.weight": "attention_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+}
+_GGUF_TOP_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight":
+                   "norm.weight", "output.weight": "output.weight"}
+
+
+def _dequantize(tensor) -> Tensor:
+    """One GGUF tensor as float32, shaped (out, in) like ``nn.Linear.weight``.
+
+    Raises:
+        ConfigError: a quantization type the ``gguf`` package cannot dequantize.
+    """
+    import gguf
+
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ConfigError(f"tensor {tensor.name} has quantization type "
+                          f"{tensor.tensor_type.name}, which the gguf package cannot "
+                          "dequantize") from None
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dim first
+    return torch.from_numpy(values.astype("float32", copy=True).reshape(shape))
+
+
+def gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype | None = None
+                    ) -> dict[str, Tensor]:
+    """``model.py``'s state dict from a llama-architecture GGUF: tensors renamed,
+    dequantized one at a time and cast to ``dtype`` (default float32), q/k/v fused. q/k rows
+    stay as stored (Meta's adjacent-pair RoPE order, which llama.cpp's converter writes).
+
+    Raises:
+        ConfigError: a missing or unexpected tensor, or an undequantizable type.
+    """
+    dtype = dtype or torch.float32
+    tensors = {t.name: t for t in reader.tensors}
+    tensors.pop("rope_freqs.weight", None)  # in args.rope_scaling
+
+    def take(name: str) -> Tensor:
+        if name not in tensors:
+            raise ConfigError(f"GGUF file lacks the tensor {name!r}")
+        return _dequantize(tensors.pop(name)).to(dtype)
+
+    sd: dict[str, Tensor] = {}
+    for name, new in _GGUF_TOP_NAMES.items():
+        if name in tensors or name != "output.weight":
+            sd[new] = take(name)
+    for i in range(args.n_layers):
+        p = f"blk.{i}."
+        sd[f"layers.{i}.attention.wqkv.weight"] = torch.cat(
+            [take(p + "attn_q.weight"), take(p + "attn_k.weight"), take(p + "attn_v.weight")])
+        for name, new in _GGUF_LAYER_NAMES.items():
+            sd[f"layers.{i}.{new}"] = take(p + name)
+    if tensors:
+        raise ConfigError(f"unexpected tensors in GGUF file: {', '.join(list(tensors)[:5])}")
+    return sd
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None
+              ) -> tuple[ModelArgs, dict[str, Tensor]]:
+    """Config and state dict (``dtype``, default float32) of a llama-architecture GGUF file.
+
+    Raises:
+        ConfigError: see ``open_gguf``, ``gguf_args`` and ``gguf_state_dict``.
+    """
+    reader = open_gguf(path)
+    args = gguf_args(reader, name=None)
+    return args, gguf_state_dict(reader, args, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Short names
+
+# name -> Hugging Face repository of the instruct model our users mean by it
+KNOWN_CHECKPOINTS = {
+    "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "mistral-7b-v0.2": "mistralai/Mistral-7B-Instruct-v0.2",
+    "longchat-7b": "lmsys/longchat-7b-v1.5-32k",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+CHECKPOINT_DIRS = (Path("checkpoints"), Path(__file__).resolve().parent / "checkpoints")
+
+
+def _hf_cache_snapshot(repo_id: str) -> Path | None:
+    """The cached snapshot of ``repo_id`` in the Hugging Face cache (never downloads)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached, no huggingface_hub, or a broken cache: not found
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+def resolve_checkpoint(checkpoint: str) -> str:
+    """A ``--checkpoint`` value made a loadable path.
+
+    Paths and ``random:NAME`` are returned as they are. A name of ``KNOWN_CHECKPOINTS``
+    resolves to a local copy: in ``checkpoints/`` (of the working directory, then of this
+    project) the directory ``scripts/download.py`` writes (the repository's name), a directory
+    or ``.gguf`` file named after the short name, or a GGUF of the repository
+    (``<repo name>*.gguf``); then the Hugging Face cache (local files only).
+
+    Raises:
+        ConfigError: a known name with no local copy; the message gives the command that
+            downloads it.
+    """
+    if checkpoint.startswith(RANDOM_PREFIX) or Path(checkpoint).exists() \
+            or checkpoint not in KNOWN_CHECKPOINTS:
+        return checkpoint
+    repo_id = KNOWN_CHECKPOINTS[checkpoint]
+    repo_name = repo_id.split("/")[-1]
+    dirs = list(dict.fromkeys(d.resolve() for d in CHECKPOINT_DIRS))
+    for d in dirs:
+        candidates = [d / repo_name, d / checkpoint, d / f"{checkpoint}.gguf",
+                      *sorted(d.glob(f"{repo_name}*.gguf"))]
+        for c in candidates:
+            if c.is_file() or (c.is_dir() and ((c / "config.json").is_file()
+                                               or (c / NATIVE_CONFIG).is_file())):
+                return str(c)
+    cached = _hf_cache_snapshot(repo_id)
+    if cached is not None:
+        return str(cached)
+    raise ConfigError(f"checkpoint {checkpoint!r} ({repo_id}) is not on this machine (looked in "
+                      f"{' and '.join(str(d) for d in dirs)} and the Hugging Face cache); "
+                      f"download it with: python scripts/download.py --repo-id {repo_id}")
+
+
+def load_model(checkpoint: str, device, dtype) -> Transformer:
+    """Load ``checkpoint`` (a directory, a GGUF file, ``random:NAME`` or a short name of
+    ``KNOWN_CHECKPOINTS``) onto ``device`` in ``dtype``.
+
+    Raises:
+        ConfigError: missing or unreadable checkpoint, config without weights, unsupported
+            architecture or quantization type, truncated file, or weights that do not match
+            the config.
     """
     if checkpoint.startswith(RANDOM_PREFIX):
         return random_model(ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):]), device, dtype)
-    ckpt = Path(checkpoint)
+    ckpt = Path(resolve_checkpoint(checkpoint))
     if not ckpt.exists():
-        raise ConfigError(f"checkpoint not found: {ckpt}")
+        raise ConfigError(f"checkpoint not found: {ckpt} (a directory, a .gguf file, random:NAME "
+                          f"or one of {', '.join(KNOWN_CHECKPOINTS)})")
+    if ckpt.is_file() and not os.access(ckpt, os.R_OK):
+        raise ConfigError(f"checkpoint file is not readable: {ckpt}")
+    if is_gguf(ckpt):
+        args, sd = load_gguf(ckpt, dtype)
+        return _materialize(args, sd, device, dtype)
     if not ckpt.is_dir():
-        raise ConfigError(f"checkpoint must be a directory (HF layout or converted): {ckpt}")
+        raise ConfigError(f"checkpoint must be a directory (HF layout or converted) or a GGUF "
+                          f"file: {ckpt}")
     if not os.access(ckpt, os.R_OK | os.X_OK):
         raise ConfigError(f"checkpoint directory is not readable: {ckpt}")
     if (ckpt / NATIVE_CONFIG).is_file():
@@ -194,10 +553,12 @@ def load_model(checkpoint: str, device, dtype) -> Transformer:
 
 
 def save_native(out_dir: str | Path, args: ModelArgs, state_dict: dict[str, Tensor],
-                tokenizer_file: str | Path | None) -> Path:
-    """Write a converted checkpoint directory (``model_args.json``, ``model.safetensors``,
-    ``tokenizer.model``). Files are written under temporary names, then renamed, so a failed
-    conversion leaves nothing half-written."""
+                tokenizer_files: list[str | Path] = ()) -> Path:
+    """Write a converted checkpoint directory (``model_args.json``, ``model.safetensors`` and
+    copies of ``tokenizer_files``: a ``*.model`` file, SentencePiece or tiktoken, as
+    ``tokenizer.model``; others, ``tokenizer.json`` and its config files, under their names).
+    Files are written under temporary names, then renamed, so a failed conversion leaves
+    nothing half-written."""
     import shutil
 
     from safetensors.torch import save_file
@@ -212,9 +573,11 @@ def save_native(out_dir: str | Path, args: ModelArgs, state_dict: dict[str, Tens
     with open(out / (NATIVE_CONFIG + ".tmp"), "w") as f:
         json.dump(args.to_dict(), f, indent=2)
     pending.append(NATIVE_CONFIG)
-    if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, out / "tokenizer.model.tmp")
-        pending.append("tokenizer.model")
+    for src in tokenizer_files:
+        name = "tokenizer.model" if Path(src).suffix == ".model" else Path(src).name
+        shutil.copyfile(src, out / (name + ".tmp"))
+        pending.append(name)
     for name in pending:
+        (out / (name + ".tmp")).chmod(0o644)
         os.replace(out / (name + ".tmp"), out / name)
     return out

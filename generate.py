@@ -1,6 +1,7 @@
 """Generate text with a (compressed) static KV cache and measure latency and memory.
 
     python generate.py --checkpoint DIR --prompt FILE [--method full] [--budget N] [--json OUT]
+    python generate.py --checkpoint model.gguf --chat --method rocketkv --budget 256 --prompt FILE
     python generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 --max-new-tokens 64
 
 The decode step (``decode_one_token``) is compiled with ``torch.compile(fullgraph=True)``
@@ -26,10 +27,10 @@ import torch
 from torch import Tensor
 
 import compression  # noqa: F401  (registers the compression methods)
-from checkpoint import RANDOM_PREFIX, load_model
+from checkpoint import KNOWN_CHECKPOINTS, RANDOM_PREFIX, load_model, resolve_checkpoint
 from kv_cache import METHODS, build_caches
 from model import ConfigError, Transformer
-from tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
+from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
 METHOD_OPTIONS = ("kernel_size", "pooling", "window", "page_size", "rocket_split",
                   "sparq_reallocate", "skip_layers")
@@ -372,6 +373,11 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     caches = model.caches
     kv_cache_bytes = sum(c.allocated_bytes() for c in caches)
     kv_per_step = sum(c.bytes_read_per_step() for c in caches)
+    # what the full cache would store, and read at every step, for this run
+    a = model.args
+    full_kv_bytes = 2 * a.n_layers * B * a.n_kv_heads * a.head_dim * (T + new_tokens) * \
+        dtype.itemsize
+    kept = [getattr(c, "kept", T) for c in caches]  # prompt tokens each layer keeps
     w_per_step = model.weight_bytes_per_step()
     return {
         "method": method,
@@ -397,6 +403,10 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "peak_memory_kind": meter.kind,
         "kv_cache_bytes": kv_cache_bytes,
         "kv_bytes_per_step": kv_per_step,
+        "prompt_tokens_kept": {"min": min(kept), "max": max(kept),
+                               "mean": sum(kept) / len(kept)},
+        "full_kv_cache_bytes": full_kv_bytes,
+        "full_kv_bytes_per_step": full_kv_bytes,
         "weight_bytes": model.weight_bytes(),
         "weight_bytes_per_step": w_per_step,
         "bandwidth_gbps": ((w_per_step + kv_per_step) / (median / 1e3) / 1e9) if median else None,
@@ -432,9 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0], epilog=f"methods:\n{methods}",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True,
-                   help="checkpoint directory (HF layout or converted), or random:NAME with NAME "
-                        "a named config (random weights at the real shapes)")
-    p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
+                   help="checkpoint directory (HF layout or converted), a .gguf file, a short "
+                        f"name ({', '.join(KNOWN_CHECKPOINTS)}: a local copy in checkpoints/ or "
+                        "the Hugging Face cache), or random:NAME with NAME a named config "
+                        "(random weights at the real shapes)")
+    p.add_argument("--tokenizer", help="tokenizer.json, tokenizer.model or .gguf file "
+                   "(default: the checkpoint's)")
     p.add_argument("--method", default="full", choices=list(METHODS), metavar="METHOD",
                    help="KV cache method (see below; default full)")
     p.add_argument("--budget", type=int, help="token budget: KV pairs read per decode step per "
@@ -469,7 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the instruct template")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is the user message of the checkpoint's chat template; "
+                        "generation stops at the template's end-of-turn token")
+    p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     return p
@@ -518,6 +534,16 @@ def format_report(r: dict[str, Any]) -> str:
             f"(weights {mb(r['weight_bytes_per_step'])} + KV {mb(r['kv_bytes_per_step'])} "
             "read per step)",
         ]
+    kept, T = r["prompt_tokens_kept"], r["prompt_tokens"]
+    kept_text = (f"{kept['min']}" if kept["min"] == kept["max"]
+                 else f"{kept['min']}-{kept['max']} (mean {kept['mean']:.0f})")
+    lines += [
+        f"compression: {kept_text} of {T} prompt tokens kept per layer; KV stored "
+        f"{mb(r['kv_cache_bytes'])} vs {mb(r['full_kv_cache_bytes'])} full "
+        f"({r['kv_cache_bytes'] / r['full_kv_cache_bytes']:.1%}); read per step "
+        f"{mb(r['kv_bytes_per_step'])} vs {mb(r['full_kv_bytes_per_step'])} full "
+        f"({r['kv_bytes_per_step'] / r['full_kv_bytes_per_step']:.1%})",
+    ]
     pk = r["peak_memory_bytes"]
     lines += [
         f"peak memory ({r['peak_memory_kind']}): prefill {mb(pk['prefill'])}  decode "
@@ -550,30 +576,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         compile = device.type == "cuda" if args.compile is None else args.compile
+        if args.system is not None and not args.chat:
+            raise ConfigError("--system needs --chat (it is a message of the chat template)")
+        if args.chat and args.prompt is None:
+            raise ConfigError("--chat needs a text --prompt")
         text = _read_prompt(args.prompt) if args.prompt is not None else None
 
-        model = load_model(args.checkpoint, device, dtype)
+        checkpoint = resolve_checkpoint(args.checkpoint)
+        model = load_model(checkpoint, device, dtype)
         tok: Tokenizer | None = None
         if args.tokenizer:
             tok = load_tokenizer(args.tokenizer)
-        elif not args.checkpoint.startswith(RANDOM_PREFIX) and any(
-                (Path(args.checkpoint) / name).is_file() for name in TOKENIZER_FILES):
-            tok = load_tokenizer(args.checkpoint)
+        elif not checkpoint.startswith(RANDOM_PREFIX) and has_tokenizer(checkpoint):
+            tok = load_tokenizer(checkpoint)
         if tok is None and text is not None:
-            raise ConfigError("a text prompt needs a tokenizer: the checkpoint has no "
-                              f"{' or '.join(TOKENIZER_FILES)}; pass --tokenizer FILE or use "
-                              "--prompt-tokens N")
+            raise ConfigError("a text prompt needs a tokenizer: the checkpoint has none ("
+                              f"{', '.join(TOKENIZER_FILES)} or GGUF tokenizer metadata); pass "
+                              "--tokenizer FILE or use --prompt-tokens N")
         if tok is not None and tok.vocab_size > model.args.vocab_size:
             raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only "
                               f"{model.args.vocab_size}")
         if text is not None:
-            ids = tok.encode_chat(text) if args.chat else tok.encode(text)
+            ids = tok.encode_chat(text, system=args.system) if args.chat else tok.encode(text)
         else:
             gen = torch.Generator().manual_seed(args.seed)
             ids = torch.randint(0, model.args.vocab_size, (args.prompt_tokens,),
                                 generator=gen).tolist()
         prompt = torch.tensor([ids] * args.batch_size)
-        stop_ids = () if (tok is None or args.ignore_eos) else tok.stop_ids
+        stop_ids = () if (tok is None or args.ignore_eos) else (
+            tok.chat_stop_ids if args.chat else tok.stop_ids)
         options = {name: getattr(args, name) for name in METHOD_OPTIONS
                    if getattr(args, name) not in (None, False, 0)}
         if args.method == "full" and options:

@@ -51,9 +51,10 @@ class ModelArgs:
         vocab_size: vocabulary size.
         norm_eps: RMSNorm epsilon.
         rope_theta: RoPE base.
-        rope_scaling: ``None`` or a dict with ``type`` in ``{"llama3", "linear"}`` and its
-            parameters (``factor``; llama3 adds ``low_freq_factor``, ``high_freq_factor``,
-            ``original_max_position_embeddings``).
+        rope_scaling: ``None`` or a dict with ``type`` in ``{"llama3", "linear",
+            "freq_factors"}`` and its parameters (``factor``; llama3 adds ``low_freq_factor``,
+            ``high_freq_factor``, ``original_max_position_embeddings``; freq_factors has
+            ``factors``, one divisor per frequency, as llama.cpp's ``rope_freqs`` tensor).
         max_seq_len: context length in tokens (``max_position_embeddings``).
         tie_word_embeddings: the classifier shares the token embedding matrix.
         name: the config's name, for reports.
@@ -90,9 +91,12 @@ class ModelArgs:
             raise ConfigError(f"model config: head_dim={self.head_dim} must be even for RoPE")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type")
-            if kind not in ("llama3", "linear"):
+            if kind not in ("llama3", "linear", "freq_factors"):
                 raise ConfigError(f"model config: unsupported rope_scaling type {kind!r} "
-                                  "(supported: llama3, linear)")
+                                  "(supported: llama3, linear, freq_factors)")
+            if kind == "freq_factors" and len(self.rope_scaling["factors"]) != self.head_dim // 2:
+                raise ConfigError(f"model config: {len(self.rope_scaling['factors'])} RoPE "
+                                  f"frequency factors for head_dim {self.head_dim}")
 
     @property
     def group_size(self) -> int:
@@ -213,13 +217,17 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
     ``original / high_freq_factor`` keep their frequency, those above ``original /
     low_freq_factor`` are divided by ``factor``, and the band between interpolates with
     ``smooth = (original / wavelength - low) / (high - low)``. Linear scaling divides every
-    frequency by ``factor`` (position interpolation, as LongChat uses).
+    frequency by ``factor`` (position interpolation, as LongChat uses). ``freq_factors``
+    divides each frequency by its own factor (llama.cpp's ``rope_freqs`` tensor: how GGUF
+    files carry Llama 3.1 scaling).
     """
     d = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = args.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling["type"] == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     factor = scaling["factor"]
     if scaling["type"] == "linear":
         return inv_freq / factor

@@ -3,8 +3,9 @@
     python scripts/convert_hf_checkpoint.py --checkpoint HF_DIR --out DIR [--dtype bfloat16]
 
 The output holds ``model_args.json``, one ``model.safetensors`` in ``model.py``'s names (q/k rows
-already permuted to the adjacent-pair RoPE layout, q/k/v fused) and the tokenizer, so loading
-skips the renaming. ``generate.py`` also loads HF directories directly; converting is optional.
+already permuted to the adjacent-pair RoPE layout, q/k/v fused) and the tokenizer files
+(``tokenizer.json`` with its config files, or ``tokenizer.model``), so loading skips the
+renaming. ``generate.py`` also loads HF directories directly; converting is optional.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from checkpoint import load_model, save_native  # noqa: E402
 from model import ConfigError  # noqa: E402
 from tokenizer import TOKENIZER_FILES  # noqa: E402
 
+# files beside tokenizer.json that hold its special tokens, EOS ids and chat template
+TOKENIZER_CONFIGS = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+                     "special_tokens_map.json")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,11 +41,14 @@ def main(argv=None) -> int:
             raise ConfigError(f"{src} is not a Hugging Face checkpoint (no config.json)")
         model = load_model(str(src), "cpu", DTYPES[a.dtype] if a.dtype else None)
         tok = next((src / n for n in TOKENIZER_FILES if (src / n).is_file()), None)
-        out = save_native(a.out, model.args, model.state_dict(), tok)
+        files = [tok] if tok else []
+        if tok is not None and tok.name == "tokenizer.json":
+            files += [src / n for n in TOKENIZER_CONFIGS if (src / n).is_file()]
+        out = save_native(a.out, model.args, model.state_dict(), files)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    note = "" if tok else " (no tokenizer.model found: pass --tokenizer to generate.py)"
+    note = "" if tok else " (no tokenizer found: pass --tokenizer to generate.py)"
     print(f"wrote {out}{note}")
     return 0
 

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         if tok.vocab_size != args.vocab_size:
             raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, checkpoint "
                               f"{args.vocab_size}")
-        out = save_native(a.out, args, sd, a.tokenizer)
+        out = save_native(a.out, args, sd, [a.tokenizer])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

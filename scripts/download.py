@@ -1,9 +1,11 @@
 """Download a Hugging Face checkpoint (safetensors, config, tokenizer) with ``huggingface_hub``.
 
     python scripts/download.py --repo-id meta-llama/Llama-3.1-8B-Instruct [--out checkpoints/]
+    python scripts/download.py --repo-id smollm2-135m     # a short name of generate.py
 
 Gated models need a token (``--hf-token`` or the ``HF_TOKEN`` environment variable). The result
-is a directory that ``generate.py --checkpoint`` loads as it is.
+is a directory that ``generate.py --checkpoint`` loads as it is, by path or, in
+``checkpoints/``, by its short name (``checkpoint.KNOWN_CHECKPOINTS``).
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 PATTERNS = ["config.json", "generation_config.json", "*.safetensors",
-            "model.safetensors.index.json", "tokenizer.model", "original/tokenizer.model"]
+            "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "chat_template.jinja", "tokenizer.model",
+            "original/tokenizer.model"]
 
 
 def download(repo_id: str, out_dir: str | Path, token: str | None = None) -> Path:
@@ -52,16 +58,20 @@ def download(repo_id: str, out_dir: str | Path, token: str | None = None) -> Pat
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repo-id", required=True, help="e.g. meta-llama/Llama-3.1-8B-Instruct")
+    p.add_argument("--repo-id", required=True, help="e.g. meta-llama/Llama-3.1-8B-Instruct, or "
+                   "a short name (llama3.1-8b, mistral-7b-v0.2, longchat-7b, smollm2-135m)")
     p.add_argument("--out", default="checkpoints", help="parent directory (default checkpoints/)")
     p.add_argument("--hf-token", default=os.environ.get("HF_TOKEN"))
     a = p.parse_args(argv)
+    from checkpoint import KNOWN_CHECKPOINTS
+
+    repo_id = KNOWN_CHECKPOINTS.get(a.repo_id, a.repo_id)
     try:
-        path = download(a.repo_id, a.out, a.hf_token)
+        path = download(repo_id, a.out, a.hf_token)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"downloaded {a.repo_id} to {path}")
+    print(f"downloaded {repo_id} to {path}")
     return 0
 
 

@@ -15,6 +15,8 @@ torch.set_num_threads(1)
 SHARED = ROOT.parent / "shared" / "data"
 STORIES_BIN = SHARED / "models" / "stories260K.bin"
 TOK512 = SHARED / "tokenizers" / "tok512.model"
+SMOLLM2_GGUF = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+ESSAYS = SHARED / "text" / "PaulGrahamEssays"
 
 
 def shared_file(path: Path) -> Path:
@@ -45,3 +47,24 @@ def stories_model(stories_dir):
     from checkpoint import load_model
 
     return load_model(str(stories_dir), "cpu", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model():
+    """SmolLM2-135M-Instruct loaded by our GGUF loader, float32 on CPU."""
+    import torch
+
+    from checkpoint import load_model
+
+    return load_model(str(shared_file(SMOLLM2_GGUF)), "cpu", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """The same GGUF through transformers' own GGUF reader (the independent reference)."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    path = shared_file(SMOLLM2_GGUF)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()

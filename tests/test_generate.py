@@ -237,6 +237,13 @@ def bad_inputs(stories_dir, tmp_path_factory):
                                                         "architectures": ["GPT2LMHeadModel"]}))
     (d / "corrupt").mkdir()
     (d / "corrupt" / "config.json").write_text("{not json")
+    (d / "broken_tokenizer.json").write_text('{"version": "1.0", "model": ')
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    plain = Tokenizer(models.WordLevel({"[UNK]": 0, "Once": 1, "upon": 2, "a": 3, "time": 4},
+                                       unk_token="[UNK]"))
+    plain.pre_tokenizer = pre_tokenizers.Whitespace()
+    plain.save(str(d / "no_template.json"))  # a tokenizer.json without a chat template
     (d / "truncated").mkdir()
     for f in stories_dir.iterdir():
         (d / "truncated" / f.name).write_bytes(f.read_bytes()[:100] if f.suffix ==
@@ -270,6 +277,13 @@ BAD = [
                            "cuda"], "CUDA is not available"),
     ("unknown named config", ["--checkpoint", "random:llama-9", "--prompt-tokens", "8"],
      "unknown model config"),
+    ("tokenizer.json that does not parse", ["--checkpoint", "{s}", "--tokenizer",
+                                            "{d}/broken_tokenizer.json", "--prompt",
+                                            "{d}/ok.txt"], "cannot parse"),
+    ("--chat without a template", ["--checkpoint", "{s}", "--tokenizer", "{d}/no_template.json",
+                                   "--prompt", "{d}/ok.txt", "--chat"], "no chat template"),
+    ("--system without --chat", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--system",
+                                 "be brief"], "--system needs --chat"),
     ("json into a missing directory", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt",
                                        "--json", "{d}/no/dir/out.json"], "does not exist"),
 ]

@@ -247,3 +247,64 @@ def test_prompt_shorter_than_the_budget_has_nothing_to_evict(stories_model, meth
     # a second call on the same shapes reuses and resets the caches
     assert generate(stories_model, prompt, method=method, budget=60,
                     max_new_tokens=m)["token_ids"] == r["token_ids"]
+
+
+# --------------------------------------------------------------------------------------------
+# A real 8K-context instruct model (SmolLM2-135M-Instruct, GQA 9:3, head_dim 64)
+
+
+@pytest.fixture(scope="module")
+def essay_question():
+    """A 2K-token chat prompt: essay text, then a question about it."""
+    from conftest import ESSAYS, SMOLLM2_GGUF
+
+    tok = load_tokenizer(shared_file(SMOLLM2_GGUF))
+    essays = sorted(shared_file(ESSAYS).glob("*.txt"))
+    words = " ".join(p.read_text() for p in essays[:3]).split()
+    doc = " ".join(words[:1500])
+    ids = tok.encode_chat(f"{doc}\n\nWhat is the main point of the text above?")
+    assert 1900 <= len(ids) <= 2600, len(ids)
+    return ids, tok
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 2K-token prefills of a 30-layer model
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def full_first_token(smollm2_model, essay_question):
+    return generate(smollm2_model, essay_question[0], max_new_tokens=1)["token_ids"][0][0]
+
+
+@pytest.mark.parametrize("method", ["full", "gptfast_dense", *COMPRESSED])
+def test_every_method_on_smollm2_with_a_2k_token_prompt(smollm2_model, essay_question,
+                                                        full_first_token, two_threads, method):
+    ids, tok = essay_question
+    budget = None if method in ("full", "gptfast_dense") else 256
+    r = generate(smollm2_model, ids, method=method, budget=budget, max_new_tokens=8,
+                 stop_ids=tok.chat_stop_ids)
+    out = r["token_ids"][0]
+    assert 1 <= len(out) <= 8 and all(0 <= t < smollm2_model.args.vocab_size for t in out)
+    # prefill attends to the whole prompt for every method: the same first token as full
+    assert out[0] == full_first_token
+    a = smollm2_model.args
+    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4  # K+V bytes, float32
+    if budget is not None and method != "exact_topk":  # exact_topk's scoring reads every key
+        # the budget bounds what a step reads, approximation traffic included (Sec. 3.5); r =
+        # round(t d / S) (as the released code) may add half a dimension per scored key or page
+        assert r["kv_bytes_per_step"] <= 1.03 * budget * per_token
+        assert r["kv_bytes_per_step"] < r["full_kv_bytes_per_step"] / 4
+    # storage against the paper's Table 1 at c = S / t
+    c = (len(ids) + 8) / 256
+    if method in ("snapkv", "snapkv_pp"):
+        assert r["prompt_tokens_kept"]["max"] <= 256
+        assert r["kv_cache_bytes"] <= 1.01 * r["full_kv_cache_bytes"] / c
+    if method == "rocketkv":
+        assert r["prompt_tokens_kept"]["max"] <= (len(ids) + 8) / c ** 0.5  # S / sqrt(c)
+        assert r["kv_cache_bytes"] <= 1.01 * r["full_kv_cache_bytes"] * (
+            1 / c ** 0.5 + 2 / c ** 0.75)
+

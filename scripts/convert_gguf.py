@@ -1,0 +1,96 @@
+"""Convert a llama-architecture GGUF file into a Hugging Face model directory.
+
+    python scripts/convert_gguf.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
+        [--dtype float32|bfloat16|float16]
+
+The output is what ``transformers`` and ``generate.py --checkpoint DIR`` both load:
+``config.json`` (LlamaForCausalLM), ``generation_config.json`` (BOS and the EOS ids),
+``model.safetensors`` (dequantized weights in HF names, q/k rows in HF's rotate-half order),
+``tokenizer.json`` and ``tokenizer_config.json`` (the GGUF's own tokenizer and chat template).
+The default float32 keeps the dequantized values exactly (a 4-bit value times its block scale
+is exact in float32, not always in bfloat16). Everything is written under temporary names and
+renamed at the end, so a failed conversion leaves no half-written directory behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from checkpoint import hf_config, load_gguf, meta_to_hf_state_dict  # noqa: E402
+from model import ConfigError  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def convert(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32
+            ) -> Path:
+    """Write the Hugging Face directory ``out_dir`` for ``gguf_path``; returns it.
+
+    Raises:
+        ConfigError: unreadable or unsupported GGUF (see ``checkpoint.load_gguf``), a tokenizer
+            that cannot be built from its metadata, or ``out_dir`` that exists and is not an
+            empty directory.
+    """
+    from safetensors.torch import save_file
+
+    from tokenizer import gguf_tokenizer
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty directory")
+    args, sd = load_gguf(gguf_path, dtype)
+    config = hf_config(args, dtype)
+    tok = gguf_tokenizer(gguf_path)
+    config["bos_token_id"] = tok.bos_id
+    config["eos_token_id"] = list(tok.chat_stop_ids) if len(tok.chat_stop_ids) > 1 \
+        else tok.chat_stop_ids[0]
+    generation = {"bos_token_id": tok.bos_id, "eos_token_id": config["eos_token_id"]}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(meta_to_hf_state_dict(sd, args), tmp / "model.safetensors",
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        tok.save(tmp)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf", required=True, help="llama-architecture GGUF file")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="dtype of the written weights (default float32: exact)")
+    a = p.parse_args(argv)
+    try:
+        out = convert(a.gguf, a.out, DTYPES[a.dtype])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""GGUF checkpoints (checkpoint.py, scripts/convert_gguf.py) against transformers' own GGUF
+reader: the real SmolLM2-135M-Instruct file, synthetic files of every type gguf can write,
+llama.cpp's RoPE row order, Llama 3.1's rope_freqs, short checkpoint names, and bad files."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, SMOLLM2_GGUF, shared_file
+
+import checkpoint
+from checkpoint import hf_config, hf_to_meta_rope_rows, load_model, resolve_checkpoint
+from kv_cache import build_caches
+from model import ConfigError, ModelArgs, rope_inv_freq
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+Q = gguf.GGMLQuantizationType
+
+
+def logits_along(model, ids: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    """Our logits at positions n_prompt-1 .. len-1 of ``ids`` (1, S): prefill of the first
+    ``n_prompt`` tokens, then teacher-forced decode steps through the cache."""
+    S = ids.shape[1]
+    model.setup_caches(build_caches("full", model.args, batch_size=1, prompt_len=n_prompt,
+                                    max_new_tokens=S - n_prompt + 1, budget=None,
+                                    dtype=torch.float32, device="cpu"), S + 1)
+    model._cache_spec = None
+    with torch.no_grad():
+        out = [model.prefill(ids[:, :n_prompt])[0]]
+        for t in range(n_prompt, S):
+            out.append(model(ids[:, t:t + 1], torch.tensor([t]))[0])
+    return torch.stack(out)
+
+
+# --------------------------------------------------------------------------------------------
+# The real file
+
+
+def test_smollm2_config_from_gguf_metadata(smollm2_model):
+    a = smollm2_model.args
+    assert (a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim) == (30, 576, 9, 3, 64)
+    assert (a.intermediate_size, a.vocab_size, a.max_seq_len) == (1536, 49152, 8192)
+    assert a.rope_theta == 100000.0 and a.rope_scaling is None
+    assert a.norm_eps == pytest.approx(1e-5) and a.tie_word_embeddings
+
+
+def test_smollm2_logits_match_transformers(smollm2_model, hf_smollm2):
+    ids = torch.randint(0, 49152, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        greedy = hf_smollm2.generate(ids, max_new_tokens=12, do_sample=False)  # (1, 312)
+        ref = hf_smollm2(greedy).logits[0, 299:]  # (13, V)
+    ours = logits_along(smollm2_model, greedy, 300)
+    assert ref.abs().max() > 5  # real logits, not a degenerate model
+    torch.testing.assert_close(ours, ref, atol=5e-4, rtol=0)
+    assert torch.equal(ours[:-1].argmax(-1), greedy[0, 300:])  # the same greedy tokens
+
+
+def test_gguf_stores_qk_rows_in_meta_rope_order(smollm2_model, hf_smollm2):
+    # transformers un-permutes llama.cpp's rows to HF's rotate-half order; ours keep the file's
+    # order, which is Meta's adjacent-pair order: hf_to_meta of transformers' rows gives ours.
+    D, H, Hkv = 64, 9, 3
+    attn = hf_smollm2.model.layers[3].self_attn
+    wqkv = smollm2_model.layers[3].attention.wqkv.weight
+    assert torch.equal(wqkv[:H * D], hf_to_meta_rope_rows(attn.q_proj.weight, H))
+    assert torch.equal(wqkv[H * D:(H + Hkv) * D], hf_to_meta_rope_rows(attn.k_proj.weight, Hkv))
+    assert not torch.equal(wqkv[:H * D], attn.q_proj.weight)
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic files
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_theta=10000.0, rms_norm_eps=1e-6)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def write_gguf(path, hf_model, qtype=Q.F32, arch="llama", extra_tensors=(), untie=True,
+               raw_types=None):
+    """A GGUF as llama.cpp's converter writes it: q/k rows permuted to Meta's order.
+    ``raw_types`` {name: type}: that tensor is written as zero bytes of that type."""
+    cfg, sd = hf_model.config, hf_model.state_dict()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+    def add(name, t):
+        a = t.float().numpy()
+        if name in (raw_types or {}):
+            block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
+            raw = np.zeros((a.shape[0], a.shape[1] // block * size), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=raw_types[name])
+        elif a.ndim == 1 or qtype == Q.F32:
+            w.add_tensor(name, a)
+        elif qtype == Q.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            data = gguf.quants.quantize(a, qtype)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    if untie:
+        add("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_q.weight", hf_to_meta_rope_rows(sd[p + "self_attn.q_proj.weight"], H))
+        add(f"blk.{i}.attn_k.weight",
+            hf_to_meta_rope_rows(sd[p + "self_attn.k_proj.weight"], Hkv))
+        add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+        add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+    for name, array, raw in extra_tensors:
+        if raw is None:
+            w.add_tensor(name, array)
+        else:
+            w.add_tensor(name, array, raw_shape=array.shape, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def last_logits(model, ids):
+    return logits_along(model, ids, ids.shape[1])[0]
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0,
+                                   Q.Q5_1], ids=lambda q: q.name)
+def test_quantization_types_match_transformers(tmp_path, tiny_hf, qtype):
+    path = write_gguf(tmp_path / f"tiny-{qtype.name}.gguf", tiny_hf, qtype)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    ours = load_model(str(path), "cpu", torch.float32)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits[0, -1]
+        original = tiny_hf(ids).logits[0, -1]
+    got = last_logits(ours, ids)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    if qtype == Q.F32:  # lossless: the original HF model's logits
+        torch.testing.assert_close(got, original, atol=1e-5, rtol=0)
+    else:  # lossy, but the same model
+        assert not torch.equal(got, original)
+        assert (got - original).abs().max() < 0.2 * original.abs().max()
+
+
+def test_tied_classifier_when_the_file_has_no_output_weight(tmp_path, tiny_hf):
+    path = write_gguf(tmp_path / "tied.gguf", tiny_hf, untie=False)
+    m = load_model(str(path), "cpu", torch.float32)
+    assert m.args.tie_word_embeddings and m.output.weight is m.tok_embeddings.weight
+
+
+def test_rope_freqs_tensor_is_llama31_scaling(tmp_path, tiny_hf):
+    # llama.cpp carries Llama 3.1's RoPE scaling as one divisor per frequency (rope_freqs);
+    # the reference frequencies come from transformers' own llama3 RoPE initialization
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4,
+                                   max_position_embeddings=128, rope_theta=10000.0,
+                                   rope_scaling=scaling)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    factors = (plain / ref).numpy().astype(np.float32)
+    assert not np.allclose(factors, 1.0)
+    path = write_gguf(tmp_path / "llama31.gguf", tiny_hf,
+                      extra_tensors=[("rope_freqs.weight", factors, None)])
+    args = load_model(str(path), "cpu", torch.float32).args
+    assert args.rope_scaling["type"] == "freq_factors"
+    torch.testing.assert_close(rope_inv_freq(args), ref.float(), rtol=1e-6, atol=0)
+    # config.json cannot hold factors: the real Llama 3.1 ones map back to llama3 parameters
+    real = ModelArgs.from_name("llama-3.1-8b")
+    as_factors = ModelArgs(**{**real.to_dict(), "rope_scaling": {
+        "type": "freq_factors",
+        "factors": (rope_inv_freq(ModelArgs(**{**real.to_dict(), "rope_scaling": None}))
+                    / rope_inv_freq(real)).tolist()}})
+    assert hf_config(as_factors, torch.bfloat16)["rope_scaling"]["rope_type"] == "llama3"
+    with pytest.raises(ConfigError, match="not Llama 3.1"):
+        hf_config(args, torch.float32)  # original context 32: not Llama 3.1's factors
+
+
+def test_other_architecture_is_refused(tmp_path, tiny_hf):
+    path = write_gguf(tmp_path / "qwen.gguf", tiny_hf, arch="qwen2")
+    with pytest.raises(ConfigError, match="unsupported architecture in GGUF: 'qwen2'"):
+        load_model(str(path), "cpu", torch.float32)
+
+
+def test_unsupported_quantization_type_is_named(tmp_path, tiny_hf):
+    path = write_gguf(tmp_path / "q81.gguf", tiny_hf,
+                      raw_types={"blk.1.ffn_up.weight": Q.Q8_1})
+    with pytest.raises(ConfigError, match="quantization type Q8_1"):
+        load_model(str(path), "cpu", torch.float32)
+
+
+def cli(*argv, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *argv],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+@pytest.mark.parametrize("case", ["truncated", "not_gguf", "arch"])
+def test_bad_gguf_files_give_one_line_and_exit_2(tmp_path, tiny_hf, case):
+    path = tmp_path / "bad.gguf"
+    if case == "truncated":
+        path.write_bytes(shared_file(SMOLLM2_GGUF).read_bytes()[:2_000_000])
+        message = "truncated or corrupt"
+    elif case == "not_gguf":
+        path.write_bytes(b"PK\x03\x04 not a gguf file")
+        message = "directory (HF layout or converted) or a GGUF file"
+    else:
+        write_gguf(path, tiny_hf, arch="gpt2")
+        message = "unsupported architecture"
+    p = cli("--checkpoint", str(path), "--prompt-tokens", "8", "--max-new-tokens", "2")
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], p.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# scripts/convert_gguf.py
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from scripts.convert_gguf import main as convert
+
+    out = tmp_path_factory.mktemp("conv") / "SmolLM2-135M-Instruct"
+    assert convert(["--gguf", str(shared_file(SMOLLM2_GGUF)), "--out", str(out)]) == 0
+    return out
+
+
+def test_convert_gguf_writes_a_directory_transformers_loads(converted, smollm2_model,
+                                                            hf_smollm2):
+    assert {f.name for f in converted.iterdir()} >= {
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json"}
+    hf_dir = transformers.AutoModelForCausalLM.from_pretrained(converted,
+                                                               dtype=torch.float32).eval()
+    ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_dir(ids).logits, hf_smollm2(ids).logits, atol=1e-5,
+                                   rtol=0)
+    # and our loader reads the HF directory back to exactly the GGUF's weights
+    ours = load_model(str(converted), "cpu", torch.float32)
+    assert ours.args.to_dict() | {"name": ""} == smollm2_model.args.to_dict() | {"name": ""}
+    for (n1, p1), (n2, p2) in zip(ours.state_dict().items(),
+                                  smollm2_model.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+
+
+def test_convert_gguf_refuses_a_non_empty_out_and_writes_nothing(tmp_path):
+    from scripts.convert_gguf import main as convert
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    assert convert(["--gguf", str(shared_file(SMOLLM2_GGUF)), "--out",
+                    str(tmp_path / "out")]) == 2
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert convert(["--gguf", str(bad), "--out", str(tmp_path / "new")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf", "out"]
+
+
+# --------------------------------------------------------------------------------------------
+# Short names
+
+
+def test_short_names_resolve_to_local_copies(tmp_path, monkeypatch):
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    monkeypatch.setattr(checkpoint, "CHECKPOINT_DIRS", (ckpts,))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ConfigError, match="python scripts/download.py --repo-id "
+                                          "meta-llama/Llama-3.1-8B-Instruct"):
+        resolve_checkpoint("llama3.1-8b")
+    # the directory scripts/download.py writes
+    (ckpts / "Llama-3.1-8B-Instruct").mkdir()
+    (ckpts / "Llama-3.1-8B-Instruct" / "config.json").write_text("{}")
+    assert resolve_checkpoint("llama3.1-8b") == str(ckpts / "Llama-3.1-8B-Instruct")
+    # a GGUF of the repository
+    (ckpts / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(shared_file(SMOLLM2_GGUF))
+    assert resolve_checkpoint("smollm2-135m").endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    # the Hugging Face cache (local files only)
+    snap = tmp_path / "hub" / "models--lmsys--longchat-7b-v1.5-32k" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc123")
+    assert resolve_checkpoint("longchat-7b") == str(snap)
+    # paths, random: and unknown names pass through
+    assert resolve_checkpoint("random:llama-3.1-8b") == "random:llama-3.1-8b"
+    assert resolve_checkpoint("no-such-model") == "no-such-model"
+
+
+def test_cli_short_name_without_a_local_copy(tmp_path):
+    p = cli("--checkpoint", "mistral-7b-v0.2", "--prompt-tokens", "8", cwd=tmp_path)
+    if p.returncode == 0:
+        pytest.skip("this machine has a local Mistral-7B copy")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1
+    assert "scripts/download.py --repo-id mistralai/Mistral-7B-Instruct-v0.2" in lines[0]
