@@ -373,7 +373,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     caches = model.caches
     kv_cache_bytes = sum(c.allocated_bytes() for c in caches)
     kv_per_step = sum(c.bytes_read_per_step() for c in caches)
-    # what the full cache would store, and read at every step, for this run
+    # what the full cache would store, and read whole at every step, for this run
     a = model.args
     full_kv_bytes = 2 * a.n_layers * B * a.n_kv_heads * a.head_dim * (T + new_tokens) * \
         dtype.itemsize
@@ -405,8 +405,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "kv_bytes_per_step": kv_per_step,
         "prompt_tokens_kept": {"min": min(kept), "max": max(kept),
                                "mean": sum(kept) / len(kept)},
-        "full_kv_cache_bytes": full_kv_bytes,
-        "full_kv_bytes_per_step": full_kv_bytes,
+        "full_kv_bytes": full_kv_bytes,
         "weight_bytes": model.weight_bytes(),
         "weight_bytes_per_step": w_per_step,
         "bandwidth_gbps": ((w_per_step + kv_per_step) / (median / 1e3) / 1e9) if median else None,
@@ -435,6 +434,18 @@ def write_json(path: str | Path, obj: Any) -> None:
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
+
+
+def check_json_path(path: str | None) -> None:
+    """Fail before a run whose ``--json`` destination directory is missing.
+
+    Raises:
+        ConfigError: the directory of ``path`` does not exist.
+    """
+    if path:
+        parent = Path(path).resolve().parent
+        if not parent.is_dir():
+            raise ConfigError(f"--json: directory {parent} does not exist")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -539,10 +550,10 @@ def format_report(r: dict[str, Any]) -> str:
                  else f"{kept['min']}-{kept['max']} (mean {kept['mean']:.0f})")
     lines += [
         f"compression: {kept_text} of {T} prompt tokens kept per layer; KV stored "
-        f"{mb(r['kv_cache_bytes'])} vs {mb(r['full_kv_cache_bytes'])} full "
-        f"({r['kv_cache_bytes'] / r['full_kv_cache_bytes']:.1%}); read per step "
-        f"{mb(r['kv_bytes_per_step'])} vs {mb(r['full_kv_bytes_per_step'])} full "
-        f"({r['kv_bytes_per_step'] / r['full_kv_bytes_per_step']:.1%})",
+        f"{mb(r['kv_cache_bytes'])} vs {mb(r['full_kv_bytes'])} full "
+        f"({r['kv_cache_bytes'] / r['full_kv_bytes']:.1%}); read per step "
+        f"{mb(r['kv_bytes_per_step'])} vs {mb(r['full_kv_bytes'])} full "
+        f"({r['kv_bytes_per_step'] / r['full_kv_bytes']:.1%})",
     ]
     pk = r["peak_memory_bytes"]
     lines += [
@@ -568,10 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--top-p must lie in (0, 1], got {args.top_p}")
         if args.temperature < 0:
             raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
-        if args.json:
-            parent = Path(args.json).resolve().parent
-            if not parent.is_dir():
-                raise ConfigError(f"--json: directory {parent} does not exist")
+        check_json_path(args.json)
         device = _resolve_device(args.device)
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)

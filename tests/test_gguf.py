@@ -263,6 +263,15 @@ def test_convert_gguf_writes_a_directory_transformers_loads(converted, smollm2_m
     with torch.no_grad():
         torch.testing.assert_close(hf_dir(ids).logits, hf_smollm2(ids).logits, atol=1e-5,
                                    rtol=0)
+    # its tokenizer files give the GGUF tokenizer's ids, chat prompt and stop tokens
+    from tokenizer import load_tokenizer
+
+    gguf_tok, dir_tok = load_tokenizer(shared_file(SMOLLM2_GGUF)), load_tokenizer(converted)
+    text = "Numbers 2024 and 7 digits: 1234567.\n  def f(x):\n\treturn x  # café 日本 🚀"
+    assert dir_tok.encode(text) == gguf_tok.encode(text)
+    assert dir_tok.encode_chat(text, system="Be brief.") == gguf_tok.encode_chat(
+        text, system="Be brief.")
+    assert dir_tok.chat_stop_ids == gguf_tok.chat_stop_ids == (2,)
     # and our loader reads the HF directory back to exactly the GGUF's weights
     ours = load_model(str(converted), "cpu", torch.float32)
     assert ours.args.to_dict() | {"name": ""} == smollm2_model.args.to_dict() | {"name": ""}

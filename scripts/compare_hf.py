@@ -1,0 +1,410 @@
+"""Our engine against Hugging Face transformers: prefill time and decode ms/token of the same
+checkpoint on the same prompt ids, in the same process on the same machine.
+
+    python scripts/compare_hf.py --prompt-file prompt.txt --threads 2 --json compare_hf.json \\
+        --checkpoint ../shared/data/models/SmolLM2-135M-Instruct.Q4_1.gguf
+    python scripts/compare_hf.py --checkpoint DIR --random --context 2048 7168
+
+The checkpoint is a GGUF file (transformers loads it with ``from_pretrained(dir,
+gguf_file=name)``, dequantized; ours through ``checkpoint.load_model``) or a Hugging Face
+directory (``config.json`` + safetensors). Both run in ``--dtype`` (default float32) on
+``--device`` (default cuda if available, else cpu) and on ``--threads`` CPU threads.
+
+Prompt: ``--prompt-file`` text tokenized with our tokenizer (``encode(text)``, BOS first; the
+checkpoint's, or ``--tokenizer``), repeated (without BOS) and cut to each context length; or
+``--random`` token ids (``--seed``). Every context uses the leading ids of the same sequence.
+
+For each context and each of our methods x budgets (``full`` takes no budget):
+
+* ours: ``generate.generate`` with no stop tokens and ``max_new_tokens = warm-up + decode steps
+  + 1``: ``prefill_s`` (prefill and the first token's argmax) and the median of the per-step
+  times after the ``--warmup-steps`` first decode steps (``--compile`` compiles our step; the
+  warm-up then covers compilation).
+* transformers (once per context; its cache is the dense ``DynamicCache``, there is nothing
+  to compress): under ``torch.no_grad``, a forward of the prompt with ``use_cache=True`` and
+  ``logits_to_keep=1`` plus the argmax (prefill), then single-token forwards with
+  ``past_key_values``, greedy; each timed with ``time.perf_counter`` (synchronized on CUDA);
+  the same warm-up steps are left out of the median.
+* ``hf_over_ours_prefill`` and ``hf_over_ours_decode``: transformers' time / ours (above 1:
+  ours is faster).
+* ``ours_tokens`` / ``hf_tokens``: the first ``--check-tokens`` greedy tokens (the prefill's
+  and the decode steps'); ``tokens_match`` compares them for the uncompressed methods (null
+  for the others, which are not expected to match exactly).
+
+Each engine runs one short untimed warm-up generation first. With ``--repeats R`` each engine
+runs R times per configuration and the run with the lowest decode median is kept (as
+``scripts/bench.py`` does); ``load_average_1min`` in each row tells how busy the machine was
+(other processes on the same cores slow multi-threaded CPU runs a lot). Rows (device, CPU
+model, torch and transformers versions, threads, command, every figure) go to ``--json``
+(default ``results/<device>/compare_hf-<timestamp>.json``), rewritten after every row, and a
+markdown table to stdout; progress (tqdm) to stderr. On CPU these are CPU figures: ``device``
+says so in every row. Bad input (missing checkpoint, unknown method, context plus decode
+steps beyond the model's context, non-positive numbers, unreadable prompt file) prints one
+``error: ...`` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import compression  # noqa: E402,F401  (registers the compression methods)
+from checkpoint import load_model, resolve_checkpoint  # noqa: E402
+from generate import (  # noqa: E402
+    DTYPES,
+    OneLineParser,
+    _read_prompt,
+    _resolve_device,
+    _sync,
+    check_json_path,
+    device_name,
+    generate,
+    percentile,
+    write_json,
+)
+from kv_cache import METHODS, UNBUDGETED  # noqa: E402
+from model import ConfigError, Transformer  # noqa: E402
+
+DEFAULT_CONTEXTS = (2048, 7168)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# --------------------------------------------------------------------------------------------
+# The two engines
+
+
+def load_hf(checkpoint: str, device: torch.device, dtype: torch.dtype):
+    """The transformers model of ``checkpoint`` (GGUF file or HF directory), eval mode."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    path = Path(checkpoint)
+    try:
+        if path.is_file():
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                      dtype=dtype)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as e:  # noqa: BLE001  (any loader failure is one error line)
+        msg = str(e).strip().splitlines()
+        raise ConfigError(f"transformers cannot load {checkpoint}: "
+                          f"{msg[0] if msg else type(e).__name__}") from None
+    return hf.to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def hf_generate(hf, ids: Sequence[int], steps: int, warmup: int,
+                device: torch.device) -> dict[str, Any]:
+    """Greedy prefill + ``warmup + steps`` decode steps with transformers' cache; times in
+    seconds (prefill) and ms (decode steps after the warm-up)."""
+    x = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = hf(input_ids=x, use_cache=True, logits_to_keep=1)
+    tok = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    past = out.past_key_values
+    tokens = [int(tok)]
+    ms = []
+    for _ in range(warmup + steps):
+        _sync(device)
+        t = time.perf_counter()
+        out = hf(input_ids=tok, past_key_values=past, use_cache=True)
+        tok = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+        _sync(device)
+        ms.append((time.perf_counter() - t) * 1e3)
+        past = out.past_key_values
+        tokens.append(int(tok))
+    del out, past
+    return {"prefill_s": prefill_s, "decode_ms": ms[warmup:], "tokens": tokens}
+
+
+def best_of(repeats: int, run) -> dict[str, Any]:
+    """The result of ``run()`` with the lowest decode median over ``repeats`` calls."""
+    results = [run() for _ in range(repeats)]
+    return min(results, key=lambda r: percentile(r["decode_ms"], 50) or 0.0)
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (other processes compete for the CPU)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def ours_generate(model: Transformer, ids: Sequence[int], method: str, budget: int | None,
+                  steps: int, warmup: int, compile: bool) -> dict[str, Any]:
+    """``generate.generate`` ignoring EOS for ``warmup + steps`` decode steps; the warm-up
+    steps' times are left out of ``decode_ms``."""
+    r = generate(model, list(ids), method=method, budget=budget,
+                 max_new_tokens=warmup + steps + 1, stop_ids=(), compile=compile,
+                 warmup_steps=warmup)
+    ms = r["decode_ms"] if compile else r["decode_ms"][warmup:]
+    return {"prefill_s": r["prefill_s"], "decode_ms": ms, "tokens": r["token_ids"][0],
+            "method_params": r["method_params"], "kv_cache_bytes": r["kv_cache_bytes"],
+            "kv_bytes_per_step": r["kv_bytes_per_step"]}
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt ids
+
+
+def prompt_ids(args: argparse.Namespace, model: Transformer, length: int) -> list[int]:
+    """``length`` ids: the prompt file's tokens repeated and cut, or random ids."""
+    vocab = model.args.vocab_size
+    if args.random:
+        gen = torch.Generator().manual_seed(args.seed)
+        return torch.randint(0, vocab, (length,), generator=gen).tolist()
+    from tokenizer import load_tokenizer
+
+    text = _read_prompt(args.prompt_file)
+    tok = load_tokenizer(args.tokenizer or args.checkpoint)
+    if tok.vocab_size > vocab:
+        raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only {vocab}")
+    ids = tok.encode(text)
+    body = tok.encode(text, bos=False)
+    if not body:
+        raise ConfigError(f"prompt file {args.prompt_file} encodes to no tokens")
+    while len(ids) < length:
+        ids += body
+    return ids[:length]
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def make_row(base: dict[str, Any], context: int, method: str, budget: int | None,
+             hf: dict[str, Any], ours: dict[str, Any], check: int) -> dict[str, Any]:
+    hf_med, ours_med = percentile(hf["decode_ms"], 50), percentile(ours["decode_ms"], 50)
+    exact = method in UNBUDGETED
+    return {
+        **base, "context": context, "method": method, "budget": budget,
+        "ours_prefill_s": ours["prefill_s"], "hf_prefill_s": hf["prefill_s"],
+        "hf_over_ours_prefill": _ratio(hf["prefill_s"], ours["prefill_s"]),
+        "ours_decode_ms_median": ours_med, "hf_decode_ms_median": hf_med,
+        "hf_over_ours_decode": _ratio(hf_med, ours_med),
+        "ours_decode_ms": ours["decode_ms"], "hf_decode_ms": hf["decode_ms"],
+        "ours_tokens": ours["tokens"][:check], "hf_tokens": hf["tokens"][:check],
+        "tokens_match": (ours["tokens"][:check] == hf["tokens"][:check]) if exact else None,
+        "method_params": ours["method_params"], "kv_cache_bytes": ours["kv_cache_bytes"],
+        "kv_bytes_per_step": ours["kv_bytes_per_step"],
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of the rows."""
+    lines = ["| device | context | method | budget | prefill s ours | prefill s HF | HF/ours "
+             "| decode ms ours | decode ms HF | HF/ours | greedy tokens match |",
+             "|" + "---|" * 11]
+
+    def f(x, spec):
+        return "n/a" if x is None else format(x, spec)
+
+    for r in rows:
+        budget = "-" if r["budget"] is None else str(r["budget"])
+        head = f"| {r['device']} | {r['context']} | {r['method']} | {budget} |"
+        if "error" in r:
+            lines.append(head + f" error: {r['error'].replace('|', '/')} |" + " |" * 6)
+            continue
+        match = {True: "yes", False: "NO", None: "-"}[r["tokens_match"]]
+        lines.append(
+            head + f" {f(r['ours_prefill_s'], '.3f')} | {f(r['hf_prefill_s'], '.3f')} | "
+            f"{f(r['hf_over_ours_prefill'], '.2f')} | {f(r['ours_decode_ms_median'], '.2f')} | "
+            f"{f(r['hf_decode_ms_median'], '.2f')} | {f(r['hf_over_ours_decode'], '.2f')} | "
+            f"{match} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="a GGUF file or a Hugging Face directory (config.json + safetensors)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-file", metavar="FILE",
+                     help="prompt text, tokenized with our tokenizer, repeated/cut to each context")
+    src.add_argument("--random", action="store_true", help="random prompt token ids (--seed)")
+    p.add_argument("--tokenizer", help="tokenizer for --prompt-file (default: the checkpoint's)")
+    p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_CONTEXTS),
+                   metavar="N", help="prompt lengths in tokens (default 2048 7168)")
+    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"], metavar="METHOD",
+                   help=f"our KV cache methods, any of {', '.join(METHODS)} "
+                        "(default: full rocketkv)")
+    p.add_argument("--budgets", nargs="+", type=int, default=[256], metavar="N",
+                   help="token budgets of the compressing methods (default 256)")
+    p.add_argument("--decode-steps", type=int, default=32,
+                   help="timed decode steps per run (default 32)")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="decode steps run before the timed ones, left out (default 2)")
+    p.add_argument("--check-tokens", type=int, default=8,
+                   help="greedy tokens recorded and compared between the engines (default 8)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each engine per configuration, the one with the lowest decode "
+                        "median kept (default 1; more damp other processes' interference)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random ids (default 0)")
+    p.add_argument("--device", default=None, help="cuda if available, else cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="both engines' dtype (default float32)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile our decode step (the warm-up steps cover compilation)")
+    p.add_argument("--json", metavar="PATH",
+                   help="rows JSON (default results/<device>/compare_hf-<timestamp>.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ConfigError for values no run can use (before anything is loaded)."""
+    for flag in ("decode_steps", "check_tokens", "threads", "repeats"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.warmup_steps < 0:
+        raise ConfigError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if min(args.context) <= 0:
+        raise ConfigError(f"--context must be positive, got {min(args.context)}")
+    if min(args.budgets) <= 0:
+        raise ConfigError(f"--budgets must be positive numbers of tokens, got "
+                          f"{min(args.budgets)}")
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown methods {', '.join(unknown)}; known: {', '.join(METHODS)}")
+    check_json_path(args.json)
+    args.checkpoint = resolve_checkpoint(args.checkpoint)  # a short name: its local copy
+    path = Path(args.checkpoint)
+    if not path.exists():
+        raise ConfigError(f"checkpoint not found: {path}")
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise ConfigError(f"checkpoint must be a .gguf file or a Hugging Face directory: {path}")
+    if args.prompt_file is not None:
+        _read_prompt(args.prompt_file)
+
+
+def configurations(args: argparse.Namespace) -> list[tuple[str, int | None]]:
+    out = []
+    for method in dict.fromkeys(args.methods):
+        for budget in ([None] if method in UNBUDGETED else dict.fromkeys(args.budgets)):
+            out.append((method, budget))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+        device = _resolve_device(args.device)
+        dtype = DTYPES[args.dtype]
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        model = load_model(args.checkpoint, device, dtype)
+        steps, warmup = args.decode_steps, args.warmup_steps
+        limit = model.args.max_seq_len
+        for c in args.context:
+            if c + warmup + steps + 1 > limit:
+                raise ConfigError(f"--context {c} + {warmup} warm-up + {steps} decode steps + 1 "
+                                  f"exceed the model's context ({limit} tokens)")
+        contexts = list(dict.fromkeys(args.context))
+        ids = prompt_ids(args, model, max(contexts))
+        hf = load_hf(args.checkpoint, device, dtype)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import transformers
+    from tqdm import tqdm
+
+    dev = device_name(device)
+    json_path = args.json
+    if json_path is None:
+        out_dir = ROOT / "results" / re.sub(r"[^A-Za-z0-9._-]+", "-", dev)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path = out_dir / f"compare_hf-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    base = {
+        "device": dev, "cpu_model": cpu_model(), "threads": torch.get_num_threads(),
+        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "command": " ".join(["python scripts/compare_hf.py",
+                             *(sys.argv[1:] if argv is None else argv)]),
+        "checkpoint": args.checkpoint, "model": model.args.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "prompt": "random" if args.random else args.prompt_file,
+        "decode_steps": steps, "warmup_steps": warmup, "repeats": args.repeats,
+        "ours_compiled": args.compile,
+        "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
+    }
+    configs = configurations(args)
+    rows: list[dict[str, Any]] = []
+    with tqdm(total=1 + len(contexts) * (1 + len(configs)), desc="compare_hf", unit="run",
+              disable=args.no_progress) as bar:
+        warm = ids[:min(16, len(ids))]  # one short untimed run each: allocator, kernels
+        hf_generate(hf, warm, 2, 0, device)
+        ours_generate(model, warm, "full", None, 2, warmup, args.compile)
+        bar.update()
+        for context in contexts:
+            bar.set_postfix_str(f"{context} tokens: transformers")
+            ref = best_of(args.repeats,
+                          lambda c=context: hf_generate(hf, ids[:c], steps, warmup, device))
+            bar.update()
+            for method, budget in configs:
+                bar.set_postfix_str(f"{context} tokens: {method} {budget or ''}".rstrip())
+                try:
+                    ours = best_of(args.repeats, lambda c=context, m=method, b=budget:
+                                   ours_generate(model, ids[:c], m, b, steps, warmup,
+                                                 args.compile))
+                    row = make_row(base, context, method, budget, ref, ours, args.check_tokens)
+                    row["load_average_1min"] = load_average()
+                except (ConfigError, torch.OutOfMemoryError) as e:
+                    row = {**base, "context": context, "method": method, "budget": budget,
+                           "error": str(e).splitlines()[0]}
+                rows.append(row)
+                write_json(json_path, rows)
+                bar.update()
+    print(format_table(rows))
+    mismatch = [r for r in rows if r.get("tokens_match") is False]
+    if mismatch:
+        print(f"warning: greedy tokens differ from transformers' in {len(mismatch)} "
+              f"uncompressed run(s) (contexts {sorted({r['context'] for r in mismatch})})",
+              file=sys.stderr)
+    print(f"{dev} ({base['cpu_model']}), {base['threads']} threads, torch "
+          f"{base['torch_version']}, transformers {base['transformers_version']}; "
+          f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
