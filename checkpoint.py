@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from model import ConfigError, ModelArgs, Transformer
+from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, rope_inv_freq
 
 GGUF_MAGIC = b"GGUF"
 NATIVE_CONFIG = "model_args.json"
@@ -160,10 +160,6 @@ def meta_to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, T
     return {n: t.contiguous() for n, t in out.items()}
 
 
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     """A Hugging Face ``config.json`` (LlamaForCausalLM) for ``args``; ``from_hf_config`` reads
     it back to the same ``ModelArgs``.
@@ -173,21 +169,15 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
             scaling, which config.json cannot express.
     """
     rope = args.rope_scaling
-    if rope is None:
-        rope_scaling = None
-    elif rope["type"] == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": rope["factor"]}
-    elif rope["type"] == "llama3":
-        rope_scaling = {"rope_type": "llama3", **{k: v for k, v in rope.items() if k != "type"}}
-    else:  # freq_factors: recognize Llama 3.1's, the only ones llama.cpp writes for llama
-        from model import rope_inv_freq
-
-        llama31 = dataclasses.replace(args, rope_scaling={"type": "llama3", **{
-            k: v for k, v in LLAMA31_ROPE.items() if k != "rope_type"}})
+    if rope is not None and rope["type"] == "freq_factors":
+        # llama.cpp writes factors only for Llama 3.1's scaling: recognize it
+        llama31 = dataclasses.replace(args, rope_scaling=LLAMA31_ROPE)
         if not torch.allclose(rope_inv_freq(args), rope_inv_freq(llama31), rtol=1e-5):
             raise ConfigError("the GGUF's RoPE frequency factors are not Llama 3.1's scaling; "
                               "config.json cannot express them")
-        rope_scaling = dict(LLAMA31_ROPE)
+        rope = LLAMA31_ROPE
+    rope_scaling = None if rope is None else {
+        "rope_type": rope["type"], **{k: v for k, v in rope.items() if k != "type"}}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -178,16 +178,16 @@ class ModelArgs:
         return cls(name=name or config.get("_name_or_path") or model_type, **args)
 
 
-_LLAMA31_ROPE = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+LLAMA31_ROPE = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 # Values from each model's config.json (see ../shared/REFERENCE_NOTES.md). Exact keys only.
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
-                         vocab_size=128256, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
+                         vocab_size=128256, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE,
                          max_seq_len=131072, norm_eps=1e-5),
     "llama-3.1-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, intermediate_size=28672,
-                          vocab_size=128256, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
+                          vocab_size=128256, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE,
                           max_seq_len=131072, norm_eps=1e-5),
     "llama-3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
                        vocab_size=128256, rope_theta=500000.0, max_seq_len=8192, norm_eps=1e-5),
