@@ -20,6 +20,7 @@ import resource
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch import Tensor
 
 import compression  # noqa: F401  (registers the compression methods)
 from checkpoint import KNOWN_CHECKPOINTS, RANDOM_PREFIX, load_model, resolve_checkpoint
-from kv_cache import METHODS, build_caches
+from kv_cache import METHODS, PromptRecorder, build_caches
 from model import ConfigError, Transformer
 from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
@@ -221,12 +222,11 @@ def _sync(device: torch.device) -> None:
 
 
 def _prepare_caches(model: Transformer, spec: dict[str, Any]) -> None:
-    """Attach caches for ``spec``; reuse the model's current ones (reset) when the spec matches,
-    so repeated calls keep the compiled graph and its static buffers."""
+    """Attach caches for ``spec``; reuse the model's current ones when the spec matches, so
+    repeated calls keep the compiled graph and its static buffers (a new prompt overwrites
+    every slot a step can read: prompt slots at prefill, later slots before they are valid)."""
+    model._conversation = None
     if getattr(model, "_cache_spec", None) == spec and all(c is not None for c in model.caches):
-        for cache in model.caches:
-            if hasattr(cache, "reset"):
-                cache.reset()
         return
     for layer in model.layers:  # free the old buffers before allocating new ones
         layer.attention.kv_cache = None
@@ -239,30 +239,143 @@ def _prepare_caches(model: Transformer, spec: dict[str, Any]) -> None:
     model._cache_spec = spec
 
 
-@torch.no_grad()
-def _run(model: Transformer, prompt: Tensor, new_tokens: int, step_fn, sampling: dict,
-         stop_ids: Tensor, meter: MemoryMeter, warmup_steps: int = 0) -> dict[str, Any]:
-    """Prefill, then decode; the first ``warmup_steps`` decode steps (compilation, CUDA-graph
-    capture) are timed together as ``compile_s`` and left out of ``decode_ms`` and of the
-    decode-phase memory peak. Their tokens are real output."""
-    device = prompt.device
+@dataclass
+class PrefilledPrompt:
+    """One prefill's per-layer K/V, from which any method's caches can be built.
+
+    Prefill attends to the whole uncompressed prompt in every method whose caches say
+    ``shared_prefill`` (RocketKV App. A.3), so its output does not depend on the method: an
+    evaluation prefills a prompt once and gives the result to ``generate(prefilled=...)`` for
+    each method and budget. Holds every layer's K/V: 2 L B H_kv T D elements of the model dtype
+    (377 MiB for SmolLM2-135M at 8K tokens in float32).
+
+    Attributes:
+        tokens: (B, T) int64 prompt.
+        logits: (B, vocab) logits of the last prompt position.
+        k, v: per layer (B, H_kv, T, D), keys rotated at positions 0..T-1.
+        q_obs: per layer (B, H, w, D), the last w = min(obs_window, T) queries (rotated).
+        prefill_s: wall time of the prefill (seconds).
+    """
+
+    tokens: Tensor
+    logits: Tensor
+    k: list[Tensor]
+    v: list[Tensor]
+    q_obs: list[Tensor]
+    prefill_s: float
+    obs_window: int = 64
+
+
+def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]],
+                 obs_window: int = 64) -> PrefilledPrompt:
+    """Prefill ``prompt`` ((T,) or (B, T) ids) recording every layer's K/V and last
+    ``obs_window`` queries (at least the largest observation window of the methods to build).
+
+    Raises:
+        ConfigError: an empty prompt or one that fills the model's context.
+    """
+    device = model.tok_embeddings.weight.device
+    prompt = _as_prompt(model, prompt)
     B, T = prompt.shape
+    recorders = [PromptRecorder(i, model.args, B, model.tok_embeddings.weight.dtype, device,
+                                obs_window) for i in range(model.args.n_layers)]
+    for layer in model.layers:
+        layer.attention.kv_cache = None
+    model._cache_spec = model._conversation = None
+    model.setup_caches(recorders, T)
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = model.prefill(prompt)
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    for layer in model.layers:
+        layer.attention.kv_cache = None
+    return PrefilledPrompt(prompt, logits, [r.k for r in recorders], [r.v for r in recorders],
+                           [r.q_obs for r in recorders], prefill_s, obs_window)
+
+
+def extend_prefilled(model: Transformer, pre: PrefilledPrompt,
+                     chunk: Tensor | Sequence[int] | Sequence[Sequence[int]]) -> PrefilledPrompt:
+    """``pre``'s prompt followed by ``chunk`` ((Tc,) or (B, Tc) ids), recorded as if prefilled
+    whole: the chunk's queries attend exactly to ``pre``'s K/V and to the chunk causally. One
+    prefill of a document then serves both the question-agnostic run (the document alone) and
+    the standard one (document + question). ``pre`` is left unchanged.
+
+    Raises:
+        ConfigError: bad ids, a batch size other than ``pre``'s, or the model's context.
+    """
+    chunk = _as_prompt(model, chunk)
+    B, T = pre.tokens.shape
+    if chunk.shape[0] != B:
+        raise ConfigError(f"the chunk has {chunk.shape[0]} sequences, the prompt {B}")
+    if T + chunk.shape[1] >= model.args.max_seq_len:
+        raise ConfigError(f"{T + chunk.shape[1]} tokens leave no room in the model's context")
+    device = model.tok_embeddings.weight.device
+    recorders = []
+    for i in range(model.args.n_layers):
+        r = PromptRecorder(i, model.args, B, model.tok_embeddings.weight.dtype, device,
+                           pre.obs_window)
+        r.k, r.v, r.q_obs = pre.k[i], pre.v[i], pre.q_obs[i]
+        recorders.append(r)
+    for layer in model.layers:
+        layer.attention.kv_cache = None
+    model._cache_spec = model._conversation = None
+    model.setup_caches(recorders, T + chunk.shape[1])
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = model.prefill(chunk, start=T)
+    _sync(device)
+    for layer in model.layers:
+        layer.attention.kv_cache = None
+    return PrefilledPrompt(torch.cat([pre.tokens, chunk], dim=1), logits,
+                           [r.k for r in recorders], [r.v for r in recorders],
+                           [r.q_obs for r in recorders],
+                           pre.prefill_s + time.perf_counter() - t0, pre.obs_window)
+
+
+def _store_prefilled(model: Transformer, pre: PrefilledPrompt) -> Tensor:
+    """Every cache stores its layer's recorded prompt (and compresses it); returns the logits."""
+    for i, cache in enumerate(model.caches):
+        if not cache.shared_prefill:
+            raise ConfigError(f"{type(cache).__name__} prefills in its own way; it cannot be "
+                              "built from a shared prefill")
+        q_obs = pre.q_obs[i]
+        if cache.obs_window > q_obs.shape[2] and q_obs.shape[2] < pre.tokens.shape[1]:
+            raise ConfigError(f"the method's observation window ({cache.obs_window} tokens) "
+                              f"exceeds the {q_obs.shape[2]} queries recorded by prefill_once")
+        cache.store_prompt(pre.k[i], pre.v[i],
+                           q_obs[:, :, q_obs.shape[2] - min(cache.obs_window, q_obs.shape[2]):])
+    return pre.logits
+
+
+@torch.no_grad()
+def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int, step_fn,
+         sampling: dict, stop_ids: Tensor, meter: MemoryMeter,
+         warmup_steps: int = 0) -> dict[str, Any]:
+    """Prefill (``prefill_fn() -> logits``), then decode from position ``first_pos``; the first
+    ``warmup_steps`` decode steps (compilation, CUDA-graph capture) are timed together as
+    ``compile_s`` and left out of ``decode_ms`` and of the decode-phase memory peak. Their
+    tokens are real output. ``new_tokens == 0``: prefill only."""
+    device = model.tok_embeddings.weight.device
     timer = StepTimer(device)
     meter.reset()
     _sync(device)
     t0 = time.perf_counter()
-    next_tok = sample(model.prefill(prompt), **sampling)  # (B, 1)
+    logits = prefill_fn()
+    next_tok = sample(logits, **sampling) if new_tokens else None  # (B, 1)
     _sync(device)
     prefill_s = time.perf_counter() - t0
     peak_prefill = meter.peak()
     meter.reset()
 
     out = torch.empty(B, new_tokens, dtype=torch.long, device=device)
-    out[:, :1] = next_tok
-    done = torch.isin(next_tok[:, 0], stop_ids)
-    n = 1
-    input_pos = torch.tensor([T], dtype=torch.long, device=device)
+    n = 0
     compile_s = None
+    if new_tokens:
+        out[:, :1] = next_tok
+        done = torch.isin(next_tok[:, 0], stop_ids)
+        n = 1
+    input_pos = torch.tensor([first_pos], dtype=torch.long, device=device)
     t_warm = time.perf_counter()
     for step in range(new_tokens - 1):
         if bool(done.all()):
@@ -279,13 +392,29 @@ def _run(model: Transformer, prompt: Tensor, new_tokens: int, step_fn, sampling:
         n += 1
         input_pos += 1
         done |= torch.isin(next_tok[:, 0], stop_ids)
-    if warmup_steps and compile_s is None:  # the run ended within the warm-up
+    if warmup_steps and compile_s is None and n > 1:  # the run ended within the warm-up
         _sync(device)
         compile_s = time.perf_counter() - t_warm
-    decode_ms = timer.ms()
-    return {"tokens": out[:, :n].tolist(), "prefill_s": prefill_s, "decode_ms": decode_ms,
+    return {"tokens": out[:, :n].tolist(), "prefill_s": prefill_s, "decode_ms": timer.ms(),
             "peak_prefill": peak_prefill, "peak_decode": meter.peak(), "compile_s": compile_s,
-            "warmup_steps": min(warmup_steps, n - 1)}
+            "warmup_steps": min(warmup_steps, max(n - 1, 0)),
+            "pending": out[:, n - 1:n] if n else None, "position": first_pos + max(n - 1, 0)}
+
+
+def _as_prompt(model: Transformer, prompt) -> Tensor:
+    """``prompt`` as a (B, T) int64 tensor on the model's device, its ids checked."""
+    device = model.tok_embeddings.weight.device
+    prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)
+    if prompt.dim() == 1:
+        prompt = prompt[None]
+    if prompt.dim() != 2 or prompt.shape[1] == 0:
+        raise ConfigError("the prompt is empty")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= model.args.vocab_size:
+        raise ConfigError(f"prompt token ids must lie in [0, {model.args.vocab_size})")
+    if prompt.shape[1] >= model.args.max_seq_len:
+        raise ConfigError(f"the prompt ({prompt.shape[1]} tokens) leaves no room in the model's "
+                          f"context ({model.args.max_seq_len} tokens)")
+    return prompt
 
 
 def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]], *,
@@ -293,14 +422,17 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, stop_ids: Sequence[int] = (), compile: bool = False,
              compile_backend: Any = None, method_options: dict[str, Any] | None = None,
-             warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
+             warmup_steps: int = WARMUP_STEPS, reserve_tokens: int = 0,
+             continue_conversation: bool = False,
+             prefilled: PrefilledPrompt | None = None) -> dict[str, Any]:
     """Prefill ``prompt``, then decode until a stop token, ``max_new_tokens`` or the context end.
 
     Args:
         model: a loaded ``Transformer``.
         prompt: token ids, (T,) or (B, T) (B sequences of equal length).
         method, budget, method_options: the KV cache (``kv_cache.METHODS``); budget in tokens.
-        max_new_tokens: generated tokens at most (the prefill's token included).
+        max_new_tokens: generated tokens at most (the prefill's token included); 0 prefills
+            only (the prompt is cached for a later ``continue_conversation`` call).
         temperature, top_k, top_p: sampling (temperature 0 is greedy); ``seed`` seeds it.
         stop_ids: a sequence stops after emitting one of these; the run stops when all have.
         compile: compile the decode step (CUDA graphs on GPU). The first ``warmup_steps``
@@ -310,40 +442,84 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         compile_backend: a ``torch.compile`` backend (tests use a counting backend).
         warmup_steps: decode steps left out of the figures when compiling (default 3: CUDA
             graph trees run a step, record the next, and replay from the third).
+        reserve_tokens: extra cache room (tokens) for later turns of the conversation. The
+            caches hold prompt + max_new_tokens + reserve_tokens positions, and the budget's
+            ``max_new_tokens`` (m) is that whole later part: for SnapKV the prompt budget is
+            t - m, since every later token is read at every step.
+        continue_conversation: ``prompt`` is the next turn of the conversation the previous
+            call left in the model's caches (same method and budget; method arguments are
+            ignored). The last token the previous call generated (not yet fed) goes first, then
+            the prompt; the chunk attends to the cache as the method left it (``KVCache.append``:
+            an evicting method's earlier prompt stays compressed), then decoding goes on.
+            With ``method="full"`` this equals one prefill of the whole conversation.
+        prefilled: the prompt's ``prefill_once`` result: the caches are built from its K/V
+            instead of running the prefill again (``prompt`` must be its tokens).
     Returns:
         dict with ``token_ids`` (per sequence, stop token included), ``prefill_s``,
         ``decode_ms`` (one entry per decode step), summary latencies, ``tokens_per_s`` (tokens
         from decode steps over their time), ``peak_memory_bytes`` {prefill, decode, total},
-        ``kv_cache_bytes``, ``kv_bytes_per_step``, ``weight_bytes``, ``bandwidth_gbps`` and the
-        method's parameters.
+        ``kv_cache_bytes``, ``kv_bytes_per_step``, ``weight_bytes``, ``bandwidth_gbps``, the
+        method's parameters and ``conversation`` {start, position, room} (positions; room:
+        tokens a continuation may still feed).
     Raises:
         ConfigError: empty prompt, prompt that leaves no room in the model's context, bad
-            ``max_new_tokens``, unknown method or invalid budget.
+            ``max_new_tokens`` or ``reserve_tokens``, unknown method or invalid budget, nothing
+            to continue or a turn that does not fit the reserved room, a ``prefilled`` result
+            of another prompt.
     """
     device = model.tok_embeddings.weight.device
     dtype = model.tok_embeddings.weight.dtype
-    prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)
-    if prompt.dim() == 1:
-        prompt = prompt[None]
+    prompt = _as_prompt(model, prompt)
     B, T = prompt.shape
-    if T == 0:
-        raise ConfigError("the prompt is empty")
-    if max_new_tokens <= 0:
-        raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    if max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens must not be negative, got {max_new_tokens}")
+    if reserve_tokens < 0:
+        raise ConfigError(f"reserve_tokens must not be negative, got {reserve_tokens}")
     context = model.args.max_seq_len
-    if T >= context:
-        raise ConfigError(f"the prompt ({T} tokens) leaves no room in the model's context "
-                          f"({context} tokens)")
-    if int(prompt.min()) < 0 or int(prompt.max()) >= model.args.vocab_size:
-        raise ConfigError(f"prompt token ids must lie in [0, {model.args.vocab_size})")
-    new_tokens = min(max_new_tokens, context - T)  # prompt + generated never exceed the context
-
-    spec = {"method": method, "budget": budget, "batch_size": B, "prompt_len": T,
-            "new_tokens": new_tokens, "dtype": dtype, "device": device,
-            "options": dict(method_options or {})}
     meter = MemoryMeter(device)
     meter.reset()
-    _prepare_caches(model, spec)
+    if continue_conversation:
+        conv = getattr(model, "_conversation", None)
+        if conv is None:
+            raise ConfigError("no conversation to continue: the previous generate() call must "
+                              "leave its caches (a prefill_once or another model run since "
+                              "drops them)")
+        if prefilled is not None:
+            raise ConfigError("prefilled applies to the first turn, not to a continuation")
+        if B != conv["batch_size"]:
+            raise ConfigError(f"the conversation has {conv['batch_size']} sequences, the "
+                              f"prompt {B}")
+        spec = model._cache_spec
+        chunk = prompt if conv["pending"] is None else torch.cat([conv["pending"], prompt], 1)
+        start = conv["position"]
+        room = conv["end"] - start
+        if chunk.shape[1] > room:
+            raise ConfigError(f"the turn ({chunk.shape[1]} tokens with the pending generated "
+                              f"token) exceeds the conversation's room ({room} tokens); pass "
+                              "a larger reserve_tokens to the first call")
+        new_tokens = min(max_new_tokens, room - chunk.shape[1] + 1)
+        limit_reason = "reserve"
+
+        def prefill_fn():
+            return model.prefill(chunk, start=start)
+    else:
+        if prefilled is not None and not torch.equal(prefilled.tokens, prompt):
+            raise ConfigError("prefilled holds another prompt than the one given")
+        new_tokens = min(max_new_tokens, context - T)  # prompt + generated fit the context
+        if T + new_tokens + reserve_tokens > context:
+            raise ConfigError(f"prompt {T} + new tokens {new_tokens} + reserve_tokens "
+                              f"{reserve_tokens} exceed the model's context ({context} tokens)")
+        spec = {"method": method, "budget": budget, "batch_size": B, "prompt_len": T,
+                "new_tokens": new_tokens + reserve_tokens, "dtype": dtype, "device": device,
+                "options": dict(method_options or {})}
+        _prepare_caches(model, spec)
+        chunk, start, limit_reason = prompt, 0, "context_length"
+        if prefilled is not None:
+            def prefill_fn():
+                return _store_prefilled(model, prefilled)
+        else:
+            def prefill_fn():
+                return model.prefill(prompt)
     peak_setup = meter.peak()
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
@@ -351,22 +527,28 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     step_fn = compiled_decode(device, compile_backend) if compile else decode_one_token
     if seed is not None:
         torch.manual_seed(seed)
-    run = _run(model, prompt, new_tokens, step_fn, sampling, stop, meter,
+    first_pos = start + chunk.shape[1]
+    run = _run(model, prefill_fn, B, first_pos, new_tokens, step_fn, sampling, stop, meter,
                warmup_steps=warmup_steps if compile else 0)
+    end = spec["prompt_len"] + spec["new_tokens"]  # positions the caches hold
+    model._conversation = {"batch_size": B, "pending": run["pending"],
+                           "position": run["position"], "end": end}
 
     # each sequence ends at its first stop token (kept); the rest of the batch may run on
     tokens = []
     stop_set = set(stop_ids)
     for row in run["tokens"]:
-        end = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
-        tokens.append(row[:end])
+        end_i = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
+        tokens.append(row[:end_i])
     n_generated = len(run["tokens"][0])
-    if all(t and t[-1] in stop_set for t in tokens):
+    if max_new_tokens == 0:
+        stop_reason = "prefill_only"
+    elif all(t and t[-1] in stop_set for t in tokens):
         stop_reason = "eos"
     elif n_generated >= max_new_tokens:
         stop_reason = "max_new_tokens"
     else:
-        stop_reason = "context_length"
+        stop_reason = limit_reason
 
     decode_ms = run["decode_ms"]
     median = percentile(decode_ms, 50)
@@ -375,13 +557,12 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     kv_per_step = sum(c.bytes_read_per_step() for c in caches)
     # what the full cache would store, and read whole at every step, for this run
     a = model.args
-    full_kv_bytes = 2 * a.n_layers * B * a.n_kv_heads * a.head_dim * (T + new_tokens) * \
-        dtype.itemsize
-    kept = [getattr(c, "kept", T) for c in caches]  # prompt tokens each layer keeps
+    full_kv_bytes = 2 * a.n_layers * B * a.n_kv_heads * a.head_dim * end * dtype.itemsize
+    kept = [getattr(c, "kept", spec["prompt_len"]) for c in caches]  # prompt tokens kept
     w_per_step = model.weight_bytes_per_step()
     return {
-        "method": method,
-        "budget": budget,
+        "method": spec["method"],
+        "budget": spec["budget"],
         "method_params": {**caches[-1].method_params(), **spec["options"]},
         "batch_size": B,
         "prompt_tokens": T,
@@ -389,7 +570,10 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "token_ids": tokens,
         "new_tokens": n_generated,
         "stop_reason": stop_reason,
+        "conversation": {"start": start, "position": run["position"],
+                         "room": end - run["position"] - (run["pending"] is not None)},
         "prefill_s": run["prefill_s"],
+        "prefill_shared": prefilled is not None,
         "decode_steps": len(decode_ms),
         "decode_ms": decode_ms,
         "decode_ms_median": median,

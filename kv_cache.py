@@ -179,6 +179,29 @@ class KVCache(nn.Module):
         self.store_prompt(k, v, q[:, :, T - min(self.obs_window, T):])
         return self.prefill_attention(q, k, v, 0)
 
+    def append(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        """A later prompt chunk (a conversation's next turn): store its K/V after everything
+        cached and let its queries attend, densely, to what the cache holds plus the chunk
+        causally.
+
+        The earlier prompt stays as the method left it (compressed, for an evicting method):
+        the chunk's queries see only the kept tokens, which is the multi-turn setting of the
+        RocketKV paper's SCBench results. Its tokens are stored like generated tokens (never
+        evicted; the decode-time selection of the method scores them from the next step on).
+
+        Args:
+            q: (B, H, Tc, D); k, v: (B, H_kv, Tc, D), rotated at positions ``start ..
+                start + Tc - 1``; ``start`` is the number of tokens fed so far.
+        Returns:
+            attention output (B, H, Tc, D).
+        Raises:
+            ValueError: the chunk does not fit in the cache's capacity.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot append a prompt chunk")
+
+    shared_prefill = True  # prefill attends to the whole uncompressed prompt, so every such
+    # method's caches may be built from one prefill's K/V (``generate.prefill_once``)
+
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         """Store the new token's k, v and attend.
 
@@ -234,6 +257,15 @@ class FullKVCache(KVCache):
         if not _same_view(k, k_buf):  # the model did not write into our buffers directly
             k_buf.copy_(k)
             v_buf.copy_(v)
+
+    def append(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        end = start + k.shape[2]
+        if end > self.max_seq_len:
+            raise ValueError(f"a chunk ending at position {end} exceeds the cache "
+                             f"({self.max_seq_len} tokens)")
+        self.k_cache[:, :, start:end] = k
+        self.v_cache[:, :, start:end] = v
+        return causal_attention(q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], start)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         self.k_cache.index_copy_(2, input_pos, k)
@@ -328,6 +360,13 @@ class Selector(nn.Module):
     def update(self, cache: CompressedKVCache, slot: Tensor, k: Tensor) -> None:
         """Account for key ``k`` (B, H_kv, 1, D) just written at ``slot`` (1,)."""
 
+    def extend(self, cache: CompressedKVCache, first: int, n: int) -> None:
+        """Account for the keys just written at slots ``first .. first + n - 1`` (a prompt
+        chunk appended to the cache); by default one ``update`` per slot, in order."""
+        for slot in range(first, first + n):
+            s = torch.tensor([slot], device=cache.device)
+            self.update(cache, s, cache.k_cache.index_select(2, s))
+
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         """Attention output (B, H, 1, D) for q over the slots marked ``valid`` (S,)."""
         mask = valid
@@ -419,6 +458,28 @@ class CompressedKVCache(KVCache):
             self.v_cache[:, :, :self.kept] = v
         self.selector.build(self)
 
+    def append(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        Tc = k.shape[2]
+        first = start - (self.prompt_len - self.kept)  # slots are positions minus the evicted
+        if start < self.prompt_len or first + Tc > self.capacity:
+            raise ValueError(f"a chunk at positions {start}..{start + Tc - 1} does not fit the "
+                             f"cache (prompt {self.prompt_len} tokens, {self.capacity} slots "
+                             f"for {self.kept} kept)")
+        end = first + Tc
+        self.k_cache[:, :, first:end] = k
+        self.v_cache[:, :, first:end] = v
+        self.selector.extend(self, first, Tc)
+        if self.head_mask is None:
+            return causal_attention(q, self.k_cache[:, :, :end], self.v_cache[:, :, :end],
+                                    first)
+        # original SnapKV: each query head sees only its own kept prompt tokens
+        causal = torch.arange(end, device=q.device) <= \
+            torch.arange(first, end, device=q.device)[:, None]  # (Tc, end)
+        mask = self.head_mask[..., None, :end] & causal  # (B, H_kv, G, Tc, end)
+        B, Hkv, G = mask.shape[:3]
+        return attend(q, self.k_cache[:, :, :end], self.v_cache[:, :, :end],
+                      mask.reshape(B, Hkv, G * Tc, end))
+
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         slot = input_pos - self.slot_offset  # (1,)
         self.k_cache.index_copy_(2, slot, k)
@@ -440,6 +501,37 @@ def _build_full(args: ModelArgs, *, batch_size: int, prompt_len: int, max_new_to
     max_seq_len = prompt_len + max_new_tokens
     return [FullKVCache(i, args, batch_size, dtype, device, max_seq_len)
             for i in range(args.n_layers)]
+
+
+class PromptRecorder(KVCache):
+    """Prefill-only cache that keeps one layer's whole-prompt K/V and its last ``obs_window``
+    queries, so that any number of methods' caches can be built from one prefill
+    (``generate.prefill_once``). It cannot decode.
+
+    Attributes after prefill: ``k``, ``v`` (B, H_kv, T, D) and ``q_obs`` (B, H, w, D),
+    w = min(obs_window, T), in the model's dtype.
+    """
+
+    def __init__(self, layer_idx: int, args: ModelArgs, batch_size: int, dtype: torch.dtype,
+                 device, obs_window: int):
+        super().__init__(layer_idx, args, batch_size, dtype, device)
+        self.obs_window = obs_window
+        self.k = self.v = self.q_obs = None
+
+    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
+        self.k, self.v, self.q_obs = k, v, q_obs
+
+    def append(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        """Record a chunk after the recorded prompt (exact causal attention over both), as if
+        the whole had been prefilled at once."""
+        if start != self.k.shape[2]:
+            raise ValueError(f"the recorded prompt has {self.k.shape[2]} tokens, not {start}")
+        self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.q_obs = torch.cat([self.q_obs, q], dim=2)[:, :, -self.obs_window:]
+        return causal_attention(q, self.k, self.v, start)
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        raise RuntimeError("PromptRecorder only records a prefill; build a method's caches")
 
 
 # method name -> (one-line description for --help, factory building one cache per layer)

@@ -379,6 +379,14 @@ class TransformerBlock(nn.Module):
         return x
 
 
+    def append(self, x: Tensor, rope: Tensor, start: int) -> Tensor:
+        """A later prompt chunk ``x`` (B, Tc, dim) at positions ``start ..``: its queries attend
+        to what the cache holds plus the chunk causally (``KVCache.append``)."""
+        q, k, v = self.attention.qkv(self.attention_norm(x), rope)
+        h = x + self.attention.out(self.attention.kv_cache.append(q, k, v, start))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
 class Transformer(nn.Module):
     """Llama/Mistral decoder. Call ``setup_caches`` before ``prefill``/``forward``."""
 
@@ -422,16 +430,21 @@ class Transformer(nn.Module):
         return self.output(self.norm(x))[:, -1]
 
     @torch.no_grad()
-    def prefill(self, tokens: Tensor) -> Tensor:
-        """Prompt ``tokens`` (B, T) int64 at positions ``0..T-1``, layer by layer.
+    def prefill(self, tokens: Tensor, start: int = 0) -> Tensor:
+        """Prompt ``tokens`` (B, T) int64 at positions ``start .. start + T - 1``, layer by layer.
 
+        ``start == 0``: the prompt (each cache sees the whole layer's K/V and may compress).
+        ``start > 0``: a later chunk of a conversation whose first ``start`` tokens are cached
+        already; its queries attend to the cache as the method left it (``KVCache.append``),
+        computed in one block of T tokens.
         Returns logits of the last position only, (B, vocab) in the model dtype.
         """
         T = tokens.shape[1]
         x = self.tok_embeddings(tokens)  # (B, T, dim)
-        rope = self.rope[:T]
+        rope = self.rope[start:start + T]
         for layer in self.layers:
-            x = layer.prefill(x, rope, self.prefill_chunk_size)
+            x = (layer.prefill(x, rope, self.prefill_chunk_size) if start == 0
+                 else layer.append(x, rope, start))
         return self.output(self.norm(x[:, -1:]))[:, -1]
 
     def weight_bytes(self) -> int:

@@ -2,7 +2,7 @@
 
 The token budget ``t`` means one thing for every method (RocketKV paper Sec. 3.5): key+value
 pairs read per decode step, per layer, per KV-head group, approximation traffic included. With
-prompt length T, ``max_new_tokens`` m and capacity T + m:
+prompt length T, ``max_new_tokens`` m and capacity C = T + m (d = head_dim):
 
 ==============  ==============================================================================
 method          parameters from t
@@ -11,20 +11,32 @@ exact_topk      k = t (oracle, scoring not counted)
 snapkv          prompt budget P = t - m, per query head P // G (GQA baseline), window 32,
                 kernel 7 (avg pooling unless --pooling max)
 snapkv_pp       prompt budget P = t - m shared by the group, window 32, max pooling, kernel
-                63 or 511 by prompt length (--kernel-size overrides)
-quest           k = t // 2, page_size = max(16, ceil((T + m) / (t - k))) unless --page-size,
-                k // page_size whole pages read
-sparq           k = t // 2, r = round(t * d / (T + m))
-hybrid          c = (T + m) / t, page_size = min(floor(c), ceil(sqrt(c))),
-                r = round(d * page_size / c), k = t // 2
+                511 if the config has RoPE scaling and T >= 3 * max_seq_len // 8, else 63
+                (``snapkv.snapkv_pp_kernel``; --kernel-size overrides)
+quest           k = t // 2 tokens (token-level top-k on page-constant bounds),
+                page_size = max(16, ceil(C / (t - k))) unless --page-size;
+                traffic ceil(C / page_size) + k pairs
+sparq           k = t // 2, r = floor(t * d / C) clamped to [1, d];
+                traffic C r / (2 d) + k pairs (<= t whenever t d / C >= 1)
+hybrid          c = C / t, page_size = min(floor(c), ceil(sqrt(c))),
+                r = round(d * page_size / c) clamped to [1, d], k = t // 2;
+                traffic ceil(C / page_size) r / (2 d) + k pairs
 rocketkv        c = T / t; stage 1 SnapKV++ keeps T / sqrt(c) prompt tokens (``sqrt`` split,
                 paper v1) or T / c^alpha with alpha = min(0.2 + 0.06 log2 c, 0.8)
-                (``adaptive``); stage 2 hybrid on the kept tokens + m as above
+                (``adaptive``), kernel as snapkv_pp; stage 2 hybrid on the kept tokens + m
 ==============  ==============================================================================
 
+Quest, SparQ, hybrid and RocketKV report ``traffic_tokens`` (KV pairs read per step per layer
+per KV group, approximation included; SparQ's optional mean value vector not counted) and, when
+that exceeds t, ``budget_overshoot`` = traffic_tokens / t (> 1): SparQ at t d / C < 1 (r cannot
+go below one dimension), hybrid when the released code's rounding of r overshoots, Quest with a
+small --page-size. The paper reports these methods at such budgets (e.g. 256 at 96K tokens), so
+they run there and say by how much they exceed it.
+
 A budget of at least T + m means nothing needs compressing: the run uses the full cache and the
-parameters say so. A budget too small for a method raises ``ConfigError`` naming the smallest
-valid budget. ``skip_layers`` leaves the first layers uncompressed (LongChat in the paper).
+parameters say so. A budget for which no valid setting exists (k = t // 2 < 1, a prompt budget
+not above the observation window) raises ``ConfigError`` naming the smallest valid budget.
+``skip_layers`` leaves the first layers uncompressed (LongChat in the paper).
 """
 
 from __future__ import annotations
@@ -52,25 +64,45 @@ class BudgetError(ConfigError):
 
 
 def hybrid_split(capacity: int, t: int, head_dim: int) -> dict[str, Any]:
-    """Stage-2 parameters (released-code split): page_size and r from c = capacity / t."""
+    """Stage-2 (hybrid attention) parameters, released-code split (RocketKV Sec. 3.4, App. A.3).
+
+    c = capacity / t; page_size = min(floor(c), ceil(sqrt(c))) (at least 1); r = round(d *
+    page_size / c) clamped to [1, d]; k = t // 2. c <= 1 means dense attention over the cache.
+    Traffic (KV pairs) = ceil(capacity / page_size) * r / (2 d) + k.
+
+    Raises:
+        BudgetError: k = t // 2 < 1 (no valid setting).
+    """
     c = capacity / t
     if c <= 1:
-        return {"c2": c, "page_size": 1, "r": head_dim, "k": capacity, "dense": True}
-    page = max(1, min(math.floor(c), math.ceil(math.sqrt(c))))
-    r = min(head_dim, round(head_dim * page / c))
-    if r < 1:
-        raise BudgetError(f"r rounds to zero (c = {c:.1f})")
+        return {"c2": c, "page_size": 1, "r": head_dim, "k": capacity, "dense": True,
+                "traffic_tokens": float(capacity)}
     if t // 2 < 1:
         raise BudgetError("k = t // 2 rounds to zero")
-    return {"c2": c, "page_size": page, "r": r, "k": t // 2, "dense": False}
+    page = max(1, min(math.floor(c), math.ceil(math.sqrt(c))))
+    r = min(head_dim, max(1, round(head_dim * page / c)))
+    k = t // 2
+    traffic = math.ceil(capacity / page) * r / (2 * head_dim) + k
+    return {"c2": c, "page_size": page, "r": r, "k": k, "dense": False,
+            "traffic_tokens": traffic}
+
+
+def _report_overshoot(p: dict[str, Any], t: int) -> None:
+    """Add ``budget_overshoot`` = traffic_tokens / t when the traffic exceeds the budget."""
+    if p["traffic_tokens"] > t:
+        p["budget_overshoot"] = p["traffic_tokens"] / t
 
 
 def derive(method: str, t: int, T: int, m: int, args: ModelArgs,
            options: dict[str, Any]) -> dict[str, Any]:
     """Every parameter of ``method`` at budget ``t`` for a prompt of T tokens and m new tokens.
 
+    Formulas: the module docstring's table. Quest, SparQ, hybrid and RocketKV also give
+    ``traffic_tokens`` (float, KV pairs read per step per layer per KV group) and, when it
+    exceeds t, ``budget_overshoot`` (traffic_tokens / t).
+
     Raises:
-        BudgetError: the budget is too small for the method (the reason, without the minimum).
+        BudgetError: no valid setting exists at this budget (the reason, without the minimum).
     """
     d, G = args.head_dim, args.group_size
     cap = T + m
@@ -98,21 +130,27 @@ def derive(method: str, t: int, T: int, m: int, args: ModelArgs,
             if prompt_budget <= window:
                 raise BudgetError(f"the prompt budget t - m = {prompt_budget} does not exceed "
                                   f"the observation window ({window})")
-            p.update(kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args.name, T),
+            p.update(kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args, T),
                      pooling="max", keep=min(T, prompt_budget), evict=T > prompt_budget)
     elif method == "quest":
         k = t // 2
+        if k < 1:
+            raise BudgetError("k = t // 2 rounds to zero")
         page = options.get("page_size") or max(16, math.ceil(cap / max(1, t - k)))
-        if k // page < 1:
-            raise BudgetError(f"k = t // 2 = {k} is less than one page ({page} tokens)")
-        p.update(k=k, page_size=page, pages_read=k // page)
+        pages = math.ceil(cap / page)  # min and max keys: one KV pair's worth each
+        p.update(k=k, page_size=page, pages_scored=pages, traffic_tokens=float(pages + k))
+        _report_overshoot(p, t)
     elif method == "sparq":
-        k, r = t // 2, min(d, round(t * d / cap))
-        if k < 1 or r < 1:
-            raise BudgetError(f"{'k' if k < 1 else 'r'} rounds to zero")
-        p.update(k=k, r=r, reallocate=bool(options.get("sparq_reallocate")))
+        k = t // 2
+        if k < 1:
+            raise BudgetError("k = t // 2 rounds to zero")
+        r = min(d, max(1, t * d // cap))  # floor: r * C <= t * d, within budget when >= 1
+        p.update(k=k, r=r, reallocate=bool(options.get("sparq_reallocate")),
+                 traffic_tokens=cap * r / (2 * d) + k)
+        _report_overshoot(p, t)
     elif method == "hybrid":
         p.update(hybrid_split(cap, t, d))
+        _report_overshoot(p, t)
     elif method == "rocketkv":
         split = options.get("rocket_split") or "sqrt"
         c = T / t
@@ -128,8 +166,9 @@ def derive(method: str, t: int, T: int, m: int, args: ModelArgs,
                               f"observation window ({window})")
         p.update(split=split, alpha=alpha, c1=T / keep, window=window, keep=keep,
                  evict=keep < T, pooling="max",
-                 kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args.name, T))
+                 kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args, T))
         p.update(hybrid_split(keep + m, t, d))
+        _report_overshoot(p, t)
     else:
         raise ConfigError(f"unknown method {method!r}")
     return p
@@ -223,7 +262,7 @@ _DESCRIPTIONS = {
     "exact_topk": "oracle top-k on exact attention scores (k = t), exact attention over them",
     "snapkv": "SnapKV: per-head observation-window voting evicts prompt tokens (budget t - m)",
     "snapkv_pp": "SnapKV++: group-shared voting, adaptive max-pool kernel (RocketKV Alg. 1)",
-    "quest": "Quest: page min/max bounds pick pages, exact attention over them (t/2 + t/2)",
+    "quest": "Quest: page min/max bounds rank tokens, exact attention over the top t/2",
     "sparq": "SparQ: top-r query dims approximate scores, top-k exact attention (t/2 + t/2)",
     "hybrid": "hybrid attention (RocketKV Alg. 2) on the full cache (t/2 + t/2)",
     "rocketkv": "RocketKV: SnapKV++ at prefill, then hybrid attention at every decode step",

@@ -7,7 +7,16 @@ and each query head keeps its top ``prompt_budget - window`` prefix tokens plus 
 
 SnapKV++ (RocketKV paper, Sec. 3.3, Alg. 1): the votes are also summed over the query heads of
 each KV group, so one selection is shared by the group (GQA-compatible), pooling is max-pooling,
-and the kernel adapts to the prompt length (63 below a model's threshold, 511 above).
+and the kernel adapts to the prompt length (63 below a model's threshold, 511 from it on).
+
+Adaptive kernel threshold (``snapkv_pp_kernel``), derived from the model config rather than looked
+up by name, so every checkpoint of a model (HF directory, GGUF) gets the same rule. The paper's
+thresholds (RocketKV Sec. 4.4.2 and App. A.3) are Llama3.1-8B 48K (context 131072, llama3 RoPE
+scaling), LongChat-7B-v1.5 12K (context 32768, linear RoPE scaling, factor 8) and Mistral-7B-v0.2
+none, always 63 (context 32768 native, rope theta 1e6, no RoPE scaling). Both thresholds are 3/8
+of the model's context (49152 = 3/8 * 131072, 12288 = 3/8 * 32768), and both models reach that
+context by RoPE scaling, which Mistral lacks. Rule: kernel 511 when the config has RoPE scaling
+and the prompt has at least ``3 * max_seq_len // 8`` tokens, else 63.
 
 Token budget ``t`` (RocketKV Sec. 3.5 and App. A.3): both methods compress only the prompt and
 read everything they keep, so the prompt budget is ``t - max_new_tokens``. The SnapKV baseline on
@@ -22,13 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model import ModelArgs
+
 WINDOW = 32  # observation window (tokens), both methods
 SNAPKV_KERNEL = 7
 SNAPKV_PP_KERNELS = (63, 511)  # (below the threshold, at or above it)
-# Prompt length (tokens) from which SnapKV++ pools with 511 (RocketKV App. A.3), by named
-# config; None: always 63 (Mistral, and any model not listed, as in the released code).
-SNAPKV_PP_THRESHOLDS = {"llama-3.1-8b": 48 * 1024, "llama-3.1-70b": 48 * 1024,
-                        "longchat-7b-v1.5-32k": 12 * 1024, "mistral-7b-v0.2": None}
 
 
 def window_votes(q: Tensor, k: Tensor, window: int) -> Tensor:
@@ -135,8 +142,27 @@ def snapkv_select(q: Tensor, k: Tensor, keep: int, per_head: int, window: int, k
     return idx, head_mask
 
 
-def snapkv_pp_kernel(model_name: str, prompt_len: int) -> int:
-    """Adaptive SnapKV++ kernel (RocketKV App. A.3) for a named model and prompt length."""
-    threshold = SNAPKV_PP_THRESHOLDS.get(model_name)
+def snapkv_pp_kernel(args: ModelArgs, prompt_len: int) -> int:
+    """Adaptive SnapKV++ max-pooling kernel (RocketKV Sec. 3.3, Sec. 4.4.2, App. A.3).
+
+    Rule: 511 when ``args.rope_scaling is not None`` and ``prompt_len >= 3 * args.max_seq_len
+    // 8``, else 63.
+
+    Derivation: the paper's empirically chosen thresholds are 48K tokens for Llama3.1-8B
+    (max_seq_len 131072, llama3 RoPE scaling: 3/8 * 131072 = 49152 = 48K) and 12K for
+    LongChat-7B-v1.5 (max_seq_len 32768, linear RoPE scaling factor 8: 3/8 * 32768 = 12288 =
+    12K); Mistral-7B-v0.2 (max_seq_len 32768 reached natively with rope theta 1e6, no scaling)
+    always uses 63. The rule reproduces all three from the config alone, whatever the
+    checkpoint is called (a GGUF Llama 3.1 carries its scaling as ``freq_factors``, which
+    counts as scaling). The released code pools with 63 always.
+
+    Args:
+        args: the model config (``rope_scaling`` and ``max_seq_len``, tokens, are read).
+        prompt_len: prompt tokens T.
+    Returns:
+        The odd kernel size in tokens (63 or 511); ``--kernel-size`` overrides it in
+        ``compression.derive``.
+    """
     small, large = SNAPKV_PP_KERNELS
-    return large if threshold is not None and prompt_len >= threshold else small
+    scaled = args.rope_scaling is not None
+    return large if scaled and prompt_len >= 3 * args.max_seq_len // 8 else small

@@ -6,24 +6,32 @@ RocketKV paper, App. A.3) and runs exact attention over them. They differ in how
 * Exact-TopK (oracle): exact softmax attention of each query head over the cache, summed over
   the group; k = t (its scoring cost is not counted in the budget, RocketKV Sec. 3.1).
 * Quest (Tang et al. 2024): pages of ``page_size`` slots keep element-wise min/max keys; a page's
-  bound for query q is sum_i max(q_i max_i, q_i min_i), summed over the group; the top pages are
-  read whole.
+  bound for query q is sum_i max(q_i max_i, q_i min_i), summed over the group. Each page's bound
+  is copied to its valid (written) slots and a token-level top-k is taken on these page-constant
+  scores, so any k >= 1 is possible, including k below one page (RocketKV App. A.3 reports Quest
+  at budgets such as 256 at 96K tokens, where t/2 is far below one page).
 * SparQ (Ribar et al. 2024): top-r dims of the group-summed |q|; approximate scores q[r] . K[:, r]
   softmaxed per head with temperature sqrt(d * sum|q_r| / sum|q|), summed over the group; optional
   mean-value reallocation (alpha y + (1 - alpha) mean V, alpha the selected probability mass).
 * Hybrid (RocketKV Sec. 3.4, Alg. 2): page min/max keys (sequence-dim reduction) read only at the
   top-r dims of the group-summed |q| (head-dim reduction), picking max where the group-summed q
-  is >= 0 and min where it is < 0; page scores softmaxed per head with SparQ's temperature,
-  summed over the group, and a token-level top-k taken on the page-constant scores.
+  is >= 0 and min where it is < 0. As in the released code, each page's score is copied to every
+  valid token of the page, softmaxed over tokens per query head with SparQ's temperature, summed
+  over the group, and a token-level top-k is taken on the page-constant scores: a page weighs in
+  the softmax once per valid token (a page-level softmax for full pages; a partial last page
+  counts only its written tokens).
 
 Token budget t (RocketKV Sec. 3.5): Quest, SparQ and hybrid spend t/2 on approximate scoring
-and t/2 (= k) on exact attention. A key+value pair is 2 d elements, so:
+and k = t // 2 on exact attention. A key+value pair is 2 d elements; with capacity C = cached
+prompt tokens + max_new_tokens, traffic per step per KV group in pairs is:
 
-* Quest reads 2 d elements (min and max) per page: pages <= t/2, page_size = max(16, capacity /
-  (t/2)) unless given; k // page_size pages are read whole.
-* SparQ reads r elements per token: r = round(t d / capacity) (r * capacity <= t d).
-* Hybrid reads r elements per page: page_size * d / r = c = capacity / t, split evenly as in the
-  released code: page_size = min(floor(c), ceil(sqrt(c))), r = round(d * page_size / c).
+* Quest: ceil(C / page_size) pages (min and max: one pair each) + k, with page_size =
+  max(16, ceil(C / (t - k))) unless given, so ceil(C / page_size) <= t - k.
+* SparQ: C r / (2 d) + k with r = floor(t d / C) clamped to [1, d]: within t whenever
+  t d / C >= 1; below that r = 1 overshoots (reported as ``budget_overshoot``).
+* Hybrid: ceil(C / page_size) r / (2 d) + k, c = C / t split as in the released code:
+  page_size = min(floor(c), ceil(sqrt(c))), r = round(d * page_size / c) clamped to [1, d]
+  (rounding may overshoot slightly; reported as ``budget_overshoot``).
 """
 
 from __future__ import annotations
@@ -103,13 +111,23 @@ def sparq_scores(q: Tensor, k: Tensor, dims: Tensor, valid: Tensor) -> Tensor:
 
 
 def hybrid_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, dims: Tensor,
-                       page_valid: Tensor) -> Tensor:
-    """Hybrid attention (Alg. 2, steps 2-3 scoring) per page, summed over the group.
+                       counts: Tensor) -> Tensor:
+    """Hybrid attention (RocketKV Alg. 2, steps 2-3) token probabilities per page, group-summed.
 
-    q: (B, H, 1, D); kmin, kmax: (B, H_kv, P, D); dims: (B, H_kv, r); page_valid: (P,) bool.
-    Returns (B, H_kv, P) float32: per query head softmax over pages of
-    sum_{i in dims} q_i * (kmax_i if sum_group(q)_i >= 0 else kmin_i) / temperature,
-    summed over the group.
+    Args:
+        q: (B, H, 1, D) queries.
+        kmin, kmax: (B, H_kv, P, D) element-wise min and max keys of each page.
+        dims: (B, H_kv, r) int64, the top-r dims of the group-summed |q| (``top_r_dims``).
+        counts: (P,) integer, valid (written) tokens of each page (0 .. page_size); a device
+            tensor, so shapes stay static in the compiled decode step.
+    Returns:
+        (B, H_kv, P) float32: for query head g the page logit is
+        s_gp = sum_{i in dims} q_gi * (kmax_pi if sum_group(q)_i >= 0 else kmin_pi) / T_g,
+        T_g = sqrt(D * sum_{i in dims} |q_gi| / sum_i |q_gi|) (SparQ's temperature); every
+        valid token of page p carries s_gp and the softmax runs over the valid tokens, so each
+        of them gets exp(s_gp) / sum_p' counts_p' exp(s_gp') (the released code's token
+        expansion, computed per page with log(counts) in the normalizer); summed over the
+        group. Pages without a valid token get 0.
     """
     B, H, _, D = q.shape
     Hkv, P = kmin.shape[1], kmin.shape[2]
@@ -120,7 +138,24 @@ def hybrid_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, dims: Tensor,
     chosen = torch.where(sign[:, :, None, :], kmax.gather(-1, idx), kmin.gather(-1, idx))
     q_r = qg.gather(-1, dims[:, :, None].expand(-1, -1, G, -1))  # (B, H_kv, G, r)
     s = torch.matmul(q_r, chosen.transpose(-1, -2)).float() / sparq_temperature(q, dims)
-    return s.masked_fill(~page_valid, float("-inf")).softmax(dim=-1).sum(dim=2)
+    # log-normalizer over tokens: log sum_p n_p exp(s_p); log(0) = -inf drops empty pages
+    lse = torch.logsumexp(s + counts.float().log(), dim=-1, keepdim=True)  # (B, H_kv, G, 1)
+    return torch.exp(s - lse).masked_fill(counts == 0, 0.0).sum(dim=2)
+
+
+def page_to_tokens(page_scores: Tensor, page_size: int, valid: Tensor) -> Tensor:
+    """Copy each page's score to its slots: (B, H_kv, P) -> (B, H_kv, P * page_size) float32,
+    -inf at slots not marked ``valid`` (S,) bool, for a token-level top-k."""
+    scores = page_scores.repeat_interleave(page_size, dim=-1)
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def newest_page(valid: Tensor, page_size: int) -> Tensor:
+    """(S,) bool: the valid slots of the page holding the last valid slot of ``valid`` (S,)
+    bool (a prefix of True), computed on the device (no host sync)."""
+    slots = torch.arange(valid.shape[0], device=valid.device)
+    last = torch.div(valid.sum() - 1, page_size, rounding_mode="floor")
+    return valid & (torch.div(slots, page_size, rounding_mode="floor") == last)
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,33 +231,40 @@ class PagedSelector(Selector):
         self.kmin.index_copy_(2, page, torch.where(first, k, torch.minimum(old_min, k)))
         self.kmax.index_copy_(2, page, torch.where(first, k, torch.maximum(old_max, k)))
 
-    def page_valid(self, valid: Tensor) -> Tensor:
-        return valid.view(-1, self.page_size)[:, 0]  # a page counts once its first slot is
+    def page_counts(self, valid: Tensor) -> Tensor:
+        """Valid (written) slots per page, (pages,) int64, from ``valid`` (S,) bool."""
+        return valid.view(-1, self.page_size).sum(dim=-1)
 
 
 class Quest(PagedSelector):
-    """Quest with group-accumulated page bounds; the ``k // page_size`` best pages are read."""
+    """Quest with group-accumulated page bounds and a token-level top-k of ``k`` tokens.
+
+    Each page's bound (``page_bounds``) is copied to its valid slots (invalid slots -inf) and
+    the ``k`` best tokens are attended exactly, so k need not be a multiple of the page size
+    (k = t // 2 may be less than one page).
+    """
 
     def __init__(self, page_size: int, k: int):
         super().__init__(page_size)
         self.k = k
-        self.pages_read = k // page_size
+
+    def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        """Token indices (B, H_kv, min(k, S)) int64 of the top page-constant bounds; the
+        newest page (the one holding the token being decoded) is always read, within k."""
+        scores = page_to_tokens(page_bounds(q, *self.bounds(cache)), self.page_size, valid)
+        scores = scores.masked_fill(newest_page(valid, self.page_size), float("inf"))
+        return scores.topk(min(self.k, cache.length), dim=-1).indices
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
-        bounds = page_bounds(q, *self.bounds(cache))
-        bounds = bounds.masked_fill(~self.page_valid(valid), float("-inf"))
-        pages = bounds.topk(min(self.pages_read, bounds.shape[-1]), dim=-1).indices  # (B,Hkv,n)
-        offsets = torch.arange(self.page_size, device=q.device)
-        idx = (pages[..., None] * self.page_size + offsets).flatten(-2)  # (B, H_kv, n*page)
+        idx = self.select(cache, q, valid)
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
-        # min and max of every page (one key+value pair's worth each), then the chosen pages
-        return cache.kv_bytes(self.n_pages(cache) + self.pages_read * self.page_size)
+        # min and max of every page (one key+value pair's worth each), then k pairs
+        return cache.kv_bytes(self.n_pages(cache) + self.k)
 
     def params(self) -> dict[str, Any]:
-        return {"selection": "quest", "page_size": self.page_size, "k": self.k,
-                "pages_read": self.pages_read}
+        return {"selection": "quest", "page_size": self.page_size, "k": self.k}
 
 
 class SparQ(Selector):
@@ -279,12 +321,16 @@ class Hybrid(PagedSelector):
         super().__init__(page_size)
         self.r, self.k = r, k
 
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+    def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        """Token indices (B, H_kv, min(k, S)) int64: top-k of the page-constant token scores
+        (``hybrid_page_scores`` copied to each valid slot, -inf elsewhere)."""
         dims = top_r_dims(q, cache.n_kv_heads, self.r)
-        pages = hybrid_page_scores(q, *self.bounds(cache), dims, self.page_valid(valid))
-        scores = pages.repeat_interleave(self.page_size, dim=-1)  # page-constant, (B,Hkv,S)
-        scores = scores.masked_fill(~valid, float("-inf"))
-        idx = scores.topk(min(self.k, cache.length), dim=-1).indices
+        pages = hybrid_page_scores(q, *self.bounds(cache), dims, self.page_counts(valid))
+        scores = page_to_tokens(pages, self.page_size, valid)  # (B, H_kv, S)
+        return scores.topk(min(self.k, cache.length), dim=-1).indices
+
+    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        idx = self.select(cache, q, valid)
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
@@ -297,4 +343,5 @@ class Hybrid(PagedSelector):
 
 
 __all__ = ["ExactTopK", "Quest", "SparQ", "Hybrid", "exact_scores", "page_bounds",
-           "sparq_scores", "hybrid_page_scores", "top_r_dims", "gather_tokens", "attend"]
+           "sparq_scores", "hybrid_page_scores", "page_to_tokens", "top_r_dims",
+           "gather_tokens", "attend"]

@@ -1,4 +1,5 @@
-"""scripts/eval_accuracy.py on the real stories260K checkpoint (2 prompts, T = 200, m = 16)."""
+"""scripts/eval_accuracy.py on the real stories260K checkpoint (2 prompts, T = 200, m = 16) and a
+quick CLI run on SmolLM2."""
 
 import json
 import math
@@ -7,30 +8,41 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, shared_file
+from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
-from generate import generate
+from generate import generate, prefill_once
 from kv_cache import build_caches
 from scripts.eval_accuracy import (
-    DEFAULT_TEXTS,
     STORY_SEPARATOR,
+    TINYSTORIES_TEXTS,
+    RecallProbe,
+    attach_caches,
+    bos_prefix,
+    build_from_prefill,
     build_prompt_set,
     evaluate,
     format_table,
     main,
     matching_prefix,
+    seeded_pick,
+    selection_masses,
     spread_pick,
+    teacher_forced_logprobs,
+    text_files,
+    token_nlls,
 )
 from tokenizer import load_tokenizer
 
 T, M = 200, 16
 METHODS = ["full", "rocketkv", "snapkv"]
 BUDGETS = [64, 256]  # 256 >= T + M: nothing to compress
+SELECTING = ["full", "exact_topk", "quest", "sparq", "hybrid", "snapkv_pp"]
+TIGHT = [32, 64]  # snapkv_pp needs t - m > 32: an error row at 32
 
 
 @pytest.fixture(scope="module")
 def texts():
-    return [shared_file(p) for p in DEFAULT_TEXTS]
+    return [shared_file(p) for p in TINYSTORIES_TEXTS]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +60,13 @@ def rows(result):
     return {(r["method"], r["budget"]): r for r in result["rows"]}
 
 
+@pytest.fixture(scope="module")
+def rows2(stories_model, prompts):
+    """The selecting methods at tight budgets on the same prompts."""
+    res = evaluate(stories_model, prompts, SELECTING, TIGHT, M)
+    return {(r["method"], r["budget"]): r for r in res["rows"]}
+
+
 def full_caches(model, prompt_len, new_tokens):
     caches = build_caches("full", model.args, batch_size=1, prompt_len=prompt_len,
                           max_new_tokens=new_tokens, budget=None, dtype=torch.float32,
@@ -60,6 +79,7 @@ def full_caches(model, prompt_len, new_tokens):
 
 def test_prompt_set_follows_the_documented_rule(stories_dir, texts, prompts):
     tok = load_tokenizer(stories_dir)
+    assert bos_prefix(tok) == [tok.bos_id]  # SentencePiece adds BOS
     width = T + M - 1
     docs = [s.strip() for s in texts[0].read_text().split(STORY_SEPARATOR) if s.strip()]
     docs.append(texts[1].read_text().strip())
@@ -70,6 +90,30 @@ def test_prompt_set_follows_the_documented_rule(stories_dir, texts, prompts):
     assert all(len(p.prompt) == T and len(p.continuation) == M for p in prompts)
     assert prompts == build_prompt_set(tok, texts, T, M, 2)  # deterministic
     assert spread_pick(list(range(10)), 4) == [0, 2, 5, 7]
+
+
+def test_seed_picks_windows_deterministically(stories_dir, texts, prompts):
+    tok = load_tokenizer(stories_dir)
+    assert seeded_pick(list(range(10)), 4, 0) == spread_pick(list(range(10)), 4)
+    a = seeded_pick(list(range(100)), 5, 7)
+    assert a == seeded_pick(list(range(100)), 5, 7) == sorted(a) and len(set(a)) == 5
+    assert a != seeded_pick(list(range(100)), 5, 8)
+    seeded = build_prompt_set(tok, texts, T, M, 2, seed=3)
+    assert seeded == build_prompt_set(tok, texts, T, M, 2, seed=3)
+
+
+def test_text_directories_expand_to_sorted_txt_files(tmp_path):
+    from model import ConfigError
+
+    for name in ("b.txt", "a.txt", "c.md"):
+        (tmp_path / name).write_text("x")
+    assert text_files([tmp_path]) == [tmp_path / "a.txt", tmp_path / "b.txt"]
+    assert text_files([tmp_path / "c.md"]) == [tmp_path / "c.md"]
+    with pytest.raises(ConfigError, match="not found"):
+        text_files([tmp_path / "missing.txt"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no \\*.txt"):
+        text_files([tmp_path / "empty"])
 
 
 def test_too_few_windows_is_a_config_error(stories_dir, texts):
@@ -129,8 +173,9 @@ def test_budget_covering_the_sequence_gives_full_numbers(rows, method):
     full, row = rows[("full", None)], rows[(method, 256)]
     assert row["method_params"]["compressed"] is False
     for key in ("match_prefix", "teacher_forced_top1", "perplexity", "nll_per_token",
-                "kv_cache_bytes", "kv_bytes_per_step"):
+                "kv_cache_bytes", "kv_bytes_per_step", "kl_divergence", "kl_per_token"):
         assert row[key] == full[key], key
+    assert row["attention_recall"] == 1.0 and row["attention_mass"] == 1.0  # reads everything
 
 
 def test_too_small_budget_gives_an_error_row(rows, result):
@@ -160,29 +205,200 @@ def test_table_has_one_line_per_row(result):
     assert lines[2].startswith("| full | - | 16.00 | 1.000 |")
 
 
+# ---- one prefill per prompt vs a prefill per configuration ------------------------------------
+
+@pytest.mark.parametrize("method,budget", [("rocketkv", 64), ("quest", 32)])
+def test_shared_prefill_equals_the_per_config_path(stories_model, prompts, result, rows, rows2,
+                                                   method, budget):
+    """The old path (each configuration prefills the prompt itself) gives the same numbers."""
+    model = stories_model
+    row = rows[(method, budget)] if method == "rocketkv" else rows2[(method, budget)]
+    prefix, top1, nlls, kls = [], [], [], []
+    for p, ref in zip(prompts, result["reference_continuations"]):
+        greedy = generate(model, p.prompt, method=method, budget=budget,
+                          max_new_tokens=M)["token_ids"][0]
+        prefix.append(matching_prefix(greedy, ref))
+        attach_caches(model, method, budget, T, M)
+        lp_ref = teacher_forced_logprobs(model, p.prompt, ref)
+        top1.append(int((lp_ref.argmax(-1) == torch.tensor(ref)).sum()) / M)
+        attach_caches(model, method, budget, T, M)
+        lp = teacher_forced_logprobs(model, p.prompt, p.continuation)
+        nlls.append(token_nlls(lp, p.continuation))
+        attach_caches(model, "full", None, T, M)
+        lp_full = teacher_forced_logprobs(model, p.prompt, p.continuation)
+        kls.append((lp_full.exp() * (lp_full - lp)).sum(-1).tolist())
+    assert row["match_prefix_per_prompt"] == prefix
+    assert row["teacher_forced_top1_per_prompt"] == top1
+    for got, want in zip(row["nll_per_token"], nlls):
+        assert got == pytest.approx(want, abs=1e-5)
+    for got, want in zip(row["kl_per_token"], kls):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+# ---- KL divergence ----------------------------------------------------------------------------
+
+def test_kl_of_full_is_zero_and_positive_at_a_tight_budget(rows, rows2):
+    full = rows2[("full", None)]
+    assert full["kl_divergence"] == 0.0 and all(x == 0.0 for r in full["kl_per_token"] for x in r)
+    assert full["attention_recall"] is None  # full selects nothing
+    for key in (("quest", 32), ("sparq", 32), ("hybrid", 32), ("snapkv_pp", 64)):
+        r = rows2[key]
+        assert r["kl_divergence"] > 0, key
+        assert all(len(x) == M and x[0] == 0.0 for x in r["kl_per_token"])  # row 0: prefill
+        assert min(x for row in r["kl_per_token"] for x in row) >= -1e-6
+    assert rows[("rocketkv", 64)]["kl_divergence"] > 0
+
+
+# ---- attention recall -------------------------------------------------------------------------
+
+def test_exact_topk_recall_is_one_and_others_lie_in_0_1(rows, rows2, stories_model):
+    topk = rows2[("exact_topk", 32)]
+    assert topk["attention_recall"] == pytest.approx(1.0, abs=1e-5)
+    assert topk["selected_tokens"] == 32
+    assert 0 < topk["attention_mass"] < 1  # 32 of 200+ tokens do not hold all the mass
+    assert topk["attention_mass"] == pytest.approx(topk["oracle_mass"], abs=1e-5)
+    assert len(topk["attention_recall_per_layer"]) == stories_model.args.n_layers
+    others = [rows2[k] for k in (("quest", 32), ("sparq", 32), ("hybrid", 32),
+                                 ("snapkv_pp", 64))] + [rows[("rocketkv", 64)]]
+    for r in others:
+        assert 0 < r["attention_recall"] <= 1 + 1e-6, r["method"]
+        assert 0 < r["attention_mass"] <= r["oracle_mass"] + 1e-6 <= 1 + 2e-6
+        assert len(r["attention_recall_per_prompt"]) == 2
+    assert rows2[("quest", 32)]["attention_recall"] < 0.999  # not the oracle
+
+
+def test_selection_masses_by_hand():
+    # one KV head, G = 2 query heads, 4 positions
+    p = torch.tensor([[[[0.5, 0.3, 0.1, 0.1], [0.1, 0.1, 0.2, 0.6]]]])
+    shared = torch.tensor([True, True, False, False]).view(1, 1, 1, 4)
+    covered, oracle, k = selection_masses(p, shared)
+    # P = (0.6, 0.4, 0.3, 0.7): covered (0.6 + 0.4) / 2, oracle top-2 (0.7 + 0.6) / 2
+    assert covered.item() == pytest.approx(0.5) and oracle.item() == pytest.approx(0.65)
+    assert k.item() == 2
+    per_head = torch.tensor([[True, False, False, False],
+                             [False, False, False, True]]).view(1, 1, 2, 4)
+    covered, oracle, k = selection_masses(p, per_head)
+    assert covered.item() == pytest.approx(0.55) and oracle.item() == pytest.approx(0.55)
+    assert k.item() == 1
+
+
+def _reference_masses(raw, G):
+    """Slow float64 reference for one probe record: per KV head and query head, softmax over
+    every position, the mass on the selected ones, the oracle's top-k, and the attention output
+    over the selected positions (what the method attended to)."""
+    q, K, V, sel, out = (raw[k][0].double() if k != "selected" else raw[k][0]
+                         for k in ("q", "k", "v", "selected", "out"))
+    Hkv, S, D = K.shape
+    covered, oracle, ks = [], [], []
+    for h in range(Hkv):
+        ps, cov, outs = [], [], []
+        for g in range(G):
+            head = h * G + g
+            scores = torch.tensor([float(q[head, 0] @ K[h, i]) for i in range(S)]) / math.sqrt(D)
+            p = torch.exp(scores - scores.max())
+            p = p / p.sum()
+            chosen = [i for i in range(S) if sel[h, g if sel.shape[1] > 1 else 0, i]]
+            ps.append(p)
+            cov.append(sum(float(p[i]) for i in chosen))
+            w = torch.softmax(scores[chosen], 0)
+            outs.append((w[:, None] * V[h, chosen]).sum(0))
+            assert torch.allclose(outs[-1], out[head, 0].double(), atol=1e-5)
+        if sel.shape[1] == 1:
+            n = int(sel[h, 0].sum())
+            P = sorted((sum(float(p[i]) for p in ps) for i in range(S)), reverse=True)
+            covered.append(sum(cov) / G)
+            oracle.append(sum(P[:n]) / G)
+            ks.append(n)
+        else:
+            tops = [sum(sorted(p.tolist(), reverse=True)[:int(sel[h, g].sum())])
+                    for g, p in enumerate(ps)]
+            covered.append(sum(cov) / G)
+            oracle.append(sum(tops) / G)
+            ks.append(float(sel[h].sum()) / G)
+    return covered, oracle, ks
+
+
+@pytest.mark.parametrize("method,budget", [("quest", 32), ("sparq", 32), ("rocketkv", 64),
+                                           ("snapkv", 128)])
+def test_recall_matches_a_slow_reference(stories_model, prompts, method, budget):
+    """Every step and layer of a teacher-forced pass: the probe's masses equal a float64 loop,
+    and attention over the recorded selection reproduces the method's own attention output
+    (snapkv 128: per-head masks; rocketkv: evicted prompt positions mapped back)."""
+    model = stories_model
+    p = prompts[0]
+    pre = prefill_once(model, p.prompt)
+    build_from_prefill(model, pre, method, budget, M)
+    if method in ("rocketkv", "snapkv"):
+        assert model.caches[0].kept < T  # prompt positions come from the eviction
+    probe = RecallProbe(pre, keep_raw=True)
+    with probe.attached(model):
+        teacher_forced_logprobs(model, p.prompt, p.continuation, pre.logits)
+    assert "attend" not in vars(model.caches[0].selector)  # detached
+    n_layers, G = model.args.n_layers, model.args.group_size
+    assert len(probe.records) == len(probe.raw) == (M - 1) * n_layers
+    for raw in probe.raw[:: max(1, len(probe.raw) // 12)] + probe.raw[-2:]:
+        covered, oracle, ks = _reference_masses(raw, G)
+        _, got_cov, got_orc, got_k = raw["record"]
+        assert got_cov[0].tolist() == pytest.approx(covered, abs=1e-5)
+        assert got_orc[0].tolist() == pytest.approx(oracle, abs=1e-5)
+        assert got_k[0].tolist() == pytest.approx(ks)
+    if method == "snapkv":
+        assert probe.raw[0]["selected"].shape[2] == G  # per query head
+
+
 # ---- the CLI ----------------------------------------------------------------------------------
 
 def test_cli_writes_json_and_prints_the_table(stories_dir, texts, tmp_path, capsys):
     out = tmp_path / "eval.json"
     rc = main(["--checkpoint", str(stories_dir), "--json", str(out), "--methods", "full",
                "quest", "--budgets", "64", "--num-prompts", "1", "--prompt-tokens", "100",
-               "--max-new-tokens", "4", "--no-progress"])
+               "--max-new-tokens", "4", "--no-progress", "--text", *map(str, texts)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert [(r["method"], r["budget"]) for r in data["rows"]] == [("full", None), ("quest", 64)]
-    assert data["prompt_tokens"] == 100 and data["max_new_tokens"] == 4
+    assert data["prompt_tokens"] == [100] and data["max_new_tokens"] == 4
+    assert [r["prompt_tokens"] for r in data["rows"]] == [100, 100]
     assert not (tmp_path / "eval.json.tmp").exists()
     assert "| quest | 64 |" in capsys.readouterr().out
+
+
+def test_cli_quick_run_on_smollm2_writes_the_three_files(tmp_path, capsys):
+    gguf, essays = shared_file(SMOLLM2_GGUF), shared_file(ESSAYS)
+    out = tmp_path / "fid"
+    rc = main(["--checkpoint", str(gguf), "--text", str(essays), "--prompt-tokens", "256",
+               "--num-prompts", "4", "--limit", "2", "--methods", "full", "quest",
+               "--budgets", "128", "--max-new-tokens", "6", "--out", str(out),
+               "--no-progress"])
+    assert rc == 0
+    data = json.loads((out / "fidelity.json").read_text())
+    assert data["bos_prefix"] == [] and data["num_prompts"] == 2  # SmolLM2 adds no BOS
+    tok = load_tokenizer(str(gguf))
+    run = data["runs"][0]
+    assert all(p["prompt_head"][0] != tok.bos_id for p in run["prompts"])
+    assert all(p["prompt_tokens"] == 256 and p["continuation_tokens"] == 6
+               for p in run["prompts"])
+    full, quest = data["rows"]
+    assert full["kl_divergence"] == 0.0 and full["match_prefix"] == 6
+    assert 1 < full["perplexity"] < 1000
+    assert quest["kl_divergence"] > 0 and 0 < quest["attention_recall"] <= 1 + 1e-6
+    md = (out / "fidelity.md").read_text()
+    assert "## 256 prompt tokens" in md and "| quest | 128 |" in md
+    assert (out / "fidelity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| quest | 128 |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--budgets", "0"], "--budgets must be positive"),
     (["--prompt-tokens", "500"], "exceed the model's context"),
-    (["--num-prompts", "100000"], "windows"),
+    (["--prompt-tokens", "100", "--num-prompts", "100000"], "windows"),
     (["--json", "/nonexistent/dir/out.json"], "does not exist"),
+    (["--limit", "0"], "--limit must be positive"),
+    (["--text", "/nonexistent/file.txt"], "text file not found"),
+    (["--out", __file__], "is not a directory"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(stories_dir, texts, capsys, argv, message):
-    assert main(["--checkpoint", str(stories_dir), "--no-progress", *argv]) == 2
+    assert main(["--checkpoint", str(stories_dir), "--no-progress", "--text",
+                 *map(str, texts), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from compression import derive, smallest_budget
 from generate import generate
 from kv_cache import METHODS, CompressedKVCache, FullKVCache, build_caches
-from model import ConfigError, ModelArgs
+from model import CONFIGS, ConfigError, ModelArgs
 from tokenizer import load_tokenizer
 
 COMPRESSED = ["exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid", "rocketkv"]
@@ -30,6 +30,13 @@ def test_rocketkv_sqrt_split_parameters():
     assert p["kernel_size"] == 63  # below Llama-3.1's 48K threshold
     p = derive("rocketkv", 256, 64 * 1024, 0, LLAMA, {})
     assert p["kernel_size"] == 511 and p["keep"] == round(64 * 1024 / 16)
+    # the kernel follows the config, not its name (an HF directory or GGUF file of Llama 3.1)
+    renamed = ModelArgs(**{**CONFIGS["llama-3.1-8b"], "name": "Llama-3.1-8B-Instruct.gguf"})
+    assert derive("rocketkv", 256, 64 * 1024, 0, renamed, {})["kernel_size"] == 511
+    assert derive("snapkv_pp", 4096, 64 * 1024, 0, renamed, {})["kernel_size"] == 511
+    assert derive("rocketkv", 256, 64 * 1024, 0, renamed, {"kernel_size": 7})["kernel_size"] == 7
+    mistral = ModelArgs(**{**CONFIGS["mistral-7b-v0.2"], "name": "mistral"})
+    assert derive("rocketkv", 256, 30 * 1024, 0, mistral, {})["kernel_size"] == 63
 
 
 def test_rocketkv_adaptive_split_matches_the_released_example():
@@ -50,15 +57,84 @@ def test_derived_parameters_of_the_other_methods():
     assert p["keep"] == 4 * (248 - 32) + 32 and (p["kernel_size"], p["pooling"]) == (7, "avg")
     p = derive("snapkv_pp", 1024, T, 32, LLAMA, {})
     assert p["keep"] == 992 and p["pooling"] == "max"
-    p = derive("quest", 512, T, m, LLAMA, {})
-    assert (p["k"], p["page_size"], p["pages_read"]) == (256, 16, 16)
+    p = derive("quest", 512, T, m, LLAMA, {})  # 256 page bounds + 256 tokens
+    assert (p["k"], p["page_size"], p["pages_scored"], p["traffic_tokens"]) == (256, 16, 256, 512)
     p = derive("quest", 256, T, m, LLAMA, {})  # 4096 / 128 pages > t/2 with 16-token pages
-    assert p["page_size"] == 32 and T / p["page_size"] <= 128
+    assert p["page_size"] == 32 and p["pages_scored"] == 128 and p["traffic_tokens"] == 256
+    assert "budget_overshoot" not in p
+    p = derive("quest", 100, T, m, LLAMA, {})  # k = 50 tokens, less than one 82-token page
+    assert (p["k"], p["page_size"], p["pages_scored"]) == (50, 82, 50)
     assert derive("quest", 512, T, m, LLAMA, {"page_size": 64})["page_size"] == 64
     p = derive("sparq", 256, T, m, LLAMA, {})
-    assert (p["k"], p["r"]) == (128, 8)
+    assert (p["k"], p["r"], p["traffic_tokens"]) == (128, 8, 256)
+    p = derive("sparq", 300, T, m, LLAMA, {})  # t d / C = 9.375: floor, not round (9, not 9.4)
+    assert p["r"] == 9 and p["traffic_tokens"] <= 300
     p = derive("hybrid", 256, T, m, LLAMA, {})
     assert (p["page_size"], p["r"], p["k"]) == (4, 32, 128)
+
+
+# ---- the paper's operating points: budget 256 at 96K tokens (RocketKV Sec. 4, App. A.3) ----
+
+@pytest.mark.parametrize("method", ["quest", "sparq", "hybrid", "rocketkv"])
+def test_paper_budgets_at_96k_tokens_derive(method):
+    """Llama-3.1-8B shape, T = 96K, m = 50, t = 256: every approximate method runs there; the
+    traffic it reads is reported, with the overshoot where it exceeds the budget."""
+    T, m, t = 96 * 1024, 50, 256
+    C, d = T + m, LLAMA.head_dim
+    p = derive(method, t, T, m, LLAMA, {})
+    assert p["k"] == t // 2
+    traffic = p["traffic_tokens"]
+    if traffic > t:
+        assert p["budget_overshoot"] == pytest.approx(traffic / t) and p["budget_overshoot"] > 1
+    else:
+        assert "budget_overshoot" not in p
+    if method == "quest":  # k = 128 tokens, far below one page: pages of ceil(C / 128) tokens
+        assert p["page_size"] == math.ceil(C / 128) and p["pages_scored"] <= 128
+        assert traffic <= t
+    elif method == "sparq":  # t d / C = 0.33 < 1: r = 1, C / (2 d) + k pairs, about 2 t
+        assert p["r"] == 1 and traffic == pytest.approx(C / (2 * d) + 128)
+        assert p["budget_overshoot"] == pytest.approx((C / 256 + 128) / 256)
+    elif method == "hybrid":  # c = 384.2: pages of 20, r = round(128 * 20 / 384.2) = 7
+        assert (p["page_size"], p["r"]) == (20, 7)
+        assert traffic == pytest.approx(math.ceil(C / 20) * 7 / 256 + 128)
+    else:
+        assert p["kernel_size"] == 511 and p["keep"] == round(T / math.sqrt(T / t))
+        assert traffic <= t
+
+
+@pytest.mark.parametrize("method", ["quest", "sparq", "hybrid", "rocketkv"])
+def test_reported_traffic_is_what_the_cache_reads(method):
+    """``traffic_tokens`` equals the cache's bytes_read_per_step in KV pairs per KV group."""
+    args = ModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
+                     vocab_size=10, max_seq_len=65536)
+    for T, m, t in [(4096, 32, 256), (60000, 50, 256), (3000, 7, 100), (500, 3, 40)]:
+        p = derive(method, t, T, m, args, {})
+        cache = build_caches(method, args, batch_size=1, prompt_len=T, max_new_tokens=m,
+                             budget=t, dtype=torch.bfloat16, device="meta")[0]
+        pair = 2 * args.n_kv_heads * args.head_dim * 2  # K+V, every KV head, bf16
+        assert cache.bytes_read_per_step() == pytest.approx(p["traffic_tokens"] * pair)
+        assert cache.method_params()["traffic_tokens"] == p["traffic_tokens"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(t=st.integers(2, 4096), T=st.integers(1, 200_000), m=st.integers(0, 512),
+       d=st.sampled_from([8, 64, 128, 256]))
+def test_sparq_traffic_within_budget_whenever_one_dim_fits(t, T, m, d):
+    """r = floor(t d / C) clamped to [1, d]: within budget whenever t d / C >= 1; otherwise
+    r = 1 and the overshoot is reported."""
+    C = T + m
+    if t >= C:
+        return
+    args = ModelArgs(dim=d, n_layers=1, n_heads=1, head_dim=d, intermediate_size=8,
+                     vocab_size=10, max_seq_len=8192)
+    p = derive("sparq", t, T, m, args, {})
+    assert 1 <= p["r"] <= d and p["r"] == min(d, max(1, t * d // C))
+    assert p["traffic_tokens"] == C * p["r"] / (2 * d) + t // 2
+    if t * d >= C:
+        assert p["traffic_tokens"] <= t and "budget_overshoot" not in p
+    else:
+        assert p["r"] == 1
+        assert ("budget_overshoot" in p) == (p["traffic_tokens"] > t)
 
 
 def table1_bytes(method, t, S, args):
@@ -93,8 +169,9 @@ def test_bytes_against_table_1(method):
     ("snapkv", 32, 400, 32, 32 + 2 * 33),  # budget <= max_new_tokens
     ("snapkv_pp", 60, 400, 32, 65),
     ("rocketkv", 16, 400, 32, None),  # below the observation window
-    ("quest", 10, 400, 32, None),
-    ("sparq", 1, 4000, 32, None),  # r rounds to zero
+    ("quest", 1, 400, 32, 2),  # k = t // 2 rounds to zero; any k >= 1 works (token top-k)
+    ("sparq", 1, 4000, 32, 2),  # k rounds to zero; r is clamped to 1 (overshoot reported)
+    ("hybrid", 1, 4000, 32, 2),
 ])
 def test_too_small_budgets_name_the_smallest_valid_one(method, budget, T, m, smallest):
     args = ModelArgs.from_name("stories260K") if T < 500 else LLAMA
@@ -294,9 +371,20 @@ def test_every_method_on_smollm2_with_a_2k_token_prompt(smollm2_model, essay_que
     a = smollm2_model.args
     per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4  # K+V bytes, float32
     if budget is not None and method != "exact_topk":  # exact_topk's scoring reads every key
-        # the budget bounds what a step reads, approximation traffic included (Sec. 3.5); r =
-        # round(t d / S) (as the released code) may add half a dimension per scored key or page
-        assert r["kv_bytes_per_step"] <= 1.03 * budget * per_token
+        # the budget bounds what a step reads, approximation traffic included (Sec. 3.5)
+        params = r["method_params"]
+        if method in ("quest", "sparq", "hybrid", "rocketkv"):
+            # what the parameters report is what the caches read
+            assert r["kv_bytes_per_step"] == pytest.approx(params["traffic_tokens"] * per_token)
+        if method in ("quest", "sparq"):  # C = 2.3K, t d / C = 7.1 >= 1: within budget
+            assert "budget_overshoot" not in params
+            assert r["kv_bytes_per_step"] <= budget * per_token
+        elif "budget_overshoot" in params:  # hybrid's r = round(d page / c) (released code)
+            assert r["kv_bytes_per_step"] == pytest.approx(
+                params["budget_overshoot"] * budget * per_token)
+            assert r["kv_bytes_per_step"] <= 1.03 * budget * per_token
+        else:
+            assert r["kv_bytes_per_step"] <= budget * per_token
         assert r["kv_bytes_per_step"] < r["full_kv_bytes"] / 4
     # storage against the paper's Table 1 at c = S / t
     c = (len(ids) + 8) / 256

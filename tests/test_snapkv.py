@@ -12,6 +12,7 @@ from compression.snapkv import (
     snapkv_select,
     window_votes,
 )
+from model import CONFIGS, ModelArgs
 
 
 def slow_votes(q, k, window):
@@ -104,9 +105,42 @@ def test_snapkv_per_head_selection_and_union_storage(qk):
             assert slots == sorted(slots)  # stored once per KV head, in position order
 
 
-def test_adaptive_kernel():
-    assert snapkv_pp_kernel("llama-3.1-8b", 48 * 1024 - 1) == 63
-    assert snapkv_pp_kernel("llama-3.1-8b", 48 * 1024) == 511
-    assert snapkv_pp_kernel("longchat-7b-v1.5-32k", 12 * 1024) == 511
-    assert snapkv_pp_kernel("mistral-7b-v0.2", 32000) == 63
-    assert snapkv_pp_kernel("stories260K", 400) == 63
+def paper_args(name):
+    """The RocketKV paper's three models (context and RoPE scaling from their config.json) and
+    a SmolLM2-like config (8K context, no scaling), as ModelArgs with unrelated names, so the
+    rule cannot depend on the name."""
+    if name == "smollm2":
+        return ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
+                         vocab_size=49152, rope_theta=100000.0, max_seq_len=8192,
+                         name="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return ModelArgs(**{**CONFIGS[name], "name": f"/models/{name}-checkpoint"})
+
+
+@pytest.mark.parametrize("name,threshold", [
+    ("llama-3.1-8b", 48 * 1024),          # context 131072, llama3 scaling (App. A.3: 48K)
+    ("longchat-7b-v1.5-32k", 12 * 1024),  # context 32768, linear scaling x8 (App. A.3: 12K)
+    ("mistral-7b-v0.2", None),            # context 32768, no scaling: always 63
+    ("smollm2", None),                    # context 8192, no scaling: always 63
+])
+def test_adaptive_kernel_from_the_config(name, threshold):
+    args = paper_args(name)
+    assert (args.rope_scaling is not None) == (threshold is not None)
+    if threshold is None:
+        for T in (1, 8 * 1024, 12 * 1024, 3 * args.max_seq_len // 8, args.max_seq_len,
+                  128 * 1024):
+            assert snapkv_pp_kernel(args, T) == 63
+        return
+    assert threshold == 3 * args.max_seq_len // 8
+    assert snapkv_pp_kernel(args, threshold - 1) == 63
+    assert snapkv_pp_kernel(args, threshold) == 511
+    assert snapkv_pp_kernel(args, args.max_seq_len) == 511
+
+
+def test_adaptive_kernel_of_a_gguf_style_llama31():
+    """A GGUF Llama 3.1 carries its scaling as per-frequency factors: still scaled."""
+    base = paper_args("llama-3.1-8b")
+    args = ModelArgs(**{**CONFIGS["llama-3.1-8b"], "name": "Meta-Llama-3.1-8B.Q4_0.gguf",
+                        "rope_scaling": {"type": "freq_factors",
+                                         "factors": [1.0] * (base.head_dim // 2)}})
+    assert snapkv_pp_kernel(args, 48 * 1024 - 1) == 63
+    assert snapkv_pp_kernel(args, 48 * 1024) == 511

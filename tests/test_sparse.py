@@ -13,6 +13,7 @@ from compression.sparse import (
     exact_scores,
     hybrid_page_scores,
     page_bounds,
+    page_to_tokens,
     sparq_scores,
 )
 from kv_cache import CompressedKVCache, FullKVCache, Selector
@@ -60,7 +61,7 @@ def test_quest_page_bounds_bound_every_token():
 
 
 def slow_temperature(qh, dims):
-    return math.sqrt(D * sum(abs(float(qh[i])) for i in dims) / float(qh.abs().sum()))
+    return math.sqrt(len(qh) * sum(abs(float(qh[i])) for i in dims) / float(qh.abs().sum()))
 
 
 def test_sparq_scores_match_loops():
@@ -78,25 +79,104 @@ def test_sparq_scores_match_loops():
             assert (s[0, kv, g, 10:] == 0).all()
 
 
-def test_hybrid_page_scores_match_loops():
-    q, kmin, kmax = rand(1, 4, 1, D), rand(1, 2, 5, D, seed=4), rand(1, 2, 5, D, seed=5)
-    dims = torch.tensor([[[3, 4], [8, 15]]])
-    page_valid = torch.tensor([True, True, True, True, False])
-    s = hybrid_page_scores(q, kmin, kmax, dims, page_valid)
-    for kv in range(2):
-        ds = dims[0, kv].tolist()
-        qsum = q[0, kv * G:kv * G + G, 0].sum(0)
-        ref = torch.zeros(5)
-        for g in range(G):
-            qh = q[0, kv * G + g, 0]
-            logits = []
-            for p in range(4):
-                val = [float(kmax[0, kv, p, i] if qsum[i] >= 0 else kmin[0, kv, p, i])
-                       for i in ds]
-                logits.append(sum(float(qh[i]) * v for i, v in zip(ds, val)) /
-                              slow_temperature(qh, ds))
-            ref[:4] += torch.softmax(torch.tensor(logits), 0)
-        assert torch.allclose(s[0, kv], ref, atol=1e-6)
+def slow_hybrid_token_scores(q, kmin, kmax, dims, valid, page):
+    """The released code's order, with loops: each page's logit copied to every valid token of
+    the page, softmax over the valid tokens per query head (SparQ temperature), summed over the
+    group. Returns (B, H_kv, S) with -inf at invalid slots."""
+    B, H = q.shape[:2]
+    Hkv, S = kmin.shape[1], valid.shape[0]
+    g_size = H // Hkv
+    out = torch.full((B, Hkv, S), float("-inf"))
+    for b in range(B):
+        for kv in range(Hkv):
+            ds = dims[b, kv].tolist()
+            qsum = q[b, kv * g_size:(kv + 1) * g_size, 0].sum(0)
+            total = torch.zeros(S)
+            for g in range(g_size):
+                qh = q[b, kv * g_size + g, 0]
+                logits = []
+                for j in range(S):
+                    if not valid[j]:
+                        continue
+                    p = j // page
+                    val = [float(kmax[b, kv, p, i] if qsum[i] >= 0 else kmin[b, kv, p, i])
+                           for i in ds]
+                    logits.append(sum(float(qh[i]) * v for i, v in zip(ds, val)) /
+                                  slow_temperature(qh, ds))
+                probs = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+                n = 0
+                for j in range(S):
+                    if valid[j]:
+                        total[j] += float(probs[n])
+                        n += 1
+            for j in range(S):
+                if valid[j]:
+                    out[b, kv, j] = total[j]
+    return out
+
+
+@pytest.mark.parametrize("n_valid", [20, 17, 13, 9])  # full pages; partial last pages
+def test_hybrid_page_scores_match_token_expansion_loops(n_valid):
+    page, P = 4, 5
+    q, kmin, kmax = rand(2, 4, 1, D), rand(2, 2, P, D, seed=4), rand(2, 2, P, D, seed=5)
+    dims = torch.tensor([[[3, 4], [8, 15]], [[0, 1], [2, 14]]])
+    valid = torch.arange(P * page) < n_valid
+    counts = valid.view(P, page).sum(-1)
+    s = hybrid_page_scores(q, kmin, kmax, dims, counts)
+    assert s.shape == (2, 2, P)
+    assert (s[..., counts == 0] == 0).all()  # pages no token reached
+    tokens = page_to_tokens(s, page, valid)
+    ref = slow_hybrid_token_scores(q, kmin, kmax, dims, valid, page)
+    assert torch.allclose(tokens[..., valid], ref[..., valid], atol=1e-6)
+    assert torch.isinf(tokens[..., ~valid]).all()
+    # each query head's token probabilities sum to one: the group sums to G
+    per_kv = (tokens[..., valid]).sum(-1)
+    assert torch.allclose(per_kv, torch.full_like(per_kv, G), atol=1e-5)
+
+
+def slow_page_level_scores(logits):
+    """Page-level softmax per head (rows) over pages (columns), summed over the heads."""
+    return sum(torch.softmax(torch.tensor(row, dtype=torch.float64), 0) for row in logits)
+
+
+def test_hybrid_partial_last_page_counts_only_its_written_tokens():
+    """A hand-made GQA group (2 query heads, 1 KV head, d = 4, pages of 4 tokens): pages 0-2
+    full, page 3 holds one written token (slot 12). Page logits s[head][page] are set through
+    the keys: head 0 looks at dim 0, head 1 at dim 1; temperature sqrt(4 * 2 / 2) = 2 with
+    dims {0, 1}, so s = key value there. Page-level softmax ranks page 1 first; the released
+    code's token-weighted softmax (a full page's probability spread over 4 tokens, the partial
+    page's over 1) ranks page 3's token first, so the top-4 tokens differ."""
+    logits = [[0.0, 0.0, 0.0, 2.0],   # head 0: the partial page
+              [0.0, 3.0, 1.0, 0.0]]   # head 1: full pages 1 and 2
+    args = ModelArgs(dim=8, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=8,
+                     vocab_size=10, max_seq_len=64)
+    T, page = 13, 4
+    cache = CompressedKVCache(0, args, 1, torch.float32, "cpu", prompt_len=T,
+                              prompt_capacity=T, max_new_tokens=3,
+                              selector=Hybrid(page, 2, 4))
+    keys = torch.zeros(1, 1, T, 4)
+    for j in range(T):  # every token of page p has key (s[0][p], s[1][p], 0, 0)
+        keys[0, 0, j, 0], keys[0, 0, j, 1] = logits[0][j // page], logits[1][j // page]
+    cache.prefill(rand(1, 2, T, 4), keys, rand(1, 1, T, 4, seed=1))
+    q = torch.tensor([[2.0, 0, 0, 0], [0, 2.0, 0, 0]]).view(1, 2, 1, 4)
+    valid = torch.arange(cache.length) < T
+    # the slow reference (token expansion, loops) on the cache's own page bounds
+    kmin, kmax = cache.selector.bounds(cache)
+    ref = slow_hybrid_token_scores(q, kmin, kmax, torch.tensor([[[0, 1]]]), valid, page)[0, 0]
+    n = [4, 4, 4, 1]
+    expected = [sum(math.exp(row[p]) / sum(c * math.exp(x) for c, x in zip(n, row))
+                    for row in logits) for p in range(4)]
+    assert torch.allclose(ref[:T], torch.tensor([expected[j // page] for j in range(T)]),
+                          atol=1e-6)
+    page_level = slow_page_level_scores(logits)
+    assert page_level.argmax() == 1 and page_level[1] > page_level[3]
+    assert ref[12] > ref[4]  # token-weighted: the partial page's token wins
+    idx = set(cache.selector.select(cache, q, valid)[0, 0].tolist())
+    assert 12 in idx and len(idx) == 4 and idx - {12} <= {4, 5, 6, 7}
+    # a page-level softmax would have read page 1 whole: {4, 5, 6, 7}, without slot 12
+    pages = hybrid_page_scores(q, kmin, kmax, torch.tensor([[[0, 1]]]),
+                               torch.tensor([4, 4, 4, 4]))  # as if page 3 were full
+    assert pages[0, 0].argmax() == 1
 
 
 def run_cache(selector, T=37, steps=29, seed=0, kept=None):
@@ -144,3 +224,96 @@ def test_sparq_mean_value_running_mean():
     cache, _, (q, k, v) = run_cache(SparQ(4, 8, reallocate=True))
     n = cache.capacity
     assert torch.allclose(cache.selector.v_mean[:, :, 0], v[:, :, :n].mean(dim=2), atol=1e-5)
+
+
+def is_top_k(scores, chosen, k):
+    """``chosen`` (list of slots) is a top-k of ``scores`` (1-D, -inf = invalid), ties allowed."""
+    chosen = set(chosen)
+    rest = [float(s) for i, s in enumerate(scores) if i not in chosen]
+    worst = min(float(scores[i]) for i in chosen)
+    return len(chosen) == k and worst > float("-inf") and (not rest or worst >= max(rest) - 1e-6)
+
+
+def slow_page_min_max(keys, n_written, page):
+    """Element-wise min/max over the written keys (S, D) of each page, loops; (P, D) each."""
+    P = keys.shape[0] // page
+    kmin, kmax = torch.zeros(P, keys.shape[1]), torch.zeros(P, keys.shape[1])
+    for p in range(P):
+        toks = [keys[j] for j in range(p * page, (p + 1) * page) if j < n_written]
+        if toks:
+            kmin[p], kmax[p] = torch.stack(toks).amin(0), torch.stack(toks).amax(0)
+    return kmin, kmax
+
+
+@pytest.mark.parametrize("kind", ["quest", "hybrid"])
+def test_token_level_selection_matches_loops_at_every_decode_step(kind):
+    """Quest and hybrid pick the top-k tokens of page-constant scores (every step's last page
+    is partial in turn), k below one page included for Quest (k = 3, pages of 8)."""
+    page, k, r = (8, 3, None) if kind == "quest" else (4, 6, 5)
+    sel = Quest(page, k) if kind == "quest" else Hybrid(page, r, k)
+    T, steps = 21, 13
+    cache = CompressedKVCache(0, ARGS, 2, torch.float32, "cpu", prompt_len=T,
+                              prompt_capacity=T, max_new_tokens=steps, selector=sel)
+    g = torch.Generator().manual_seed(7)
+    n = T + steps
+    q, k_all, v = (torch.randn(2, h, n, D, generator=g) for h in (4, 2, 2))
+    cache.prefill(q[:, :, :T], k_all[:, :, :T], v[:, :, :T])
+    for t in range(T, n):
+        qt = q[:, :, t:t + 1]
+        cache.decode(qt, k_all[:, :, t:t + 1], v[:, :, t:t + 1], torch.tensor([t]))
+        valid = torch.arange(cache.length) <= t
+        idx = sel.select(cache, qt, valid)
+        for b in range(2):
+            kmins, kmaxs = zip(*(slow_page_min_max(cache.k_cache[b, kv], t + 1, page)
+                                 for kv in range(2)))
+            kmin, kmax = torch.stack(kmins)[None], torch.stack(kmaxs)[None]
+            for kv in range(2):
+                heads = range(kv * G, kv * G + G)
+                if kind == "quest":
+                    bound = [sum(max(float(qt[b, h, 0, i] * kmax[0, kv, p, i]),
+                                     float(qt[b, h, 0, i] * kmin[0, kv, p, i]))
+                                 for h in heads for i in range(D))
+                             for p in range(cache.length // page)]
+                    # the page of the token being decoded (slot t) is always read
+                    ref = torch.tensor([float("inf") if valid[j] and j // page == t // page
+                                        else bound[j // page] if valid[j] else float("-inf")
+                                        for j in range(cache.length)])
+                else:
+                    qabs = sum(qt[b, h, 0].abs() for h in heads)
+                    dims = sorted(range(D), key=lambda i: -float(qabs[i]))[:r]
+                    ref = slow_hybrid_token_scores(
+                        qt[b:b + 1, kv * G:kv * G + G], kmin[:, kv:kv + 1], kmax[:, kv:kv + 1],
+                        torch.tensor([[dims]]), valid, page)[0, 0]
+                assert is_top_k(ref, idx[b, kv].tolist(), k), (t, b, kv)
+
+
+def test_quest_reads_page_bounds_plus_k_tokens():
+    cache, _, _ = run_cache(Quest(16, 3))  # k = 3 < one page
+    pages = cache.length // 16
+    assert cache.bytes_read_per_step() == cache.kv_bytes(pages + 3)
+    assert cache.selector.params() == {"selection": "quest", "page_size": 16, "k": 3}
+
+
+def test_quest_always_reads_the_newest_page():
+    """A partial page's bound is tight (few keys) while full pages' bounds are loose upper
+    bounds; unforced, the page of the token being decoded loses (SmolLM2 at budget 256 then
+    read its own slot in 0-11% of layers and wrote broken digits). Here every full page's
+    bound beats the newest page's, yet the newest tokens are read."""
+    from compression.sparse import newest_page
+
+    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, vocab_size=8)
+    cache = CompressedKVCache(0, args, 1, torch.float32, "cpu", prompt_len=16,
+                              prompt_capacity=16, max_new_tokens=8, selector=Quest(4, 6))
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 1, 16, 8, generator=g) * 3  # wide pages: large bounds
+    cache.store_prompt(k, torch.randn(1, 1, 16, 8, generator=g), torch.zeros(1, 2, 0, 8))
+    q = torch.randn(1, 2, 1, 8, generator=g)
+    small = torch.randn(1, 1, 1, 8, generator=g) * 0.01  # newest keys: tiny scores
+    for step in range(2):
+        cache.decode(q, small, small, torch.tensor([16 + step]))
+    valid = torch.arange(cache.length) <= 17
+    assert newest_page(valid, 4).nonzero().flatten().tolist() == [16, 17]
+    bounds = page_bounds(q, *cache.selector.bounds(cache))[0, 0]
+    assert bounds[4] < bounds[:4].min()  # the newest page would lose on its bound
+    idx = cache.selector.select(cache, q, valid)[0, 0].tolist()
+    assert {16, 17} <= set(idx) and len(idx) == 6

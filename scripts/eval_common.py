@@ -1,0 +1,413 @@
+"""What the accuracy harnesses share: chat prompts split into document and question, one
+prefill per batch of prompts for every (method, budget), scoring, tables and the CLI's options.
+
+Prompt layout (``chat_item``): the checkpoint's chat template with one user turn, the document
+(context) then a blank line and the question, and the assistant's reply opened with an answer
+prefix (``"The special magic number for X is"``), so a small model answers at once. The ids are
+two pieces whose concatenation is the whole prompt:
+
+* ``doc_ids``: the template up to the document, then the document's ids;
+* ``question_ids``: the blank line, the question, the end of the user turn, the assistant's
+  header and the answer prefix.
+
+Two modes (``--modes``): ``standard`` prefills ``doc_ids + question_ids`` (the question inside
+SnapKV's observation window); ``question_agnostic`` prefills and compresses ``doc_ids`` alone,
+then appends ``question_ids`` as the conversation's next chunk
+(``generate(continue_conversation=True)``), which attends to the compressed cache: the multi-
+turn case of the RocketKV paper's SCBench results. The two modes feed the same tokens, so
+``full`` gives the same answers in both.
+
+Every method here prefills with exact attention over the whole prompt (RocketKV App. A.3), so a
+batch of equal-length prompts is prefilled once (``generate.prefill_once`` on the documents,
+``generate.extend_prefilled`` adds the questions for the standard mode) and each method's caches
+at each budget are built from the same per-layer K/V; only decoding runs per configuration and
+mode, for the whole batch at once. On CPU the prefill runs in one query block
+(``prefill_chunk_size`` raised to the prompt length), SDPA's causal kernel being faster there
+than block-wise masks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import compression  # noqa: E402,F401  (registers the compression methods)
+from generate import (  # noqa: E402
+    METHOD_OPTIONS,
+    _resolve_device,
+    extend_prefilled,
+    generate,
+    prefill_once,
+    write_json,
+)
+from kv_cache import METHODS, UNBUDGETED  # noqa: E402
+from model import ConfigError, Transformer  # noqa: E402
+from scripts.ruler_tasks import string_match_all  # noqa: E402,F401  (re-exported)
+from tokenizer import Tokenizer  # noqa: E402
+
+DEFAULT_METHODS = ("full", "exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid",
+                   "rocketkv")
+DEFAULT_BUDGETS = (128, 256, 512)
+_CONTEXT_MARK = "\u241fCONTEXT\u241f"  # stands for the document while the template renders
+
+
+@dataclass
+class Item:
+    """One prompt: ``doc_ids`` + ``question_ids`` (see the module docstring), the strings a
+    correct answer contains (``outputs``) and a description (``meta``: task, depth, ...)."""
+
+    doc_ids: list[int]
+    question_ids: list[int]
+    outputs: tuple[str, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+    head: int = 0  # template tokens at the start of doc_ids (padding goes after them)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.doc_ids) + len(self.question_ids)
+
+
+def chat_pieces(tok: Tokenizer, question: str, answer_prefix: str = "",
+                system: str | None = None) -> tuple[list[int], list[int]]:
+    """Ids of the chat template around a document: (before it, after it through the answer
+    prefix). The user turn is ``document + "\\n\\n" + question``.
+
+    Raises:
+        ConfigError: the tokenizer has no chat template.
+    """
+    text = tok.render_chat(f"{_CONTEXT_MARK}\n\n{question.strip()}", system=system)
+    before, after = text.split(_CONTEXT_MARK)
+    head = tok.encode_special(before)
+    if not tok.chat_template and tok.fallback_prepends_bos and tok.bos_id is not None:
+        head = [tok.bos_id] + head
+    tail_text = after + (answer_prefix.strip() if answer_prefix else "")
+    return head, tok.encode_special(tail_text)
+
+
+def chat_item(tok: Tokenizer, context_ids: Sequence[int], question: str, answer_prefix: str,
+              outputs: Sequence[str], meta: dict[str, Any] | None = None) -> Item:
+    """An ``Item`` of the document ``context_ids`` and ``question`` in the chat template."""
+    head, tail = chat_pieces(tok, question, answer_prefix)
+    return Item(head + list(context_ids), tail, tuple(outputs), dict(meta or {}), len(head))
+
+
+def pad_to_equal(items: Sequence[Item], pad_id: int) -> list[Item]:
+    """Items of one batch made equal in length: ``pad_id`` (a newline token) repeated after
+    the template's head of the document, and before the question (whose chunk starts with a
+    blank line anyway), up to the batch's longest document and question. Padding stays within
+    a generator's length tolerance (RULER-style contexts differ by at most 2%)."""
+    nd = max(len(it.doc_ids) for it in items)
+    nq = max(len(it.question_ids) for it in items)
+    out = []
+    for it in items:
+        pd, pq = nd - len(it.doc_ids), nq - len(it.question_ids)
+        doc = it.doc_ids[:it.head] + [pad_id] * pd + it.doc_ids[it.head:]
+        out.append(Item(doc, [pad_id] * pq + it.question_ids, it.outputs,
+                        {**it.meta, "padding": pd + pq}, it.head))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def rouge1_recall(prediction: str, reference: str) -> float:
+    """ROUGE-1 recall: the fraction of the reference's words (lower-case alphanumeric runs,
+    with multiplicity) that the prediction contains."""
+    ref = _WORD.findall(reference.lower())
+    if not ref:
+        return 0.0
+    pred: dict[str, int] = {}
+    for w in _WORD.findall(prediction.lower()):
+        pred[w] = pred.get(w, 0) + 1
+    hit = 0
+    for w in ref:
+        if pred.get(w, 0) > 0:
+            pred[w] -= 1
+            hit += 1
+    return hit / len(ref)
+
+
+# --------------------------------------------------------------------------------------------
+# Running configurations
+
+
+def configurations(methods: Sequence[str], budgets: Sequence[int]) -> list[tuple[str, Any]]:
+    """(method, budget) pairs in table order; methods without a budget once, with None."""
+    return [(m, None) if m in UNBUDGETED else (m, b)
+            for m in methods for b in ([None] if m in UNBUDGETED else budgets)]
+
+
+def _texts(tok: Tokenizer, rows: Sequence[Sequence[int]], stop: set[int]) -> list[str]:
+    return [tok.decode([t for t in row if t not in stop]) for row in rows]
+
+
+MODES = ("standard", "question_agnostic")
+
+
+@torch.no_grad()
+def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
+              configs: Sequence[tuple[str, Any]], max_new_tokens: int, *,
+              modes: Sequence[str] = ("standard",), options: dict[str, Any] | None = None,
+              tick: Callable[[], None] = lambda: None) -> dict[str, dict[tuple[str, Any], Any]]:
+    """Greedy answers of every configuration in every mode for a batch of items of equal
+    lengths.
+
+    The documents are prefilled once (``prefill_once``); the question is then recorded after
+    them (``extend_prefilled``) for the standard mode, so both modes share the document's
+    prefill, and each configuration's caches are built from those K/V. Question-agnostic runs
+    store and compress the document alone, then append the question as the conversation's next
+    chunk. Returns {mode: {(method, budget): answers (one string per item) or "error
+    message" for a budget the method rejects}}.
+    """
+    options = dict(options or {})
+    doc = torch.tensor([it.doc_ids for it in items])
+    question = torch.tensor([it.question_ids for it in items])
+    stop = tuple(sorted(set(tok.chat_stop_ids)))
+    model.prefill_chunk_size = max(model.prefill_chunk_size, doc.shape[1] + question.shape[1])
+    pre_doc = prefill_once(model, doc, obs_window=max(64, options.get("window") or 0))
+    out: dict[str, dict[tuple[str, Any], Any]] = {}
+    for mode in modes:
+        qa = mode == "question_agnostic"
+        pre = pre_doc if qa else extend_prefilled(model, pre_doc, question)
+        out[mode] = {}
+        for method, budget in configs:
+            opts = {} if method in UNBUDGETED else options
+            try:
+                if qa:
+                    generate(model, pre.tokens, method=method, budget=budget, max_new_tokens=0,
+                             reserve_tokens=question.shape[1] + max_new_tokens,
+                             method_options=opts, prefilled=pre)
+                    r = generate(model, question, continue_conversation=True,
+                                 max_new_tokens=max_new_tokens, stop_ids=stop)
+                else:
+                    r = generate(model, pre.tokens, method=method, budget=budget,
+                                 max_new_tokens=max_new_tokens, stop_ids=stop,
+                                 method_options=opts, prefilled=pre)
+                out[mode][(method, budget)] = _texts(tok, r["token_ids"], set(stop))
+            except ConfigError as e:
+                out[mode][(method, budget)] = str(e)
+            tick()
+        del pre
+    return out
+
+
+def batches_of(items: Sequence[Item], batch_size: int) -> list[list[int]]:
+    """Indices of ``items`` grouped by ``meta["group"]`` (default: the item's document and
+    question lengths), in order, at most ``batch_size`` per batch."""
+    groups: dict[Any, list[int]] = {}
+    for i, it in enumerate(items):
+        key = it.meta.get("group", (len(it.doc_ids), len(it.question_ids)))
+        groups.setdefault(key, []).append(i)
+    batches = []
+    for idx in groups.values():
+        batches += [idx[s:s + batch_size] for s in range(0, len(idx), batch_size)]
+    return batches
+
+
+def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
+                   configs: Sequence[tuple[str, Any]], max_new_tokens: int,
+                   score: Callable[[str, Item], float], *, modes: Sequence[str] = ("standard",),
+                   options: dict[str, Any] | None = None, batch_size: int = 10,
+                   progress: bool = True) -> dict[str, Any]:
+    """Answers and scores of every configuration on every item in every mode
+    (``max_new_tokens`` unless an item's ``meta["max_new_tokens"]`` says otherwise; a batch
+    decodes its items' largest).
+
+    Returns {"modes": {mode: {"rows": [{"method", "budget", "score" (mean over items, 0..1),
+    "scores", "answers"} or {"method", "budget", "error"}]}}, "eval_s"}."""
+    batches = batches_of(items, batch_size)
+    pad_id = tok.encode("\n", bos=False)[-1]
+    bar = _progress(len(batches) * len(configs) * len(modes), progress)
+    t0 = time.perf_counter()
+    answers = {mode: {c: [None] * len(items) for c in configs} for mode in modes}
+    errors: dict[str, dict[tuple[str, Any], str]] = {mode: {} for mode in modes}
+    for idx in batches:
+        batch = pad_to_equal([items[i] for i in idx], pad_id)
+        if bar is not None:
+            bar.set_description(f"{batch[0].tokens} tokens x {len(batch)}")
+        m = max(it.meta.get("max_new_tokens", max_new_tokens) for it in batch)
+        got = run_batch(model, tok, batch, configs, m, modes=modes, options=options,
+                        tick=(lambda: bar.update(1)) if bar is not None else (lambda: None))
+        for mode, res in got.items():
+            for c, ans in res.items():
+                if isinstance(ans, str):
+                    errors[mode][c] = ans
+                    continue
+                for i, a in zip(idx, ans):
+                    answers[mode][c][i] = a
+    if bar is not None:
+        bar.close()
+    result: dict[str, Any] = {"modes": {}}
+    for mode in modes:
+        rows = []
+        for method, budget in configs:
+            row: dict[str, Any] = {"method": method, "budget": budget}
+            if (method, budget) in errors[mode]:
+                row["error"] = errors[mode][(method, budget)]
+            else:
+                ans = answers[mode][(method, budget)]
+                scores = [score(a, it) for a, it in zip(ans, items)]
+                row.update(score=sum(scores) / len(scores), scores=scores, answers=ans)
+            rows.append(row)
+        result["modes"][mode] = {"rows": rows}
+    result["eval_s"] = time.perf_counter() - t0
+    return result
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="config", disable=not enabled, file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+
+
+def accuracy_table(rows: Sequence[dict[str, Any]], budgets: Sequence[int],
+                   label: str = "accuracy (%)") -> str:
+    """Markdown table: one line per method, one column per budget (``-`` for no budget)."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {(r["method"], r["budget"]): r for r in rows}
+    head = f"| method ({label}) | " + " | ".join(str(b) for b in budgets) + " |"
+    lines = [head, "|---" * (len(budgets) + 1) + "|"]
+    for m in methods:
+        if m in UNBUDGETED:
+            r = by[(m, None)]
+            cells = [_cell(r)] * len(budgets)
+        else:
+            cells = [_cell(by[(m, b)]) if (m, b) in by else "" for b in budgets]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(row: dict[str, Any]) -> str:
+    return "n/a" if "error" in row else f"{100 * row['score']:.1f}"
+
+
+# --------------------------------------------------------------------------------------------
+# CLI pieces
+
+
+def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
+    """--checkpoint, --methods, --budgets, --out, --limit, --seed and the method options."""
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint (GGUF file, HF or converted directory) with a chat template")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
+                   metavar="METHOD", help=f"default: {' '.join(DEFAULT_METHODS)}")
+    p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS),
+                   metavar="N", help="token budgets (default 128 256 512)")
+    p.add_argument("--out", default=default_out, help=f"output directory (default {default_out})")
+    p.add_argument("--limit", type=int, help="quick run: at most this many prompts")
+    p.add_argument("--seed", type=int, default=0, help="draws of needles, keys and values")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="standard: the question is in the prompt (inside SnapKV's observation "
+                        "window); question_agnostic: the document is prefilled and compressed "
+                        "first, then the question is appended as the next chunk (multi-turn). "
+                        "Both share the document's prefill (default: both)")
+    p.add_argument("--batch-size", type=int, default=10,
+                   help="equal-length prompts decoded together (default 10)")
+    p.add_argument("--device", help="cpu (default) or cuda")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--no-progress", action="store_true")
+    m = p.add_argument_group("method options (applied to every method that takes them)")
+    m.add_argument("--skip-layers", type=int, help="first layers left uncompressed")
+    m.add_argument("--kernel-size", type=int)
+    m.add_argument("--window", type=int)
+    m.add_argument("--page-size", type=int)
+    m.add_argument("--rocket-split", choices=["sqrt", "adaptive"])
+
+
+def method_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in METHOD_OPTIONS
+            if getattr(args, k, None) not in (None, False)}
+
+
+def check_common(args: argparse.Namespace) -> None:
+    """ConfigError for values no run can use."""
+    for flag in ("limit", "batch_size", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    bad = [b for b in args.budgets if b <= 0]
+    if bad:
+        raise ConfigError(f"--budgets must be positive numbers of tokens, got {bad[0]}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory")
+
+
+def load(args: argparse.Namespace):
+    """(model, tokenizer, device) for the run; the tokenizer must have a chat template."""
+    from checkpoint import load_model, resolve_checkpoint
+    from tokenizer import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = _resolve_device(args.device or "cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
+        args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    model = load_model(checkpoint, device, dtype)
+    tok = load_tokenizer(args.tokenizer or checkpoint)
+    if tok.active_chat_template is None:
+        raise ConfigError("the harness needs a chat template (the checkpoint's tokenizer has "
+                          "none)")
+    return model, tok, device
+
+
+def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transformer,
+                 task: str, fields: dict[str, Any], t0: float,
+                 table: Callable[[list[dict[str, Any]]], str],
+                 figure: Callable[[dict[str, Any], Path], None],
+                 rows_of: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = list) -> None:
+    """Per mode of ``got`` (``evaluate_items``): the result dict (rows, the run's settings and
+    ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in ``args.out``."""
+    for mode in args.modes:
+        result = {"task": task, "mode": mode, "question_agnostic": mode == "question_agnostic",
+                  "rows": rows_of(got["modes"][mode]["rows"]), "model": model.args.name,
+                  "checkpoint": args.checkpoint, "split": args.split, "seed": args.seed,
+                  "method_options": method_options(args), **fields,
+                  "eval_s": got["eval_s"], "runtime_s": time.perf_counter() - t0,
+                  "modes_run_together": list(args.modes), "torch_version": torch.__version__,
+                  "threads": torch.get_num_threads()}
+        name = f"{task}_qa" if mode == "question_agnostic" else task
+        text = table(result["rows"])
+        print(f"{name}:\n{text}")
+        paths = write_outputs(args.out, name, result, text, lambda p, r=result: figure(r, p))
+        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+
+
+def write_outputs(out_dir: str | Path, name: str, result: dict[str, Any], table: str,
+                  figure: Callable[[Path], None] | None) -> list[Path]:
+    """``NAME.json``, ``NAME.md`` and (when ``figure``) ``NAME.png`` in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.json", out / f"{name}.md"]
+    write_json(paths[0], result)
+    paths[1].write_text(table + "\n")
+    if figure is not None:
+        png = out / f"{name}.png"
+        figure(png)
+        paths.append(png)
+    return paths

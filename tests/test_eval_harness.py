@@ -1,0 +1,134 @@
+"""The accuracy harnesses (scripts/eval_common.py, eval_needle.py, eval_ruler.py) on SmolLM2."""
+
+import json
+
+import pytest
+from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
+
+from scripts.eval_common import (
+    Item,
+    chat_pieces,
+    configurations,
+    evaluate_items,
+    pad_to_equal,
+    rouge1_recall,
+)
+from scripts.eval_needle import Haystack, build_items, depth_grid, insert_needle, needle_fact
+from scripts.eval_needle import main as needle_main
+from scripts.eval_ruler import main as ruler_main
+from scripts.make_prompt import read_texts
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tokenizer import load_tokenizer
+
+    return load_tokenizer(str(shared_file(SMOLLM2_GGUF)))
+
+
+@pytest.fixture(scope="module")
+def hay(tok):
+    return Haystack(tok, read_texts([str(shared_file(ESSAYS))]))
+
+
+def test_rouge1_recall_by_hand():
+    assert rouge1_recall("eat a sandwich in Dolores Park", "Eat a sandwich.") == 1.0
+    assert rouge1_recall("a sandwich", "eat a sandwich") == pytest.approx(2 / 3)
+    assert rouge1_recall("the the", "the the the cat") == 0.5  # multiplicity counts
+    assert rouge1_recall("anything", "") == 0.0
+
+
+def test_insert_needle_at_the_nearest_sentence_boundary():
+    pieces = [[1, 2], [3, 4, 5, 6], [7, 8]]  # boundaries at 0, 2, 6, 8 tokens
+    assert insert_needle(pieces, [9], 0.0) == ([9, 1, 2, 3, 4, 5, 6, 7, 8], 0.0)
+    assert insert_needle(pieces, [9], 0.5) == ([1, 2, 9, 3, 4, 5, 6, 7, 8], 0.25)  # 4: tie->2
+    assert insert_needle(pieces, [9], 0.7)[1] == 0.75
+    assert insert_needle(pieces, [9], 1.0) == ([1, 2, 3, 4, 5, 6, 7, 8, 9], 1.0)
+    assert depth_grid(3) == [0.0, 0.5, 1.0] and depth_grid(1) == [0.5]
+
+
+def test_chat_pieces_frame_the_document_as_the_template_does(tok):
+    head, tail = chat_pieces(tok, "What is it?", "It is")
+    body = tok.encode(" Some document.", bos=False)
+    rendered = tok.render_chat(" Some document.\n\nWhat is it?")
+    whole = tok.encode_special(rendered + "It is")
+    assert tok.decode(head + body + tail) == tok.decode(whole)  # the same text (specials too:)
+    special = set(tok.special_tokens().values())
+    assert [t for t in head + tail if t in special] == [t for t in whole if t in special]
+
+
+def test_needle_prompts_have_the_asked_length_and_depth(tok, hay):
+    depths = depth_grid(5)
+    items = build_items(tok, hay, [700, 1500], depths, 2, seed=3)
+    assert len(items) == 2 * 2 * 5
+    assert all(it.tokens == it.meta["length"] for it in items)  # exactly, every depth
+    for it in items:
+        assert abs(it.meta["depth_reached"] - it.meta["depth"]) < 0.08  # a sentence or so
+        needle = tok.encode(" " + needle_fact(it.meta["seed"])["needle"], bos=False)
+        ids = it.doc_ids
+        at = next(i for i in range(len(ids)) if ids[i:i + len(needle)] == needle)
+        hay_tokens = len(ids) - it.head - len(needle)
+        assert (at - it.head) / hay_tokens == pytest.approx(it.meta["depth_reached"])
+        assert it.outputs[0] in tok.decode(ids)
+    again = build_items(tok, hay, [700, 1500], depths, 2, seed=3)
+    assert [it.doc_ids for it in again] == [it.doc_ids for it in items]
+    dev = build_items(tok, hay, [700], depths, 2, seed=3, split="dev")
+    assert {it.outputs for it in dev}.isdisjoint({it.outputs for it in items})
+
+
+def test_padding_makes_a_batch_equal_and_keeps_the_content():
+    a = Item([1, 2, 10, 11], [5, 6], ("x",), {}, head=2)
+    b = Item([1, 2, 10, 11, 12], [5], ("y",), {}, head=2)
+    pa, pb = pad_to_equal([a, b], 0)
+    assert pa.doc_ids == [1, 2, 0, 10, 11] and pa.question_ids == [5, 6]
+    assert pb.doc_ids == [1, 2, 10, 11, 12] and pb.question_ids == [0, 5]
+
+
+def test_question_agnostic_full_answers_like_one_prefill(smollm2_model, tok, hay):
+    """The conversation-append path (document, then question as the next chunk) gives the
+    full cache's answers of the single prefill; a compressing method answers either way."""
+    items = build_items(tok, hay, [600], [0.2, 0.8], 1, seed=0)
+    configs = configurations(["full", "snapkv_pp"], [96])
+    got = evaluate_items(smollm2_model, tok, items, configs, 12, lambda a, it: 0.0,
+                         modes=["standard", "question_agnostic"], progress=False)["modes"]
+    std, qa = got["standard"]["rows"], got["question_agnostic"]["rows"]
+    alone = evaluate_items(smollm2_model, tok, items, configs[:1], 12, lambda a, it: 0.0,
+                           modes=["question_agnostic"], progress=False)["modes"]
+    assert std[0]["answers"] == qa[0]["answers"] == alone["question_agnostic"]["rows"][0][
+        "answers"]
+    assert all(it.outputs[0] in a for a, it in zip(std[0]["answers"], items))  # full finds it
+    assert len(std[1]["answers"]) == len(qa[1]["answers"]) == 2
+
+
+def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
+    rc = needle_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
+                      "--lengths", "512", "--depths", "2", "--needles", "1", "--methods",
+                      "full", "quest", "--budgets", "64", "--threads", "1", "--no-progress",
+                      "--modes", "standard"])
+    assert rc == 0
+    result = json.loads((tmp_path / "needle.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["full"]["score"] == 1.0 and len(rows["quest"]["scores"]) == 2
+    assert (tmp_path / "needle.png").stat().st_size > 0
+    assert "| quest |" in (tmp_path / "needle.md").read_text()
+
+
+def test_ruler_cli_quick_run(tmp_path):
+    rc = ruler_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
+                     "--lengths", "600", "--samples", "1", "--tasks", "niah_single_noise",
+                     "vt", "--methods", "full", "hybrid", "--budgets", "96", "--threads", "1",
+                     "--no-progress", "--modes", "question_agnostic"])
+    assert rc == 0
+    result = json.loads((tmp_path / "ruler_qa.json").read_text())
+    full = result["rows"][0]
+    assert set(full["per_task"]) == {"niah_single_noise", "vt"}
+    assert full["score"] == sum(full["per_task"].values()) / 2
+    assert all(abs(it["tokens"] - 600) <= 30 for it in result["items"])
+    assert (tmp_path / "ruler_qa.png").exists() and (tmp_path / "ruler_qa.md").exists()
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert needle_main(["--checkpoint", "x", "--budgets", "0"]) == 2
+    assert "budgets" in capsys.readouterr().err
+    assert ruler_main(["--checkpoint", "x", "--samples", "0"]) == 2
+    assert "samples" in capsys.readouterr().err
