@@ -620,6 +620,14 @@ def write_json(path: str | Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def check_positive(args: argparse.Namespace, *flags: str) -> None:
+    """ConfigError naming the first of ``flags`` (argparse dests) set to a value <= 0."""
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+
+
 def check_json_path(path: str | None) -> None:
     """Fail before a run whose ``--json`` destination directory is missing.
 
@@ -755,10 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.budget is not None and args.budget <= 0:
             raise ConfigError(f"--budget must be a positive number of tokens, got {args.budget}")
-        for flag in ("max_new_tokens", "batch_size", "prompt_tokens", "top_k"):
-            value = getattr(args, flag)
-            if value is not None and value <= 0:
-                raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+        check_positive(args, "max_new_tokens", "batch_size", "prompt_tokens", "top_k")
         if args.top_p is not None and not 0 < args.top_p <= 1:
             raise ConfigError(f"--top-p must lie in (0, 1], got {args.top_p}")
         if args.temperature < 0:

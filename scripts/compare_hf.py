@@ -70,6 +70,7 @@ from generate import (  # noqa: E402
     _resolve_device,
     _sync,
     check_json_path,
+    check_positive,
     device_name,
     generate,
     percentile,
@@ -291,10 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """ConfigError for values no run can use (before anything is loaded)."""
-    for flag in ("decode_steps", "check_tokens", "threads", "repeats"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    check_positive(args, "decode_steps", "check_tokens", "threads", "repeats")
     if args.warmup_steps < 0:
         raise ConfigError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if min(args.context) <= 0:

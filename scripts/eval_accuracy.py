@@ -143,6 +143,7 @@ from compression.sparse import (  # noqa: E402
 from generate import (  # noqa: E402
     OneLineParser,
     PrefilledPrompt,
+    check_positive,
     generate,
     prefill_once,
     write_json,
@@ -868,10 +869,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """ConfigError for values no run can use."""
-    for flag in ("max_new_tokens", "num_prompts", "threads", "limit"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    check_positive(args, "max_new_tokens", "num_prompts", "threads", "limit")
     if args.seed < 0:
         raise ConfigError(f"--seed must not be negative, got {args.seed}")
     for name, values in (("prompt-tokens", args.prompt_tokens), ("budgets", args.budgets)):

@@ -46,6 +46,7 @@ import compression  # noqa: E402,F401  (registers the compression methods)
 from generate import (  # noqa: E402
     METHOD_OPTIONS,
     _resolve_device,
+    check_positive,
     extend_prefilled,
     generate,
     prefill_once,
@@ -345,10 +346,7 @@ def method_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_common(args: argparse.Namespace) -> None:
     """ConfigError for values no run can use."""
-    for flag in ("limit", "batch_size", "threads"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    check_positive(args, "limit", "batch_size", "threads")
     bad = [b for b in args.budgets if b <= 0]
     if bad:
         raise ConfigError(f"--budgets must be positive numbers of tokens, got {bad[0]}")
