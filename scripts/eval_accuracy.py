@@ -159,6 +159,7 @@ from kv_cache import (  # noqa: E402
 )
 from model import ConfigError, Transformer  # noqa: E402
 from scripts.eval_common import DEFAULT_BUDGETS, DEFAULT_METHODS, configurations  # noqa: E402
+from scripts.make_prompt import text_files  # noqa: E402
 from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 TEXT_DIR = ROOT.parent / "shared" / "data" / "text"
@@ -187,26 +188,6 @@ class Prompt:
     start: int
     prompt: list[int]
     continuation: list[int]
-
-
-def text_files(paths: Sequence[str | Path]) -> list[Path]:
-    """``paths`` with each directory replaced by its ``*.txt`` files sorted by name.
-
-    Raises:
-        ConfigError: a path that does not exist, or a directory without ``*.txt`` files.
-    """
-    files: list[Path] = []
-    for path in map(Path, paths):
-        if path.is_dir():
-            found = sorted(path.glob("*.txt"))
-            if not found:
-                raise ConfigError(f"text directory {path} holds no *.txt file")
-            files += found
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise ConfigError(f"text file not found: {path}")
-    return files
 
 
 def prompt_record(p: Prompt) -> dict[str, Any]:

@@ -60,6 +60,7 @@ from tokenizer import Tokenizer  # noqa: E402
 DEFAULT_METHODS = ("full", "exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid",
                    "rocketkv")
 DEFAULT_BUDGETS = (128, 256, 512)
+DEV_SEED_OFFSET = 10_000  # --split dev draws from seed + this: prompts disjoint from eval's
 _CONTEXT_MARK = "\u241fCONTEXT\u241f"  # stands for the document while the template renders
 
 

@@ -35,7 +35,6 @@ score, the grid, the run's settings), ``.md`` (accuracy per method and budget) a
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -50,6 +49,7 @@ import torch  # noqa: E402
 from generate import OneLineParser  # noqa: E402
 from model import ConfigError  # noqa: E402
 from scripts.eval_common import (  # noqa: E402
+    DEV_SEED_OFFSET,
     Item,
     accuracy_table,
     add_common_args,
@@ -64,10 +64,7 @@ from scripts.eval_common import (  # noqa: E402
     string_match_all,
 )
 from scripts.make_prompt import (  # noqa: E402
-    KEY_FIRST,
-    KEY_SECOND,
-    NEEDLE_TEMPLATE,
-    QUESTION_TEMPLATE,
+    default_needle,
     read_texts,
     split_sentences,
 )
@@ -76,16 +73,13 @@ from tokenizer import Tokenizer  # noqa: E402
 ESSAYS = ROOT.parent / "shared" / "data" / "text" / "PaulGrahamEssays"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8000)
 ANSWER_PREFIX = "The hidden code of the {key} archive is"
-DEV_SEED_OFFSET = 10_000
 
 
 def needle_fact(seed: int) -> dict[str, str]:
-    """The made-up fact of ``seed``: needle, question, answer prefix and answer (its number)."""
-    rng = random.Random(seed)
-    key = f"{rng.choice(KEY_FIRST)} {rng.choice(KEY_SECOND)}"
-    number = str(rng.randint(1_000_000, 9_999_999))
-    return {"needle": NEEDLE_TEMPLATE.format(key=key, number=number),
-            "question": QUESTION_TEMPLATE.format(key=key),
+    """The made-up fact of ``seed`` (``make_prompt.default_needle``): needle, question, answer
+    prefix and answer (its number)."""
+    needle, question, number, key = default_needle(seed)
+    return {"needle": needle, "question": question,
             "answer_prefix": ANSWER_PREFIX.format(key=key), "answer": number}
 
 

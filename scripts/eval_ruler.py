@@ -39,6 +39,7 @@ from generate import OneLineParser  # noqa: E402
 from kv_cache import UNBUDGETED  # noqa: E402
 from model import ConfigError  # noqa: E402
 from scripts.eval_common import (  # noqa: E402
+    DEV_SEED_OFFSET,
     Item,
     add_common_args,
     chat_pieces,
@@ -54,7 +55,6 @@ from scripts.ruler_tasks import DEFAULT_ESSAYS, TASKS, load_essays, make_sample 
 from tokenizer import Tokenizer  # noqa: E402
 
 DEFAULT_LENGTHS = (4096,)
-DEV_SEED_OFFSET = 10_000
 
 
 def build_items(tok: Tokenizer, essays: str, tasks: Sequence[str], lengths: Sequence[int],

@@ -270,34 +270,44 @@ def make_prompt(texts: Sequence[str], n_tokens: int, count_tokens: CountTokens =
 # CLI
 
 
+def text_files(paths: Sequence[str | Path]) -> list[Path]:
+    """``paths`` in order, each directory replaced by its ``*.txt`` files sorted by name.
+
+    Raises:
+        ConfigError: a path that does not exist, or a directory without ``*.txt`` files.
+    """
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(p for p in path.glob("*.txt") if p.is_file())
+            if not found:
+                raise ConfigError(f"no *.txt files in directory {path}")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ConfigError(f"text file not found: {path}")
+    return files
+
+
 def read_texts(paths: Sequence[str]) -> list[str]:
     """Texts of the sources in order: a ``.json`` file's ``"text"`` field, each ``*.txt`` of a
     directory (sorted by name), or a text file."""
     texts = []
-    for name in paths:
-        path = Path(name)
-        if path.is_dir():
-            files = sorted(p for p in path.glob("*.txt") if p.is_file())
-            if not files:
-                raise ConfigError(f"no *.txt files in directory {path}")
-        elif path.is_file():
-            files = [path]
-        else:
-            raise ConfigError(f"text source not found: {path}")
-        for f in files:
+    for f in text_files(paths):
+        try:
+            raw = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {f}: {e}") from None
+        if f.suffix.lower() == ".json":
             try:
-                raw = f.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise ConfigError(f"cannot read {f}: {e}") from None
-            if f.suffix.lower() == ".json":
-                try:
-                    obj = json.loads(raw)
-                except ValueError as e:
-                    raise ConfigError(f"{f} is not valid JSON: {e}") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise ConfigError(f'{f} has no "text" string field')
-                raw = obj["text"]
-            texts.append(raw)
+                obj = json.loads(raw)
+            except ValueError as e:
+                raise ConfigError(f"{f} is not valid JSON: {e}") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise ConfigError(f'{f} has no "text" string field')
+            raw = obj["text"]
+        texts.append(raw)
     if not any(t.strip() for t in texts):
         raise ConfigError(f"the text is empty: {', '.join(paths)}")
     return texts
