@@ -200,22 +200,32 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def _materialize(args: ModelArgs, state_dict: dict[str, Tensor], device, dtype) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(args)
-    if args.tie_word_embeddings:
+def _materialize(args: ModelArgs, state_dict: dict[str, Tensor], device, dtype,
+                 model: Transformer | None = None) -> Transformer:
+    """``Transformer(args)`` on ``device`` with ``state_dict``'s tensors cast to ``dtype``.
+    ``model``: one built on the meta device whose quantized layers are already real
+    (``quantize.load_quantized``); only its meta parameters are loaded here."""
+    if model is None:
+        with torch.device("meta"):
+            model = Transformer(args)
+    tied = args.tie_word_embeddings and isinstance(model.output, torch.nn.Linear)
+    if tied:
         state_dict.pop("output.weight", None)
-    expected = {n for n, _ in model.named_parameters()}
+    params = dict(model.named_parameters())
+    expected = {n for n, p in params.items() if p.is_meta}
     missing = sorted(expected - state_dict.keys())
     if missing:
         raise ConfigError(f"checkpoint lacks weights: {', '.join(missing[:5])}")
-    for name, p in model.named_parameters():
-        if tuple(state_dict[name].shape) != tuple(p.shape):
+    extra = sorted(state_dict.keys() - expected)
+    if extra:
+        raise ConfigError(f"unexpected weights in checkpoint: {', '.join(extra[:5])}")
+    for name in expected:
+        if tuple(state_dict[name].shape) != tuple(params[name].shape):
             raise ConfigError(f"weight {name} has shape {tuple(state_dict[name].shape)}, "
-                              f"config implies {tuple(p.shape)}")
+                              f"config implies {tuple(params[name].shape)}")
     state_dict = {n: t.to(device=device, dtype=dtype) for n, t in state_dict.items()}
     model.load_state_dict(state_dict, strict=False, assign=True)
-    if args.tie_word_embeddings:
+    if tied:
         model.output.weight = model.tok_embeddings.weight
     model.rope = torch.empty(0, args.head_dim // 2, 2, device=device)
     return model.eval().requires_grad_(False)
@@ -499,17 +509,24 @@ def resolve_checkpoint(checkpoint: str) -> str:
                       f"download it with: python scripts/download.py --repo-id {repo_id}")
 
 
-def load_model(checkpoint: str, device, dtype) -> Transformer:
-    """Load ``checkpoint`` (a directory, a GGUF file, ``random:NAME`` or a short name of
-    ``KNOWN_CHECKPOINTS``) onto ``device`` in ``dtype``.
+def checkpoint_args(checkpoint: str) -> ModelArgs:
+    """The config of ``checkpoint`` (resolved path or ``random:NAME``) without reading its
+    weights.
 
     Raises:
-        ConfigError: missing or unreadable checkpoint, config without weights, unsupported
-            architecture or quantization type, truncated file, or weights that do not match
-            the config.
+        ConfigError: see ``read_checkpoint``.
     """
     if checkpoint.startswith(RANDOM_PREFIX):
-        return random_model(ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):]), device, dtype)
+        return ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):])
+    ckpt = _checked_path(checkpoint)
+    if is_gguf(ckpt):
+        return gguf_args(open_gguf(ckpt))
+    if (ckpt / NATIVE_CONFIG).is_file():
+        return _native_args(ckpt)
+    return ModelArgs.from_hf_config(_read_json(ckpt / "config.json"), name=ckpt.name)
+
+
+def _checked_path(checkpoint: str) -> Path:
     ckpt = Path(resolve_checkpoint(checkpoint))
     if not ckpt.exists():
         raise ConfigError(f"checkpoint not found: {ckpt} (a directory, a .gguf file, random:NAME "
@@ -517,29 +534,118 @@ def load_model(checkpoint: str, device, dtype) -> Transformer:
     if ckpt.is_file() and not os.access(ckpt, os.R_OK):
         raise ConfigError(f"checkpoint file is not readable: {ckpt}")
     if is_gguf(ckpt):
-        args, sd = load_gguf(ckpt, dtype)
-        return _materialize(args, sd, device, dtype)
+        return ckpt
     if not ckpt.is_dir():
         raise ConfigError(f"checkpoint must be a directory (HF layout or converted) or a GGUF "
                           f"file: {ckpt}")
     if not os.access(ckpt, os.R_OK | os.X_OK):
         raise ConfigError(f"checkpoint directory is not readable: {ckpt}")
+    if not (ckpt / NATIVE_CONFIG).is_file() and not (ckpt / "config.json").is_file():
+        raise ConfigError(f"{ckpt} holds neither config.json (HF layout) nor {NATIVE_CONFIG} "
+                          "(converted checkpoint)")
+    return ckpt
+
+
+def _native_args(ckpt: Path) -> ModelArgs:
+    try:
+        return ModelArgs(**_read_json(ckpt / NATIVE_CONFIG))
+    except TypeError as e:
+        raise ConfigError(f"bad {NATIVE_CONFIG} in {ckpt}: {e}") from None
+
+
+def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
+                    random_dtype: torch.dtype = torch.float32
+                    ) -> tuple[ModelArgs, dict[str, Tensor], dict[str, Any] | None]:
+    """Config, state dict (``model.py``'s names, on the CPU) and quantization config
+    (``quantize.QUANT_CONFIG``; None for float checkpoints) of ``checkpoint``.
+
+    Float tensors are cast to ``dtype`` when given, else kept as stored (GGUF tensors are
+    dequantized to float32; ``random:NAME`` weights are drawn in ``random_dtype``); a quantized
+    checkpoint's tensors are always returned as stored.
+
+    Raises:
+        ConfigError: missing or unreadable checkpoint, config without weights, unsupported
+            architecture or quantization type, truncated file.
+    """
+    if checkpoint.startswith(RANDOM_PREFIX):
+        args = ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):])
+        model = random_model(args, "cpu", dtype or random_dtype)
+        return args, dict(model.state_dict()), None
+    ckpt = _checked_path(checkpoint)
+    if is_gguf(ckpt):
+        args, sd = load_gguf(ckpt, dtype)
+        return args, sd, None
     if (ckpt / NATIVE_CONFIG).is_file():
-        cfg = _read_json(ckpt / NATIVE_CONFIG)
-        try:
-            args = ModelArgs(**cfg)
-        except TypeError as e:
-            raise ConfigError(f"bad {NATIVE_CONFIG} in {ckpt}: {e}") from None
+        args = _native_args(ckpt)
         weights = ckpt / NATIVE_WEIGHTS
         if not weights.is_file():
             raise ConfigError(f"no {NATIVE_WEIGHTS} in {ckpt} (config without weights)")
-        return _materialize(args, _load_tensors([weights], "cpu"), device, dtype)
-    if (ckpt / "config.json").is_file():
+        sd = _load_tensors([weights], "cpu")
+        from quantize import QUANT_CONFIG
+
+        quant = _read_json(ckpt / QUANT_CONFIG) if (ckpt / QUANT_CONFIG).is_file() else None
+    else:
         args = ModelArgs.from_hf_config(_read_json(ckpt / "config.json"), name=ckpt.name)
-        tensors = _load_tensors(_safetensors_files(ckpt), "cpu")
-        return _materialize(args, hf_state_dict(tensors, args), device, dtype)
-    raise ConfigError(f"{ckpt} holds neither config.json (HF layout) nor {NATIVE_CONFIG} "
-                      "(converted checkpoint)")
+        sd = hf_state_dict(_load_tensors(_safetensors_files(ckpt), "cpu"), args)
+        quant = None
+    if dtype is not None and quant is None:
+        sd = {n: t.to(dtype) if t.is_floating_point() else t for n, t in sd.items()}
+    return args, sd, quant
+
+
+def load_model(checkpoint: str, device, dtype) -> Transformer:
+    """Load ``checkpoint`` (a directory, a GGUF file, ``random:NAME`` or a short name of
+    ``KNOWN_CHECKPOINTS``) onto ``device`` in ``dtype`` (the activation dtype; a quantized
+    checkpoint from ``quantize.py`` keeps its int8/int4 layers, laid out for ``device``).
+
+    Raises:
+        ConfigError: missing or unreadable checkpoint, config without weights, unsupported
+            architecture or quantization type, truncated file, weights that do not match
+            the config, or a quantized layout with no kernel for ``device``/``dtype``.
+    """
+    if checkpoint.startswith(RANDOM_PREFIX):
+        return random_model(ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):]), device, dtype)
+    args, sd, quant = read_checkpoint(checkpoint, dtype=dtype if _is_gguf_path(checkpoint)
+                                      else None)
+    if quant is not None:
+        from quantize import load_quantized
+
+        return load_quantized(args, sd, quant, device, dtype, _materialize)
+    return _materialize(args, sd, device, dtype)
+
+
+def _is_gguf_path(checkpoint: str) -> bool:
+    return is_gguf(resolve_checkpoint(checkpoint))
+
+
+def write_directory(out: str | Path, fill) -> Path:
+    """Create the directory ``out`` whole: ``fill(tmp)`` writes its files into a temporary
+    directory beside it, which is then made readable (files 0644, directory 0755) and renamed
+    to ``out``. If ``fill`` fails, nothing is left behind.
+
+    Raises:
+        ConfigError: ``out`` exists and is not an empty directory (checked before ``fill``).
+    """
+    import shutil
+    import tempfile
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        fill(tmp)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def save_native(out_dir: str | Path, args: ModelArgs, state_dict: dict[str, Tensor],

@@ -592,6 +592,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "full_kv_bytes": full_kv_bytes,
         "weight_bytes": model.weight_bytes(),
         "weight_bytes_per_step": w_per_step,
+        "weights": weights_label(model),
         "bandwidth_gbps": ((w_per_step + kv_per_step) / (median / 1e3) / 1e9) if median else None,
         "compile_s": run["compile_s"],
         "warmup_steps": run["warmup_steps"],
@@ -604,6 +605,16 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
 
 # --------------------------------------------------------------------------------------------
 # CLI
+
+
+def weights_label(model: Transformer) -> str:
+    """``float``, ``int8`` or ``int4-g<G>`` (``quantize.py``), with ``, classifier C`` when the
+    classifier is stored otherwise (``int8``, ``float``)."""
+    q = model.quantization
+    if q is None:
+        return "float"
+    label = q["mode"] + (f"-g{q['groupsize']}" if q.get("groupsize") else "")
+    return label + (f", classifier {q['classifier']}" if q["classifier"] != q["mode"] else "")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -751,7 +762,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines += [
         f"peak memory ({r['peak_memory_kind']}): prefill {mb(pk['prefill'])}  decode "
         f"{mb(pk['decode'])}  total {mb(pk['total'])}",
-        f"KV cache {mb(r['kv_cache_bytes'])}  weights {mb(r['weight_bytes'])}",
+        f"KV cache {mb(r['kv_cache_bytes'])}  weights {mb(r['weight_bytes'])} "
+        f"({r.get('weights', 'float')})",
         f"device {r['device']}  dtype {r['dtype']}  torch {r['torch_version']}  compiled "
         f"{r['compiled']}" + (f" (compile {r['compile_s']:.1f} s)" if r["compile_s"] else ""),
     ]

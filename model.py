@@ -286,6 +286,15 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def linear_rows(layer: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
+    """Output features ``start:stop`` of the linear ``layer`` applied to ``x`` (..., in),
+    computing only those: a float layer's weight rows are sliced; quantized layers
+    (``quantize.py``) provide ``forward_rows``."""
+    if isinstance(layer, nn.Linear):
+        return F.linear(x, layer.weight[start:stop])
+    return layer.forward_rows(x, start, stop)
+
+
 class Attention(nn.Module):
     """Grouped-query attention. K/V stay at KV-head granularity; the cache does the attending."""
 
@@ -312,15 +321,15 @@ class Attention(nn.Module):
     def q_proj(self, x: Tensor, rope: Tensor) -> Tensor:
         """Queries only (prefill): ``x`` (B, T, dim) -> q (B, H, T, D), rotated."""
         B, T, _ = x.shape
-        w = self.wqkv.weight[:self.n_heads * self.head_dim]  # the q rows of the fused matrix
-        q = F.linear(x, w).view(B, T, self.n_heads, self.head_dim)
+        q = linear_rows(self.wqkv, x, 0, self.n_heads * self.head_dim)  # the q rows
+        q = q.view(B, T, self.n_heads, self.head_dim)
         return apply_rope(q, rope).transpose(1, 2)
 
     def kv_proj(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (rotated) and values only (prefill): ``x`` (B, T, dim) -> (B, H_kv, T, D)."""
         B, T, _ = x.shape
         D = self.head_dim
-        kv = F.linear(x, self.wqkv.weight[self.n_heads * D:])
+        kv = linear_rows(self.wqkv, x, self.n_heads * D, self.wqkv.out_features)
         k, v = kv.view(B, T, 2 * self.n_kv_heads, D).split(self.n_kv_heads, dim=2)
         return apply_rope(k, rope).transpose(1, 2), v.transpose(1, 2)
 
@@ -400,6 +409,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.prefill_chunk_size = 4096  # tokens per projection/MLP chunk in prefill
+        self.quantization: dict | None = None  # set by quantize.py's loaders
         self.register_buffer("rope", torch.empty(0, args.head_dim // 2, 2), persistent=False)
 
     def setup_caches(self, caches: list[nn.Module], max_seq_len: int) -> None:
@@ -453,7 +463,8 @@ class Transformer(nn.Module):
 
     def weight_bytes_per_step(self) -> int:
         """Parameter bytes one decode step reads: all but the embedding table, which is only
-        gathered (B rows), unless it is tied to the classifier."""
+        gathered (B rows), unless the classifier shares it (a quantized checkpoint's classifier
+        is its own copy, ``quantize.py``)."""
         emb = self.tok_embeddings.weight
-        skip = 0 if self.args.tie_word_embeddings else emb.numel() * emb.element_size()
-        return self.weight_bytes() - skip
+        tied = getattr(self.output, "weight", None) is emb
+        return self.weight_bytes() - (0 if tied else emb.numel() * emb.element_size())

@@ -21,6 +21,12 @@ checkpoint directory) and records, from the repeat with the median decode step:
   copy (bytes read + bytes written over the copy time), and ``roofline_ms``: the bytes that
   step must read (weights + ``kv_bytes_per_step``) over that bandwidth.
 
+``--weights`` adds weight-only quantization (``quantize.py``): ``float`` (default), ``int8``,
+``int4-g<G>``; each mode loads the model afresh and quantizes it in place (``quantize_model``:
+what loading a ``quantize.py`` checkpoint gives), so rows of several modes come from one run.
+Rows carry ``weights``; charts (a)-(d) use the first mode's rows and (e) compares the modes'
+per-step latency.
+
 ``gptfast_dense`` is the paper's Full-KV baseline as gpt-fast ran it; ``full`` is our Full-KV.
 Results go to ``results/<device>/bench-<timestamp>.json`` (a list of rows, rewritten after
 every configuration so a run cut short keeps what it measured; ``--time-limit`` stops starting
@@ -79,6 +85,31 @@ def configurations(args) -> list[tuple[int, int, str, int | None]]:
     return rows
 
 
+def parse_weights(spec: str) -> tuple[str, int | None]:
+    """``float``, ``int8`` or ``int4-g<G>`` -> (mode, groupsize). ConfigError otherwise."""
+    from quantize import GROUPSIZES
+
+    m = re.fullmatch(r"float|int8|int4-g(\d+)", spec)
+    if not m or (m.group(1) and int(m.group(1)) not in GROUPSIZES):
+        raise ConfigError(f"--weights: {spec!r} is not float, int8 or int4-g<G> with G in "
+                          f"{', '.join(map(str, GROUPSIZES))}")
+    return (spec, None) if not m.group(1) else ("int4", int(m.group(1)))
+
+
+def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype):
+    """The model of ``ckpt`` with ``spec``'s weights (``parse_weights``)."""
+    mode, groupsize = parse_weights(spec)
+    model = load_model(ckpt, device, dtype)
+    if mode != "float":
+        from quantize import quantize_model
+
+        if model.quantization is not None:
+            raise ConfigError(f"--weights {spec}: {ckpt} is already quantized; pass --weights "
+                              "float (its own weights) or a float checkpoint")
+        quantize_model(model, mode, groupsize)
+    return model
+
+
 def run_one(model, batch: int, context: int, method: str, budget, args, bandwidth: float,
             device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
@@ -93,6 +124,7 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
     return {
         "device": device_name(device), "torch_version": torch.__version__,
         "model": model.args.name, "dtype": best["dtype"], "method": method, "budget": budget,
+        "weights": best["weights"],
         "context": context, "batch_size": batch, "new_tokens": args.new_tokens,
         "decode_ms_median": best["decode_ms_median"], "decode_ms_p10": best["decode_ms_p10"],
         "decode_ms_p90": best["decode_ms_p90"], "tokens_per_s": best["tokens_per_s"],
@@ -201,6 +233,30 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
     return paths
 
 
+def plot_weights(rows: list[dict], out_prefix: Path) -> Path:
+    """(e): per-step latency against context for every weights mode x method x budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    batch = min(r["batch_size"] for r in ok)
+    ok = [r for r in ok if r["batch_size"] == batch]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    keys = sorted({(r["weights"], r["method"], r["budget"] or 0) for r in ok})
+    for w, m, t in keys:
+        pts = sorted((r["context"], r["decode_ms_median"]) for r in ok
+                     if (r["weights"], r["method"], r["budget"] or 0) == (w, m, t))
+        ax.plot([c for c, _ in pts], [v for _, v in pts], "-o" if w == "float" else "--s",
+                label=f"{w} {m}" + (f" t={t}" if t else ""))
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode step (ms)",
+           title=f"(e) weights: float vs quantized\n{ok[0]['model']} {ok[0]['dtype']} batch "
+                 f"{batch} on {ok[0]['device']}")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _save(fig, out_prefix, "e_weights")
+
+
 def _save(fig, prefix: Path, name: str) -> Path:
     path = prefix.parent / f"{prefix.name}-{name}.png"
     fig.tight_layout()
@@ -212,17 +268,18 @@ def _save(fig, prefix: Path, name: str) -> Path:
 
 
 def summary(rows: list[dict]) -> str:
-    head = ("| batch | context | method | budget | step ms (p10-p90) | roofline ms | tok/s | "
-            "peak decode GiB | peak total GiB | KV MiB |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| weights | batch | context | method | budget | step ms (p10-p90) | roofline ms | "
+            "tok/s | peak decode GiB | peak total GiB | KV MiB |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['batch_size']} | {r['context']} | {r['method']} | "
-                         f"{r['budget']} | error: {r['error']} | | | | | |")
+            lines.append(f"| {r.get('weights', 'float')} | {r['batch_size']} | {r['context']} | "
+                         f"{r['method']} | {r['budget']} | error: {r['error']} | | | | | |")
             continue
         pk = r["peak_memory_bytes"]
         lines.append(
-            f"| {r['batch_size']} | {r['context']} | {r['method']} | {r['budget'] or '-'} | "
+            f"| {r['weights']} | {r['batch_size']} | {r['context']} | {r['method']} | "
+            f"{r['budget'] or '-'} | "
             f"{r['decode_ms_median']:.3f} ({r['decode_ms_p10']:.3f}-{r['decode_ms_p90']:.3f}) | "
             f"{r['roofline_ms']:.3f} | {r['tokens_per_s']:.1f} | {pk['decode'] / 2**30:.2f} | "
             f"{pk['total'] / 2**30:.2f} | {r['kv_cache_bytes'] / 2**20:.1f} |")
@@ -239,6 +296,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", nargs="+", type=int,
                    default=[16384, 32768, 65536, 98304, 131072 - 64])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    p.add_argument("--weights", nargs="+", default=["float"],
+                   help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration (best kept)")
     p.add_argument("--seed", type=int, default=0)
@@ -267,7 +326,10 @@ def main(argv=None) -> int:
             if min(getattr(args, name)) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         ckpt = RANDOM_PREFIX + args.model if args.model in CONFIGS else args.model
-        model = load_model(ckpt, device, dtype)
+        args.weights = list(dict.fromkeys(args.weights))
+        for spec in args.weights:
+            parse_weights(spec)
+        model = load_weights(ckpt, args.weights[0], device, dtype)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -284,11 +346,22 @@ def main(argv=None) -> int:
     command = " ".join(["python scripts/bench.py", *(sys.argv[1:] if argv is None else argv)])
     rows = []
     start = time.perf_counter()
-    for batch, context, method, budget in tqdm(configurations(args), desc="bench",
-                                               unit="config"):
+    configs = [(w, *c) for w in args.weights for c in configurations(args)]
+    for weights, batch, context, method, budget in tqdm(configs, desc="bench", unit="config"):
+        if getattr(model, "_bench_weights", args.weights[0]) != weights:
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            try:
+                model = load_weights(ckpt, weights, device, dtype)
+            except ConfigError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        model._bench_weights = weights
         if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
             row = {"device": device_name(device), "model": model.args.name, "method": method,
                    "budget": budget, "context": context, "batch_size": batch,
+                   "weights": weights,
                    "error": f"skipped: --time-limit {args.time_limit:g} s reached"}
         else:
             try:
@@ -296,7 +369,8 @@ def main(argv=None) -> int:
             except (ConfigError, torch.OutOfMemoryError) as e:
                 row = {"device": device_name(device), "model": model.args.name,
                        "method": method, "budget": budget, "context": context,
-                       "batch_size": batch, "error": str(e).splitlines()[0]}
+                       "batch_size": batch, "weights": weights,
+                       "error": str(e).splitlines()[0]}
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         row.update(date=stamp, command=command,
@@ -304,8 +378,11 @@ def main(argv=None) -> int:
         rows.append(row)
         write_json(prefix.with_suffix(".json"), rows)
 
-    pngs = [] if args.no_plots or not any("error" not in r for r in rows) else \
-        plot(rows, prefix, args.compare_context)
+    first = [r for r in rows if r["weights"] == args.weights[0]]
+    pngs = [] if args.no_plots or not any("error" not in r for r in first) else \
+        plot(first, prefix, args.compare_context)
+    if pngs and len(args.weights) > 1:
+        pngs.append(plot_weights(rows, prefix))
     print(summary(rows))
     print(f"measured copy bandwidth {bandwidth:.1f} GB/s")
     print(f"wrote {prefix.with_suffix('.json')}" + "".join(f"\n      {p}" for p in pngs))

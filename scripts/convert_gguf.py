@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from checkpoint import hf_config, load_gguf, meta_to_hf_state_dict  # noqa: E402
+from checkpoint import hf_config, load_gguf, meta_to_hf_state_dict, write_directory  # noqa: E402
 from model import ConfigError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,24 +53,14 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = tor
         else tok.chat_stop_ids[0]
     generation = {"bos_token_id": tok.bos_id, "eos_token_id": config["eos_token_id"]}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> None:
         save_file(meta_to_hf_state_dict(sd, args), tmp / "model.safetensors",
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         tok.save(tmp)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_directory(out, fill)
 
 
 def main(argv=None) -> int:

@@ -52,3 +52,23 @@ def test_time_limit_skips_the_rest_and_saves(tmp_path):
     rows = json.loads(out.read_text())
     assert len(rows) == 2 and all(r["error"].startswith("skipped") for r in rows)
     assert all(r["command"].startswith("python scripts/bench.py --device cpu") for r in rows)
+
+
+def test_weight_modes_in_one_run(tmp_path, capsys):
+    """--weights float int8: every configuration once per mode, rows labelled, the int8 rows
+    reading a quarter of the float32 linear weights per step, and chart (e) drawn."""
+    rc = main(["--device", "cpu", "--model", "stories260K", "--context", "96",
+               "--methods", "full", "rocketkv", "--budgets", "48", "--new-tokens", "4",
+               "--weights", "float", "int8", "--out", str(tmp_path)])
+    assert rc == 0
+    (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
+    rows = json.loads(out.read_text())
+    assert [(r["weights"], r["method"]) for r in rows] == [
+        ("float", "full"), ("float", "rocketkv"), ("int8", "full"), ("int8", "rocketkv")]
+    assert all("error" not in r for r in rows)
+    assert rows[2]["weight_bytes_per_step"] < rows[0]["weight_bytes_per_step"] / 2
+    assert len(list((tmp_path / "cpu").glob("bench-*e_weights.png"))) == 1
+    assert "| int8 | 1 | 96 | rocketkv | 48 |" in capsys.readouterr().out
+    assert main(["--device", "cpu", "--model", "stories260K", "--weights", "int4-g32"]) == 2
+    assert "does not divide the input width 172" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--model", "stories260K", "--weights", "int5"]) == 2

@@ -1,0 +1,409 @@
+"""quantize.py: int8/int4 weight-only quantization against slow references, checkpoints that every
+script loads, every KV method on a quantized model, SmolLM2 fidelity, and bad input."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
+
+from checkpoint import load_model, random_model
+from generate import generate
+from kv_cache import METHODS, UNBUDGETED
+from model import ConfigError, ModelArgs
+from quantize import (
+    QUANT_CONFIG,
+    Int4Linear,
+    Int8Linear,
+    check_quantizable,
+    dequantize_int4,
+    dequantize_int8,
+    kernel_dtype,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    quantized_linears,
+    unpack_int4,
+)
+
+TINY = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256,
+                 vocab_size=512, max_seq_len=1024, name="tiny")
+
+
+def _weights(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[3] = 0.0  # a constant row (and groups): scale must not divide by zero
+    w[5, :7] = 1.5  # an outlier
+    return w
+
+
+# ---- quantization arithmetic against slow loops ------------------------------------------
+
+
+def test_int8_is_symmetric_per_output_channel():
+    w = _weights(24, 40)
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (24,)
+    for o in range(24):  # slow reference, one row at a time
+        amax = max(abs(float(v)) for v in w[o])
+        scale = max(amax / 127, 1e-12)
+        assert s[o].item() == pytest.approx(scale, rel=1e-6)
+        expect = [max(-127, min(127, round(float(v) / scale))) for v in w[o]]
+        assert q[o].tolist() == expect
+    err = (dequantize_int8(q, s) - w).abs()
+    assert (err <= s[:, None] / 2 + 1e-7).all()
+    assert q.abs().amax(dim=1)[w.abs().amax(dim=1) > 0].eq(127).all()
+
+
+@pytest.mark.parametrize("groupsize", [32, 64])
+def test_int4_groups_match_a_slow_loop(groupsize):
+    n, k = 16, 128
+    w = _weights(n, k, seed=1)
+    packed, sz = quantize_int4(w, groupsize)
+    assert packed.shape == (n, k // 2) and packed.dtype == torch.uint8
+    assert sz.shape == (k // groupsize, n, 2)
+    q = unpack_int4(packed)
+    for o in range(n):
+        for gi in range(k // groupsize):
+            group = [float(v) for v in w[o, gi * groupsize:(gi + 1) * groupsize]]
+            lo, hi = min(group), max(group)
+            scale = max((hi - lo) / 15, 1e-12)
+            assert sz[gi, o, 0].item() == pytest.approx(scale, rel=1e-5)
+            assert sz[gi, o, 1].item() == pytest.approx(lo + 8 * scale, rel=1e-5, abs=1e-7)
+            expect = [max(0, min(15, round((v - lo) / scale))) for v in group]
+            got = q[o, gi * groupsize:(gi + 1) * groupsize].tolist()
+            assert sum(a != b for a, b in zip(got, expect)) <= 1  # float rounding at .5 ties
+    # nibble order: the even column in the high nibble
+    assert ((packed[:, 0] >> 4).int() == q[:, 0]).all() and ((packed[:, 0] & 15).int()
+                                                              == q[:, 1]).all()
+    deq = dequantize_int4(packed, sz, groupsize)
+    scale = sz[..., 0].t().repeat_interleave(groupsize, dim=1)
+    assert ((deq - w).abs() <= scale / 2 + 1e-6).all()
+
+
+def test_groupsize_that_does_not_divide_names_the_layer():
+    with pytest.raises(ConfigError, match="does not divide the input width 576 .*one of 32, 64"):
+        quantize_int4(torch.zeros(8, 576), 128)
+    stories = ModelArgs.from_name("stories260K")  # w2's input is 172 wide
+    with pytest.raises(ConfigError, match="172 of layers.*feed_forward.w2 .*use int8"):
+        check_quantizable(stories, "int4", 32)
+    with pytest.raises(ConfigError, match="applies to int4 only"):
+        check_quantizable(stories, "int8", 32)
+    with pytest.raises(ConfigError, match="unknown --mode"):
+        check_quantizable(stories, "int2", None)
+    with pytest.raises(ConfigError, match="--classifier must be one of"):
+        check_quantizable(ModelArgs.from_name("llama-2-7b"), "int8", None, "int2")
+    llama = ModelArgs.from_name("llama-2-7b")
+    check_quantizable(llama, "int4", 256)
+
+
+def test_classifier_storage_choices():
+    a = TINY
+    int8 = quantized_linears(a, "int4", "int8")
+    assert int8["output"] == "int8" and int8["layers.1.feed_forward.w2"] == "int4"
+    assert quantized_linears(a, "int4", "same")["output"] == "int4"
+    assert "output" not in quantized_linears(a, "int4", "float")
+    assert len(quantized_linears(a, "int8", "float")) == 5 * a.n_layers
+
+
+# ---- quantized linears against dequantize-then-matmul -------------------------------------
+
+
+def _reference(x, w_deq, kd):
+    """The product the kernels compute: input rounded to the kernel dtype, weights as stored
+    in that dtype, accumulated in float32."""
+    return F.linear(x.to(kd).float(), w_deq.float())
+
+
+def _close(y, ref):
+    torch.testing.assert_close(y.float(), ref, rtol=0, atol=1.5e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("width", [128, 40, 172])  # 40, 172: widths the CPU kernel gets wrong
+def test_int8_linear_matches_dequantized_matmul(dtype, rows, width):
+    w = _weights(96, width)
+    q, s = quantize_int8(w)
+    layer = Int8Linear(q, s, dtype)
+    kd = kernel_dtype(torch.device("cpu"), dtype)
+    assert layer.scales.dtype == kd
+    x = torch.randn(2, rows, width).to(dtype)
+    y = layer(x)
+    assert y.shape == (2, rows, 96) and y.dtype == dtype
+    kernel = rows == 1 and width % 16 == 0
+    ref = _reference(x, dequantize_int8(q, layer.scales.float()), kd if kernel else dtype)
+    _close(y, ref)
+    assert (y.float() - F.linear(x.float(), w)).abs().max() > 0  # it is quantized
+    torch.testing.assert_close(layer.forward_rows(x, 32, 80), y[..., 32:80])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groupsize", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_int4_linear_matches_dequantized_matmul(dtype, groupsize, rows):
+    w = _weights(192, 256, seed=2)
+    packed, sz = quantize_int4(w, groupsize)
+    layer = Int4Linear(packed, sz, groupsize, "cpu", dtype)
+    assert layer.layout == "cpu" and layer.weight.numel() * layer.weight.element_size() \
+        == 192 * 256 // 2
+    kd = kernel_dtype(torch.device("cpu"), dtype)
+    x = torch.randn(rows, 256).to(dtype)
+    y = layer(x)
+    assert y.shape == (rows, 192) and y.dtype == dtype
+    _close(y, _reference(x, dequantize_int4(packed, sz, groupsize, kd), kd))
+    # rows: whole 64-row blocks are sliced, anything else computed whole and sliced
+    for start, stop in [(0, 128), (128, 192), (64, 192), (0, 100), (70, 130)]:
+        torch.testing.assert_close(layer.forward_rows(x, start, stop), y[:, start:stop])
+
+
+def test_int4_layer_the_cpu_kernel_cannot_take_is_dequantized():
+    w = _weights(40, 64, seed=3)  # 40 output features: not a multiple of 16
+    packed, sz = quantize_int4(w, 32)
+    layer = Int4Linear(packed, sz, 32, "cpu", torch.bfloat16)
+    assert layer.layout == "nibbles"
+    x = torch.randn(3, 64).bfloat16()
+    _close(layer(x), _reference(x, dequantize_int4(packed, sz, 32, torch.bfloat16),
+                                torch.bfloat16))
+    torch.testing.assert_close(layer.forward_rows(x, 8, 30), layer(x)[:, 8:30])
+
+
+# ---- whole models ---------------------------------------------------------------------------
+
+
+def _prompt(n, vocab=512, seed=0):
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized():
+    """TINY with random weights, int8 and int4-g32 (float32 activations)."""
+    out = {}
+    for mode, g in [("int8", None), ("int4", 32)]:
+        out[mode] = quantize_model(random_model(TINY, "cpu", torch.float32), mode, g)
+    return out
+
+
+def test_quantized_model_reads_the_bytes_of_its_formats(tiny_quantized):
+    a = TINY
+    D = a.head_dim
+    shapes = [((a.n_heads + 2 * a.n_kv_heads) * D, a.dim), (a.dim, a.n_heads * D),
+              (a.intermediate_size, a.dim), (a.dim, a.intermediate_size),
+              (a.intermediate_size, a.dim)] * a.n_layers
+    norms = (2 * a.n_layers + 1) * a.dim * 4
+    emb = a.vocab_size * a.dim * 4
+    head = a.vocab_size * a.dim + a.vocab_size * 2  # the classifier in int8 (the default)
+    int8 = sum(n * k + n * 2 for n, k in shapes) + head  # int8 weights + bfloat16 scales
+    int4 = sum(n * k // 2 + (k // 32) * n * 2 * 2 for n, k in shapes) + head  # + scale/zero
+    for mode, linear_bytes in (("int8", int8), ("int4", int4)):
+        m = tiny_quantized[mode]
+        assert m.weight_bytes_per_step() == linear_bytes + norms  # the embedding is gathered
+        assert m.weight_bytes() == linear_bytes + norms + emb
+        assert m.quantization["mode"] == mode
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_every_kv_method_runs_on_a_quantized_model(tiny_quantized, mode):
+    model = tiny_quantized[mode]
+    prompt = _prompt(300)
+    m = 8
+    full = generate(model, prompt, method="full", max_new_tokens=m)["token_ids"]
+    for method in METHODS:
+        if method in UNBUDGETED:
+            r = generate(model, prompt, method=method, max_new_tokens=m)
+            assert r["token_ids"] == full, method
+            continue
+        covering = generate(model, prompt, method=method, budget=300 + m, max_new_tokens=m)
+        assert covering["token_ids"] == full, method
+        r = generate(model, prompt, method=method, budget=96, max_new_tokens=m)
+        assert len(r["token_ids"][0]) == m and r["kv_bytes_per_step"] < \
+            covering["kv_bytes_per_step"], method
+
+
+def test_quantized_decode_compiles_and_equals_eager(tiny_quantized):
+    model = tiny_quantized["int4"]
+    prompt = _prompt(200, seed=1)
+    eager = generate(model, prompt, method="rocketkv", budget=64, max_new_tokens=6)
+    compiled = generate(model, prompt, method="rocketkv", budget=64, max_new_tokens=6,
+                        compile=True)
+    assert compiled["compiled"] and compiled["token_ids"] == eager["token_ids"]
+
+
+def _run(*argv, cwd=None):
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                          cwd=cwd or ROOT)
+
+
+def test_cli_checkpoint_loads_as_the_in_memory_quantization(tmp_path):
+    out = tmp_path / "q"
+    r = _run("quantize.py", "--checkpoint", "random:stories260K", "--mode", "int8",
+             "--dtype", "float32", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((out / QUANT_CONFIG).read_text())
+    assert cfg["mode"] == "int8" and cfg["groupsize"] is None
+    assert cfg["linears"]["output"] == "int8" and cfg["classifier"] == "int8"
+    loaded = load_model(str(out), "cpu", torch.float32)
+    assert loaded.quantization["mode"] == "int8"
+    assert isinstance(loaded.layers[0].attention.wqkv, Int8Linear)
+    assert loaded.output.weight is not loaded.tok_embeddings.weight  # tie broken
+    ref = quantize_model(load_model("random:stories260K", "cpu", torch.float32), "int8")
+    prompt = _prompt(100)
+    a = generate(loaded, prompt, method="full", max_new_tokens=8)
+    b = generate(ref, prompt, method="full", max_new_tokens=8)
+    assert a["token_ids"] == b["token_ids"]
+    assert a["weight_bytes_per_step"] == b["weight_bytes_per_step"]
+    r = _run("generate.py", "--checkpoint", str(out), "--prompt-tokens", "40",
+             "--max-new-tokens", "4")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture(scope="module")
+def bad_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bad")
+
+
+@pytest.mark.parametrize("case,argv,message", [
+    ("mode", ["--checkpoint", "random:stories260K", "--mode", "int3"], "invalid choice"),
+    ("groupsize", ["--checkpoint", "random:stories260K", "--mode", "int4", "--groupsize", "32"],
+     "does not divide the input width 172"),
+    ("int8-group", ["--checkpoint", "random:stories260K", "--mode", "int8", "--groupsize", "64"],
+     "applies to int4 only"),
+    ("int4-nogroup", ["--checkpoint", "random:stories260K", "--mode", "int4"],
+     "needs --groupsize"),
+    ("cuda", ["--checkpoint", "random:stories260K", "--mode", "int8", "--device", "cuda"],
+     "CUDA is not available"),
+    ("missing", ["--checkpoint", "no/such/dir", "--mode", "int8"], "checkpoint not found"),
+])
+def test_cli_bad_input_one_line_exit_2_nothing_written(bad_dir, case, argv, message):
+    if case == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    out = bad_dir / case
+    r = _run("quantize.py", *argv, "--out", str(out), "--no-progress")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error:") and message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not out.exists() and not any(p.name.startswith(".") for p in bad_dir.iterdir())
+
+
+def test_cli_refuses_a_quantized_source_and_a_used_out_dir(tmp_path):
+    src = tmp_path / "src"
+    assert _run("quantize.py", "--checkpoint", "random:stories260K", "--mode", "int8",
+                "--out", str(src), "--no-progress").returncode == 0
+    r = _run("quantize.py", "--checkpoint", str(src), "--mode", "int8", "--out",
+             str(tmp_path / "again"))
+    assert r.returncode == 2 and "already quantized" in r.stderr
+    assert not (tmp_path / "again").exists()
+    r = _run("quantize.py", "--checkpoint", "random:stories260K", "--mode", "int8", "--out",
+             str(src))
+    assert r.returncode == 2 and "not an empty directory" in r.stderr
+
+
+# ---- SmolLM2: the real checkpoint -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smol") / "smollm2-int8"
+    r = _run("quantize.py", "--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--mode", "int8",
+             "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_smollm2_quantized_checkpoint_keeps_its_tokenizer_and_chat(smollm2_int8_dir, tmp_path):
+    from tokenizer import load_tokenizer
+
+    src, dst = load_tokenizer(SMOLLM2_GGUF), load_tokenizer(smollm2_int8_dir)
+    text = "The hidden code is 1679215. What is it?"
+    assert dst.encode(text) == src.encode(text)
+    assert dst.encode_chat(text) == src.encode_chat(text)
+    assert dst.chat_stop_ids == src.chat_stop_ids and dst.stop_ids == src.stop_ids
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Name a colour.")
+    r = _run("generate.py", "--checkpoint", str(smollm2_int8_dir), "--chat", "--prompt",
+             str(prompt), "--max-new-tokens", "8", "--method", "rocketkv", "--budget", "64")
+    assert r.returncode == 0, r.stderr
+
+
+def _essay_window(tok, n=640):
+    text = sorted(shared_file(ESSAYS).glob("*.txt"))[0].read_text()
+    return tok.encode(text, bos=False)[:n]
+
+
+def _teacher_forced(model, ids, prompt_len):
+    """Log-probs of every continuation position after a prompt_len-token prefill."""
+    from scripts.eval_accuracy import attach_caches, teacher_forced_logprobs
+
+    attach_caches(model, "full", None, prompt_len, len(ids) - prompt_len)
+    return teacher_forced_logprobs(model, ids[:prompt_len], ids[prompt_len:])
+
+
+def test_smollm2_quantized_stays_close_to_float(smollm2_model):
+    """KL(float || quantized) and top-1 agreement of next-token distributions on essay text,
+    teacher-forced through the decode path. SmolLM2's GGUF holds Q4_1 weights (4-bit, groups
+    of 32, min/scale): int4 with groups of 32 and a float classifier re-expresses them exactly,
+    so its distributions equal float's; int8 is close; breaking the model must fail."""
+    from tokenizer import load_tokenizer
+
+    ids = _essay_window(load_tokenizer(SMOLLM2_GGUF))
+    T = 512
+    ref = _teacher_forced(smollm2_model, ids, T)
+
+    def compare(model):
+        lp = _teacher_forced(model, ids, T)
+        kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+        return kl, (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+    exact = quantize_model(copy.deepcopy(smollm2_model), "int4", 32, classifier="float")
+    kl, top1 = compare(exact)
+    assert kl < 2e-3 and top1 >= 0.95  # only bfloat16 rounding of the kernels' input
+    kl8, top8 = compare(quantize_model(copy.deepcopy(smollm2_model), "int8"))
+    assert kl8 < 0.05 and top8 >= 0.85
+    broken = quantize_model(copy.deepcopy(smollm2_model), "int8")
+    broken.layers[0].feed_forward.w2.scales.mul_(4)
+    kl_b, _ = compare(broken)
+    assert kl_b > 5 * kl8
+
+
+def test_int4_checkpoint_round_trip_with_each_classifier_storage(tmp_path):
+    from checkpoint import save_native
+    from quantize import quantize_checkpoint
+
+    src = save_native(tmp_path / "tiny", TINY, random_model(TINY, "cpu", torch.float32)
+                      .state_dict())
+    prompt = _prompt(120, seed=4)
+    for classifier, head in (("int8", Int8Linear), ("same", Int4Linear), ("float", None)):
+        out = quantize_checkpoint(str(src), "int4", 32, tmp_path / f"q-{classifier}",
+                                  classifier=classifier, progress=False)
+        loaded = load_model(str(out), "cpu", torch.float32)
+        assert isinstance(loaded.layers[1].feed_forward.w2, Int4Linear)
+        assert isinstance(loaded.output, head) if head else \
+            isinstance(loaded.output, torch.nn.Linear)
+        ref = quantize_model(random_model(TINY, "cpu", torch.float32), "int4", 32, classifier)
+        assert loaded.quantization == ref.quantization
+        a = generate(loaded, prompt, method="full", max_new_tokens=6)
+        b = generate(ref, prompt, method="full", max_new_tokens=6)
+        assert a["token_ids"] == b["token_ids"] and a["weights"] == b["weights"]
+
+
+def test_accuracy_scripts_load_a_quantized_checkpoint(stories_dir, tmp_path, capsys):
+    """eval_accuracy on stories260K quantized to int8 (tokenizer carried over): the quantized
+    model's own full-cache row agrees with itself, and a budget covering the sequence too."""
+    from quantize import quantize_checkpoint
+    from scripts.eval_accuracy import TINYSTORIES_TEXTS
+    from scripts.eval_accuracy import main as eval_accuracy
+
+    out = quantize_checkpoint(str(stories_dir), "int8", None, tmp_path / "q", progress=False)
+    texts = [str(shared_file(p)) for p in TINYSTORIES_TEXTS]
+    rc = eval_accuracy(["--checkpoint", str(out), "--text", *texts, "--prompt-tokens", "120",
+                        "--max-new-tokens", "8", "--num-prompts", "1", "--methods", "full",
+                        "rocketkv", "--budgets", "256", "--json", str(tmp_path / "e.json"),
+                        "--no-progress"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "e.json").read_text())["rows"]
+    assert all(r["match_prefix"] == 8 and r["kl_divergence"] == 0 for r in rows)
