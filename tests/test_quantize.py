@@ -350,8 +350,8 @@ def test_smollm2_quantized_stays_close_to_float(smollm2_model):
     so its distributions equal float's; int8 is close; breaking the model must fail."""
     from tokenizer import load_tokenizer
 
-    ids = _essay_window(load_tokenizer(SMOLLM2_GGUF))
-    T = 512
+    ids = _essay_window(load_tokenizer(SMOLLM2_GGUF), 320)
+    T = 256
     ref = _teacher_forced(smollm2_model, ids, T)
 
     def compare(model):
@@ -407,3 +407,23 @@ def test_accuracy_scripts_load_a_quantized_checkpoint(stories_dir, tmp_path, cap
     assert rc == 0
     rows = json.loads((tmp_path / "e.json").read_text())["rows"]
     assert all(r["match_prefix"] == 8 and r["kl_divergence"] == 0 for r in rows)
+
+
+def test_a_hugging_face_directory_quantizes_like_the_loaded_model(tmp_path):
+    """quantize.py on an HF directory (transformers' own save) equals quantizing the model
+    our loader builds from it: the q/k row permutation and q/k/v fusion come first."""
+    from quantize import quantize_checkpoint
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    out = quantize_checkpoint(str(tmp_path / "hf"), "int4", 64, tmp_path / "q",
+                              progress=False)
+    loaded = load_model(str(out), "cpu", torch.float32)
+    ref = quantize_model(load_model(str(tmp_path / "hf"), "cpu", torch.float32), "int4", 64)
+    pa, pb = dict(loaded.named_parameters()), dict(ref.named_parameters())
+    assert pa.keys() == pb.keys()
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
