@@ -194,6 +194,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "rope_scaling": rope_scaling,
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_word_embeddings,
+        "sliding_window": args.sliding_window,
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import sys
@@ -29,12 +30,13 @@ from torch import Tensor
 
 import compression  # noqa: F401  (registers the compression methods)
 from checkpoint import KNOWN_CHECKPOINTS, RANDOM_PREFIX, load_model, resolve_checkpoint
-from kv_cache import METHODS, PromptRecorder, build_caches
+from kv_cache import METHODS, UNBUDGETED, PromptRecorder, build_caches
 from model import ConfigError, Transformer
 from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
 METHOD_OPTIONS = ("kernel_size", "pooling", "window", "page_size", "rocket_split",
                   "sparq_reallocate", "skip_layers")
+SPREAD_WARN = 4.0  # p90/p10 of decode steps above which the report warns of contention
 WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -625,10 +627,40 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` whole: a temporary file, then ``os.replace``."""
+    """Write ``obj`` as JSON to ``path`` whole: a temporary file beside it, then
+    ``os.replace``; on failure the temporary file is removed.
+
+    Raises:
+        ConfigError: the file cannot be written (the OS's reason).
+    """
     tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def check_json_path(path: str | None, flag: str = "--json") -> None:
+    """Fail before a run whose JSON destination cannot be written: a missing directory, a
+    directory in the file's place, or no write permission (a read-only filesystem included).
+
+    Raises:
+        ConfigError: naming the problem.
+    """
+    if not path:
+        return
+    dest = Path(path)
+    parent = dest.resolve().parent
+    if dest.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; give a file name")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (dest.exists()
+                                                    and not os.access(dest, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable (permissions or a read-only "
+                          "filesystem)")
 
 
 def check_positive(args: argparse.Namespace, *flags: str) -> None:
@@ -637,18 +669,6 @@ def check_positive(args: argparse.Namespace, *flags: str) -> None:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-
-
-def check_json_path(path: str | None) -> None:
-    """Fail before a run whose ``--json`` destination directory is missing.
-
-    Raises:
-        ConfigError: the directory of ``path`` does not exist.
-    """
-    if path:
-        parent = Path(path).resolve().parent
-        if not parent.is_dir():
-            raise ConfigError(f"--json: directory {parent} does not exist")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -682,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RocketKV budget split between stages (default sqrt: paper v1)")
     m.add_argument("--sparq-reallocate", action="store_true",
                    help="sparq: mix in the mean value by the unselected probability mass")
-    m.add_argument("--skip-layers", type=int, default=0,
+    m.add_argument("--skip-layers", type=int,
                    help="leave the first N layers uncompressed (the paper: 2 for LongChat)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -692,6 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1,
                    help="copies of the prompt decoded together")
     p.add_argument("--device", default=None, help="cuda if available, else cpu")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -744,6 +765,10 @@ def format_report(r: dict[str, Any]) -> str:
             f"decode {r['decode_steps']} steps: median {r['decode_ms_median']:.2f} ms  "
             f"p10 {r['decode_ms_p10']:.2f} ms  p90 {r['decode_ms_p90']:.2f} ms  "
             f"{r['tokens_per_s']:.1f} tokens/s",
+            *([f"warning: step times vary {spread:.1f}x (p90/p10): other work is probably "
+                "competing for the device or CPU threads; these timings are unreliable"]
+              if (spread := r["decode_ms_p90"] / max(r["decode_ms_p10"], 1e-9)) > SPREAD_WARN
+              else []),
             f"achieved bandwidth {r['bandwidth_gbps']:.1f} GB/s "
             f"(weights {mb(r['weight_bytes_per_step'])} + KV {mb(r['kv_bytes_per_step'])} "
             "read per step)",
@@ -775,11 +800,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.budget is not None and args.budget <= 0:
             raise ConfigError(f"--budget must be a positive number of tokens, got {args.budget}")
-        check_positive(args, "max_new_tokens", "batch_size", "prompt_tokens", "top_k")
+        check_positive(args, "max_new_tokens", "batch_size", "prompt_tokens", "top_k",
+                       "threads")
+        if args.threads:
+            torch.set_num_threads(args.threads)
         if args.top_p is not None and not 0 < args.top_p <= 1:
             raise ConfigError(f"--top-p must lie in (0, 1], got {args.top_p}")
-        if args.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+        if not math.isfinite(args.temperature) or args.temperature < 0:
+            raise ConfigError(f"--temperature must be a finite number >= 0, got "
+                              f"{args.temperature}")
+        if args.budget is not None and args.method in UNBUDGETED:
+            raise ConfigError(f"method {args.method} reads every cached token and takes no "
+                              "--budget")
         check_json_path(args.json)
         device = _resolve_device(args.device)
         dtype = DTYPES[args.dtype] if args.dtype else (
@@ -812,10 +844,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ids = torch.randint(0, model.args.vocab_size, (args.prompt_tokens,),
                                 generator=gen).tolist()
         prompt = torch.tensor([ids] * args.batch_size)
+        room = model.args.max_seq_len - len(ids)
+        if 0 < room < args.max_new_tokens:
+            print(f"note: --max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the "
+                  f"model's context ({model.args.max_seq_len}) leaves after the {len(ids)}-token "
+                  "prompt; generation stops at the context end", file=sys.stderr)
         stop_ids = () if (tok is None or args.ignore_eos) else (
             tok.chat_stop_ids if args.chat else tok.stop_ids)
         options = {name: getattr(args, name) for name in METHOD_OPTIONS
-                   if getattr(args, name) not in (None, False, 0)}
+                   if getattr(args, name) is not None and getattr(args, name) is not False}
         if args.method == "full" and options:
             raise ConfigError(f"method full takes no method options ({', '.join(options)})")
         result = generate(model, prompt, method=args.method, budget=args.budget,
@@ -839,7 +876,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("-" * 80)
     print(format_report(result))
     if args.json:
-        write_json(args.json, result)
+        try:
+            write_json(args.json, result)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -57,6 +57,9 @@ class ModelArgs:
             ``factors``, one divisor per frequency, as llama.cpp's ``rope_freqs`` tensor).
         max_seq_len: context length in tokens (``max_position_embeddings``).
         tie_word_embeddings: the classifier shares the token embedding matrix.
+        sliding_window: Mistral's sliding-window attention span (tokens), or None. The engine
+            attends to the whole context, which equals sliding-window attention only while a
+            run's sequence fits in the window: longer runs are refused (``setup_caches``).
         name: the config's name, for reports.
     """
 
@@ -72,6 +75,7 @@ class ModelArgs:
     rope_scaling: dict[str, Any] | None = None
     max_seq_len: int = 4096
     tie_word_embeddings: bool = False
+    sliding_window: int | None = None
     name: str = "custom"
 
     def __post_init__(self):
@@ -121,7 +125,8 @@ class ModelArgs:
         layout written by transformers 5 are accepted.
 
         Raises:
-            ConfigError: unsupported architecture (not Llama/Mistral, biases, sliding window),
+            ConfigError: unsupported architecture (not Llama/Mistral, biases), a bad
+                sliding window,
                 unsupported rope type, or a missing field.
         """
         model_type = config.get("model_type")
@@ -135,9 +140,11 @@ class ModelArgs:
             raise ConfigError(f"unsupported activation {config.get('hidden_act')!r} (need silu)")
         window = config.get("sliding_window")
         max_pos = config.get("max_position_embeddings")
-        if window is not None and (max_pos is None or window < max_pos):
-            raise ConfigError(f"unsupported architecture: sliding-window attention "
-                              f"(sliding_window={window})")
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ConfigError(f"config.json: sliding_window must be a positive integer or "
+                              f"null, got {window!r}")
+        if window is not None and max_pos is not None and window >= max_pos:
+            window = None  # the window spans the whole context: plain attention
         try:
             dim = config["hidden_size"]
             n_heads = config["num_attention_heads"]
@@ -152,6 +159,7 @@ class ModelArgs:
                 norm_eps=config.get("rms_norm_eps", 1e-6),
                 max_seq_len=config.get("max_position_embeddings", 4096),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                sliding_window=window,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks the field {e.args[0]!r}") from None
@@ -419,6 +427,12 @@ class Transformer(nn.Module):
         if max_seq_len > self.args.max_seq_len:
             raise ConfigError(f"{max_seq_len} tokens exceed the model's context "
                               f"({self.args.max_seq_len} tokens)")
+        window = self.args.sliding_window
+        if window is not None and max_seq_len > window:
+            raise ConfigError(f"this run needs {max_seq_len} tokens, more than the model's "
+                              f"sliding-window attention span ({window} tokens), which this "
+                              f"engine does not implement; runs up to {window} tokens (prompt "
+                              "+ new tokens) are exact")
         for layer, cache in zip(self.layers, caches):
             layer.attention.kv_cache = cache
         if self.rope.shape[0] < self.args.max_seq_len:  # once, for the whole context: the

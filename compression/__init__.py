@@ -207,6 +207,30 @@ def _evictor(method: str, p: dict[str, Any]) -> Callable | None:
     return lambda q, k: (snapkv_pp_select(q, k, keep, window, kernel), None)
 
 
+# the method options (besides skip_layers, which every compressed method takes) each method reads
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "exact_topk": (), "snapkv": ("kernel_size", "pooling", "window"),
+    "snapkv_pp": ("kernel_size", "window"), "quest": ("page_size",),
+    "sparq": ("sparq_reallocate",), "hybrid": (),
+    "rocketkv": ("kernel_size", "window", "rocket_split"),
+}
+
+
+def check_options(method: str, options: dict[str, Any]) -> None:
+    """ConfigError naming an option that ``method`` does not read (given: not None/False).
+
+    Raises:
+        ConfigError: e.g. ``--rocket-split`` with ``quest``; the message lists what the
+            method takes.
+    """
+    taken = METHOD_OPTIONS.get(method, ())
+    for name, value in options.items():
+        if value is not None and value is not False and name not in taken:
+            flags = ", ".join(f"--{o.replace('_', '-')}" for o in (*taken, "skip_layers"))
+            raise ConfigError(f"--{name.replace('_', '-')} does not apply to method {method} "
+                              f"(its options: {flags})")
+
+
 def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
                  max_new_tokens: int, budget: int | None, dtype: torch.dtype, device,
                  skip_layers: int = 0, **options) -> list[KVCache]:
@@ -219,6 +243,7 @@ def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
     T, m = prompt_len, max_new_tokens
     if budget is None:
         raise ConfigError(f"method {method} needs --budget (tokens per decode step)")
+    check_options(method, options)
     if not 0 <= skip_layers <= args.n_layers:
         raise ConfigError(f"--skip-layers must lie in [0, {args.n_layers}], got {skip_layers}")
     for name in ("kernel_size", "page_size", "window"):

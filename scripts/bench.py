@@ -144,6 +144,27 @@ def _find(rows, **kw):
     return next((r for r in rows if all(r.get(k) == v for k, v in kw.items())), None)
 
 
+NOISE_PCT = 1.0  # chart (b): memory differences within this many percent are noise
+LEGEND_PT = 9  # legend and tick-label font size (points)
+
+
+def context_label(tokens: int) -> str:
+    """``16K`` for 16384, ``128K`` for 131008 (within 0.1K of a whole K), ``1.5K``, ``512``."""
+    if tokens < 1024:
+        return str(tokens)
+    k = tokens / 1024
+    return f"{round(k)}K" if abs(k - round(k)) < 0.1 else f"{k:.1f}K"
+
+
+def _context_axis(ax, contexts) -> None:
+    """Log-scale context axis with a tick at each measured context, labelled 16K, 32K..."""
+    from matplotlib.ticker import NullFormatter
+
+    ax.set_xscale("log")
+    ax.set_xticks(list(contexts), [context_label(c) for c in contexts])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]:
     """Draw the four charts; returns the PNG paths."""
     import matplotlib
@@ -177,10 +198,11 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
                 xs, ys = speedups(m, t, base)
                 if xs:
                     ax.plot(xs, ys, style, label=f"{m} t={t} vs {base}")
-    ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode speedup (x)",
+    _context_axis(ax, contexts)
+    ax.set(xlabel="context (tokens)", ylabel="decode speedup (x)",
            title=f"(a) decode speedup vs Full-KV\n{title}")
     ax.axhline(1, color="gray", lw=0.5)
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.legend(fontsize=LEGEND_PT, loc="center left", bbox_to_anchor=(1.01, 0.5))
     paths.append(_save(fig, out_prefix, "a_speedup"))
 
     fig, ax = plt.subplots(figsize=(10, 4.5))  # (b)
@@ -197,9 +219,13 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
                                          / b["peak_memory_bytes"][phase]))
                 if xs:
                     ax.plot(xs, ys, style, label=f"{m} t={t} ({phase} phase)")
-    ax.set(xscale="log", xlabel="context (tokens)", ylabel="peak memory saving vs full (%)",
+    _context_axis(ax, contexts)
+    ax.axhspan(-NOISE_PCT, NOISE_PCT, color="0.85", zorder=0,
+               label=f"within +-{NOISE_PCT:g}%: measurement noise, not a difference")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set(xlabel="context (tokens)", ylabel="peak memory saving vs full (%)",
            title=f"(b) peak-memory saving\n{title}")
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.legend(fontsize=LEGEND_PT, loc="center left", bbox_to_anchor=(1.01, 0.5))
     paths.append(_save(fig, out_prefix, "b_memory"))
 
     fig, ax = plt.subplots(figsize=(10, 4.5))  # (c)
@@ -214,9 +240,10 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
                            label=label)[0]
             ax.plot([c for c, _ in pts], [r["roofline_ms"] for _, r in pts], ":",
                     color=line.get_color(), label=f"{label} roofline")
-    ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode step (ms)",
+    _context_axis(ax, contexts)
+    ax.set(yscale="log", xlabel="context (tokens)", ylabel="decode step (ms, log scale)",
            title=f"(c) per-token latency and roofline\n{title}")
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.legend(fontsize=LEGEND_PT, loc="center left", bbox_to_anchor=(1.01, 0.5))
     paths.append(_save(fig, out_prefix, "c_latency"))
 
     ctx = compare_context if compare_context in contexts else contexts[len(contexts) // 2]
@@ -226,9 +253,10 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
     ax.bar(range(len(bars)), [b[1] for b in bars], label="measured")
     ax.scatter(range(len(bars)), [b[2] for b in bars], color="k", marker="_", s=200,
                label="roofline", zorder=3)
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=6, rotation=60)
-    ax.set(ylabel="decode step (ms)", title=f"(d) all methods at {ctx} tokens\n{title}")
-    ax.legend(fontsize=7)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=LEGEND_PT, rotation=60)
+    ax.set(ylabel="decode step (ms)",
+           title=f"(d) all methods at {context_label(ctx)} tokens\n{title}")
+    ax.legend(fontsize=LEGEND_PT)
     paths.append(_save(fig, out_prefix, "d_methods"))
     return paths
 
@@ -250,10 +278,11 @@ def plot_weights(rows: list[dict], out_prefix: Path) -> Path:
                      if (r["weights"], r["method"], r["budget"] or 0) == (w, m, t))
         ax.plot([c for c, _ in pts], [v for _, v in pts], "-o" if w == "float" else "--s",
                 label=f"{w} {m}" + (f" t={t}" if t else ""))
-    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode step (ms)",
+    _context_axis(ax, sorted({r["context"] for r in ok}))
+    ax.set(yscale="log", xlabel="context (tokens)", ylabel="decode step (ms, log scale)",
            title=f"(e) weights: float vs quantized\n{ok[0]['model']} {ok[0]['dtype']} batch "
                  f"{batch} on {ok[0]['device']}")
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.legend(fontsize=LEGEND_PT, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, out_prefix, "e_weights")
 
 
@@ -296,6 +325,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", nargs="+", type=int,
                    default=[16384, 32768, 65536, 98304, 131072 - 64])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--weights", nargs="+", default=["float"],
                    help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
     p.add_argument("--new-tokens", type=int, default=64)
@@ -313,6 +343,10 @@ def main(argv=None) -> int:
                         "skipped); results are saved after every configuration anyway")
     args = p.parse_args(argv)
     try:
+        if args.threads is not None:
+            if args.threads <= 0:
+                raise ConfigError(f"--threads must be positive, got {args.threads}")
+            torch.set_num_threads(args.threads)
         device = _resolve_device(args.device)
         args.compile = device.type == "cuda" if args.compile is None else args.compile
         dtype = DTYPES[args.dtype] if args.dtype else (

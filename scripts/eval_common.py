@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import compression  # noqa: E402,F401  (registers the compression methods)
+import compression  # noqa: E402  (registers the compression methods; METHOD_OPTIONS)
 from generate import (  # noqa: E402
     METHOD_OPTIONS,
     _resolve_device,
@@ -188,7 +188,9 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
         pre = pre_doc if qa else extend_prefilled(model, pre_doc, question)
         out[mode] = {}
         for method, budget in configs:
-            opts = {} if method in UNBUDGETED else options
+            opts = {} if method in UNBUDGETED else {  # each method gets the options it takes
+                k: v for k, v in options.items()
+                if k == "skip_layers" or k in compression.METHOD_OPTIONS[method]}
             try:
                 if qa:
                     generate(model, pre.tokens, method=method, budget=budget, max_new_tokens=0,

@@ -72,3 +72,12 @@ def test_weight_modes_in_one_run(tmp_path, capsys):
     assert main(["--device", "cpu", "--model", "stories260K", "--weights", "int4-g32"]) == 2
     assert "does not divide the input width 172" in capsys.readouterr().err
     assert main(["--device", "cpu", "--model", "stories260K", "--weights", "int5"]) == 2
+
+
+def test_context_labels_and_threads(capsys):
+    from scripts.bench import context_label
+
+    assert [context_label(c) for c in (512, 1536, 16384, 32768, 131008, 131072)] == \
+        ["512", "1.5K", "16K", "32K", "128K", "128K"]
+    assert main(["--device", "cpu", "--model", "stories260K", "--threads", "0"]) == 2
+    assert "--threads must be positive" in capsys.readouterr().err

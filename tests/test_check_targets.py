@@ -32,7 +32,7 @@ def passing_rows():
 
 def test_all_targets_pass():
     results = evaluate(passing_rows())
-    assert [t["status"] for t in results] == ["pass"] * 6, results
+    assert [t["status"] for t in results] == ["pass"] * 6 + ["not measured"], results
 
 
 def test_each_target_can_fail():
@@ -69,7 +69,7 @@ def test_cli(tmp_path, capsys):
     good.write_text(json.dumps(passing_rows()))
     assert main([str(good), "--json", str(tmp_path / "t.json")]) == 0
     assert "| pass |" in capsys.readouterr().out
-    assert len(json.loads((tmp_path / "t.json").read_text())) == 6
+    assert len(json.loads((tmp_path / "t.json").read_text())) == 7
     # a later file's row replaces the earlier one of the same configuration
     worse = tmp_path / "worse.json"
     worse.write_text(json.dumps([row("rocketkv", 256, 98304, 40.0, 4.0, peak=19 * GB)]))
@@ -82,3 +82,37 @@ def test_cli(tmp_path, capsys):
     bad.write_text("{")
     assert main([str(bad)]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_rows_of_another_setting_are_not_applicable():
+    """A CPU run of a small model is judged "not applicable", never FAIL."""
+    cpu = [dict(r, device="cpu", model="stories260K", dtype="float32",
+                decode_ms_median=100 * r["decode_ms_median"]) for r in passing_rows()]
+    results = evaluate(cpu)
+    assert {t["status"] for t in results} == {"not applicable"}
+    assert "stories260K float32 on cpu" in results[0]["measured"]
+    assert main_exit(cpu) == 0
+
+
+def main_exit(rows):
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(rows, f)
+    return main([f.name])
+
+
+def test_int4_target_from_quantized_rows():
+    rows = passing_rows()
+    q = row("rocketkv", 256, 131008, 1.0, 0.8, peak=6 * GB, weights="int4-g128, classifier int8")
+    full = next(r for r in rows if r["method"] == "full" and r["context"] == 131008)
+    results = evaluate(rows + [q])
+    assert results[6]["status"] == "pass" and results[6]["measured"].startswith(
+        f"{full['decode_ms_median']:.2f}x")
+    slow = dict(q, decode_ms_median=full["decode_ms_median"] / 4)
+    assert evaluate(rows + [slow])[6]["status"] == "FAIL"
+    heavy = dict(q, peak_memory_bytes={"prefill": 11 * GB, "decode": 9 * GB, "total": 11 * GB})
+    assert evaluate(rows + [heavy])[6]["status"] == "FAIL"
+    # quantized rows never stand in for the float targets
+    assert evaluate(rows + [dict(q, method="full", budget=None, decode_ms_median=0.1)])[0] \
+        ["status"] == "pass"

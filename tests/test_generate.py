@@ -1,6 +1,7 @@
 """generate.py on the real stories260K checkpoint and on tiny random models."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -286,6 +287,19 @@ BAD = [
                                  "be brief"], "--system needs --chat"),
     ("json into a missing directory", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt",
                                        "--json", "{d}/no/dir/out.json"], "does not exist"),
+    ("json onto a directory", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--json",
+                               "{d}"], "is a directory"),
+    ("temperature nan", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--temperature",
+                         "nan"], "finite number"),
+    ("temperature inf", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--temperature",
+                         "inf"], "finite number"),
+    ("page size 0", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--method", "quest",
+                     "--budget", "64", "--page-size", "0"], "--page-size must be positive"),
+    ("another method's option", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--method",
+                                 "quest", "--budget", "64", "--rocket-split", "sqrt"],
+     "--rocket-split does not apply to method quest"),
+    ("budget with full", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--budget", "64"],
+     "takes no --budget"),
 ]
 
 
@@ -326,3 +340,37 @@ def test_compiled_step_is_reused_across_contexts_and_budgets(stories_model):
                 assert r["token_ids"] == eager["token_ids"]
         frames.append(counter.frame_count)
     assert frames[-1] == frames[-2] == frames[-3] <= 2 * 4, frames
+
+
+def test_cli_says_once_when_max_new_tokens_exceeds_the_context(stories_dir):
+    p = run_cli("--checkpoint", str(stories_dir), "--prompt-tokens", "500",
+                "--max-new-tokens", "40")
+    assert p.returncode == 0, p.stderr
+    notes = [line for line in p.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "exceeds the 12 tokens" in notes[0]
+    assert "generated 12 (context_length)" in p.stdout
+
+
+def test_report_warns_when_step_times_spread(stories_model):
+    from generate import format_report
+
+    r = generate(stories_model, [1, 2, 3, 4], max_new_tokens=8)
+    calm = format_report(r)
+    assert "warning: step times vary" not in calm or \
+        r["decode_ms_p90"] / r["decode_ms_p10"] > 4
+    noisy = format_report(dict(r, decode_ms_p10=1.0, decode_ms_p90=50.0))
+    assert "warning: step times vary 50.0x (p90/p10)" in noisy
+
+
+def test_json_destination_without_write_access_fails_before_the_run(tmp_path, monkeypatch):
+    """A read-only filesystem or directory: os.access reports no write access (patched here,
+    since root writes through permissions)."""
+    import generate as g
+
+    real = os.access
+    monkeypatch.setattr(g.os, "access", lambda path, mode: False if mode & os.W_OK
+                        else real(path, mode))
+    with pytest.raises(g.ConfigError, match="not writable"):
+        g.check_json_path(str(tmp_path / "out.json"))
+    monkeypatch.setattr(g.os, "access", real)
+    g.check_json_path(str(tmp_path / "out.json"))  # writable: no error

@@ -140,12 +140,31 @@ def test_llama3_rope_matches_transformers():
 @pytest.mark.parametrize("bad,match", [
     ({"model_type": "gpt2"}, "unsupported architecture"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "sliding-window"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive"),
     ({"attention_bias": True}, "biases"),
 ])
 def test_from_hf_config_rejects(bad, match):
     with pytest.raises(ConfigError, match=match):
         ModelArgs.from_hf_config({**LLAMA31_HF, **bad})
+
+
+def test_sliding_window_is_accepted_for_runs_that_fit_in_it():
+    """Mistral v0.1's 4096-token window: attention equals full attention while the whole run
+    fits in it, so such runs load and longer ones are refused with the reason."""
+    from checkpoint import random_model
+    from generate import generate
+
+    small = {**LLAMA31_HF, "model_type": "mistral", "hidden_size": 64, "intermediate_size": 96,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256,
+             "rope_scaling": None, "sliding_window": 64}
+    args = ModelArgs.from_hf_config(small)
+    assert args.sliding_window == 64
+    assert ModelArgs.from_hf_config({**small, "sliding_window": 256}).sliding_window is None
+    model = random_model(args, "cpu", torch.float32)
+    assert len(generate(model, list(range(40)), max_new_tokens=24)["token_ids"][0]) == 24
+    with pytest.raises(ConfigError, match="sliding-window attention span \\(64 tokens\\)"):
+        generate(model, list(range(40)), max_new_tokens=25)
 
 
 def test_unknown_name_is_an_error_not_a_fuzzy_match():
