@@ -510,6 +510,13 @@ def resolve_checkpoint(checkpoint: str) -> str:
                       f"download it with: python scripts/download.py --repo-id {repo_id}")
 
 
+def is_quantized(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` (a resolved path) is a ``quantize.py`` directory."""
+    from quantize import QUANT_CONFIG
+
+    return (Path(checkpoint) / QUANT_CONFIG).is_file()
+
+
 def checkpoint_args(checkpoint: str) -> ModelArgs:
     """The config of ``checkpoint`` (resolved path or ``random:NAME``) without reading its
     weights.

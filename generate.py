@@ -29,9 +29,16 @@ import torch
 from torch import Tensor
 
 import compression  # noqa: F401  (registers the compression methods)
-from checkpoint import KNOWN_CHECKPOINTS, RANDOM_PREFIX, load_model, resolve_checkpoint
+from checkpoint import (
+    KNOWN_CHECKPOINTS,
+    RANDOM_PREFIX,
+    checkpoint_args,
+    is_quantized,
+    load_model,
+    resolve_checkpoint,
+)
 from kv_cache import METHODS, UNBUDGETED, PromptRecorder, build_caches
-from model import ConfigError, Transformer
+from model import ConfigError, ModelArgs, Transformer
 from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
 METHOD_OPTIONS = ("kernel_size", "pooling", "window", "page_size", "rocket_split",
@@ -353,7 +360,7 @@ def _store_prefilled(model: Transformer, pre: PrefilledPrompt) -> Tensor:
 @torch.no_grad()
 def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int, step_fn,
          sampling: dict, stop_ids: Tensor, meter: MemoryMeter,
-         warmup_steps: int = 0) -> dict[str, Any]:
+         warmup_steps: int = 0, on_token=None) -> dict[str, Any]:
     """Prefill (``prefill_fn() -> logits``), then decode from position ``first_pos``; the first
     ``warmup_steps`` decode steps (compilation, CUDA-graph capture) are timed together as
     ``compile_s`` and left out of ``decode_ms`` and of the decode-phase memory peak. Their
@@ -377,29 +384,37 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
         out[:, :1] = next_tok
         done = torch.isin(next_tok[:, 0], stop_ids)
         n = 1
+        if on_token is not None:
+            on_token(out[:, :n])
     input_pos = torch.tensor([first_pos], dtype=torch.long, device=device)
     t_warm = time.perf_counter()
-    for step in range(new_tokens - 1):
-        if bool(done.all()):
-            break
-        if step == warmup_steps and warmup_steps:
-            _sync(device)
-            compile_s = time.perf_counter() - t_warm
-            meter.reset()
-        start = timer.start() if step >= warmup_steps else None
-        next_tok = step_fn(model, next_tok, input_pos, **sampling).clone()
-        if start is not None:
-            timer.stop(start)
-        out[:, n:n + 1] = next_tok
-        n += 1
-        input_pos += 1
-        done |= torch.isin(next_tok[:, 0], stop_ids)
+    interrupted = False
+    try:
+        for step in range(new_tokens - 1):
+            if bool(done.all()):
+                break
+            if step == warmup_steps and warmup_steps:
+                _sync(device)
+                compile_s = time.perf_counter() - t_warm
+                meter.reset()
+            start = timer.start() if step >= warmup_steps else None
+            next_tok = step_fn(model, next_tok, input_pos, **sampling).clone()
+            if start is not None:
+                timer.stop(start)
+            out[:, n:n + 1] = next_tok
+            n += 1
+            input_pos += 1
+            done |= torch.isin(next_tok[:, 0], stop_ids)
+            if on_token is not None:
+                on_token(out[:, :n])
+    except KeyboardInterrupt:  # Ctrl-C: keep what was generated (the caller reports it)
+        interrupted = True
     if warmup_steps and compile_s is None and n > 1:  # the run ended within the warm-up
         _sync(device)
         compile_s = time.perf_counter() - t_warm
     return {"tokens": out[:, :n].tolist(), "prefill_s": prefill_s, "decode_ms": timer.ms(),
             "peak_prefill": peak_prefill, "peak_decode": meter.peak(), "compile_s": compile_s,
-            "warmup_steps": min(warmup_steps, max(n - 1, 0)),
+            "warmup_steps": min(warmup_steps, max(n - 1, 0)), "interrupted": interrupted,
             "pending": out[:, n - 1:n] if n else None, "position": first_pos + max(n - 1, 0)}
 
 
@@ -426,7 +441,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
              compile_backend: Any = None, method_options: dict[str, Any] | None = None,
              warmup_steps: int = WARMUP_STEPS, reserve_tokens: int = 0,
              continue_conversation: bool = False,
-             prefilled: PrefilledPrompt | None = None) -> dict[str, Any]:
+             prefilled: PrefilledPrompt | None = None, on_token=None) -> dict[str, Any]:
     """Prefill ``prompt``, then decode until a stop token, ``max_new_tokens`` or the context end.
 
     Args:
@@ -454,6 +469,10 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
             the prompt; the chunk attends to the cache as the method left it (``KVCache.append``:
             an evicting method's earlier prompt stays compressed), then decoding goes on.
             With ``method="full"`` this equals one prefill of the whole conversation.
+        on_token: called after every generated token with the tokens so far, (B, n) int64 on
+            the model's device (a host sync per step: for streaming output, not for timing).
+            Ctrl-C (KeyboardInterrupt) during decoding ends the run early: the result holds
+            what was generated, ``stop_reason`` ``"interrupted"``.
         prefilled: the prompt's ``prefill_once`` result: the caches are built from its K/V
             instead of running the prefill again (``prompt`` must be its tokens).
     Returns:
@@ -531,7 +550,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         torch.manual_seed(seed)
     first_pos = start + chunk.shape[1]
     run = _run(model, prefill_fn, B, first_pos, new_tokens, step_fn, sampling, stop, meter,
-               warmup_steps=warmup_steps if compile else 0)
+               warmup_steps=warmup_steps if compile else 0, on_token=on_token)
     end = spec["prompt_len"] + spec["new_tokens"]  # positions the caches hold
     model._conversation = {"batch_size": B, "pending": run["pending"],
                            "position": run["position"], "end": end}
@@ -543,7 +562,9 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         end_i = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
         tokens.append(row[:end_i])
     n_generated = len(run["tokens"][0])
-    if max_new_tokens == 0:
+    if run["interrupted"]:
+        stop_reason = "interrupted"
+    elif max_new_tokens == 0:
         stop_reason = "prefill_only"
     elif all(t and t[-1] in stop_set for t in tokens):
         stop_reason = "eos"
@@ -722,6 +743,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "generation stops at the template's end-of-turn token")
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="print the text as it is decoded (default; batch 1 with a tokenizer). "
+                        "A host sync per token: --no-stream for timing runs")
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     return p
 
@@ -734,6 +758,72 @@ def _read_prompt(path: str) -> str:
     if not text.strip():
         raise ConfigError(f"prompt file {path} is empty")
     return text.removesuffix("\n").removesuffix("\r")  # the newline that ends a text file
+
+
+class TextStreamer:
+    """``generate``'s ``on_token`` for the CLI: prints the text of sequence 0 as it grows (the
+    whole continuation is decoded again each step, so multi-token characters come out whole;
+    text ending in an incomplete character waits for the next token)."""
+
+    def __init__(self, tok: Tokenizer, stop_ids: Sequence[int]):
+        self.tok, self.stop = tok, set(stop_ids)
+        self.shown = ""
+
+    def __call__(self, tokens: Tensor) -> None:
+        text = self.tok.decode([t for t in tokens[0].tolist() if t not in self.stop])
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+    def finish(self, text: str) -> None:
+        """End the streamed text with what is still missing of ``text`` and a newline."""
+        rest = text[len(self.shown):] if text.startswith(self.shown) else "\n" + text
+        sys.stdout.write(rest + "\n")
+        sys.stdout.flush()
+
+
+def float_weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
+    """Bytes of a float model of shape ``args`` in ``dtype`` (a tied classifier counted once)."""
+    D = args.head_dim
+    per_layer = (args.dim * (args.n_heads + 2 * args.n_kv_heads) * D + args.n_heads * D * args.dim
+                 + 3 * args.dim * args.intermediate_size + 2 * args.dim)
+    tables = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2)
+    return (args.n_layers * per_layer + tables + args.dim) * dtype.itemsize
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for this run: CUDA's free device memory, or the CPU's MemAvailable
+    (``/proc/meminfo``); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device, batch: int,
+                 tokens: int) -> None:
+    """Refuse a run whose float weights plus full-size KV cache (``tokens`` per sequence) do
+    not fit in the memory ``device`` has free, before anything is allocated.
+
+    Raises:
+        ConfigError: with the estimate, what is free and what to change.
+    """
+    free = available_bytes(device)
+    weights = float_weight_bytes(args, dtype)
+    kv = 2 * args.n_layers * batch * args.n_kv_heads * args.head_dim * tokens * dtype.itemsize
+    if free is not None and weights + kv > free:
+        gib = 2 ** 30
+        name = str(dtype).removeprefix("torch.")
+        raise ConfigError(f"this run needs at least {(weights + kv) / gib:.1f} GiB ({name} "
+                          f"weights {weights / gib:.1f} GiB + KV cache {kv / gib:.1f} GiB) but "
+                          f"{device.type} has {free / gib:.1f} GiB free; use a GPU, --dtype "
+                          "bfloat16, quantized weights (quantize.py) or a shorter run")
 
 
 def _resolve_device(name: str | None) -> torch.device:
@@ -824,6 +914,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = _read_prompt(args.prompt) if args.prompt is not None else None
 
         checkpoint = resolve_checkpoint(args.checkpoint)
+        if not is_quantized(checkpoint):
+            check_memory(checkpoint_args(checkpoint), dtype, device, args.batch_size,
+                         (args.prompt_tokens or 0) + args.max_new_tokens)
         model = load_model(checkpoint, device, dtype)
         tok: Tokenizer | None = None
         if args.tokenizer:
@@ -855,13 +948,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                    if getattr(args, name) is not None and getattr(args, name) is not False}
         if args.method == "full" and options:
             raise ConfigError(f"method full takes no method options ({', '.join(options)})")
+        streamer = TextStreamer(tok, stop_ids) if (
+            tok is not None and args.batch_size == 1 and args.stream) else None
         result = generate(model, prompt, method=args.method, budget=args.budget,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          stop_ids=stop_ids, compile=compile, method_options=options)
+                          stop_ids=stop_ids, compile=compile, method_options=options,
+                          on_token=streamer)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before decoding started: nothing generated yet
+        print("error: interrupted before any token was generated", file=sys.stderr)
+        return 130
     except torch.OutOfMemoryError as e:
         print(f"error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
@@ -871,8 +970,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                        for row in result["token_ids"]] if tok is not None else None)
     result["checkpoint"] = args.checkpoint
     result["model"] = model.args.name
-    if result["text"] is not None:
+    interrupted = result["stop_reason"] == "interrupted"
+    result["interrupted"] = interrupted
+    if streamer is not None:
+        streamer.finish(result["text"][0])
+    elif result["text"] is not None:
         print(result["text"][0])
+    if result["text"] is not None:
         print("-" * 80)
     print(format_report(result))
     if args.json:
@@ -881,7 +985,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    return 0
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -374,3 +375,62 @@ def test_json_destination_without_write_access_fails_before_the_run(tmp_path, mo
         g.check_json_path(str(tmp_path / "out.json"))
     monkeypatch.setattr(g.os, "access", real)
     g.check_json_path(str(tmp_path / "out.json"))  # writable: no error
+
+
+def test_a_run_that_cannot_fit_is_refused_before_allocating(monkeypatch, capsys):
+    """The float weights + KV estimate equals what a model allocates; a run above the free
+    memory is one error line (random:llama-3.1-8b in float32 on a small CPU, simulated)."""
+    import generate as g
+    from checkpoint import random_model
+    from model import ModelArgs
+
+    args = ModelArgs.from_name("stories260K")  # tied classifier
+    assert g.float_weight_bytes(args, torch.float32) == \
+        random_model(args, "cpu", torch.float32).weight_bytes()
+    untied = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
+                       vocab_size=100)
+    assert g.float_weight_bytes(untied, torch.bfloat16) == \
+        random_model(untied, "cpu", torch.bfloat16).weight_bytes()
+    big = ModelArgs.from_name("llama-3.1-8b")
+    assert abs(g.float_weight_bytes(big, torch.bfloat16) / 1e9 - 16.06) < 0.01  # 8.03B params
+    monkeypatch.setattr(g, "available_bytes", lambda device: 24 * 2**30)
+    rc = g.main(["--checkpoint", "random:llama-3.1-8b", "--device", "cpu", "--prompt-tokens",
+                 "1024", "--max-new-tokens", "8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: this run needs at least 30.") and \
+        "cpu has 24.0 GiB free" in err and len(err.strip().splitlines()) == 1
+
+
+def test_ctrl_c_keeps_what_was_generated(tmp_path):
+    """A real SIGINT to a streaming generation: the text streamed so far is printed with the
+    report, the JSON is written and marked interrupted, exit 130, no traceback."""
+    import select
+    import signal
+
+    from conftest import SMOLLM2_GGUF, shared_file
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Write a very long story about a lighthouse keeper.")
+    out = tmp_path / "run.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "generate.py"), "--checkpoint",
+         str(shared_file(SMOLLM2_GGUF)), "--chat", "--prompt", str(prompt), "--ignore-eos",
+         "--max-new-tokens", "4000", "--json", str(out), "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    streamed = b""
+    deadline = time.time() + 120
+    while len(streamed) < 20 and time.time() < deadline:  # wait for streamed text
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            streamed += os.read(proc.stdout.fileno(), 4096)
+    assert len(streamed) >= 20, "no streamed text"
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    stdout = (streamed + rest).decode()
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err
+    assert "(interrupted)" in stdout and "-" * 80 in stdout
+    data = json.loads(out.read_text())
+    assert data["interrupted"] is True and data["stop_reason"] == "interrupted"
+    assert 0 < data["new_tokens"] < 4000
+    assert data["text"][0].strip()[:10] in stdout
