@@ -29,6 +29,7 @@ import functools
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -233,13 +234,25 @@ def _materialize(args: ModelArgs, state_dict: dict[str, Tensor], device, dtype,
 
 
 def random_model(args: ModelArgs, device, dtype, seed: int = 0) -> Transformer:
-    """Model of shape ``args`` with random weights (N(0, 0.02); norms 1), built on ``device``."""
+    """Model of shape ``args`` with random weights (N(0, 0.02); norms 1), built on ``device``
+    directly in ``dtype`` (no float32 copy first). Models over 1 GiB show a progress bar on
+    stderr while their weights are drawn (minutes for an 8B model on a CPU)."""
     with torch.device("meta"):
         model = Transformer(args)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
+    params = list(model.named_parameters())
+    total = sum(p.numel() * p.element_size() for _, p in params)
+    if total > 2**30:
+        try:  # tqdm is optional here: random-weight benchmarks need torch alone
+            from tqdm import tqdm
+
+            params = tqdm(params, desc=f"random weights ({total / 2**30:.1f} GiB)",
+                          unit="tensor", file=sys.stderr)
+        except ImportError:
+            print(f"drawing {total / 2**30:.1f} GiB of random weights...", file=sys.stderr)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in params:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
