@@ -58,6 +58,77 @@ _HF_TOP_NAMES = {
 }
 
 
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+def args_from_hf_config(config: dict[str, Any], name: str | None = None) -> ModelArgs:
+    """Read a Hugging Face ``config.json`` dict of a Llama or Mistral model.
+
+    Both the classic layout (``rope_theta`` + ``rope_scaling``) and the ``rope_parameters``
+    layout written by transformers 5 are accepted.
+
+    Raises:
+        ConfigError: unsupported architecture (not Llama/Mistral, biases), a bad
+            sliding window,
+            unsupported rope type, or a missing field.
+    """
+    model_type = config.get("model_type")
+    if model_type not in ("llama", "mistral"):
+        archs = config.get("architectures")
+        raise ConfigError(f"unsupported architecture: model_type={model_type!r} "
+                          f"architectures={archs!r} (supported: llama, mistral)")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ConfigError("unsupported architecture: attention or MLP biases")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"unsupported activation {config.get('hidden_act')!r} (need silu)")
+    window = config.get("sliding_window")
+    max_pos = config.get("max_position_embeddings")
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise ConfigError(f"config.json: sliding_window must be a positive integer or "
+                          f"null, got {window!r}")
+    if window is not None and max_pos is not None and window >= max_pos:
+        window = None  # the window spans the whole context: plain attention
+    try:
+        dim = config["hidden_size"]
+        n_heads = config["num_attention_heads"]
+        args = dict(
+            dim=dim,
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            head_dim=config.get("head_dim") or dim // n_heads,
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_seq_len=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            sliding_window=window,
+        )
+    except KeyError as e:
+        raise ConfigError(f"config.json lacks the field {e.args[0]!r}") from None
+
+    rope = config.get("rope_parameters")
+    if rope is None:  # classic layout
+        rope = dict(config.get("rope_scaling") or {})
+        rope["rope_theta"] = config.get("rope_theta", 10000.0)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"unsupported rope_scaling type {rope_type!r} "
+                          f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    args["rope_theta"] = float(rope.get("rope_theta", 10000.0))
+    if rope_type == "linear":
+        args["rope_scaling"] = {"type": "linear", "factor": float(rope["factor"])}
+    elif rope_type == "llama3":
+        args["rope_scaling"] = {
+            "type": "llama3",
+            "factor": float(rope["factor"]),
+            "low_freq_factor": float(rope["low_freq_factor"]),
+            "high_freq_factor": float(rope["high_freq_factor"]),
+            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        }
+    return ModelArgs(name=name or config.get("_name_or_path") or model_type, **args)
+
+
 def hf_to_meta_rope_rows(w: Tensor, n_heads: int) -> Tensor:
     """Permute q or k projection rows from HF rotate-half order to Meta adjacent-pair order.
 
@@ -162,7 +233,7 @@ def meta_to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, T
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` (LlamaForCausalLM) for ``args``; ``from_hf_config`` reads
+    """A Hugging Face ``config.json`` (LlamaForCausalLM) for ``args``; ``args_from_hf_config`` reads
     it back to the same ``ModelArgs``.
 
     Raises:
@@ -544,7 +615,7 @@ def checkpoint_args(checkpoint: str) -> ModelArgs:
         return gguf_args(open_gguf(ckpt))
     if (ckpt / NATIVE_CONFIG).is_file():
         return _native_args(ckpt)
-    return ModelArgs.from_hf_config(_read_json(ckpt / "config.json"), name=ckpt.name)
+    return args_from_hf_config(_read_json(ckpt / "config.json"), name=ckpt.name)
 
 
 def _checked_path(checkpoint: str) -> Path:
@@ -606,7 +677,7 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
 
         quant = _read_json(ckpt / QUANT_CONFIG) if (ckpt / QUANT_CONFIG).is_file() else None
     else:
-        args = ModelArgs.from_hf_config(_read_json(ckpt / "config.json"), name=ckpt.name)
+        args = args_from_hf_config(_read_json(ckpt / "config.json"), name=ckpt.name)
         sd = hf_state_dict(_load_tensors(_safetensors_files(ckpt), "cpu"), args)
         quant = None
     if dtype is not None and quant is None:

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import compression  # noqa: F401  (registers the compression methods)
 from checkpoint import (
     KNOWN_CHECKPOINTS,
     RANDOM_PREFIX,
@@ -37,7 +36,8 @@ from checkpoint import (
     load_model,
     resolve_checkpoint,
 )
-from kv_cache import METHODS, UNBUDGETED, PromptRecorder, build_caches
+from compression import METHODS, UNBUDGETED, build_caches
+from kv_cache import PromptRecorder
 from model import ConfigError, ModelArgs, Transformer
 from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
@@ -447,7 +447,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     Args:
         model: a loaded ``Transformer``.
         prompt: token ids, (T,) or (B, T) (B sequences of equal length).
-        method, budget, method_options: the KV cache (``kv_cache.METHODS``); budget in tokens.
+        method, budget, method_options: the KV cache (``compression.METHODS``); budget in tokens.
         max_new_tokens: generated tokens at most (the prefill's token included); 0 prefills
             only (the prompt is cached for a later ``continue_conversation`` call).
         temperature, top_k, top_p: sampling (temperature 0 is greedy); ``seed`` seeds it.

@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import ConfigError, ModelArgs
+from model import ModelArgs
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
@@ -532,38 +532,3 @@ class PromptRecorder(KVCache):
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         raise RuntimeError("PromptRecorder only records a prefill; build a method's caches")
-
-
-# method name -> (one-line description for --help, factory building one cache per layer)
-METHODS: dict[str, tuple[str, Callable[..., list[KVCache]]]] = {
-    "full": ("Full-KV: every token cached and read at every step (no budget)", _build_full),
-    "gptfast_dense": ("benchmark baseline: Full-KV decoded as gpt-fast did (repeated K/V, math "
-                      "SDPA, max_seq^2 mask)", _build_gptfast_dense),
-}
-
-
-UNBUDGETED = ("full", "gptfast_dense")  # methods that take no token budget
-
-
-def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
-                 max_new_tokens: int, budget: int | None, dtype: torch.dtype, device,
-                 **options) -> list[KVCache]:
-    """One cache per layer for ``method``.
-
-    Args:
-        method: a key of ``METHODS``.
-        prompt_len, max_new_tokens: tokens; static buffers are sized from them.
-        budget: token budget (KV pairs read per decode step per layer per KV group), or None.
-        options: method-specific settings.
-    Raises:
-        ConfigError: unknown method, or a budget that is not a positive integer.
-    """
-    import compression  # noqa: F401  (registers the compression methods in METHODS)
-
-    if method not in METHODS:
-        raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
-    if budget is not None and budget <= 0:
-        raise ConfigError(f"--budget must be a positive number of tokens, got {budget}")
-    return METHODS[method][1](args, batch_size=batch_size, prompt_len=prompt_len,
-                              max_new_tokens=max_new_tokens, budget=budget, dtype=dtype,
-                              device=device, **options)

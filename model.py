@@ -34,9 +34,6 @@ class ConfigError(ValueError):
     """Bad user input (config, checkpoint, CLI value). The CLI prints it as one line, exit 2."""
 
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-
-
 @dataclass
 class ModelArgs:
     """Shape and numerics of a Llama-family decoder.
@@ -116,74 +113,6 @@ class ModelArgs:
         if name not in CONFIGS:
             raise ConfigError(f"unknown model config {name!r}; known: {', '.join(CONFIGS)}")
         return cls(name=name, **CONFIGS[name])
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any], name: str | None = None) -> ModelArgs:
-        """Read a Hugging Face ``config.json`` dict of a Llama or Mistral model.
-
-        Both the classic layout (``rope_theta`` + ``rope_scaling``) and the ``rope_parameters``
-        layout written by transformers 5 are accepted.
-
-        Raises:
-            ConfigError: unsupported architecture (not Llama/Mistral, biases), a bad
-                sliding window,
-                unsupported rope type, or a missing field.
-        """
-        model_type = config.get("model_type")
-        if model_type not in ("llama", "mistral"):
-            archs = config.get("architectures")
-            raise ConfigError(f"unsupported architecture: model_type={model_type!r} "
-                              f"architectures={archs!r} (supported: llama, mistral)")
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise ConfigError("unsupported architecture: attention or MLP biases")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"unsupported activation {config.get('hidden_act')!r} (need silu)")
-        window = config.get("sliding_window")
-        max_pos = config.get("max_position_embeddings")
-        if window is not None and (not isinstance(window, int) or window <= 0):
-            raise ConfigError(f"config.json: sliding_window must be a positive integer or "
-                              f"null, got {window!r}")
-        if window is not None and max_pos is not None and window >= max_pos:
-            window = None  # the window spans the whole context: plain attention
-        try:
-            dim = config["hidden_size"]
-            n_heads = config["num_attention_heads"]
-            args = dict(
-                dim=dim,
-                n_layers=config["num_hidden_layers"],
-                n_heads=n_heads,
-                n_kv_heads=config.get("num_key_value_heads") or n_heads,
-                head_dim=config.get("head_dim") or dim // n_heads,
-                intermediate_size=config["intermediate_size"],
-                vocab_size=config["vocab_size"],
-                norm_eps=config.get("rms_norm_eps", 1e-6),
-                max_seq_len=config.get("max_position_embeddings", 4096),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                sliding_window=window,
-            )
-        except KeyError as e:
-            raise ConfigError(f"config.json lacks the field {e.args[0]!r}") from None
-
-        rope = config.get("rope_parameters")
-        if rope is None:  # classic layout
-            rope = dict(config.get("rope_scaling") or {})
-            rope["rope_theta"] = config.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(f"unsupported rope_scaling type {rope_type!r} "
-                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-        args["rope_theta"] = float(rope.get("rope_theta", 10000.0))
-        if rope_type == "linear":
-            args["rope_scaling"] = {"type": "linear", "factor": float(rope["factor"])}
-        elif rope_type == "llama3":
-            args["rope_scaling"] = {
-                "type": "llama3",
-                "factor": float(rope["factor"]),
-                "low_freq_factor": float(rope["low_freq_factor"]),
-                "high_freq_factor": float(rope["high_freq_factor"]),
-                "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
-            }
-        return cls(name=name or config.get("_name_or_path") or model_type, **args)
 
 
 LLAMA31_ROPE = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -315,6 +244,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.kv_cache = None  # a kv_cache.KVCache, set by Transformer.setup_caches
 
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
+        """Decode step: normed hidden states ``x`` (B, 1, dim) at ``input_pos`` (1,) ->
+        (B, 1, dim). q, k, v are projected and rotated; the cache stores k, v and attends
+        (``KVCache.decode``); the output projection follows."""
+        q, k, v = self.qkv(x, rope)
+        return self.out(self.kv_cache.decode(q, k, v, input_pos))
+
     def qkv(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Project and rotate. ``x`` (B, T, dim) -> q (B, H, T, D), k and v (B, H_kv, T, D)."""
         B, T, _ = x.shape
@@ -357,8 +293,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
         """Decode step. ``x`` (B, 1, dim), ``rope`` (1, D/2, 2), ``input_pos`` (1,) int64."""
-        q, k, v = self.attention.qkv(self.attention_norm(x), rope)
-        h = x + self.attention.out(self.attention.kv_cache.decode(q, k, v, input_pos))
+        h = x + self.attention(self.attention_norm(x), rope, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def prefill(self, x: Tensor, rope: Tensor, chunk_size: int) -> Tensor:

@@ -55,7 +55,14 @@ from compression.snapkv import (
     snapkv_select,
 )
 from compression.sparse import ExactTopK, Hybrid, Quest, SparQ
-from kv_cache import METHODS, CompressedKVCache, FullKVCache, KVCache, Selector
+from kv_cache import (
+    CompressedKVCache,
+    FullKVCache,
+    KVCache,
+    Selector,
+    _build_full,
+    _build_gptfast_dense,
+)
 from model import ConfigError, ModelArgs
 
 
@@ -208,7 +215,7 @@ def _evictor(method: str, p: dict[str, Any]) -> Callable | None:
 
 
 # the method options (besides skip_layers, which every compressed method takes) each method reads
-METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
+OPTIONS_BY_METHOD: dict[str, tuple[str, ...]] = {
     "exact_topk": (), "snapkv": ("kernel_size", "pooling", "window"),
     "snapkv_pp": ("kernel_size", "window"), "quest": ("page_size",),
     "sparq": ("sparq_reallocate",), "hybrid": (),
@@ -223,7 +230,7 @@ def check_options(method: str, options: dict[str, Any]) -> None:
         ConfigError: e.g. ``--rocket-split`` with ``quest``; the message lists what the
             method takes.
     """
-    taken = METHOD_OPTIONS.get(method, ())
+    taken = OPTIONS_BY_METHOD.get(method, ())
     for name, value in options.items():
         if value is not None and value is not False and name not in taken:
             flags = ", ".join(f"--{o.replace('_', '-')}" for o in (*taken, "skip_layers"))
@@ -281,6 +288,39 @@ def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
             obs_window=p.get("window", 0),
             params={k: v for k, v in p.items() if k not in ("evict", "dense")}))
     return caches
+
+
+# method name -> (one-line description for --help, factory building one cache per layer)
+METHODS: dict[str, tuple[str, Callable[..., list[KVCache]]]] = {
+    "full": ("Full-KV: every token cached and read at every step (no budget)", _build_full),
+    "gptfast_dense": ("benchmark baseline: Full-KV decoded as gpt-fast did (repeated K/V, math "
+                      "SDPA, max_seq^2 mask)", _build_gptfast_dense),
+}
+
+
+UNBUDGETED = ("full", "gptfast_dense")  # methods that take no token budget
+
+
+def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
+                 max_new_tokens: int, budget: int | None, dtype: torch.dtype, device,
+                 **options) -> list[KVCache]:
+    """One cache per layer for ``method``.
+
+    Args:
+        method: a key of ``METHODS``.
+        prompt_len, max_new_tokens: tokens; static buffers are sized from them.
+        budget: token budget (KV pairs read per decode step per layer per KV group), or None.
+        options: method-specific settings.
+    Raises:
+        ConfigError: unknown method, or a budget that is not a positive integer.
+    """
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    if budget is not None and budget <= 0:
+        raise ConfigError(f"--budget must be a positive number of tokens, got {budget}")
+    return METHODS[method][1](args, batch_size=batch_size, prompt_len=prompt_len,
+                              max_new_tokens=max_new_tokens, budget=budget, dtype=dtype,
+                              device=device, **options)
 
 
 _DESCRIPTIONS = {

@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
+from compression import METHODS, UNBUDGETED  # noqa: E402
 from generate import DTYPES, OneLineParser, _resolve_device, device_name, generate, write_json  # noqa: E402
-from kv_cache import METHODS, UNBUDGETED  # noqa: E402
 from model import CONFIGS, ConfigError  # noqa: E402
 
 

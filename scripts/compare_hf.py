@@ -61,8 +61,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import compression  # noqa: E402,F401  (registers the compression methods)
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
+from compression import METHODS, UNBUDGETED  # noqa: E402
 from generate import (  # noqa: E402
     DTYPES,
     OneLineParser,
@@ -76,7 +76,6 @@ from generate import (  # noqa: E402
     percentile,
     write_json,
 )
-from kv_cache import METHODS, UNBUDGETED  # noqa: E402
 from model import ConfigError, Transformer  # noqa: E402
 
 DEFAULT_CONTEXTS = (2048, 7168)

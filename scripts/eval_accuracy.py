@@ -129,8 +129,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-import compression  # noqa: E402,F401  (registers the compression methods)
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
+from compression import METHODS, UNBUDGETED, build_caches  # noqa: E402
 from compression.sparse import (  # noqa: E402
     ExactTopK,
     Hybrid,
@@ -148,15 +148,7 @@ from generate import (  # noqa: E402
     prefill_once,
     write_json,
 )
-from kv_cache import (  # noqa: E402
-    METHODS,
-    UNBUDGETED,
-    CompressedKVCache,
-    KVCache,
-    Selector,
-    build_caches,
-    gather_tokens,
-)
+from kv_cache import CompressedKVCache, KVCache, Selector, gather_tokens  # noqa: E402
 from model import ConfigError, Transformer  # noqa: E402
 from scripts.eval_common import DEFAULT_BUDGETS, DEFAULT_METHODS, configurations  # noqa: E402
 from scripts.make_prompt import text_files  # noqa: E402

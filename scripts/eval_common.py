@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import compression  # noqa: E402  (registers the compression methods; METHOD_OPTIONS)
+from compression import METHODS, OPTIONS_BY_METHOD, UNBUDGETED  # noqa: E402
 from generate import (  # noqa: E402
     METHOD_OPTIONS,
     _resolve_device,
@@ -52,7 +52,6 @@ from generate import (  # noqa: E402
     prefill_once,
     write_json,
 )
-from kv_cache import METHODS, UNBUDGETED  # noqa: E402
 from model import ConfigError, Transformer  # noqa: E402
 from scripts.ruler_tasks import string_match_all  # noqa: E402,F401  (re-exported)
 from tokenizer import Tokenizer  # noqa: E402
@@ -190,7 +189,7 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
         for method, budget in configs:
             opts = {} if method in UNBUDGETED else {  # each method gets the options it takes
                 k: v for k, v in options.items()
-                if k == "skip_layers" or k in compression.METHOD_OPTIONS[method]}
+                if k == "skip_layers" or k in OPTIONS_BY_METHOD[method]}
             try:
                 if qa:
                     generate(model, pre.tokens, method=method, budget=budget, max_new_tokens=0,

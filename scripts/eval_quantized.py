@@ -53,8 +53,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
+from compression import UNBUDGETED  # noqa: E402
 from generate import DTYPES, OneLineParser, check_positive, prefill_once  # noqa: E402
-from kv_cache import UNBUDGETED  # noqa: E402
 from model import ConfigError, Transformer  # noqa: E402
 from quantize import CLASSIFIER_CHOICES, GROUPSIZES, classifier_mode, quantize_model  # noqa: E402
 from scripts.eval_accuracy import (  # noqa: E402

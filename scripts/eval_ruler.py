@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+from compression import UNBUDGETED  # noqa: E402
 from generate import OneLineParser  # noqa: E402
-from kv_cache import UNBUDGETED  # noqa: E402
 from model import ConfigError  # noqa: E402
 from scripts.eval_common import (  # noqa: E402
     DEV_SEED_OFFSET,

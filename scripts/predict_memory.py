@@ -39,8 +39,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
+from compression import METHODS, UNBUDGETED, build_caches  # noqa: E402
 from generate import DTYPES, OneLineParser, write_json  # noqa: E402
-from kv_cache import METHODS, UNBUDGETED, build_caches  # noqa: E402
 from model import CONFIGS, ConfigError, ModelArgs, Transformer  # noqa: E402
 
 GB = 1e9

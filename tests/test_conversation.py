@@ -4,8 +4,9 @@ import pytest
 import torch
 from test_kv_cache import slow_attention
 
+from compression import build_caches
 from generate import extend_prefilled, generate, prefill_once
-from kv_cache import CompressedKVCache, Selector, build_caches
+from kv_cache import CompressedKVCache, Selector
 from model import ConfigError, ModelArgs
 
 METHODS = ["exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid", "rocketkv"]

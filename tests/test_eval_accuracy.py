@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
+from compression import build_caches
 from generate import generate, prefill_once
-from kv_cache import build_caches
 from scripts.eval_accuracy import (
     STORY_SEPARATOR,
     TINYSTORIES_TEXTS,

@@ -11,8 +11,8 @@ import torch
 from conftest import ROOT, SHARED
 
 from checkpoint import random_model
+from compression import build_caches
 from generate import generate, percentile, sample
-from kv_cache import build_caches
 from model import ConfigError, ModelArgs
 from tokenizer import load_tokenizer
 

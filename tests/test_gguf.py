@@ -12,7 +12,7 @@ from conftest import ROOT, SMOLLM2_GGUF, shared_file
 
 import checkpoint
 from checkpoint import hf_config, hf_to_meta_rope_rows, load_model, resolve_checkpoint
-from kv_cache import build_caches
+from compression import build_caches
 from model import ConfigError, ModelArgs, rope_inv_freq
 
 gguf = pytest.importorskip("gguf")

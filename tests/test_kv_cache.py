@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from kv_cache import FullKVCache, attend, build_caches, causal_attention
+from compression import build_caches
+from kv_cache import FullKVCache, attend, causal_attention
 from model import ConfigError, ModelArgs
 
 

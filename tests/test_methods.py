@@ -8,9 +8,9 @@ from conftest import SHARED, shared_file
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compression import derive, smallest_budget
+from compression import METHODS, build_caches, derive, smallest_budget
 from generate import generate
-from kv_cache import METHODS, CompressedKVCache, FullKVCache, build_caches
+from kv_cache import CompressedKVCache, FullKVCache
 from model import CONFIGS, ConfigError, ModelArgs
 from tokenizer import load_tokenizer
 

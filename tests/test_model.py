@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from checkpoint import load_model
-from kv_cache import build_caches
+from checkpoint import args_from_hf_config, load_model
+from compression import build_caches
 from model import CONFIGS, ConfigError, ModelArgs, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
@@ -104,11 +104,11 @@ LLAMA31_HF = {
 
 
 def test_from_hf_config_classic_and_rope_parameters_layouts_agree():
-    classic = ModelArgs.from_hf_config(LLAMA31_HF, name="llama-3.1-8b")
+    classic = args_from_hf_config(LLAMA31_HF, name="llama-3.1-8b")
     v5 = dict(LLAMA31_HF)
     v5.pop("rope_theta")
     v5["rope_parameters"] = {**v5.pop("rope_scaling"), "rope_theta": 500000.0}
-    assert ModelArgs.from_hf_config(v5, name="llama-3.1-8b") == classic
+    assert args_from_hf_config(v5, name="llama-3.1-8b") == classic
     assert classic == ModelArgs.from_name("llama-3.1-8b")
 
 
@@ -145,7 +145,7 @@ def test_llama3_rope_matches_transformers():
 ])
 def test_from_hf_config_rejects(bad, match):
     with pytest.raises(ConfigError, match=match):
-        ModelArgs.from_hf_config({**LLAMA31_HF, **bad})
+        args_from_hf_config({**LLAMA31_HF, **bad})
 
 
 def test_sliding_window_is_accepted_for_runs_that_fit_in_it():
@@ -158,9 +158,9 @@ def test_sliding_window_is_accepted_for_runs_that_fit_in_it():
              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256,
              "rope_scaling": None, "sliding_window": 64}
-    args = ModelArgs.from_hf_config(small)
+    args = args_from_hf_config(small)
     assert args.sliding_window == 64
-    assert ModelArgs.from_hf_config({**small, "sliding_window": 256}).sliding_window is None
+    assert args_from_hf_config({**small, "sliding_window": 256}).sliding_window is None
     model = random_model(args, "cpu", torch.float32)
     assert len(generate(model, list(range(40)), max_new_tokens=24)["token_ids"][0]) == 24
     with pytest.raises(ConfigError, match="sliding-window attention span \\(64 tokens\\)"):

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
 from checkpoint import load_model, random_model
+from compression import METHODS, UNBUDGETED
 from generate import generate
-from kv_cache import METHODS, UNBUDGETED
 from model import ConfigError, ModelArgs
 from quantize import (
     QUANT_CONFIG,
