@@ -582,7 +582,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     a = model.args
     full_kv_bytes = 2 * a.n_layers * B * a.n_kv_heads * a.head_dim * end * dtype.itemsize
     kept = [getattr(c, "kept", spec["prompt_len"]) for c in caches]  # prompt tokens kept
-    w_per_step = model.weight_bytes_per_step()
+    w_per_step = weight_bytes_per_step(model)
     return {
         "method": spec["method"],
         "budget": spec["budget"],
@@ -613,7 +613,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "prompt_tokens_kept": {"min": min(kept), "max": max(kept),
                                "mean": sum(kept) / len(kept)},
         "full_kv_bytes": full_kv_bytes,
-        "weight_bytes": model.weight_bytes(),
+        "weight_bytes": weight_bytes(model),
         "weight_bytes_per_step": w_per_step,
         "weights": weights_label(model),
         "bandwidth_gbps": ((w_per_step + kv_per_step) / (median / 1e3) / 1e9) if median else None,
@@ -781,6 +781,21 @@ class TextStreamer:
         rest = text[len(self.shown):] if text.startswith(self.shown) else "\n" + text
         sys.stdout.write(rest + "\n")
         sys.stdout.flush()
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of all of ``model``'s parameters (tied matrices counted once; int8/int4 layers
+    of ``quantize.py`` at their stored size)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def weight_bytes_per_step(model: Transformer) -> int:
+    """Parameter bytes one decode step reads: all but the embedding table, which is only
+    gathered (B rows), unless the classifier shares it (a quantized checkpoint's classifier
+    is its own copy, ``quantize.py``)."""
+    emb = model.tok_embeddings.weight
+    tied = getattr(model.output, "weight", None) is emb
+    return weight_bytes(model) - (0 if tied else emb.numel() * emb.element_size())
 
 
 def float_weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:

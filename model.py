@@ -405,15 +405,3 @@ class Transformer(nn.Module):
             x = (layer.prefill(x, rope, self.prefill_chunk_size) if start == 0
                  else layer.append(x, rope, start))
         return self.output(self.norm(x[:, -1:]))[:, -1]
-
-    def weight_bytes(self) -> int:
-        """Bytes of all parameters (tied matrices counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
-
-    def weight_bytes_per_step(self) -> int:
-        """Parameter bytes one decode step reads: all but the embedding table, which is only
-        gathered (B rows), unless the classifier shares it (a quantized checkpoint's classifier
-        is its own copy, ``quantize.py``)."""
-        emb = self.tok_embeddings.weight
-        tied = getattr(self.output, "weight", None) is emb
-        return self.weight_bytes() - (0 if tied else emb.numel() * emb.element_size())

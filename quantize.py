@@ -161,7 +161,7 @@ def dequantize_int4(packed: Tensor, scales_and_zeros: Tensor, groupsize: int,
 
 
 def _frozen(t: Tensor) -> nn.Parameter:
-    # Parameters (not buffers) so that weight_bytes() and the loaders see them like float ones
+    # Parameters (not buffers): generate.weight_bytes and the loaders see them like float ones
     return nn.Parameter(t, requires_grad=False)
 
 

@@ -54,7 +54,14 @@ import torch  # noqa: E402
 
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
 from compression import UNBUDGETED  # noqa: E402
-from generate import DTYPES, OneLineParser, check_positive, prefill_once  # noqa: E402
+from generate import (  # noqa: E402
+    DTYPES,
+    OneLineParser,
+    check_positive,
+    prefill_once,
+    weight_bytes,
+    weight_bytes_per_step,
+)
 from model import ConfigError, Transformer  # noqa: E402
 from quantize import CLASSIFIER_CHOICES, GROUPSIZES, classifier_mode, quantize_model  # noqa: E402
 from scripts.eval_accuracy import (  # noqa: E402
@@ -135,8 +142,8 @@ def run_variant(model: Transformer, prompts, configs, m: int, reference: dict | 
             "perplexity": math.exp(sum(a["nll"]) / len(a["nll"])),
             "match_prefix": sum(a["match"]) / len(a["match"]),
             "match_prefix_per_prompt": a["match"], "kv_bytes_per_step": a["kv"],
-            "weight_bytes": model.weight_bytes(),
-            "weight_bytes_per_step": model.weight_bytes_per_step()})
+            "weight_bytes": weight_bytes(model),
+            "weight_bytes_per_step": weight_bytes_per_step(model)})
     return rows, ref
 
 

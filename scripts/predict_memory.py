@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from compression import METHODS, UNBUDGETED, build_caches  # noqa: E402
-from generate import DTYPES, OneLineParser, write_json  # noqa: E402
+from generate import DTYPES, OneLineParser, weight_bytes, write_json  # noqa: E402
 from model import CONFIGS, ConfigError, ModelArgs, Transformer  # noqa: E402
 
 GB = 1e9
@@ -154,7 +154,7 @@ def predict(args: ModelArgs, method: str, budget: int | None, context: int, new_
         "peak_memory_bytes": {"prefill": prefill, "decode": decode,
                               "total": max(prefill, decode)},
         "resident_bytes": resident_bytes,
-        "weight_bytes": model.weight_bytes(),
+        "weight_bytes": weight_bytes(model),
         "kv_cache_bytes": sum(c.allocated_bytes() for c in model.caches),
         "prefill_activation_peak_bytes": prefill_act,
         "decode_activation_peak_bytes": decode_act,

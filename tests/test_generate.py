@@ -386,11 +386,11 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating(monkeypatch, capsys)
 
     args = ModelArgs.from_name("stories260K")  # tied classifier
     assert g.float_weight_bytes(args, torch.float32) == \
-        random_model(args, "cpu", torch.float32).weight_bytes()
+        g.weight_bytes(random_model(args, "cpu", torch.float32))
     untied = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
                        vocab_size=100)
     assert g.float_weight_bytes(untied, torch.bfloat16) == \
-        random_model(untied, "cpu", torch.bfloat16).weight_bytes()
+        g.weight_bytes(random_model(untied, "cpu", torch.bfloat16))
     big = ModelArgs.from_name("llama-3.1-8b")
     assert abs(g.float_weight_bytes(big, torch.bfloat16) / 1e9 - 16.06) < 0.01  # 8.03B params
     monkeypatch.setattr(g, "available_bytes", lambda device: 24 * 2**30)

@@ -13,7 +13,7 @@ from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
 from checkpoint import load_model, random_model
 from compression import METHODS, UNBUDGETED
-from generate import generate
+from generate import generate, weight_bytes, weight_bytes_per_step
 from model import ConfigError, ModelArgs
 from quantize import (
     QUANT_CONFIG,
@@ -202,8 +202,8 @@ def test_quantized_model_reads_the_bytes_of_its_formats(tiny_quantized):
     int4 = sum(n * k // 2 + (k // 32) * n * 2 * 2 for n, k in shapes) + head  # + scale/zero
     for mode, linear_bytes in (("int8", int8), ("int4", int4)):
         m = tiny_quantized[mode]
-        assert m.weight_bytes_per_step() == linear_bytes + norms  # the embedding is gathered
-        assert m.weight_bytes() == linear_bytes + norms + emb
+        assert weight_bytes_per_step(m) == linear_bytes + norms  # the embedding is gathered
+        assert weight_bytes(m) == linear_bytes + norms + emb
         assert m.quantization["mode"] == mode
 
 
