@@ -1,6 +1,7 @@
 """quantize.py: int8/int4 weight-only quantization against slow references, checkpoints that every
 script loads, every KV method on a quantized model, SmolLM2 fidelity, and bad input."""
 
+import contextlib
 import copy
 import json
 import subprocess
@@ -239,11 +240,21 @@ def _run(*argv, cwd=None):
                           cwd=cwd or ROOT)
 
 
-def test_cli_checkpoint_loads_as_the_in_memory_quantization(tmp_path):
+def _main(capsys, *argv):
+    """quantize.py's main in this process (the CLI path without a second torch import):
+    (exit status, stdout, stderr)."""
+    from quantize import main
+
+    rc = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_checkpoint_loads_as_the_in_memory_quantization(tmp_path, capsys):
     out = tmp_path / "q"
-    r = _run("quantize.py", "--checkpoint", "random:stories260K", "--mode", "int8",
-             "--dtype", "float32", "--out", str(out), "--no-progress")
-    assert r.returncode == 0, r.stderr
+    rc, stdout, err = _main(capsys, "--checkpoint", "random:stories260K", "--mode", "int8",
+                            "--dtype", "float32", "--out", out, "--no-progress")
+    assert rc == 0 and stdout == f"wrote {out}\n", err
     cfg = json.loads((out / QUANT_CONFIG).read_text())
     assert cfg["mode"] == "int8" and cfg["groupsize"] is None
     assert cfg["linears"]["output"] == "int8" and cfg["classifier"] == "int8"
@@ -279,28 +290,35 @@ def bad_dir(tmp_path_factory):
      "CUDA is not available"),
     ("missing", ["--checkpoint", "no/such/dir", "--mode", "int8"], "checkpoint not found"),
 ])
-def test_cli_bad_input_one_line_exit_2_nothing_written(bad_dir, case, argv, message):
+def test_cli_bad_input_one_line_exit_2_nothing_written(bad_dir, capsys, case, argv, message):
     if case == "cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     out = bad_dir / case
-    r = _run("quantize.py", *argv, "--out", str(out), "--no-progress")
-    assert r.returncode == 2
-    assert r.stderr.startswith("error:") and message in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    if case == "groupsize":  # one case as a real process, the rest in this one
+        r = _run("quantize.py", *argv, "--out", str(out), "--no-progress")
+        rc, err = r.returncode, r.stderr
+    else:
+        with pytest.raises(SystemExit) if case == "mode" else contextlib.nullcontext() as ex:
+            rc, _, err = _main(capsys, *argv, "--out", out, "--no-progress")
+        if case == "mode":
+            rc, err = ex.value.code, capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("error:") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not out.exists() and not any(p.name.startswith(".") for p in bad_dir.iterdir())
 
 
-def test_cli_refuses_a_quantized_source_and_a_used_out_dir(tmp_path):
+def test_cli_refuses_a_quantized_source_and_a_used_out_dir(tmp_path, capsys):
     src = tmp_path / "src"
-    assert _run("quantize.py", "--checkpoint", "random:stories260K", "--mode", "int8",
-                "--out", str(src), "--no-progress").returncode == 0
-    r = _run("quantize.py", "--checkpoint", str(src), "--mode", "int8", "--out",
-             str(tmp_path / "again"))
-    assert r.returncode == 2 and "already quantized" in r.stderr
+    assert _main(capsys, "--checkpoint", "random:stories260K", "--mode", "int8", "--out", src,
+                 "--no-progress")[0] == 0
+    rc, _, err = _main(capsys, "--checkpoint", src, "--mode", "int8", "--out",
+                       tmp_path / "again")
+    assert rc == 2 and "already quantized" in err
     assert not (tmp_path / "again").exists()
-    r = _run("quantize.py", "--checkpoint", "random:stories260K", "--mode", "int8", "--out",
-             str(src))
-    assert r.returncode == 2 and "not an empty directory" in r.stderr
+    rc, _, err = _main(capsys, "--checkpoint", "random:stories260K", "--mode", "int8", "--out",
+                       src)
+    assert rc == 2 and "not an empty directory" in err
 
 
 # ---- SmolLM2: the real checkpoint -----------------------------------------------------------
