@@ -710,6 +710,15 @@ def _is_gguf_path(checkpoint: str) -> bool:
     return is_gguf(resolve_checkpoint(checkpoint))
 
 
+def check_new_directory(out: str | Path) -> Path:
+    """``out`` as a Path; ConfigError when it exists and is not an empty directory (called
+    before expensive work, and again by ``write_directory``)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty directory")
+    return out
+
+
 def write_directory(out: str | Path, fill) -> Path:
     """Create the directory ``out`` whole: ``fill(tmp)`` writes its files into a temporary
     directory beside it, which is then made readable (files 0644, directory 0755) and renamed
@@ -721,9 +730,7 @@ def write_directory(out: str | Path, fill) -> Path:
     import shutil
     import tempfile
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} exists and is not an empty directory")
+    out = check_new_directory(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -498,6 +498,7 @@ def quantize_checkpoint(checkpoint: str, mode: str, groupsize: int | None, out: 
     from checkpoint import (
         NATIVE_CONFIG,
         NATIVE_WEIGHTS,
+        check_new_directory,
         checkpoint_args,
         read_checkpoint,
         resolve_checkpoint,
@@ -506,11 +507,7 @@ def quantize_checkpoint(checkpoint: str, mode: str, groupsize: int | None, out: 
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda: CUDA is not available on this machine")
-    if mode not in MODES:
-        raise ConfigError(f"unknown --mode {mode!r} (known: {', '.join(MODES)})")
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} exists and is not an empty directory")
+    out = check_new_directory(out)
     source = resolve_checkpoint(checkpoint)
     if Path(source).is_dir() and (Path(source) / QUANT_CONFIG).is_file():
         raise ConfigError(f"{checkpoint} is already quantized ({QUANT_CONFIG}); quantize its "

@@ -23,7 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from checkpoint import hf_config, load_gguf, meta_to_hf_state_dict, write_directory  # noqa: E402
+from checkpoint import (  # noqa: E402
+    check_new_directory,
+    hf_config,
+    load_gguf,
+    meta_to_hf_state_dict,
+    write_directory,
+)
 from model import ConfigError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,9 +48,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = tor
 
     from tokenizer import gguf_tokenizer
 
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} exists and is not an empty directory")
+    out = check_new_directory(out_dir)
     args, sd = load_gguf(gguf_path, dtype)
     config = hf_config(args, dtype)
     tok = gguf_tokenizer(gguf_path)

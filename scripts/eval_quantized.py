@@ -230,9 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    for meth in dict.fromkeys(args.methods)
                    for b in ([None] if meth in UNBUDGETED else dict.fromkeys(args.budgets))]
         configs = list(dict.fromkeys([("full", None), *configs]))
-        runs = [("float", None, "float")] + list(dict.fromkeys(
-            (mode, g, classifier_mode(mode, c) or "float") for mode, g in variants
-            for c in args.classifier))
+        # one run per distinct classifier storage: {(mode, g, storage): --classifier choice}
+        runs = {("float", None, "float"): None}
+        for mode, g in variants:
+            for c in args.classifier:
+                runs.setdefault((mode, g, classifier_mode(mode, c) or "float"), c)
         bar = None
         if not args.no_progress:
             from tqdm import tqdm
@@ -240,13 +242,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             bar = tqdm(total=len(runs) * len(prompts) * len(configs), desc="eval_quantized",
                        file=sys.stderr)
         rows, reference = [], None
-        for mode, g, classifier in runs:
+        for (mode, g, classifier), choice in runs.items():
             if mode == "float":
                 model = float_model
             else:
-                model = quantize_model(copy.deepcopy(float_model), mode, g,
-                                       classifier="float" if classifier == "float" else
-                                       "int8" if classifier == "int8" else "same")
+                model = quantize_model(copy.deepcopy(float_model), mode, g, classifier=choice)
             vrows, reference = run_variant(model, prompts, configs, m, reference, bar)
             name = mode if g is None else f"{mode}-g{g}"
             for r in vrows:
