@@ -42,7 +42,8 @@ from model import ConfigError, ModelArgs, Transformer
 from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
 METHOD_OPTIONS = ("kernel_size", "pooling", "window", "page_size", "rocket_split",
-                  "sparq_reallocate", "skip_layers")
+                  "sparq_reallocate", "sink_size", "heavy_ratio", "duo_patterns",
+                  "duo_threshold", "skip_layers")
 SPREAD_WARN = 4.0  # p90/p10 of decode steps above which the report warns of contention
 WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -264,6 +265,9 @@ class PrefilledPrompt:
         k, v: per layer (B, H_kv, T, D), keys rotated at positions 0..T-1.
         q_obs: per layer (B, H, w, D), the last w = min(obs_window, T) queries (rotated).
         prefill_s: wall time of the prefill (seconds).
+        attention_sums: per layer (B, H_kv, T) float32 column sums of every prompt query's
+            attention (``kv_cache.attention_column_sums``), recorded when asked for (H2O
+            needs them); None otherwise.
     """
 
     tokens: Tensor
@@ -273,12 +277,15 @@ class PrefilledPrompt:
     q_obs: list[Tensor]
     prefill_s: float
     obs_window: int = 64
+    attention_sums: list[Tensor] | None = None
 
 
 def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]],
-                 obs_window: int = 64) -> PrefilledPrompt:
+                 obs_window: int = 64, attention_sums: bool = False) -> PrefilledPrompt:
     """Prefill ``prompt`` ((T,) or (B, T) ids) recording every layer's K/V and last
-    ``obs_window`` queries (at least the largest observation window of the methods to build).
+    ``obs_window`` queries (at least the largest observation window of the methods to build),
+    and with ``attention_sums`` the column sums of the prompt's attention (for methods whose
+    caches say ``needs_attention_sums``, e.g. H2O; about doubles the prefill's attention work).
 
     Raises:
         ConfigError: an empty prompt or one that fills the model's context.
@@ -287,7 +294,7 @@ def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[S
     prompt = _as_prompt(model, prompt)
     B, T = prompt.shape
     recorders = [PromptRecorder(i, model.args, B, model.tok_embeddings.weight.dtype, device,
-                                obs_window) for i in range(model.args.n_layers)]
+                                obs_window, attention_sums) for i in range(model.args.n_layers)]
     for layer in model.layers:
         layer.attention.kv_cache = None
     model._cache_spec = model._conversation = None
@@ -300,7 +307,8 @@ def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[S
     for layer in model.layers:
         layer.attention.kv_cache = None
     return PrefilledPrompt(prompt, logits, [r.k for r in recorders], [r.v for r in recorders],
-                           [r.q_obs for r in recorders], prefill_s, obs_window)
+                           [r.q_obs for r in recorders], prefill_s, obs_window,
+                           [r.sums for r in recorders] if attention_sums else None)
 
 
 def extend_prefilled(model: Transformer, pre: PrefilledPrompt,
@@ -323,8 +331,9 @@ def extend_prefilled(model: Transformer, pre: PrefilledPrompt,
     recorders = []
     for i in range(model.args.n_layers):
         r = PromptRecorder(i, model.args, B, model.tok_embeddings.weight.dtype, device,
-                           pre.obs_window)
+                           pre.obs_window, pre.attention_sums is not None)
         r.k, r.v, r.q_obs = pre.k[i], pre.v[i], pre.q_obs[i]
+        r.sums = None if pre.attention_sums is None else pre.attention_sums[i]
         recorders.append(r)
     for layer in model.layers:
         layer.attention.kv_cache = None
@@ -339,7 +348,8 @@ def extend_prefilled(model: Transformer, pre: PrefilledPrompt,
     return PrefilledPrompt(torch.cat([pre.tokens, chunk], dim=1), logits,
                            [r.k for r in recorders], [r.v for r in recorders],
                            [r.q_obs for r in recorders],
-                           pre.prefill_s + time.perf_counter() - t0, pre.obs_window)
+                           pre.prefill_s + time.perf_counter() - t0, pre.obs_window,
+                           None if pre.attention_sums is None else [r.sums for r in recorders])
 
 
 def _store_prefilled(model: Transformer, pre: PrefilledPrompt) -> Tensor:
@@ -348,6 +358,13 @@ def _store_prefilled(model: Transformer, pre: PrefilledPrompt) -> Tensor:
         if not cache.shared_prefill:
             raise ConfigError(f"{type(cache).__name__} prefills in its own way; it cannot be "
                               "built from a shared prefill")
+        if cache.needs_attention_sums:
+            if pre.attention_sums is None:
+                raise ConfigError(f"{type(cache).__name__} evicts on the prompt's accumulated "
+                                  "attention: prefill_once(..., attention_sums=True) must "
+                                  "record it")
+            cache.store_scored_prompt(pre.k[i], pre.v[i], pre.attention_sums[i])
+            continue
         q_obs = pre.q_obs[i]
         if cache.obs_window > q_obs.shape[2] and q_obs.shape[2] < pre.tokens.shape[1]:
             raise ConfigError(f"the method's observation window ({cache.obs_window} tokens) "
@@ -723,6 +740,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RocketKV budget split between stages (default sqrt: paper v1)")
     m.add_argument("--sparq-reallocate", action="store_true",
                    help="sparq: mix in the mean value by the unselected probability mass")
+    m.add_argument("--sink-size", type=int,
+                   help="streamingllm: attention sinks kept (default 4)")
+    m.add_argument("--heavy-ratio", type=float,
+                   help="h2o: share of the budget for heavy hitters (default 0.5)")
+    m.add_argument("--duo-patterns", metavar="PATH",
+                   help="duoattention: head gates, a TSV (layers x KV heads) or a directory "
+                        "with full_attention_heads.tsv; needed above a 640-token budget")
+    m.add_argument("--duo-threshold", type=float,
+                   help="duoattention: gates above this retrieve (the pattern's own split, "
+                        "DuoAttention deploys 0.5); default: the budget sets the share")
     m.add_argument("--skip-layers", type=int,
                    help="leave the first N layers uncompressed (the paper: 2 for LongChat)")
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -87,6 +87,37 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
 MASK_ELEMENTS = 1 << 26  # bound on (rows x keys x heads) per fallback block in causal_attention
 
 
+def attention_column_sums(q: Tensor, k: Tensor, start: int = 0) -> Tensor:
+    """Accumulated attention of a block of prompt queries on each key (H2O's scores).
+
+    Args:
+        q: (B, H, Tq, D) queries at positions ``start .. start + Tq - 1``.
+        k: (B, H_kv, start + Tq, D) keys at positions ``0 .. start + Tq - 1``.
+    Returns:
+        (B, H_kv, start + Tq) float32: for each key, the sum over the block's queries and the
+        group's query heads of their causal softmax weights on it. Computed one KV head and a
+        few query rows at a time (at most ``MASK_ELEMENTS`` scores at once), never T x T.
+    """
+    B, H, Tq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if S != start + Tq:
+        raise ValueError(f"{Tq} queries from position {start} need {start + Tq} keys, got {S}")
+    G = H // Hkv
+    out = torch.zeros(B, Hkv, S, dtype=torch.float32, device=q.device)
+    rows = max(1, MASK_ELEMENTS // (S * G * B))
+    keys = torch.arange(S, device=q.device)
+    # meta tensors (scripts/predict_memory.py) carry shapes only: one block shows the peak
+    blocks = range(0, min(Tq, rows) if q.device.type == "meta" else Tq, rows)
+    for h in range(1 if q.device.type == "meta" else Hkv):
+        kt = k[:, h, None].transpose(-1, -2)  # (B, 1, D, S)
+        for r in blocks:
+            e = min(r + rows, Tq)
+            s = torch.matmul(q[:, h * G:(h + 1) * G, r:e], kt).float() * (1.0 / math.sqrt(D))
+            future = keys > torch.arange(start + r, start + e, device=q.device)[:, None]
+            out[:, h] += s.masked_fill_(future, float("-inf")).softmax(dim=-1).sum(dim=(1, 2))
+    return out
+
+
 def _flash_available(q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> bool:
     """Whether SDPA's flash kernel takes these inputs (CUDA only; meta tensors, which carry
     shapes only, follow the CUDA path for ``scripts/predict_memory.py``)."""
@@ -198,6 +229,10 @@ class KVCache(nn.Module):
             ValueError: the chunk does not fit in the cache's capacity.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot append a prompt chunk")
+
+    needs_attention_sums = False  # True: eviction needs the column sums of every prompt
+    # query's attention (H2O); a shared prefill must record them and hand them to
+    # ``store_scored_prompt(k, v, sums)`` instead of calling ``store_prompt``
 
     shared_prefill = True  # prefill attends to the whole uncompressed prompt, so every such
     # method's caches may be built from one prefill's K/V (``generate.prefill_once``)
@@ -509,17 +544,27 @@ class PromptRecorder(KVCache):
     (``generate.prefill_once``). It cannot decode.
 
     Attributes after prefill: ``k``, ``v`` (B, H_kv, T, D) and ``q_obs`` (B, H, w, D),
-    w = min(obs_window, T), in the model's dtype.
+    w = min(obs_window, T), in the model's dtype; with ``attention_sums``, ``sums``
+    (B, H_kv, T) float32, the column sums of every prompt query's attention
+    (``attention_column_sums``, what H2O's eviction needs), else None.
     """
 
     def __init__(self, layer_idx: int, args: ModelArgs, batch_size: int, dtype: torch.dtype,
-                 device, obs_window: int):
+                 device, obs_window: int, attention_sums: bool = False):
         super().__init__(layer_idx, args, batch_size, dtype, device)
         self.obs_window = obs_window
-        self.k = self.v = self.q_obs = None
+        self.record_sums = attention_sums
+        self.k = self.v = self.q_obs = self.sums = None
 
     def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
         self.k, self.v, self.q_obs = k, v, q_obs
+        if self.record_sums:
+            self.sums = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)
+
+    def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        if self.record_sums:
+            self.sums[..., :start + q.shape[2]] += attention_column_sums(q, k, start)
+        return causal_attention(q, k, v, start)
 
     def append(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """Record a chunk after the recorded prompt (exact causal attention over both), as if
@@ -528,6 +573,9 @@ class PromptRecorder(KVCache):
             raise ValueError(f"the recorded prompt has {self.k.shape[2]} tokens, not {start}")
         self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.q_obs = torch.cat([self.q_obs, q], dim=2)[:, :, -self.obs_window:]
+        if self.record_sums:
+            self.sums = torch.cat([self.sums, self.sums.new_zeros(k.shape[:3])], dim=2) + \
+                attention_column_sums(q, self.k, start)
         return causal_attention(q, self.k, self.v, start)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:

@@ -24,6 +24,13 @@ hybrid          c = C / t, page_size = min(floor(c), ceil(sqrt(c))),
 rocketkv        c = T / t; stage 1 SnapKV++ keeps T / sqrt(c) prompt tokens (``sqrt`` split,
                 paper v1) or T / c^alpha with alpha = min(0.2 + 0.06 log2 c, 0.8)
                 (``adaptive``), kernel as snapkv_pp; stage 2 hybrid on the kept tokens + m
+streamingllm    capacity t: sink = 4 (--sink-size) + recent window t - sink (ring buffer)
+h2o             capacity t: heavy = int(t * 0.5) (--heavy-ratio) heavy hitters + recent t - heavy
+duoattention    t > 640: streaming heads keep 128 sinks + 512 recent, retrieval heads all C;
+                the int(N (t - 640) / (C - 640)) KV heads (N over the model) with the largest
+                gates retrieve (--duo-threshold: gates above it instead); t <= 640: every head
+                streams, sink 128 if t > 256 else int(0.2 t), recent t - sink
+                (``eviction.duo_split``; RocketKV App. A.3)
 ==============  ==============================================================================
 
 Quest, SparQ, hybrid and RocketKV report ``traffic_tokens`` (KV pairs read per step per layer
@@ -47,6 +54,16 @@ from typing import Any
 
 import torch
 
+from compression.eviction import (
+    H2O_HEAVY_RATIO,
+    STREAMING_SINK,
+    H2OCache,
+    SinkRecentCache,
+    duo_retrieval_heads,
+    duo_split,
+    duo_traffic,
+    load_duo_pattern,
+)
 from compression.snapkv import (
     SNAPKV_KERNEL,
     WINDOW,
@@ -176,6 +193,25 @@ def derive(method: str, t: int, T: int, m: int, args: ModelArgs,
                  kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args, T))
         p.update(hybrid_split(keep + m, t, d))
         _report_overshoot(p, t)
+    elif method == "streamingllm":
+        sink = STREAMING_SINK if options.get("sink_size") is None else options["sink_size"]
+        if t <= sink:
+            raise BudgetError(f"no room for a recent window beside {sink} sink tokens")
+        p.update(sink=sink, recent=t - sink, capacity=t, traffic_tokens=float(t))
+    elif method == "h2o":
+        ratio = options.get("heavy_ratio") or H2O_HEAVY_RATIO
+        heavy = int(t * ratio)
+        if heavy < 1 or t - heavy < 1:
+            raise BudgetError(f"{heavy} heavy hitters and {t - heavy} recent tokens (each "
+                              "needs at least one)")
+        p.update(heavy=heavy, recent=t - heavy, heavy_ratio=ratio, capacity=t,
+                 traffic_tokens=float(t))
+    elif method == "duoattention":
+        N = args.n_layers * args.n_kv_heads
+        p.update(duo_split(t, cap, N, options.get("duo_threshold")))
+        if p["retrieval_heads"] is not None:
+            p["traffic_tokens"] = duo_traffic(p["retrieval_heads"], N, cap, p["sink"],
+                                              p["recent"])
     else:
         raise ConfigError(f"unknown method {method!r}")
     return p
@@ -220,7 +256,11 @@ OPTIONS_BY_METHOD: dict[str, tuple[str, ...]] = {
     "snapkv_pp": ("kernel_size", "window"), "quest": ("page_size",),
     "sparq": ("sparq_reallocate",), "hybrid": (),
     "rocketkv": ("kernel_size", "window", "rocket_split"),
+    "streamingllm": ("sink_size",), "h2o": ("heavy_ratio",),
+    "duoattention": ("duo_patterns", "duo_threshold"),
 }
+
+NEEDS_ATTENTION_SUMS = ("h2o",)  # methods whose caches need prefill_once(attention_sums=True)
 
 
 def check_options(method: str, options: dict[str, Any]) -> None:
@@ -258,6 +298,11 @@ def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if options.get("kernel_size") is not None and options["kernel_size"] % 2 == 0:
         raise ConfigError("--kernel-size must be odd (pooling keeps the sequence length)")
+    if options.get("sink_size") is not None and options["sink_size"] < 0:
+        raise ConfigError(f"--sink-size must not be negative, got {options['sink_size']}")
+    if options.get("heavy_ratio") is not None and not 0 < options["heavy_ratio"] < 1:
+        raise ConfigError(f"--heavy-ratio must lie strictly between 0 and 1, got "
+                          f"{options['heavy_ratio']}")
 
     def full(i: int, note: str) -> FullKVCache:
         return FullKVCache(i, args, batch_size, dtype, device, T + m,
@@ -276,18 +321,61 @@ def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
         raise ConfigError(f"{method}: budget {budget} is too small: {e}; {hint} (prompt {T} "
                           f"tokens, max_new_tokens {m})") from None
     p.update(method=method, skip_layers=skip_layers, compressed=True)
+    heads = [[] for _ in range(args.n_layers)]  # DuoAttention's retrieval heads per layer
+    if method == "duoattention":
+        heads = _duo_heads(p, args, T + m, budget, options)
     caches: list[KVCache] = []
     for i in range(args.n_layers):
         if i < skip_layers:
             caches.append(full(i, "layer skipped (--skip-layers)"))
             continue
+        params = {k: v for k, v in p.items() if k not in ("evict", "dense", "needs_pattern")}
+        if method in ("streamingllm", "duoattention"):
+            caches.append(SinkRecentCache(
+                i, args, batch_size, dtype, device, prompt_len=T, max_new_tokens=m,
+                sink=p["sink"], recent=p["recent"], retrieval_heads=heads[i],
+                params={**params, "layer_retrieval_heads": heads[i]}))
+            continue
+        if method == "h2o":
+            caches.append(H2OCache(i, args, batch_size, dtype, device, prompt_len=T,
+                                   max_new_tokens=m, heavy=p["heavy"], recent=p["recent"],
+                                   params=params))
+            continue
         caches.append(CompressedKVCache(
             i, args, batch_size, dtype, device, prompt_len=T,
             prompt_capacity=p.get("keep", T), max_new_tokens=m, selector=_selector(method, p),
             evict=_evictor(method, p), per_head=method == "snapkv" and bool(p.get("evict")),
-            obs_window=p.get("window", 0),
-            params={k: v for k, v in p.items() if k not in ("evict", "dense")}))
+            obs_window=p.get("window", 0), params=params))
     return caches
+
+
+def _duo_heads(p: dict[str, Any], args: ModelArgs, capacity: int, t: int,
+               options: dict[str, Any]) -> list[list[int]]:
+    """DuoAttention's retrieval KV heads per layer from ``--duo-patterns``; completes ``p``
+    (``retrieval_heads``, ``traffic_tokens``, ``budget_overshoot`` when over t).
+
+    Raises:
+        ConfigError: the budget needs retrieval heads and no pattern was given, or a bad
+            pattern file (``load_duo_pattern``).
+    """
+    path = options.get("duo_patterns")
+    if not p["needs_pattern"]:
+        if path is not None:
+            p["note"] = f"--duo-patterns unused: at budget {t} every head streams"
+        return [[] for _ in range(args.n_layers)]
+    if path is None:
+        raise ConfigError(f"duoattention at budget {t} (above {p['sink'] + p['recent']} "
+                          f"tokens) keeps {p['retrieval_heads']} retrieval heads and needs "
+                          "their gates: --duo-patterns PATH (a TSV of layers x KV heads; "
+                          "scripts/duo_identify.py makes one for any model)")
+    gates = load_duo_pattern(path, args)
+    heads = duo_retrieval_heads(gates, p["retrieval_heads"], options.get("duo_threshold"))
+    n_ret = sum(len(h) for h in heads)
+    N = args.n_layers * args.n_kv_heads
+    p.update(retrieval_heads=n_ret, retrieval_share=n_ret / N, duo_patterns=str(path),
+             traffic_tokens=duo_traffic(n_ret, N, capacity, p["sink"], p["recent"]))
+    _report_overshoot(p, t)
+    return heads
 
 
 # method name -> (one-line description for --help, factory building one cache per layer)
@@ -331,6 +419,10 @@ _DESCRIPTIONS = {
     "sparq": "SparQ: top-r query dims approximate scores, top-k exact attention (t/2 + t/2)",
     "hybrid": "hybrid attention (RocketKV Alg. 2) on the full cache (t/2 + t/2)",
     "rocketkv": "RocketKV: SnapKV++ at prefill, then hybrid attention at every decode step",
+    "streamingllm": "StreamingLLM: attention sinks + a recent window (ring buffer), budget t",
+    "h2o": "H2O: heavy hitters (accumulated attention) + recent tokens, evicting every step",
+    "duoattention": "DuoAttention: retrieval heads keep everything, streaming heads sinks + "
+                    "recent (--duo-patterns)",
 }
 
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
-from compression import METHODS, UNBUDGETED  # noqa: E402
+from compression import METHODS, OPTIONS_BY_METHOD, UNBUDGETED  # noqa: E402
 from generate import DTYPES, OneLineParser, _resolve_device, device_name, generate, write_json  # noqa: E402
 from model import CONFIGS, ConfigError  # noqa: E402
 
@@ -116,8 +116,10 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
     prompt = torch.randint(0, model.args.vocab_size, (batch, context), generator=gen)
     best = None
     for _ in range(args.repeats):
+        opts = {k: v for k, v in vars(args).items()  # the options this method reads
+                if k in OPTIONS_BY_METHOD.get(method, ()) and v is not None}
         r = generate(model, prompt, method=method, budget=budget,
-                     max_new_tokens=args.new_tokens, compile=args.compile)
+                     max_new_tokens=args.new_tokens, compile=args.compile, method_options=opts)
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
     step_bytes = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]
@@ -338,6 +340,11 @@ def main(argv=None) -> int:
     p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
     p.add_argument("--out", default="results", help="results root (default results/)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--duo-patterns", metavar="PATH",
+                   help="duoattention head gates, needed above a 640-token budget (e.g. "
+                        "../shared/data/duo_attention_patterns/Meta-Llama-3.1-8B-Instruct)")
+    p.add_argument("--sink-size", type=int, help="streamingllm sinks (default 4)")
+    p.add_argument("--heavy-ratio", type=float, help="h2o heavy-hitter share (default 0.5)")
     p.add_argument("--time-limit", type=float, metavar="S",
                    help="start no configuration after S seconds (the rest are listed as "
                         "skipped); results are saved after every configuration anyway")

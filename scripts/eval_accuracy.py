@@ -89,7 +89,10 @@ Numbers, per (T, method, budget), each over the N prompts of that T:
   positions an evicting cache kept are recomputed from the shared prefill with the cache's own
   ``evict`` function (the call ``_store_prefilled`` made; the probe checks that the gathered
   keys equal the stored ones). SnapKV and SnapKV++ therefore score the tokens they kept, read
-  densely: the exact attention mass over those tokens.
+  densely: the exact attention mass over those tokens. Caches that evict inside a fixed
+  capacity (StreamingLLM, H2O, DuoAttention: no selector) say which positions a step read
+  (``read_positions``, called after the wrapped ``decode``); the generated positions' keys are
+  the ones those decode calls received.
 * ``kv_cache_bytes``: ``allocated_bytes()`` summed over layers (K/V and auxiliary buffers,
   e.g. page min/max keys); ``kv_bytes_per_step``: ``bytes_read_per_step()`` summed over layers
   (one decode step's K/V and approximation traffic, batch 1). Both are static per configuration.
@@ -130,7 +133,7 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
-from compression import METHODS, UNBUDGETED, build_caches  # noqa: E402
+from compression import METHODS, NEEDS_ATTENTION_SUMS, UNBUDGETED, build_caches  # noqa: E402
 from compression.sparse import (  # noqa: E402
     ExactTopK,
     Hybrid,
@@ -449,6 +452,8 @@ class RecallProbe:
         for layer, cache in enumerate(model.caches):
             if isinstance(cache, CompressedKVCache):
                 self._wrap_selector(layer, cache)
+            elif hasattr(cache, "read_positions"):
+                self._wrap_positions(layer, cache)
             else:
                 self._wrap_dense(layer, cache)
 
@@ -505,6 +510,32 @@ class RecallProbe:
 
         selector.attend = attend
         self._undo.append(lambda: delattr(selector, "attend"))
+
+    def _wrap_positions(self, layer: int, cache: KVCache) -> None:
+        """A cache evicting within a fixed capacity: the positions it read, from
+        ``read_positions``, against the exact attention over every position so far."""
+        original = cache.decode
+        k_prompt = self.pre.k[layer]
+        T = k_prompt.shape[2]
+        generated: list[Tensor] = []
+
+        def decode(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+            out = original(q, k, v, input_pos)
+            generated.append(k.clone())
+            p = int(input_pos[0])
+            if p != T + len(generated) - 1:
+                raise RuntimeError(f"layer {layer}: the probe expects consecutive decode steps "
+                                   f"from position {T}, got {p}")
+            pos = cache.read_positions(p)  # (B, H_kv, n), -1 padding
+            hits = torch.zeros(*pos.shape[:2], p + 1, dtype=torch.int32, device=pos.device)
+            hits.scatter_add_(-1, pos.clamp(min=0), (pos >= 0).to(torch.int32))
+            sel = (hits > 0)[:, :, None]  # (B, H_kv, 1, p + 1)
+            probs = _exact_probs(q, k_prompt, torch.cat(generated, dim=2))
+            self.records.append((layer, *selection_masses(probs, sel)))
+            return out
+
+        cache.decode = decode
+        self._undo.append(lambda: delattr(cache, "decode"))
 
     def _wrap_dense(self, layer: int, cache: KVCache) -> None:
         original = cache.decode
@@ -575,7 +606,8 @@ def evaluate_prompt(model: Transformer, prompt: Prompt, configs: Sequence[tuple[
     (the greedy run's ``generate`` report), "probe" (when keep_raw)}}}. A configuration whose
     budget the method rejects is added to ``errors`` (and skipped when already there).
     """
-    pre = prefill_once(model, prompt.prompt, obs_window=PREFILL_OBS_WINDOW)
+    pre = prefill_once(model, prompt.prompt, obs_window=PREFILL_OBS_WINDOW,
+                       attention_sums=any(m in NEEDS_ATTENTION_SUMS for m, _ in configs))
     first = pre.logits
     ref_report = greedy_continuation(model, "full", None, prompt.prompt, m, pre)
     ref = ref_report["token_ids"][0]

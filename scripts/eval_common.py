@@ -42,7 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from compression import METHODS, OPTIONS_BY_METHOD, UNBUDGETED  # noqa: E402
+from compression import (  # noqa: E402
+    METHODS,
+    NEEDS_ATTENTION_SUMS,
+    OPTIONS_BY_METHOD,
+    UNBUDGETED,
+)
 from generate import (  # noqa: E402
     METHOD_OPTIONS,
     _resolve_device,
@@ -180,7 +185,8 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     question = torch.tensor([it.question_ids for it in items])
     stop = tuple(sorted(set(tok.chat_stop_ids)))
     model.prefill_chunk_size = max(model.prefill_chunk_size, doc.shape[1] + question.shape[1])
-    pre_doc = prefill_once(model, doc, obs_window=max(64, options.get("window") or 0))
+    pre_doc = prefill_once(model, doc, obs_window=max(64, options.get("window") or 0),
+                           attention_sums=any(m in NEEDS_ATTENTION_SUMS for m, _ in configs))
     out: dict[str, dict[tuple[str, Any], Any]] = {}
     for mode in modes:
         qa = mode == "question_agnostic"
@@ -339,6 +345,11 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
     m.add_argument("--window", type=int)
     m.add_argument("--page-size", type=int)
     m.add_argument("--rocket-split", choices=["sqrt", "adaptive"])
+    m.add_argument("--sink-size", type=int, help="streamingllm sinks (default 4)")
+    m.add_argument("--heavy-ratio", type=float, help="h2o heavy-hitter share (default 0.5)")
+    m.add_argument("--duo-patterns", metavar="PATH",
+                   help="duoattention head gates (needed above a 640-token budget)")
+    m.add_argument("--duo-threshold", type=float, help="duoattention: gates above it retrieve")
 
 
 def method_options(args: argparse.Namespace) -> dict[str, Any]:

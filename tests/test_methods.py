@@ -14,7 +14,8 @@ from kv_cache import CompressedKVCache, FullKVCache
 from model import CONFIGS, ConfigError, ModelArgs
 from tokenizer import load_tokenizer
 
-COMPRESSED = ["exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid", "rocketkv"]
+COMPRESSED = ["exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid", "rocketkv",
+              "streamingllm", "h2o", "duoattention"]
 LLAMA = ModelArgs.from_name("llama-3.1-8b")
 
 
@@ -357,7 +358,8 @@ def full_first_token(smollm2_model, essay_question):
     return generate(smollm2_model, essay_question[0], max_new_tokens=1)["token_ids"][0][0]
 
 
-@pytest.mark.parametrize("method", ["full", "gptfast_dense", *COMPRESSED])
+# the eviction baselines run on SmolLM2 at 128-1024 in test_eviction.py (one shared prefill)
+@pytest.mark.parametrize("method", ["full", "gptfast_dense", *COMPRESSED[:7]])
 def test_every_method_on_smollm2_with_a_2k_token_prompt(smollm2_model, essay_question,
                                                         full_first_token, two_threads, method):
     ids, tok = essay_question
