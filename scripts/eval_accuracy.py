@@ -515,13 +515,16 @@ class RecallProbe:
         """A cache evicting within a fixed capacity: the positions it read, from
         ``read_positions``, against the exact attention over every position so far."""
         original = cache.decode
-        k_prompt = self.pre.k[layer]
+        k_prompt, v_prompt = self.pre.k[layer], self.pre.v[layer]
         T = k_prompt.shape[2]
         generated: list[Tensor] = []
+        values: list[Tensor] = []
 
         def decode(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
             out = original(q, k, v, input_pos)
             generated.append(k.clone())
+            if self.keep_raw:
+                values.append(v.clone())
             p = int(input_pos[0])
             if p != T + len(generated) - 1:
                 raise RuntimeError(f"layer {layer}: the probe expects consecutive decode steps "
@@ -530,8 +533,14 @@ class RecallProbe:
             hits = torch.zeros(*pos.shape[:2], p + 1, dtype=torch.int32, device=pos.device)
             hits.scatter_add_(-1, pos.clamp(min=0), (pos >= 0).to(torch.int32))
             sel = (hits > 0)[:, :, None]  # (B, H_kv, 1, p + 1)
-            probs = _exact_probs(q, k_prompt, torch.cat(generated, dim=2))
+            k_gen = torch.cat(generated, dim=2)
+            probs = _exact_probs(q, k_prompt, k_gen)
             self.records.append((layer, *selection_masses(probs, sel)))
+            if self.keep_raw:
+                self.raw.append({
+                    "layer": layer, "q": q.clone(), "selected": sel, "out": out,
+                    "k": torch.cat([k_prompt, k_gen], dim=2),
+                    "v": torch.cat([v_prompt, *values], dim=2), "record": self.records[-1]})
             return out
 
         cache.decode = decode

@@ -353,8 +353,8 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
 
 
 def method_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in METHOD_OPTIONS
-            if getattr(args, k, None) not in (None, False)}
+    return {k: getattr(args, k) for k in METHOD_OPTIONS  # 0 is a value (--sink-size 0)
+            if getattr(args, k, None) is not None and getattr(args, k, None) is not False}
 
 
 def check_common(args: argparse.Namespace) -> None:
