@@ -334,7 +334,8 @@ def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
             caches.append(SinkRecentCache(
                 i, args, batch_size, dtype, device, prompt_len=T, max_new_tokens=m,
                 sink=p["sink"], recent=p["recent"], retrieval_heads=heads[i],
-                params={**params, "layer_retrieval_heads": heads[i]}))
+                params={**params, "layer_retrieval_heads": heads[i]}
+                if method == "duoattention" else params))
             continue
         if method == "h2o":
             caches.append(H2OCache(i, args, batch_size, dtype, device, prompt_len=T,

@@ -331,6 +331,26 @@ def test_duo_caches_have_per_head_capacities_and_attend_like_the_references(tmp_
         (2 * 803 + 2 * 640) / 4 / 700)
 
 
+def test_mixed_head_layers_compile_once_and_equal_eager(tmp_path):
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    args = tiny_args(H=4, Hkv=2, D=16, layers=3, max_seq_len=1024)
+    model = Transformer(args)
+    # 6 KV heads, (700 - 640) / (760 - 640) of them -> 3 retrieval heads: 2, 1 and 0 per layer
+    pattern = write_tsv(tmp_path / "p.tsv", [[0.9, 0.8], [0.1, 0.7], [0.2, 0.3]])
+    prompt = torch.randint(0, args.vocab_size, (1, 750))
+    kw = dict(method="duoattention", budget=700, max_new_tokens=10,
+              method_options={"duo_patterns": str(pattern)})
+    eager = generate(model, prompt, **kw)
+    assert [(c.n_retrieval, c.n_streaming) for c in model.caches] == [(2, 0), (1, 1), (0, 2)]
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = generate(model, prompt, compile=True, compile_backend=counter, **kw)
+    assert counter.frame_count == 1  # fullgraph: a graph break would raise
+    assert compiled["token_ids"] == eager["token_ids"]
+
+
 def test_cli_errors_for_the_new_options(tmp_path, capsys):
     base = ["--checkpoint", "random:stories260K", "--prompt-tokens", "200",
             "--max-new-tokens", "4", "--no-stream"]
