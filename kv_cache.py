@@ -87,23 +87,27 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
 MASK_ELEMENTS = 1 << 26  # bound on (rows x keys x heads) per fallback block in causal_attention
 
 
-def attention_column_sums(q: Tensor, k: Tensor, start: int = 0) -> Tensor:
-    """Accumulated attention of a block of prompt queries on each key (H2O's scores).
+def attention_column_sums(q: Tensor, k: Tensor, start: int = 0,
+                          per_query_head: bool = False) -> Tensor:
+    """Accumulated attention of a block of prompt queries on each key (H2O's scores; SnapKV's
+    observation-window votes with ``per_query_head``).
 
     Args:
         q: (B, H, Tq, D) queries at positions ``start .. start + Tq - 1``.
         k: (B, H_kv, start + Tq, D) keys at positions ``0 .. start + Tq - 1``.
+        per_query_head: keep one sum per query head instead of summing over the group.
     Returns:
-        (B, H_kv, start + Tq) float32: for each key, the sum over the block's queries and the
-        group's query heads of their causal softmax weights on it. Computed one KV head and a
-        few query rows at a time (at most ``MASK_ELEMENTS`` scores at once), never T x T.
+        (B, H_kv, start + Tq) float32 (or (B, H, start + Tq) with ``per_query_head``): for each
+        key, the sum over the block's queries (and the group's query heads) of their causal
+        softmax weights on it. Computed one KV head and a few query rows at a time (at most
+        ``MASK_ELEMENTS`` scores at once), never T x T.
     """
     B, H, Tq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if S != start + Tq:
         raise ValueError(f"{Tq} queries from position {start} need {start + Tq} keys, got {S}")
     G = H // Hkv
-    out = torch.zeros(B, Hkv, S, dtype=torch.float32, device=q.device)
+    out = torch.zeros(B, Hkv, G, S, dtype=torch.float32, device=q.device)
     rows = max(1, MASK_ELEMENTS // (S * G * B))
     keys = torch.arange(S, device=q.device)
     # meta tensors (scripts/predict_memory.py) carry shapes only: one block shows the peak
@@ -112,10 +116,10 @@ def attention_column_sums(q: Tensor, k: Tensor, start: int = 0) -> Tensor:
         kt = k[:, h, None].transpose(-1, -2)  # (B, 1, D, S)
         for r in blocks:
             e = min(r + rows, Tq)
-            s = torch.matmul(q[:, h * G:(h + 1) * G, r:e], kt).float() * (1.0 / math.sqrt(D))
+            s = torch.matmul(q[:, h * G:(h + 1) * G, r:e], kt).float() / math.sqrt(D)
             future = keys > torch.arange(start + r, start + e, device=q.device)[:, None]
-            out[:, h] += s.masked_fill_(future, float("-inf")).softmax(dim=-1).sum(dim=(1, 2))
-    return out
+            out[:, h] += s.masked_fill_(future, float("-inf")).softmax(dim=-1).sum(dim=2)
+    return out.view(B, H, S) if per_query_head else out.sum(dim=2)
 
 
 def _flash_available(q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> bool:

@@ -25,12 +25,11 @@ GQA models divides it by the group size, because each query head keeps its own t
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kv_cache import attention_column_sums
 from model import ModelArgs
 
 WINDOW = 32  # observation window (tokens), both methods
@@ -47,23 +46,13 @@ def window_votes(q: Tensor, k: Tensor, window: int) -> Tensor:
         k: (B, H_kv, T, D) the prompt's keys (RoPE applied), T > window.
     Returns:
         (B, H, T - window) float32: per query head, sum over window queries i of
-        softmax_j(q_i . k_j / sqrt(D)) (causal over the whole prompt) at prefix keys j.
-        Scores are computed one KV head at a time, so the float32 transient is
-        (B, G * window, T) (64 MiB at 128K tokens, G = 4, window 32), not H_kv times that.
+        softmax_j(q_i . k_j / sqrt(D)) (causal over the whole prompt) at prefix keys j
+        (``kv_cache.attention_column_sums`` per query head: scores one KV head at a time, so
+        the float32 transient is (B, G * window, T), 64 MiB at 128K tokens, G = 4, window 32).
     """
-    B, H, _, D = q.shape
-    Hkv, T = k.shape[1], k.shape[2]
-    G = H // Hkv
-    q_obs = q[:, :, -window:].reshape(B, Hkv, G * window, D)
-    # window query i sits at position T - window + i and sees keys j <= that position
-    future = torch.arange(T, device=q.device)[None, :] > \
-        torch.arange(T - window, T, device=q.device)[:, None]  # (w, T)
-    votes = torch.empty(B, Hkv, G, T - window, dtype=torch.float32, device=q.device)
-    for h in range(Hkv):
-        scores = torch.matmul(q_obs[:, h], k[:, h].transpose(-1, -2)).float() / math.sqrt(D)
-        scores = scores.view(B, G, window, T).masked_fill_(future, float("-inf"))
-        votes[:, h] = scores.softmax(dim=-1)[..., :T - window].sum(dim=-2)  # (B, G, T-w)
-    return votes.reshape(B, H, T - window)
+    T = k.shape[2]
+    votes = attention_column_sums(q[:, :, -window:], k, T - window, per_query_head=True)
+    return votes[..., :T - window]
 
 
 def pool_votes(votes: Tensor, kernel: int, kind: str) -> Tensor:
