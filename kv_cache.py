@@ -145,13 +145,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tenso
         (B, H, Tq, D) in the dtype of v. Scores and softmax in float32.
     """
     B, H, Tq, D = q.shape
+    probs = attention_probs(q, k, mask).to(v.dtype)  # (B, H_kv, G*Tq, S)
+    return torch.matmul(probs, v).reshape(B, H, Tq, D)
+
+
+def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Softmax weights of ``attend``: (B, H_kv, G * Tq, S) float32, rows ordered query head
+    within the group, then query token (q (B, H, Tq, D), k (B, H_kv, S, D), ``mask`` as in
+    ``attend``). Methods that accumulate attention (H2O) read them."""
+    B, H, Tq, D = q.shape
     Hkv = k.shape[1]
     qg = q.reshape(B, Hkv, (H // Hkv) * Tq, D)  # (B, H_kv, G*Tq, D)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(D))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H_kv, G*Tq, S)
-    return torch.matmul(probs, v).reshape(B, H, Tq, D)
+    return torch.softmax(scores, dim=-1)
 
 
 class KVCache(nn.Module):

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kv_cache import KVCache, attend, attention_column_sums, causal_attention
+from kv_cache import KVCache, attend, attention_column_sums, attention_probs, causal_attention
 from model import ConfigError, ModelArgs
 
 STREAMING_SINK = 4  # StreamingLLM's attention sinks (its paper's default)
@@ -141,8 +141,8 @@ class SinkRecentCache(KVCache):
         sink, recent: streaming heads keep positions < sink and the last ``recent`` ones.
         retrieval_heads: KV heads of this layer that keep every token (none: StreamingLLM).
     Buffers: ``k_full``/``v_full`` (B, n_retrieval, T + m, D) and ``k_ring``/``v_ring``
-    (B, n_streaming, sink + recent, D) in the model dtype; ``ring_pos`` (sink + recent,) int64,
-    the position each ring slot holds (-1: empty), shared by the streaming heads.
+    (B, n_streaming, sink + recent, D) in the model dtype. Which position a ring slot holds follows
+    from the last position written (``ring_positions``), so no position buffer is kept.
     """
 
     def __init__(self, layer_idx: int, args: ModelArgs, batch_size: int, dtype: torch.dtype,
@@ -176,9 +176,6 @@ class SinkRecentCache(KVCache):
                              if stream else None, persistent=False)
         self.register_buffer("v_ring", torch.zeros(B, len(stream), ring, D, **kw)
                              if stream else None, persistent=False)
-        self.register_buffer("ring_pos", torch.full((ring,), -1, dtype=torch.long,
-                                                    device=device) if stream else None,
-                             persistent=False)
         self.kept = round((len(ret) * prompt_len + len(stream) * min(prompt_len, ring))
                           / args.n_kv_heads)
 
@@ -186,6 +183,14 @@ class SinkRecentCache(KVCache):
         """Ring slot of positions ``pos`` (int64): the position itself below ``sink``, else
         ``sink + (pos - sink) mod recent``."""
         return torch.where(pos < self.sink, pos, self.sink + (pos - self.sink) % self.recent)
+
+    def ring_positions(self, last: int) -> Tensor:
+        """Positions (sink + recent,) int64 the ring slots hold once every position up to
+        ``last`` was written (-1: empty). Sink slot s holds s; ring slot s holds the latest
+        p <= last with p = s mod recent (``slot_of``), if p >= s."""
+        s = torch.arange(self.sink + self.recent, device=self.device)
+        p = torch.where(s < self.sink, s, last - (last - s) % self.recent)
+        return p.masked_fill((p > last) | (p < s), -1)
 
     def _split(self, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """(B, H_kv, ...) -> its retrieval heads and its streaming heads (None when absent)."""
@@ -229,8 +234,6 @@ class SinkRecentCache(KVCache):
                              torch.arange(min(T, max(self.sink, T - self.recent)), T)])
             pos = pos.to(k.device)
             slots = self.slot_of(pos)
-            self.ring_pos.fill_(-1)
-            self.ring_pos[slots] = pos
             self.k_ring[:, :, slots] = k_s[:, :, pos]
             self.v_ring[:, :, slots] = v_s[:, :, pos]
 
@@ -251,7 +254,7 @@ class SinkRecentCache(KVCache):
                 self.n_retrieval)
         if k_s is not None:
             chunk_pos = torch.arange(start, end, device=k.device)
-            key_pos = torch.cat([self.ring_pos, chunk_pos])  # (ring + Tc,)
+            key_pos = torch.cat([self.ring_positions(start - 1), chunk_pos])  # (ring + Tc,)
             qp = chunk_pos[:, None]
             visible = (key_pos >= 0) & (key_pos <= qp) & \
                 ((key_pos < self.sink) | (key_pos > qp - self.recent))  # (Tc, ring + Tc)
@@ -262,7 +265,6 @@ class SinkRecentCache(KVCache):
             survive = (chunk_pos < self.sink) | (chunk_pos > end - 1 - self.recent)
             pos = chunk_pos[survive]
             slots = self.slot_of(pos)
-            self.ring_pos[slots] = pos
             self.k_ring[:, :, slots] = k_s[:, :, pos - start]
             self.v_ring[:, :, slots] = v_s[:, :, pos - start]
         return self._merge(out_r, out_s)
@@ -281,9 +283,8 @@ class SinkRecentCache(KVCache):
             slot = self.slot_of(input_pos)
             self.k_ring.index_copy_(2, slot, k_s)
             self.v_ring.index_copy_(2, slot, v_s)
-            self.ring_pos.index_copy_(0, slot, input_pos)
             # slots fill in order (0, 1, ...) until the ring is full, so slot s holds a token
-            # iff s <= input_pos: the mask needs no read of ``ring_pos``
+            # iff s <= input_pos: the mask needs no position buffer
             written = torch.arange(self.sink + self.recent, device=slot.device) <= input_pos
             out_s = self._unflat(attend(self._flat(q_s), self.k_ring, self.v_ring, written),
                                  self.n_streaming)
@@ -299,7 +300,7 @@ class SinkRecentCache(KVCache):
             out[:, self.retrieval_idx, :input_pos + 1] = torch.arange(input_pos + 1,
                                                                       device=self.device)
         if self.n_streaming:
-            ring = self.ring_pos.masked_fill(self.ring_pos > input_pos, -1)
+            ring = self.ring_positions(input_pos)
             out[:, self.streaming_idx, :ring.shape[0]] = ring
         return out
 
@@ -414,10 +415,11 @@ class H2OCache(KVCache):
         pos = torch.cat([self.slot_pos, chunk_pos.expand(B, self.n_kv_heads, Tc)], -1)
         visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= chunk_pos[:, None])
         G = H // self.n_kv_heads
-        probs = _probs(q, keys, visible[:, :, None].expand(-1, -1, G, -1, -1))  # B,Hkv,G,Tc,S
-        out = torch.matmul(probs.to(values.dtype).flatten(2, 3), values)  # (B, H_kv, G*Tc, D)
+        mask = visible[:, :, None].expand(-1, -1, G, -1, -1).flatten(2, 3)  # rows (g, t)
+        probs = attention_probs(q, keys, mask)  # (B, H_kv, G*Tc, S)
+        out = torch.matmul(probs.to(values.dtype), values)  # (B, H_kv, G*Tc, D)
         scores = torch.cat([self.scores, self.scores.new_zeros(B, self.n_kv_heads, Tc)], -1)
-        self._keep(keys, values, pos, scores + probs.sum(dim=(2, 3)), end - 1)
+        self._keep(keys, values, pos, scores + probs.sum(dim=2), end - 1)
         return out.reshape(B, H, Tc, D)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
@@ -433,10 +435,9 @@ class H2OCache(KVCache):
         self.slot_pos.scatter_(2, slot, input_pos.expand(B, Hkv, 1))
         self.scores.scatter_(2, slot, torch.zeros_like(slot, dtype=self.scores.dtype))
         valid = self.slot_pos >= 0  # (B, H_kv, C)
-        probs = _probs(q, self.k_cache, valid[:, :, None, None, :])  # (B, H_kv, G, 1, C)
-        self.scores += probs.sum(dim=(2, 3))
-        out = torch.matmul(probs.to(self.v_cache.dtype).flatten(2, 3), self.v_cache)
-        return out.reshape(B, H, 1, D)
+        probs = attention_probs(q, self.k_cache, valid[:, :, None, :])  # (B, H_kv, G, C)
+        self.scores += probs.sum(dim=2)
+        return torch.matmul(probs.to(self.v_cache.dtype), self.v_cache).reshape(B, H, 1, D)
 
     def read_positions(self, input_pos: int) -> Tensor:
         """Positions (B, H_kv, C) int64 the last step read, -1 for empty slots."""
@@ -455,13 +456,3 @@ class H2OCache(KVCache):
         return {**self._params, "heavy": self.heavy, "recent": self.recent,
                 "capacity": self.capacity, "prompt_tokens_kept": self.kept,
                 "aux_bytes_per_slot": self.AUX_BYTES_PER_SLOT}
-
-
-def _probs(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
-    """Softmax attention (B, H_kv, G, Tq, S) float32 of q (B, H, Tq, D) over k (B, H_kv, S, D);
-    ``mask`` (bool, broadcastable to that shape) False masks a key out."""
-    B, H, Tq, D = q.shape
-    Hkv = k.shape[1]
-    qg = q.reshape(B, Hkv, H // Hkv, Tq, D)
-    s = torch.matmul(qg, k[:, :, None].transpose(-1, -2)).float() * (1.0 / math.sqrt(D))
-    return s.masked_fill(~mask, float("-inf")).softmax(dim=-1)

@@ -88,10 +88,10 @@ def test_append_sees_a_sliding_window_then_decodes_on(retrieval):
     args = tiny_args(H, Hkv, D)
     cache = SinkRecentCache(0, args, B, torch.float32, "cpu", prompt_len=T, max_new_tokens=m,
                             sink=sink, recent=recent, retrieval_heads=retrieval)
-    # K/V storage per head (retrieval: T + m, streaming: the ring), index buffers, ring_pos
+    # K/V storage per head (retrieval: T + m, streaming: the ring) and the index buffers
     n_r = len(retrieval)
     assert cache.allocated_bytes() == 2 * B * D * 4 * (n_r * (T + m) + (Hkv - n_r) * 8) + \
-        8 * (Hkv + Hkv + 8)
+        8 * (Hkv + Hkv)
     q, k, v = qkv(B, H, Hkv, T + m, D, seed=3)
 
     def want(p):  # streaming heads: sinks + window; a retrieval head: everything
