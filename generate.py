@@ -43,7 +43,8 @@ from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
 METHOD_OPTIONS = ("kernel_size", "pooling", "window", "page_size", "rocket_split",
                   "sparq_reallocate", "sink_size", "heavy_ratio", "duo_patterns",
-                  "duo_threshold", "skip_layers")
+                  "duo_threshold", "block_size", "filter_layers", "omnikv_selector", "offload",
+                  "skip_layers")
 SPREAD_WARN = 4.0  # p90/p10 of decode steps above which the report warns of contention
 WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -552,6 +553,8 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
                 "options": dict(method_options or {})}
         _prepare_caches(model, spec)
         chunk, start, limit_reason = prompt, 0, "context_length"
+        if prefilled is not None and not all(c.shared_prefill for c in model.caches):
+            prefilled = None  # the method prefills its own way (KeyDiff's blocks)
         if prefilled is not None:
             def prefill_fn():
                 return _store_prefilled(model, prefilled)
@@ -562,6 +565,9 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
 
+    if compile and not all(c.compilable for c in model.caches):
+        raise ConfigError("this method's decode step synchronizes with the host (--offload) "
+                          "and runs eagerly: use --no-compile")
     step_fn = compiled_decode(device, compile_backend) if compile else decode_one_token
     if seed is not None:
         torch.manual_seed(seed)
@@ -595,6 +601,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     caches = model.caches
     kv_cache_bytes = sum(c.allocated_bytes() for c in caches)
     kv_per_step = sum(c.bytes_read_per_step() for c in caches)
+    kv_host = sum(c.host_bytes() for c in caches)
     # what the full cache would store, and read whole at every step, for this run
     a = model.args
     full_kv_bytes = 2 * a.n_layers * B * a.n_kv_heads * a.head_dim * end * dtype.itemsize
@@ -627,6 +634,8 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "peak_memory_kind": meter.kind,
         "kv_cache_bytes": kv_cache_bytes,
         "kv_bytes_per_step": kv_per_step,
+        "kv_host_bytes": kv_host,
+        "offload_bytes_per_step": sum(c.offload_bytes_per_step() for c in caches),
         "prompt_tokens_kept": {"min": min(kept), "max": max(kept),
                                "mean": sum(kept) / len(kept)},
         "full_kv_bytes": full_kv_bytes,
@@ -645,6 +654,18 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
 
 # --------------------------------------------------------------------------------------------
 # CLI
+
+
+def _layer_list(text: str) -> list[int]:
+    """``--filter-layers 2,8,18`` -> [2, 8, 18] (argparse type; a bad list is a usage error)."""
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got "
+                                         f"{text!r}") from None
+    if not layers:
+        raise argparse.ArgumentTypeError("expected at least one layer index")
+    return layers
 
 
 def weights_label(model: Transformer) -> str:
@@ -750,6 +771,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--duo-threshold", type=float,
                    help="duoattention: gates above this retrieve (the pattern's own split, "
                         "DuoAttention deploys 0.5); default: the budget sets the share")
+    m.add_argument("--block-size", type=int,
+                   help="keydiff: prompt tokens per prefill block (default 128); cache memory "
+                        "stays within budget + block")
+    m.add_argument("--filter-layers", type=_layer_list, metavar="L1,L2,...",
+                   help="omnikv: filter layers (default: the paper's 2,8,18 for 32 layers, "
+                        "scaled to other depths)")
+    m.add_argument("--omnikv-selector", choices=["last", "uniform", "exponential"],
+                   help="omnikv: context selector over its observation window (default last)")
+    m.add_argument("--offload", action="store_true",
+                   help="omnikv: keep the sparse layers' K/V in host memory (runs eagerly)")
     m.add_argument("--skip-layers", type=int,
                    help="leave the first N layers uncompressed (the paper: 2 for LongChat)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -915,6 +946,10 @@ def format_report(r: dict[str, Any]) -> str:
         f"{mb(r['kv_bytes_per_step'])} vs {mb(r['full_kv_bytes'])} full "
         f"({r['kv_bytes_per_step'] / r['full_kv_bytes']:.1%})",
     ]
+    if r.get("kv_host_bytes"):
+        lines.append(f"offload: {mb(r['kv_host_bytes'])} of KV in host memory (not counted "
+                     f"above); {mb(r['offload_bytes_per_step'])} copied to the device per "
+                     "step")
     pk = r["peak_memory_bytes"]
     lines += [
         f"peak memory ({r['peak_memory_kind']}): prefill {mb(pk['prefill'])}  decode "
@@ -948,7 +983,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = _resolve_device(args.device)
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
-        compile = device.type == "cuda" if args.compile is None else args.compile
+        compile = (device.type == "cuda" and not args.offload) if args.compile is None \
+            else args.compile
         if args.system is not None and not args.chat:
             raise ConfigError("--system needs --chat (it is a message of the chat template)")
         if args.chat and args.prompt is None:

@@ -6,12 +6,14 @@ to read and how to attend. Compression methods (``compression/``) are subclasses
 
 The interface carries what the methods need without bending:
 
-* Prefill runs layer by layer. ``store_prompt(k, v, q_obs)`` sees one layer's whole-prompt
-  K/V and its last ``obs_window`` queries before any prompt query attends, so a cache may
-  evict right there (SnapKV family); then the model asks ``prefill_attention(q, k, v, start)``
-  for blocks of queries (exact causal attention by default; KeyDiff-style methods attend to
-  their already-compressed cache instead). A cache may offer ``prompt_buffers`` so the model
-  writes the prompt K/V straight into its storage. Whole-prompt queries, attention outputs and
+* Prefill runs layer by layer, and within a layer in prefill blocks of ``prefill_block``
+  tokens (None, the default: the whole prompt is one block). ``store_prompt(k, v, q_obs,
+  start)`` sees one block's K/V and its last ``obs_window`` queries before any of the block's
+  queries attends, so a cache may evict right there (SnapKV family, one block); then the model
+  asks ``prefill_attention(q, k, v, start)`` for chunks of the block's queries (exact causal
+  attention by default; KeyDiff attends to its already-compressed cache plus the block and
+  evicts after each block). A cache may offer ``prompt_buffers`` so the model writes the
+  block's K/V straight into its storage. Whole-prompt queries, attention outputs and
   (T x T) scores never exist: at 128K tokens, prefill holds the hidden states and one layer's
   K/V beside the weights and caches.
 * ``decode(q, k, v, input_pos)`` gets the new token at ``input_pos``, a device tensor, so the
@@ -182,36 +184,47 @@ class KVCache(nn.Module):
 
     obs_window = 0  # last prompt queries ``store_prompt`` needs (observation window)
 
-    def prompt_buffers(self, prompt_len: int) -> tuple[Tensor, Tensor] | None:
-        """Views (B, H_kv, T, D) of this cache's own storage where the model may write the
-        prompt's K/V directly (saving a copy), or None: the model allocates them."""
+    prefill_block: int | None = None  # prompt tokens per prefill block (None: the whole
+    # prompt at once); a cache with blocks sees ``store_prompt`` once per block
+
+    def prompt_buffers(self, start: int, end: int) -> tuple[Tensor, Tensor] | None:
+        """Views (B, H_kv, end - start, D) of this cache's own storage where the model may
+        write the K/V of the prefill block at positions ``start .. end - 1`` directly (saving
+        a copy), or None: the model allocates them."""
         return None
 
-    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
-        """Store what the method keeps of one layer's prompt (it may evict here).
+    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:
+        """Store what the method keeps of one prefill block (it may evict here).
 
-        Called once per layer, after every prompt key and value of the layer exists and before
-        any prompt query attends, so only one layer's uncompressed K/V ever exists.
+        Called once per block (once per layer unless ``prefill_block`` is set), after every key
+        and value of the block exists and before any of its queries attends, so only one
+        block's uncompressed K/V ever exists.
 
         Args:
-            k, v: (B, H_kv, T, D), keys rotated at positions 0..T-1 (possibly the views
-                ``prompt_buffers`` returned).
-            q_obs: (B, H, min(obs_window, T), D), the last prompt queries (rotated).
+            k, v: (B, H_kv, Tb, D), keys rotated at positions ``start .. start + Tb - 1``
+                (possibly the views ``prompt_buffers`` returned); the whole prompt (start 0,
+                Tb = T) for a cache without ``prefill_block``.
+            q_obs: (B, H, min(obs_window, Tb), D), the block's last queries (rotated).
+            start: position of the block's first token.
         """
         raise NotImplementedError
 
     def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """Attention of the prompt queries at positions ``start ..`` (q (B, H, Tq, D)) over
-        the prompt keys ``0 .. start + Tq - 1`` (k, v (B, H_kv, start + Tq, D)).
+        the prompt keys up to position ``start + Tq - 1``; k, v (B, H_kv, start + Tq - b, D)
+        hold the current prefill block's keys from its first position b (b = 0 without
+        ``prefill_block``: the whole prompt so far).
 
-        Prefill attends to the whole uncompressed prompt for every method (RocketKV App. A.3);
-        the model calls this in query blocks, so no (T x T) scores and no whole-prompt query
-        or output tensor exist. Returns (B, H, Tq, D).
+        Prefill attends to the whole uncompressed prompt for every method but KeyDiff
+        (RocketKV App. A.3); the model calls this in query chunks, so no (T x T) scores and no
+        whole-prompt query or output tensor exist. Returns (B, H, Tq, D).
         """
         return causal_attention(q, k, v, start)
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """The whole prompt of one layer at once: ``store_prompt`` then ``prefill_attention``.
+        """One layer's whole prompt, given its q, k, v: per prefill block (the whole prompt
+        without ``prefill_block``), ``store_prompt`` then ``prefill_attention``, as
+        ``TransformerBlock.prefill`` calls them.
 
         Args:
             q: (B, H, T, D); k, v: (B, H_kv, T, D), rotated at positions 0..T-1.
@@ -219,8 +232,20 @@ class KVCache(nn.Module):
             attention output (B, H, T, D).
         """
         T = k.shape[2]
-        self.store_prompt(k, v, q[:, :, T - min(self.obs_window, T):])
-        return self.prefill_attention(q, k, v, 0)
+        block = self.prefill_block or T
+        out = []
+        for b in range(0, T, block):
+            e = min(b + block, T)
+            kb, vb = k[:, :, b:e], v[:, :, b:e]
+            bufs = self.prompt_buffers(b, e)
+            if bufs is not None:
+                bufs[0].copy_(kb)
+                bufs[1].copy_(vb)
+                kb, vb = bufs
+            w = min(self.obs_window, e - b)
+            self.store_prompt(kb, vb, q[:, :, e - w:e], b)
+            out.append(self.prefill_attention(q[:, :, b:e], kb, vb, b))
+        return torch.cat(out, dim=2)
 
     def append(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """A later prompt chunk (a conversation's next turn): store its K/V after everything
@@ -246,6 +271,9 @@ class KVCache(nn.Module):
     # query's attention (H2O); a shared prefill must record them and hand them to
     # ``store_scored_prompt(k, v, sums)`` instead of calling ``store_prompt``
 
+    compilable = True  # False: the decode step syncs with the host (OmniKV's offload) and runs
+    # eagerly
+
     shared_prefill = True  # prefill attends to the whole uncompressed prompt, so every such
     # method's caches may be built from one prefill's K/V (``generate.prefill_once``)
 
@@ -267,6 +295,15 @@ class KVCache(nn.Module):
     def bytes_read_per_step(self) -> int:
         """Bytes of cached K/V (and auxiliary data) one decode step reads."""
         raise NotImplementedError
+
+    def host_bytes(self) -> int:
+        """Bytes of this cache kept in host memory (OmniKV's ``--offload``); not part of
+        ``allocated_bytes``."""
+        return 0
+
+    def offload_bytes_per_step(self) -> int:
+        """Bytes this cache copies from host to device memory per decode step."""
+        return 0
 
     def method_params(self) -> dict[str, Any]:
         """Every derived parameter of the method, for reports."""
@@ -293,14 +330,14 @@ class FullKVCache(KVCache):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
 
-    def prompt_buffers(self, prompt_len: int) -> tuple[Tensor, Tensor]:
-        if prompt_len > self.max_seq_len:
-            raise ValueError(f"prompt of {prompt_len} tokens exceeds the cache "
+    def prompt_buffers(self, start: int, end: int) -> tuple[Tensor, Tensor]:
+        if end > self.max_seq_len:
+            raise ValueError(f"prompt of {end} tokens exceeds the cache "
                              f"({self.max_seq_len})")
-        return self.k_cache[:, :, :prompt_len], self.v_cache[:, :, :prompt_len]
+        return self.k_cache[:, :, start:end], self.v_cache[:, :, start:end]
 
-    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
-        k_buf, v_buf = self.prompt_buffers(k.shape[2])
+    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:
+        k_buf, v_buf = self.prompt_buffers(start, start + k.shape[2])
         if not _same_view(k, k_buf):  # the model did not write into our buffers directly
             k_buf.copy_(k)
             v_buf.copy_(v)
@@ -486,12 +523,12 @@ class CompressedKVCache(KVCache):
         return 2 * self.batch_size * self.n_kv_heads * tokens * self.head_dim * \
             self.k_cache.element_size()
 
-    def prompt_buffers(self, prompt_len: int) -> tuple[Tensor, Tensor] | None:
-        if self.evict is not None or prompt_len != self.prompt_len:
+    def prompt_buffers(self, start: int, end: int) -> tuple[Tensor, Tensor] | None:
+        if self.evict is not None or start != 0 or end != self.prompt_len:
             return None  # K/V are gathered after eviction
-        return self.k_cache[:, :, :prompt_len], self.v_cache[:, :, :prompt_len]
+        return self.k_cache[:, :, :end], self.v_cache[:, :, :end]
 
-    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
+    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:
         T = k.shape[2]
         if T != self.prompt_len:
             raise ValueError(f"cache set up for {self.prompt_len} prompt tokens, got {T}")
@@ -568,7 +605,7 @@ class PromptRecorder(KVCache):
         self.record_sums = attention_sums
         self.k = self.v = self.q_obs = self.sums = None
 
-    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
+    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:
         self.k, self.v, self.q_obs = k, v, q_obs
         if self.record_sums:
             self.sums = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)

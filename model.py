@@ -299,37 +299,45 @@ class TransformerBlock(nn.Module):
     def prefill(self, x: Tensor, rope: Tensor, chunk_size: int) -> Tensor:
         """Whole prompt through this block; updates and returns ``x`` (B, T, dim) in place.
 
-        Two passes over token chunks of ``chunk_size``: (1) keys and values of every token
-        (written straight into the cache's storage where it offers it), then the cache stores
-        them (and may evict) given the last ``obs_window`` queries; (2) per chunk, its queries
-        attend to the prompt keys up to the chunk's end, and the output projection, residuals
-        and MLP update the chunk of ``x`` in place. Chunk i's queries depend only on chunk i
-        of ``x``, which pass 2 has not changed yet. Besides ``x`` and one layer's K/V, only
+        The prompt is processed in prefill blocks of ``cache.prefill_block`` tokens (None: the
+        whole prompt is one block, as the SnapKV family and every method that evicts after
+        prefill need; KeyDiff sets ``--block-size``). For each block, two passes over token
+        chunks of ``chunk_size``: (1) keys and values of every token of the block (written
+        straight into the cache's storage where it offers it), then the cache stores them (and
+        may evict) given the block's last ``obs_window`` queries; (2) per chunk, its queries
+        attend (``prefill_attention``: to the block's keys up to the chunk's end, and to
+        whatever the cache kept of earlier blocks), and the output projection, residuals and
+        MLP update the chunk of ``x`` in place. Chunk i's queries depend only on chunk i of
+        ``x``, which pass 2 has not changed yet. Besides ``x`` and one block's K/V, only
         chunk-sized activations exist.
         """
         B, T, _ = x.shape
         attn = self.attention
         cache = attn.kv_cache
-        bufs = cache.prompt_buffers(T)
-        if bufs is None:
-            bufs = (x.new_empty(B, attn.n_kv_heads, T, attn.head_dim),
-                    x.new_empty(B, attn.n_kv_heads, T, attn.head_dim))
-        k, v = bufs
-        for s in range(0, T, chunk_size):
-            e = min(s + chunk_size, T)
-            k[:, :, s:e], v[:, :, s:e] = attn.kv_proj(self.attention_norm(x[:, s:e]), rope[s:e])
-        w = min(cache.obs_window, T)
-        q_obs = attn.q_proj(self.attention_norm(x[:, T - w:]), rope[T - w:])  # (B, H, w, D)
-        cache.store_prompt(k, v, q_obs)  # the cache may compress here
-        del q_obs
-        for s in range(0, T, chunk_size):
-            e = min(s + chunk_size, T)
-            q = attn.q_proj(self.attention_norm(x[:, s:e]), rope[s:e])
-            y = cache.prefill_attention(q, k[:, :, :e], v[:, :, :e], s)  # (B, H, e - s, D)
-            x[:, s:e] += attn.out(y)
-            x[:, s:e] += self.feed_forward(self.ffn_norm(x[:, s:e]))
+        block = cache.prefill_block or T
+        for b in range(0, T, block):
+            e_b = min(b + block, T)
+            bufs = cache.prompt_buffers(b, e_b)
+            if bufs is None:
+                bufs = (x.new_empty(B, attn.n_kv_heads, e_b - b, attn.head_dim),
+                        x.new_empty(B, attn.n_kv_heads, e_b - b, attn.head_dim))
+            k, v = bufs
+            for s in range(b, e_b, chunk_size):
+                e = min(s + chunk_size, e_b)
+                k[:, :, s - b:e - b], v[:, :, s - b:e - b] = attn.kv_proj(
+                    self.attention_norm(x[:, s:e]), rope[s:e])
+            w = min(cache.obs_window, e_b - b)
+            q_obs = attn.q_proj(self.attention_norm(x[:, e_b - w:e_b]), rope[e_b - w:e_b])
+            cache.store_prompt(k, v, q_obs, b)  # the cache may compress here
+            del q_obs
+            for s in range(b, e_b, chunk_size):
+                e = min(s + chunk_size, e_b)
+                q = attn.q_proj(self.attention_norm(x[:, s:e]), rope[s:e])
+                y = cache.prefill_attention(q, k[:, :, :e - b], v[:, :, :e - b], s)
+                x[:, s:e] += attn.out(y)
+                x[:, s:e] += self.feed_forward(self.ffn_norm(x[:, s:e]))
+            del k, v, bufs
         return x
-
 
     def append(self, x: Tensor, rope: Tensor, start: int) -> Tensor:
         """A later prompt chunk ``x`` (B, Tc, dim) at positions ``start ..``: its queries attend

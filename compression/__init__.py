@@ -31,6 +31,15 @@ duoattention    t > 640: streaming heads keep 128 sinks + 512 recent, retrieval 
                 gates retrieve (--duo-threshold: gates above it instead); t <= 640: every head
                 streams, sink 128 if t > 256 else int(0.2 t), recent t - sink
                 (``eviction.duo_split``; RocketKV App. A.3)
+keydiff         keeps t - 1 tokens per KV head (a step reads them + the new one), most distinct
+                keys (cosine to the mean key); block-wise prefill of 128 tokens
+                (--block-size), so cache memory stays within t - 1 + block slots
+omnikv          nothing evicted; filter layers (--filter-layers; default
+                ``omnikv.default_filter_layers``) select t - 1 earlier tokens per step
+                (--omnikv-selector last|uniform|exponential), later layers read them + the
+                new token; layers before the first filter and right after each read all C;
+                traffic averaged over layers (``omnikv.omnikv_traffic``); --offload keeps the
+                sparse layers' K/V in host memory
 ==============  ==============================================================================
 
 Quest, SparQ, hybrid and RocketKV report ``traffic_tokens`` (KV pairs read per step per layer
@@ -63,6 +72,15 @@ from compression.eviction import (
     duo_split,
     duo_traffic,
     load_duo_pattern,
+)
+from compression.keydiff import KEYDIFF_BLOCK, KeyDiffCache
+from compression.omnikv import (
+    OMNIKV_WINDOW,
+    SELECTORS,
+    build_omnikv,
+    default_filter_layers,
+    layer_roles,
+    omnikv_traffic,
 )
 from compression.snapkv import (
     SNAPKV_KERNEL,
@@ -212,6 +230,32 @@ def derive(method: str, t: int, T: int, m: int, args: ModelArgs,
         if p["retrieval_heads"] is not None:
             p["traffic_tokens"] = duo_traffic(p["retrieval_heads"], N, cap, p["sink"],
                                               p["recent"])
+    elif method == "keydiff":
+        if t < 2:
+            raise BudgetError("keydiff keeps t - 1 tokens beside the new one: t must be >= 2")
+        block = options.get("block_size") or KEYDIFF_BLOCK
+        p.update(capacity=t - 1, block_size=block, cache_slots=t - 1 + block,
+                 traffic_tokens=float(t))
+    elif method == "omnikv":
+        if t < 2:
+            raise BudgetError("omnikv selects t - 1 tokens beside the new one: t must be >= 2")
+        layers = options.get("filter_layers")
+        layers = list(layers) if layers else default_filter_layers(args.n_layers)
+        if any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 0 or \
+                layers[-1] >= args.n_layers:
+            raise ConfigError(f"--filter-layers must be increasing layer indices in [0, "
+                              f"{args.n_layers - 1}], got {layers}")
+        roles = layer_roles(args.n_layers, layers)
+        selector = options.get("omnikv_selector") or "last"
+        if selector not in SELECTORS:
+            raise ConfigError(f"--omnikv-selector must be one of {', '.join(SELECTORS)}, got "
+                              f"{selector!r}")
+        p.update(filter_layers=layers, sparse_layers=roles.count("sparse"),
+                 k_select=t - 1, selector=selector,
+                 selector_window=1 if selector == "last" else OMNIKV_WINDOW,
+                 offload=bool(options.get("offload")),
+                 traffic_tokens=omnikv_traffic(roles, cap, t))
+        _report_overshoot(p, t)
     else:
         raise ConfigError(f"unknown method {method!r}")
     return p
@@ -258,6 +302,7 @@ OPTIONS_BY_METHOD: dict[str, tuple[str, ...]] = {
     "rocketkv": ("kernel_size", "window", "rocket_split"),
     "streamingllm": ("sink_size",), "h2o": ("heavy_ratio",),
     "duoattention": ("duo_patterns", "duo_threshold"),
+    "keydiff": ("block_size",), "omnikv": ("filter_layers", "omnikv_selector", "offload"),
 }
 
 NEEDS_ATTENTION_SUMS = ("h2o",)  # methods whose caches need prefill_once(attention_sums=True)
@@ -293,7 +338,7 @@ def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
     check_options(method, options)
     if not 0 <= skip_layers <= args.n_layers:
         raise ConfigError(f"--skip-layers must lie in [0, {args.n_layers}], got {skip_layers}")
-    for name in ("kernel_size", "page_size", "window"):
+    for name in ("kernel_size", "page_size", "window", "block_size"):
         if options.get(name) is not None and options[name] <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if options.get("kernel_size") is not None and options["kernel_size"] % 2 == 0:
@@ -321,6 +366,14 @@ def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
         raise ConfigError(f"{method}: budget {budget} is too small: {e}; {hint} (prompt {T} "
                           f"tokens, max_new_tokens {m})") from None
     p.update(method=method, skip_layers=skip_layers, compressed=True)
+    if method == "omnikv":
+        if skip_layers:
+            raise ConfigError("omnikv takes no --skip-layers: the layers before the first "
+                              "filter layer attend fully (--filter-layers)")
+        return build_omnikv(args, batch_size=batch_size, prompt_len=T, max_new_tokens=m,
+                            budget=budget, dtype=dtype, device=device,
+                            filter_layers=p["filter_layers"], selector=p["selector"],
+                            offload=p["offload"], params=p)
     heads = [[] for _ in range(args.n_layers)]  # DuoAttention's retrieval heads per layer
     if method == "duoattention":
         heads = _duo_heads(p, args, T + m, budget, options)
@@ -336,6 +389,11 @@ def build_method(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
                 sink=p["sink"], recent=p["recent"], retrieval_heads=heads[i],
                 params={**params, "layer_retrieval_heads": heads[i]}
                 if method == "duoattention" else params))
+            continue
+        if method == "keydiff":
+            caches.append(KeyDiffCache(i, args, batch_size, dtype, device, prompt_len=T,
+                                       max_new_tokens=m, capacity=p["capacity"],
+                                       block=p["block_size"], params=params))
             continue
         if method == "h2o":
             caches.append(H2OCache(i, args, batch_size, dtype, device, prompt_len=T,
@@ -424,6 +482,10 @@ _DESCRIPTIONS = {
     "h2o": "H2O: heavy hitters (accumulated attention) + recent tokens, evicting every step",
     "duoattention": "DuoAttention: retrieval heads keep everything, streaming heads sinks + "
                     "recent (--duo-patterns)",
+    "keydiff": "KeyDiff: keeps the most distinct keys (cosine to the mean key), block-wise "
+               "prefill within t + block slots",
+    "omnikv": "OmniKV: filter layers select t - 1 tokens for the layers after them, nothing "
+              "evicted (--offload: host memory)",
 }
 
 

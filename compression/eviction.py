@@ -221,7 +221,7 @@ class SinkRecentCache(KVCache):
         B, H, T, D = y.shape
         return y.view(B, n, H // n, T, D)
 
-    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
+    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:
         T = k.shape[2]
         if T != self.prompt_len:
             raise ValueError(f"cache set up for {self.prompt_len} prompt tokens, got {T}")
@@ -355,7 +355,7 @@ class H2OCache(KVCache):
         self.register_buffer("scores", torch.zeros(shape, dtype=torch.float32, device=device),
                              persistent=False)
 
-    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor) -> None:
+    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:
         T = k.shape[2]
         if T != self.prompt_len:
             raise ValueError(f"cache set up for {self.prompt_len} prompt tokens, got {T}")

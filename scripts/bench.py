@@ -50,7 +50,15 @@ import torch  # noqa: E402
 
 from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
 from compression import METHODS, OPTIONS_BY_METHOD, UNBUDGETED  # noqa: E402
-from generate import DTYPES, OneLineParser, _resolve_device, device_name, generate, write_json  # noqa: E402
+from generate import (  # noqa: E402
+    DTYPES,
+    OneLineParser,
+    _layer_list,
+    _resolve_device,
+    device_name,
+    generate,
+    write_json,
+)
 from model import CONFIGS, ConfigError  # noqa: E402
 
 
@@ -119,7 +127,8 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         opts = {k: v for k, v in vars(args).items()  # the options this method reads
                 if k in OPTIONS_BY_METHOD.get(method, ()) and v is not None}
         r = generate(model, prompt, method=method, budget=budget,
-                     max_new_tokens=args.new_tokens, compile=args.compile, method_options=opts)
+                     max_new_tokens=args.new_tokens,
+                     compile=args.compile and not opts.get("offload"), method_options=opts)
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
     step_bytes = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]
@@ -345,6 +354,13 @@ def main(argv=None) -> int:
                         "../shared/data/duo_attention_patterns/Meta-Llama-3.1-8B-Instruct)")
     p.add_argument("--sink-size", type=int, help="streamingllm sinks (default 4)")
     p.add_argument("--heavy-ratio", type=float, help="h2o heavy-hitter share (default 0.5)")
+    p.add_argument("--block-size", type=int, help="keydiff prefill block (default 128)")
+    p.add_argument("--filter-layers", type=_layer_list, metavar="L1,L2,...",
+                   help="omnikv filter layers (default: the paper's 2,8,18 for 32 layers)")
+    p.add_argument("--omnikv-selector", choices=["last", "uniform", "exponential"],
+                   help="omnikv context selector (default last)")
+    p.add_argument("--offload", action="store_true",
+                   help="omnikv: sparse layers' K/V in host memory (its rows run uncompiled)")
     p.add_argument("--time-limit", type=float, metavar="S",
                    help="start no configuration after S seconds (the rest are listed as "
                         "skipped); results are saved after every configuration anyway")

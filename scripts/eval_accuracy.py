@@ -637,9 +637,16 @@ def evaluate_prompt(model: Transformer, prompt: Prompt, configs: Sequence[tuple[
             continue
         greedy = report["token_ids"][0]
         build_from_prefill(model, pre, method, budget, m)
-        top1 = top1_matches(teacher_forced_logprobs(model, prompt.prompt, ref, first), ref) / m
+        shared = all(c.shared_prefill for c in model.caches)
+        # KeyDiff prefills block-wise: its own prompt logits (None: prefilled again here)
+        own_first = first if shared else None
+        top1 = top1_matches(teacher_forced_logprobs(model, prompt.prompt, ref, own_first),
+                            ref) / m
         if method == "full":
             lp, probe, recall = full_lp, None, None
+        elif not shared:  # its keys are not the shared prefill's: no recall against them
+            lp, probe, recall = teacher_forced_logprobs(
+                model, prompt.prompt, prompt.continuation), None, None
         else:
             build_from_prefill(model, pre, method, budget, m)
             probe = RecallProbe(pre, keep_raw)

@@ -50,6 +50,7 @@ from compression import (  # noqa: E402
 )
 from generate import (  # noqa: E402
     METHOD_OPTIONS,
+    _layer_list,
     _resolve_device,
     check_positive,
     extend_prefilled,
@@ -350,6 +351,11 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
     m.add_argument("--duo-patterns", metavar="PATH",
                    help="duoattention head gates (needed above a 640-token budget)")
     m.add_argument("--duo-threshold", type=float, help="duoattention: gates above it retrieve")
+    m.add_argument("--block-size", type=int, help="keydiff prefill block (default 128)")
+    m.add_argument("--filter-layers", type=_layer_list, metavar="L1,L2,...",
+                   help="omnikv filter layers (default: the paper's rule)")
+    m.add_argument("--omnikv-selector", choices=["last", "uniform", "exponential"],
+                   help="omnikv context selector (default last)")
 
 
 def method_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from model import CONFIGS, ConfigError, ModelArgs
 from tokenizer import load_tokenizer
 
 COMPRESSED = ["exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid", "rocketkv",
-              "streamingllm", "h2o", "duoattention"]
+              "streamingllm", "h2o", "duoattention", "keydiff", "omnikv"]
 LLAMA = ModelArgs.from_name("llama-3.1-8b")
 
 
