@@ -118,7 +118,7 @@ class OmniKVFilterCache(FullKVCache):
             raise ValueError(f"unknown OmniKV selector {selector!r}")
         self.k_select, self.selector = k_select, selector
         self.window = 1 if selector == "last" else window
-        self.obs_window = self.window
+        self.obs_window = 0 if selector == "last" else window  # prompt queries to record
         self.register_buffer("selected", torch.zeros(batch_size, k_select, dtype=torch.long,
                                                      device=device), persistent=False)
         self.register_buffer("selected_valid", torch.zeros(batch_size, k_select,

@@ -16,6 +16,7 @@ from scripts.eval_common import (
 from scripts.eval_needle import Haystack, build_items, depth_grid, insert_needle, needle_fact
 from scripts.eval_needle import main as needle_main
 from scripts.eval_ruler import main as ruler_main
+from scripts.kept_tokens import main as kept_main
 from scripts.make_prompt import read_texts
 
 
@@ -111,6 +112,22 @@ def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
     assert rows["full"]["score"] == 1.0 and len(rows["quest"]["scores"]) == 2
     assert (tmp_path / "needle.png").stat().st_size > 0
     assert "| quest |" in (tmp_path / "needle.md").read_text()
+
+
+def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
+    rc = kept_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
+                    "--lengths", "512", "--depths", "1", "--needles", "1", "--methods",
+                    "snapkv_pp", "keydiff", "quest", "--budgets", "128", "--threads", "1"])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "kept.json").read_text())["rows"]}
+    T = 512
+    # SnapKV++ keeps t prompt tokens (no room for new ones here), the observation window
+    # among them; KeyDiff t - 1 per KV head; Quest drops nothing
+    assert rows["snapkv_pp"]["overall"] == pytest.approx(100 * 128 / T)
+    assert rows["snapkv_pp"]["recent"] == 100.0
+    assert rows["keydiff"]["overall"] == pytest.approx(100 * 127 / T)
+    assert rows["quest"]["overall"] == rows["quest"]["needle"] == 100.0
+    assert "| keydiff | 128 |" in (tmp_path / "kept.md").read_text()
 
 
 def test_ruler_cli_quick_run(tmp_path):
