@@ -339,7 +339,7 @@ def test_smollm2_runs_keydiff_and_omnikv_at_128_to_1024(smollm2_model):
     tok = load_tokenizer(shared_file(SMOLLM2_GGUF))
     essay = sorted(shared_file(ESSAYS).glob("*.txt"))[0].read_text()
     ids = tok.encode_chat(" ".join(essay.split()[:800]) + "\n\nSummarize the text above.")
-    T, m = len(ids), 6
+    T, m = len(ids), 3
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
