@@ -184,6 +184,18 @@ class KVCache(nn.Module):
 
     obs_window = 0  # last prompt queries ``store_prompt`` needs (observation window)
 
+    def _register_kv(self, slots: int, positions: bool = False) -> None:
+        """Zeroed ``k_cache`` and ``v_cache`` buffers (B, H_kv, slots, D) in the cache's dtype
+        and, with ``positions``, ``slot_pos`` (B, H_kv, slots) int64, the position each slot
+        holds (-1: empty), for caches whose slots are not in position order."""
+        shape = (self.batch_size, self.n_kv_heads, slots)
+        for name in ("k_cache", "v_cache"):
+            self.register_buffer(name, torch.zeros(*shape, self.head_dim, dtype=self.dtype,
+                                                   device=self.device), persistent=False)
+        if positions:
+            self.register_buffer("slot_pos", torch.full(shape, -1, dtype=torch.long,
+                                                        device=self.device), persistent=False)
+
     prefill_block: int | None = None  # prompt tokens per prefill block (None: the whole
     # prompt at once); a cache with blocks sees ``store_prompt`` once per block
 
@@ -324,11 +336,7 @@ class FullKVCache(KVCache):
         super().__init__(layer_idx, args, batch_size, dtype, device)
         self.max_seq_len = max_seq_len
         self._params = dict(params or {})
-        shape = (batch_size, args.n_kv_heads, max_seq_len, args.head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device),
-                             persistent=False)
+        self._register_kv(max_seq_len)
 
     def prompt_buffers(self, start: int, end: int) -> tuple[Tensor, Tensor]:
         if end > self.max_seq_len:

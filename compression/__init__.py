@@ -255,6 +255,9 @@ def derive(method: str, t: int, T: int, m: int, args: ModelArgs,
                  selector_window=1 if selector == "last" else OMNIKV_WINDOW,
                  offload=bool(options.get("offload")),
                  traffic_tokens=omnikv_traffic(roles, cap, t))
+        if not roles.count("sparse"):
+            p["note"] = ("no sparse layer: every layer attends fully (the filter layers and "
+                         "the layers after them leave none)")
         _report_overshoot(p, t)
     else:
         raise ConfigError(f"unknown method {method!r}")

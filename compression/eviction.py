@@ -345,14 +345,9 @@ class H2OCache(KVCache):
         self.kept = min(prompt_len, self.capacity)
         self._params = dict(params or {})
         self._pending: tuple[Tensor, Tensor, Tensor] | None = None
-        shape = (batch_size, args.n_kv_heads, self.capacity)
-        self.register_buffer("k_cache", torch.zeros(*shape, args.head_dim, dtype=dtype,
-                                                    device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(*shape, args.head_dim, dtype=dtype,
-                                                    device=device), persistent=False)
-        self.register_buffer("slot_pos", torch.full(shape, -1, dtype=torch.long, device=device),
-                             persistent=False)
-        self.register_buffer("scores", torch.zeros(shape, dtype=torch.float32, device=device),
+        self._register_kv(self.capacity, positions=True)
+        self.register_buffer("scores", torch.zeros(batch_size, args.n_kv_heads, self.capacity,
+                                                   dtype=torch.float32, device=device),
                              persistent=False)
 
     def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:

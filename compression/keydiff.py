@@ -98,16 +98,9 @@ class KeyDiffCache(KVCache):
         self._params = dict(params or {})
         self.filled = 0  # prefill: slots 0..filled-1 hold the kept tokens
         self._block = (0, 0)  # positions of the block being prefilled
-        L = capacity + block
-        shape = (batch_size, args.n_kv_heads, L)
-        self.register_buffer("k_cache", torch.zeros(*shape, args.head_dim, dtype=dtype,
-                                                    device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(*shape, args.head_dim, dtype=dtype,
-                                                    device=device), persistent=False)
-        self.register_buffer("slot_pos", torch.full(shape, -1, dtype=torch.long, device=device),
-                             persistent=False)
-        self.register_buffer("key_norm", torch.zeros(shape, dtype=torch.float32, device=device),
-                             persistent=False)
+        self._register_kv(capacity + block, positions=True)
+        self.register_buffer("key_norm", torch.zeros(self.slot_pos.shape, dtype=torch.float32,
+                                                     device=device), persistent=False)
         self.register_buffer("key_sum", torch.zeros(batch_size, args.n_kv_heads, args.head_dim,
                                                     dtype=torch.float32, device=device),
                              persistent=False)

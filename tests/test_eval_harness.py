@@ -117,7 +117,7 @@ def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
 def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
     rc = kept_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
                     "--lengths", "512", "--depths", "1", "--needles", "1", "--methods",
-                    "snapkv_pp", "keydiff", "quest", "--budgets", "128", "--threads", "1"])
+                    "snapkv_pp", "keydiff", "quest", "--budgets", "128", "--threads", "2"])
     assert rc == 0
     rows = {r["method"]: r for r in json.loads((tmp_path / "kept.json").read_text())["rows"]}
     T = 512
@@ -133,7 +133,7 @@ def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
 def test_ruler_cli_quick_run(tmp_path):
     rc = ruler_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
                      "--lengths", "600", "--samples", "1", "--tasks", "niah_single_noise",
-                     "vt", "--methods", "full", "hybrid", "--budgets", "96", "--threads", "1",
+                     "vt", "--methods", "full", "hybrid", "--budgets", "96", "--threads", "2",
                      "--no-progress", "--modes", "question_agnostic"])
     assert rc == 0
     result = json.loads((tmp_path / "ruler_qa.json").read_text())

@@ -222,8 +222,11 @@ def test_every_kv_method_runs_on_a_quantized_model(tiny_quantized, mode):
         covering = generate(model, prompt, method=method, budget=300 + m, max_new_tokens=m)
         assert covering["token_ids"] == full, method
         r = generate(model, prompt, method=method, budget=96, max_new_tokens=m)
-        assert len(r["token_ids"][0]) == m and r["kv_bytes_per_step"] < \
-            covering["kv_bytes_per_step"], method
+        assert len(r["token_ids"][0]) == m, method
+        if r["method_params"].get("sparse_layers") == 0:  # omnikv: too few layers to have any
+            assert r["kv_bytes_per_step"] >= covering["kv_bytes_per_step"]
+        else:
+            assert r["kv_bytes_per_step"] < covering["kv_bytes_per_step"], method
 
 
 def test_quantized_decode_compiles_and_equals_eager(tiny_quantized):
@@ -368,7 +371,7 @@ def test_smollm2_quantized_stays_close_to_float(smollm2_model):
     so its distributions equal float's; int8 is close; breaking the model must fail."""
     from tokenizer import load_tokenizer
 
-    ids = _essay_window(load_tokenizer(SMOLLM2_GGUF), 320)
+    ids = _essay_window(load_tokenizer(SMOLLM2_GGUF), 288)
     T = 256
     ref = _teacher_forced(smollm2_model, ids, T)
 
