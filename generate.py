@@ -656,6 +656,45 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
 # CLI
 
 
+def add_method_options(m: argparse._ActionsContainer) -> None:
+    """Every method option (``METHOD_OPTIONS``) as a CLI flag, for generate.py, bench.py and
+    the accuracy scripts; an option the chosen method does not read is refused at build time
+    (``compression.check_options``)."""
+    m.add_argument("--kernel-size", type=int,
+                   help="SnapKV/SnapKV++/RocketKV pooling kernel (odd; default 7 for snapkv, "
+                        "63/511 by prompt length for snapkv_pp and rocketkv)")
+    m.add_argument("--pooling", choices=["avg", "max"], help="snapkv pooling (default avg)")
+    m.add_argument("--window", type=int, help="observation window in tokens (default 32)")
+    m.add_argument("--page-size", type=int,
+                   help="quest page size (default max(16, tokens / (budget / 2)))")
+    m.add_argument("--rocket-split", choices=["sqrt", "adaptive"],
+                   help="RocketKV budget split between stages (default sqrt: paper v1)")
+    m.add_argument("--sparq-reallocate", action="store_true",
+                   help="sparq: mix in the mean value by the unselected probability mass")
+    m.add_argument("--sink-size", type=int,
+                   help="streamingllm: attention sinks kept (default 4)")
+    m.add_argument("--heavy-ratio", type=float,
+                   help="h2o: share of the budget for heavy hitters (default 0.5)")
+    m.add_argument("--duo-patterns", metavar="PATH",
+                   help="duoattention: head gates, a TSV (layers x KV heads) or a directory "
+                        "with full_attention_heads.tsv; needed above a 640-token budget")
+    m.add_argument("--duo-threshold", type=float,
+                   help="duoattention: gates above this retrieve (the pattern's own split, "
+                        "DuoAttention deploys 0.5); default: the budget sets the share")
+    m.add_argument("--block-size", type=int,
+                   help="keydiff: prompt tokens per prefill block (default 128); cache memory "
+                        "stays within budget + block")
+    m.add_argument("--filter-layers", type=_layer_list, metavar="L1,L2,...",
+                   help="omnikv: filter layers (default: the paper's 2,8,18 for 32 layers, "
+                        "scaled to other depths)")
+    m.add_argument("--omnikv-selector", choices=["last", "uniform", "exponential"],
+                   help="omnikv: context selector over its observation window (default last)")
+    m.add_argument("--offload", action="store_true",
+                   help="omnikv: keep the sparse layers' K/V in host memory (runs eagerly)")
+    m.add_argument("--skip-layers", type=int,
+                   help="leave the first N layers uncompressed (the paper: 2 for LongChat)")
+
+
 def _layer_list(text: str) -> list[int]:
     """``--filter-layers 2,8,18`` -> [2, 8, 18] (argparse type; a bad list is a usage error)."""
     try:
@@ -749,40 +788,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text file, - for stdin")
     src.add_argument("--prompt-tokens", type=int, metavar="N",
                      help="synthetic prompt of N random token ids (efficiency runs)")
-    m = p.add_argument_group("method options (every derived parameter is printed and saved)")
-    m.add_argument("--kernel-size", type=int,
-                   help="SnapKV/SnapKV++/RocketKV pooling kernel (odd; default 7 for snapkv, "
-                        "63/511 by prompt length for snapkv_pp and rocketkv)")
-    m.add_argument("--pooling", choices=["avg", "max"], help="snapkv pooling (default avg)")
-    m.add_argument("--window", type=int, help="observation window in tokens (default 32)")
-    m.add_argument("--page-size", type=int,
-                   help="quest page size (default max(16, tokens / (budget / 2)))")
-    m.add_argument("--rocket-split", choices=["sqrt", "adaptive"],
-                   help="RocketKV budget split between stages (default sqrt: paper v1)")
-    m.add_argument("--sparq-reallocate", action="store_true",
-                   help="sparq: mix in the mean value by the unselected probability mass")
-    m.add_argument("--sink-size", type=int,
-                   help="streamingllm: attention sinks kept (default 4)")
-    m.add_argument("--heavy-ratio", type=float,
-                   help="h2o: share of the budget for heavy hitters (default 0.5)")
-    m.add_argument("--duo-patterns", metavar="PATH",
-                   help="duoattention: head gates, a TSV (layers x KV heads) or a directory "
-                        "with full_attention_heads.tsv; needed above a 640-token budget")
-    m.add_argument("--duo-threshold", type=float,
-                   help="duoattention: gates above this retrieve (the pattern's own split, "
-                        "DuoAttention deploys 0.5); default: the budget sets the share")
-    m.add_argument("--block-size", type=int,
-                   help="keydiff: prompt tokens per prefill block (default 128); cache memory "
-                        "stays within budget + block")
-    m.add_argument("--filter-layers", type=_layer_list, metavar="L1,L2,...",
-                   help="omnikv: filter layers (default: the paper's 2,8,18 for 32 layers, "
-                        "scaled to other depths)")
-    m.add_argument("--omnikv-selector", choices=["last", "uniform", "exponential"],
-                   help="omnikv: context selector over its observation window (default last)")
-    m.add_argument("--offload", action="store_true",
-                   help="omnikv: keep the sparse layers' K/V in host memory (runs eagerly)")
-    m.add_argument("--skip-layers", type=int,
-                   help="leave the first N layers uncompressed (the paper: 2 for LongChat)")
+    add_method_options(p.add_argument_group(
+        "method options (every derived parameter is printed and saved)"))
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-k", type=int)

@@ -53,8 +53,8 @@ from compression import METHODS, OPTIONS_BY_METHOD, UNBUDGETED  # noqa: E402
 from generate import (  # noqa: E402
     DTYPES,
     OneLineParser,
-    _layer_list,
     _resolve_device,
+    add_method_options,
     device_name,
     generate,
     write_json,
@@ -125,7 +125,8 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
     best = None
     for _ in range(args.repeats):
         opts = {k: v for k, v in vars(args).items()  # the options this method reads
-                if k in OPTIONS_BY_METHOD.get(method, ()) and v is not None}
+                if v is not None and (k in OPTIONS_BY_METHOD.get(method, ()) or
+                                      k == "skip_layers" and method in OPTIONS_BY_METHOD)}
         r = generate(model, prompt, method=method, budget=budget,
                      max_new_tokens=args.new_tokens,
                      compile=args.compile and not opts.get("offload"), method_options=opts)
@@ -349,18 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
     p.add_argument("--out", default="results", help="results root (default results/)")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--duo-patterns", metavar="PATH",
-                   help="duoattention head gates, needed above a 640-token budget (e.g. "
-                        "../shared/data/duo_attention_patterns/Meta-Llama-3.1-8B-Instruct)")
-    p.add_argument("--sink-size", type=int, help="streamingllm sinks (default 4)")
-    p.add_argument("--heavy-ratio", type=float, help="h2o heavy-hitter share (default 0.5)")
-    p.add_argument("--block-size", type=int, help="keydiff prefill block (default 128)")
-    p.add_argument("--filter-layers", type=_layer_list, metavar="L1,L2,...",
-                   help="omnikv filter layers (default: the paper's 2,8,18 for 32 layers)")
-    p.add_argument("--omnikv-selector", choices=["last", "uniform", "exponential"],
-                   help="omnikv context selector (default last)")
-    p.add_argument("--offload", action="store_true",
-                   help="omnikv: sparse layers' K/V in host memory (its rows run uncompiled)")
+    add_method_options(p.add_argument_group(
+        "method options (applied to every method that takes them)"))
     p.add_argument("--time-limit", type=float, metavar="S",
                    help="start no configuration after S seconds (the rest are listed as "
                         "skipped); results are saved after every configuration anyway")

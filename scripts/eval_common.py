@@ -50,8 +50,8 @@ from compression import (  # noqa: E402
 )
 from generate import (  # noqa: E402
     METHOD_OPTIONS,
-    _layer_list,
     _resolve_device,
+    add_method_options,
     check_positive,
     extend_prefilled,
     generate,
@@ -340,23 +340,8 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
                    help="default float32 on cpu, bfloat16 on cuda")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
     p.add_argument("--no-progress", action="store_true")
-    m = p.add_argument_group("method options (applied to every method that takes them)")
-    m.add_argument("--skip-layers", type=int, help="first layers left uncompressed")
-    m.add_argument("--kernel-size", type=int)
-    m.add_argument("--window", type=int)
-    m.add_argument("--page-size", type=int)
-    m.add_argument("--rocket-split", choices=["sqrt", "adaptive"])
-    m.add_argument("--sink-size", type=int, help="streamingllm sinks (default 4)")
-    m.add_argument("--heavy-ratio", type=float, help="h2o heavy-hitter share (default 0.5)")
-    m.add_argument("--duo-patterns", metavar="PATH",
-                   help="duoattention head gates (needed above a 640-token budget)")
-    m.add_argument("--duo-threshold", type=float, help="duoattention: gates above it retrieve")
-    m.add_argument("--block-size", type=int, help="keydiff prefill block (default 128)")
-    m.add_argument("--filter-layers", type=_layer_list, metavar="L1,L2,...",
-                   help="omnikv filter layers (default: the paper's rule)")
-    m.add_argument("--omnikv-selector", choices=["last", "uniform", "exponential"],
-                   help="omnikv context selector (default last)")
-
+    add_method_options(p.add_argument_group(
+        "method options (applied to every method that takes them)"))
 
 def method_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in METHOD_OPTIONS  # 0 is a value (--sink-size 0)
