@@ -161,8 +161,9 @@ class KeyDiffCache(KVCache):
             raise ValueError(f"a chunk at positions {start}..{start + Tc - 1} does not fit the "
                              f"cache (prompt {self.prompt_len} tokens, {self.max_len} "
                              "positions)")
-        # after decoding, the valid slots are 0..n-1 (an empty slot is always filled first)
-        self.filled = int((self.slot_pos[0, 0, :self.capacity] >= 0).sum())
+        # the cache holds every token so far up to capacity, in slots 0..n-1 (decode fills an
+        # empty slot first)
+        self.filled = min(self.capacity, start)
         out = []
         for b in range(0, Tc, self.block):
             e = min(b + self.block, Tc)
@@ -189,7 +190,7 @@ class KeyDiffCache(KVCache):
         valid = pos >= 0  # (B, H_kv, C + 1)
         # the anchor (mean of the t keys) is one more query row: K is read once
         anchor = (self.key_sum + k_new) / valid.sum(dim=-1, keepdim=True)  # (B, H_kv, D)
-        rows = torch.cat([q.reshape(B, Hkv, G, D).float(), anchor[:, :, None]], dim=2)
+        rows = torch.cat([q.reshape(B, Hkv, G, D), anchor[:, :, None].to(q.dtype)], dim=2)
         dots = torch.matmul(rows.to(keys.dtype), keys.transpose(-1, -2)).float()
         scores = (dots[:, :, :G] * D ** -0.5).masked_fill(~valid[:, :, None], float("-inf"))
         probs = scores.softmax(dim=-1)

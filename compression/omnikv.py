@@ -143,10 +143,10 @@ class OmniKVFilterCache(FullKVCache):
         if self.q_window is None:
             return
         n = q.shape[2]
-        for i in range(max(0, n - self.window), n):
-            slot = (first + i) % self.window
-            self.q_window[:, :, slot] = q[:, :, i]
-            self.q_window_pos[slot] = first + i
+        i = max(0, n - self.window)  # the last queries, position p in slot p mod w
+        pos = torch.arange(first + i, first + n, device=self.q_window_pos.device)
+        self.q_window.index_copy_(2, pos % self.window, q[:, :, i:])
+        self.q_window_pos.index_copy_(0, pos % self.window, pos)
 
     def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:
         super().store_prompt(k, v, q_obs, start)
