@@ -308,6 +308,12 @@ class KVCache(nn.Module):
         """Bytes of cached K/V (and auxiliary data) one decode step reads."""
         raise NotImplementedError
 
+    def ideal_bytes_per_step(self) -> int:
+        """Bytes a step would read if every read touched only the elements it uses (the
+        RocketKV paper's Table 1 count); ``bytes_read_per_step`` counts what the kernels touch
+        at the layout used (32-byte sectors where a gather is strided). Equal by default."""
+        return self.bytes_read_per_step()
+
     def host_bytes(self) -> int:
         """Bytes of this cache kept in host memory (OmniKV's ``--offload``); not part of
         ``allocated_bytes``."""
