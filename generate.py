@@ -42,9 +42,9 @@ from model import ConfigError, ModelArgs, Transformer
 from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
 METHOD_OPTIONS = ("kernel_size", "pooling", "window", "page_size", "rocket_split",
-                  "sparq_reallocate", "sink_size", "heavy_ratio", "duo_patterns",
-                  "duo_threshold", "block_size", "filter_layers", "omnikv_selector", "offload",
-                  "skip_layers")
+                  "sparq_reallocate", "sparq_strided_keys", "sink_size", "heavy_ratio",
+                  "duo_patterns", "duo_threshold", "block_size", "filter_layers",
+                  "omnikv_selector", "offload", "skip_layers")
 SPREAD_WARN = 4.0  # p90/p10 of decode steps above which the report warns of contention
 WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,19 +108,19 @@ def _configure_dynamo() -> None:
             setattr(config, name, value)
 
 
-def compiled_decode(device: torch.device, backend: Any = None):
-    """``decode_one_token`` compiled once per (device type, backend) and reused across calls
-    (see ``DYNAMO_CONFIG`` for reuse across shapes)."""
-    key = (device.type, backend)
+def compiled_decode(device: torch.device, backend: Any = None, dynamic: bool | None = None):
+    """``decode_one_token`` compiled once per (device type, backend, dynamic) and reused
+    across calls (see ``DYNAMO_CONFIG`` for reuse across shapes); ``dynamic=True`` compiles
+    symbolic shapes from the first call (``torch.compile(dynamic=True)``)."""
+    key = (device.type, backend, dynamic)
     if key not in _compiled:
         _configure_dynamo()
+        kw: dict[str, Any] = {"fullgraph": True, "dynamic": dynamic}
         if backend is not None:
-            fn = torch.compile(decode_one_token, backend=backend, fullgraph=True)
+            kw["backend"] = backend
         elif device.type == "cuda":
-            fn = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-        else:
-            fn = torch.compile(decode_one_token, fullgraph=True)
-        _compiled[key] = fn
+            kw["mode"] = "reduce-overhead"
+        _compiled[key] = torch.compile(decode_one_token, **kw)
     return _compiled[key]
 
 
@@ -378,11 +378,17 @@ def _store_prefilled(model: Transformer, pre: PrefilledPrompt) -> Tensor:
 @torch.no_grad()
 def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int, step_fn,
          sampling: dict, stop_ids: Tensor, meter: MemoryMeter,
-         warmup_steps: int = 0, on_token=None) -> dict[str, Any]:
+         warmup_steps: int = 0, on_token=None, stop_check_every: int = 1) -> dict[str, Any]:
     """Prefill (``prefill_fn() -> logits``), then decode from position ``first_pos``; the first
     ``warmup_steps`` decode steps (compilation, CUDA-graph capture) are timed together as
     ``compile_s`` and left out of ``decode_ms`` and of the decode-phase memory peak. Their
-    tokens are real output. ``new_tokens == 0``: prefill only."""
+    tokens are real output. ``new_tokens == 0``: prefill only.
+
+    The loop reads nothing back from the device unless it must: without ``stop_ids`` (a
+    benchmark) never, so the host queues steps (graph replays) back to back; with them, whether
+    every sequence has stopped is read every ``stop_check_every`` steps, and the steps run
+    past the stop are dropped from the result (tokens, position and pending token as if
+    checked every step; an evicting cache has seen those extra tokens)."""
     device = model.tok_embeddings.weight.device
     timer = StepTimer(device)
     meter.reset()
@@ -398,6 +404,7 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
     out = torch.empty(B, new_tokens, dtype=torch.long, device=device)
     n = 0
     compile_s = None
+    check = stop_ids.numel() > 0  # no stop tokens: nothing to read back in the loop
     if new_tokens:
         out[:, :1] = next_tok
         done = torch.isin(next_tok[:, 0], stop_ids)
@@ -409,7 +416,7 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
     interrupted = False
     try:
         for step in range(new_tokens - 1):
-            if bool(done.all()):
+            if check and step % stop_check_every == 0 and bool(done.all()):
                 break
             if step == warmup_steps and warmup_steps:
                 _sync(device)
@@ -422,11 +429,16 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
             out[:, n:n + 1] = next_tok
             n += 1
             input_pos += 1
-            done |= torch.isin(next_tok[:, 0], stop_ids)
+            if check:
+                done |= torch.isin(next_tok[:, 0], stop_ids)
             if on_token is not None:
                 on_token(out[:, :n])
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated (the caller reports it)
         interrupted = True
+    if check and n > 1 and stop_check_every > 1:  # drop the steps run past the last stop
+        hit = torch.isin(out[:, :n], stop_ids)  # (B, n)
+        if bool(hit.any(dim=1).all()):
+            n = int(hit.int().argmax(dim=1).max()) + 1
     if warmup_steps and compile_s is None and n > 1:  # the run ended within the warm-up
         _sync(device)
         compile_s = time.perf_counter() - t_warm
@@ -459,7 +471,8 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
              compile_backend: Any = None, method_options: dict[str, Any] | None = None,
              warmup_steps: int = WARMUP_STEPS, reserve_tokens: int = 0,
              continue_conversation: bool = False,
-             prefilled: PrefilledPrompt | None = None, on_token=None) -> dict[str, Any]:
+             prefilled: PrefilledPrompt | None = None, on_token=None,
+             stop_check_every: int = 1, compile_dynamic: bool | None = None) -> dict[str, Any]:
     """Prefill ``prompt``, then decode until a stop token, ``max_new_tokens`` or the context end.
 
     Args:
@@ -475,6 +488,9 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
             ``compile_s`` and they are left out of every latency and decode-memory figure.
             Prefill runs once.
         compile_backend: a ``torch.compile`` backend (tests use a counting backend).
+        compile_dynamic: None (default): the first compile has static shapes and a later call
+            with other sizes recompiles once with them symbolic (``DYNAMO_CONFIG``); True:
+            symbolic from the first call; the compiled step is shared per setting.
         warmup_steps: decode steps left out of the figures when compiling (default 3: CUDA
             graph trees run a step, record the next, and replay from the third).
         reserve_tokens: extra cache room (tokens) for later turns of the conversation. The
@@ -493,6 +509,10 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
             what was generated, ``stop_reason`` ``"interrupted"``.
         prefilled: the prompt's ``prefill_once`` result: the caches are built from its K/V
             instead of running the prefill again (``prompt`` must be its tokens).
+        stop_check_every: with ``stop_ids``, read whether every sequence has stopped every N
+            decode steps (a host sync each time) instead of every step; the result is the
+            same, the steps run past the stop are dropped. Without ``stop_ids`` nothing is
+            read back during decoding.
     Returns:
         dict with ``token_ids`` (per sequence, stop token included), ``prefill_s``,
         ``decode_ms`` (one entry per decode step), summary latencies, ``tokens_per_s`` (tokens
@@ -514,6 +534,8 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         raise ConfigError(f"--max-new-tokens must not be negative, got {max_new_tokens}")
     if reserve_tokens < 0:
         raise ConfigError(f"reserve_tokens must not be negative, got {reserve_tokens}")
+    if stop_check_every < 1:
+        raise ConfigError(f"stop_check_every must be at least 1, got {stop_check_every}")
     context = model.args.max_seq_len
     meter = MemoryMeter(device)
     meter.reset()
@@ -568,12 +590,14 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     if compile and not all(c.compilable for c in model.caches):
         raise ConfigError("this method's decode step synchronizes with the host (--offload) "
                           "and runs eagerly: use --no-compile")
-    step_fn = compiled_decode(device, compile_backend) if compile else decode_one_token
+    step_fn = compiled_decode(device, compile_backend, compile_dynamic) if compile \
+        else decode_one_token
     if seed is not None:
         torch.manual_seed(seed)
     first_pos = start + chunk.shape[1]
     run = _run(model, prefill_fn, B, first_pos, new_tokens, step_fn, sampling, stop, meter,
-               warmup_steps=warmup_steps if compile else 0, on_token=on_token)
+               warmup_steps=warmup_steps if compile else 0, on_token=on_token,
+               stop_check_every=stop_check_every)
     end = spec["prompt_len"] + spec["new_tokens"]  # positions the caches hold
     model._conversation = {"batch_size": B, "pending": run["pending"],
                            "position": run["position"], "end": end}
@@ -601,6 +625,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     caches = model.caches
     kv_cache_bytes = sum(c.allocated_bytes() for c in caches)
     kv_per_step = sum(c.bytes_read_per_step() for c in caches)
+    kv_ideal = sum(c.ideal_bytes_per_step() for c in caches)
     kv_host = sum(c.host_bytes() for c in caches)
     # what the full cache would store, and read whole at every step, for this run
     a = model.args
@@ -634,6 +659,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "peak_memory_kind": meter.kind,
         "kv_cache_bytes": kv_cache_bytes,
         "kv_bytes_per_step": kv_per_step,
+        "kv_ideal_bytes_per_step": kv_ideal,
         "kv_host_bytes": kv_host,
         "offload_bytes_per_step": sum(c.offload_bytes_per_step() for c in caches),
         "prompt_tokens_kept": {"min": min(kept), "max": max(kept),
@@ -671,6 +697,9 @@ def add_method_options(m: argparse._ActionsContainer) -> None:
                    help="RocketKV budget split between stages (default sqrt: paper v1)")
     m.add_argument("--sparq-reallocate", action="store_true",
                    help="sparq: mix in the mean value by the unselected probability mass")
+    m.add_argument("--sparq-strided-keys", action="store_true",
+                   help="sparq: no dim-major copy of K (storage 1x instead of 1.5x the full "
+                        "cache); the r dims are then a strided read of every key row")
     m.add_argument("--sink-size", type=int,
                    help="streamingllm: attention sinks kept (default 4)")
     m.add_argument("--heavy-ratio", type=float,

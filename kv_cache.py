@@ -151,6 +151,52 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tenso
     return torch.matmul(probs, v).reshape(B, H, Tq, D)
 
 
+FLEX_BLOCK = 128  # tokens per key block of the compiled decode attention (FlexAttention)
+
+
+def prefix_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> Tensor:
+    """Decode attention of q over the written prefix ``0 .. last`` of static K/V buffers.
+
+    Args:
+        q: (B, H, 1, D); k, v: (B, H_kv, S, D) static buffers; last: (1,) int64 device
+            tensor, the last written slot (shapes never depend on it: one compiled graph).
+    Returns:
+        (B, H, 1, D) in the dtype of v.
+
+    Eager, this is ``attend`` with a (S,) mask. Compiled (``torch.compile``, the timed decode
+    step), it is FlexAttention over a block mask built on the device from ``last``: the key
+    blocks of ``FLEX_BLOCK`` tokens before the one holding ``last`` are full, that one is
+    masked at ``last``, and blocks after it are never read, so the step reads what is written,
+    not the whole buffer. On CUDA the flex decoding kernel splits the sequence over thread
+    blocks (flash-decoding) and reads K/V once per KV head for its query group (GQA), where
+    matmul-softmax-matmul is a GEMM of G rows over S keys. Needs head_dim >= 16 on CUDA (the
+    kernel's tile); smaller heads keep the eager formula.
+    """
+    if torch.compiler.is_compiling() and (q.device.type != "cuda" or q.shape[-1] >= 16):
+        return _flex_prefix_attention(q, k, v, last)
+    mask = torch.arange(k.shape[2], device=last.device) <= last  # (S,)
+    return attend(q, k, v, mask)
+
+
+def _flex_prefix_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> Tensor:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    S = k.shape[2]
+    n_blocks = -(-S // FLEX_BLOCK)
+    block = torch.div(last, FLEX_BLOCK, rounding_mode="floor").to(torch.int32)  # (1,)
+    full_num = block.view(1, 1, 1)  # blocks 0 .. block - 1 are wholly written
+    full_idx = torch.arange(n_blocks, dtype=torch.int32, device=q.device).view(1, 1, 1, -1)
+    part_num = torch.ones(1, 1, 1, dtype=torch.int32, device=q.device)
+    part_idx = block.view(1, 1, 1, 1).expand(1, 1, 1, n_blocks).contiguous()
+
+    def written(b, h, q_idx, kv_idx):
+        return kv_idx <= last[0]
+
+    mask = BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx,
+                                    BLOCK_SIZE=FLEX_BLOCK, mask_mod=written, seq_lengths=(1, S))
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:
     """Softmax weights of ``attend``: (B, H_kv, G * Tq, S) float32, rows ordered query head
     within the group, then query token (q (B, H, Tq, D), k (B, H_kv, S, D), ``mask`` as in
@@ -368,11 +414,12 @@ class FullKVCache(KVCache):
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
-        mask = torch.arange(self.k_cache.shape[2], device=input_pos.device) <= input_pos  # (S,)
-        return attend(q, self.k_cache, self.v_cache, mask)
+        return prefix_attention(q, self.k_cache, self.v_cache, input_pos)
 
     def bytes_read_per_step(self) -> int:
-        return self.allocated_bytes()  # the whole static buffer, masked
+        # compiled, the step reads the written blocks; at the last step that is the whole
+        # buffer (sized prompt + new tokens), which this counts
+        return self.allocated_bytes()
 
     def method_params(self) -> dict[str, Any]:
         return {**self._params, "max_seq_len": self.max_seq_len}
@@ -426,6 +473,27 @@ def _same_view(a: Tensor, b: Tensor) -> bool:
             and a.stride() == b.stride())
 
 
+SECTOR = 32  # bytes: the unit in which GPU memory is read (an L2 sector)
+
+
+def sector_bytes(nbytes: int) -> int:
+    """Bytes read for ``nbytes`` contiguous bytes: whole 32-byte sectors (aligned start)."""
+    return -(-nbytes // SECTOR) * SECTOR
+
+
+def strided_bytes(n: int, row: int, elem: int) -> int:
+    """Bytes read for ``n`` scattered elements of one contiguous row of ``row`` elements of
+    ``elem`` bytes: each in its own sector at worst, never more than the whole row."""
+    return min(n * SECTOR, sector_bytes(row * elem))
+
+
+def token_bytes(cache: KVCache, n: int) -> int:
+    """Bytes of ``n`` gathered key+value rows (whole sectors each) for every sequence and KV
+    head of ``cache``."""
+    row = sector_bytes(cache.head_dim * torch.empty((), dtype=cache.dtype).element_size())
+    return 2 * cache.batch_size * cache.n_kv_heads * n * row
+
+
 def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
     """Rows of ``x`` (B, H_kv, S, D) at token indices ``idx`` (B, H_kv, n) -> (B, H_kv, n, D)."""
     return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
@@ -466,15 +534,20 @@ class Selector(nn.Module):
             self.update(cache, s, cache.k_cache.index_select(2, s))
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
-        """Attention output (B, H, 1, D) for q over the slots marked ``valid`` (S,)."""
-        mask = valid
+        """Attention output (B, H, 1, D) for q over the slots marked ``valid`` (S,) bool, a
+        prefix of the buffer (slots 0 .. the one just written)."""
         if cache.head_mask is not None:  # per-query-head token sets (original SnapKV)
-            mask = valid & cache.head_mask  # (B, H_kv, G, S)
-        return attend(q, cache.k_cache, cache.v_cache, mask)
+            return attend(q, cache.k_cache, cache.v_cache, valid & cache.head_mask)
+        last = valid.sum(dim=0, keepdim=True) - 1  # valid is the prefix 0 .. last
+        return prefix_attention(q, cache.k_cache, cache.v_cache, last)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
-        """Bytes one decode step reads: every slot's key and value."""
+        """Bytes one decode step's kernels read at this layout: every slot's key and value."""
         return cache.kv_bytes(cache.capacity)
+
+    def ideal_bytes(self, cache: CompressedKVCache) -> int:
+        """Bytes the step would read touching only the elements it uses (RocketKV Table 1)."""
+        return self.bytes_read(cache)
 
     def params(self) -> dict[str, Any]:
         return {"selection": "dense"}
@@ -588,6 +661,9 @@ class CompressedKVCache(KVCache):
 
     def bytes_read_per_step(self) -> int:
         return self.selector.bytes_read(self)
+
+    def ideal_bytes_per_step(self) -> int:
+        return self.selector.ideal_bytes(self)
 
     def method_params(self) -> dict[str, Any]:
         return {**self._params, "prompt_tokens_kept": self.kept, "capacity": self.capacity,

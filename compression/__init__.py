@@ -16,7 +16,8 @@ snapkv_pp       prompt budget P = t - m shared by the group, window 32, max pool
 quest           k = t // 2 tokens (token-level top-k on page-constant bounds),
                 page_size = max(16, ceil(C / (t - k))) unless --page-size;
                 traffic ceil(C / page_size) + k pairs
-sparq           k = t // 2, r = floor(t * d / C) clamped to [1, d];
+sparq           k = t // 2, r = floor(t * d / C) clamped to [1, d]; K also stored dim-major
+                (storage 1.5x the full cache, Table 1 counts 2) unless --sparq-strided-keys;
                 traffic C r / (2 d) + k pairs (<= t whenever t d / C >= 1)
 hybrid          c = C / t, page_size = min(floor(c), ceil(sqrt(c))),
                 r = round(d * page_size / c) clamped to [1, d], k = t // 2;
@@ -188,6 +189,7 @@ def derive(method: str, t: int, T: int, m: int, args: ModelArgs,
             raise BudgetError("k = t // 2 rounds to zero")
         r = min(d, max(1, t * d // cap))  # floor: r * C <= t * d, within budget when >= 1
         p.update(k=k, r=r, reallocate=bool(options.get("sparq_reallocate")),
+                 dim_major=not options.get("sparq_strided_keys"),
                  traffic_tokens=cap * r / (2 * d) + k)
         _report_overshoot(p, t)
     elif method == "hybrid":
@@ -281,7 +283,7 @@ def _selector(method: str, p: dict[str, Any]) -> Selector:
     if method == "quest":
         return Quest(p["page_size"], p["k"])
     if method == "sparq":
-        return SparQ(p["r"], p["k"], p["reallocate"])
+        return SparQ(p["r"], p["k"], p["reallocate"], p["dim_major"])
     if method in ("hybrid", "rocketkv") and not p["dense"]:
         return Hybrid(p["page_size"], p["r"], p["k"])
     return Selector()  # dense over what is kept (SnapKV family; stage 2 within budget)
@@ -301,7 +303,7 @@ def _evictor(method: str, p: dict[str, Any]) -> Callable | None:
 OPTIONS_BY_METHOD: dict[str, tuple[str, ...]] = {
     "exact_topk": (), "snapkv": ("kernel_size", "pooling", "window"),
     "snapkv_pp": ("kernel_size", "window"), "quest": ("page_size",),
-    "sparq": ("sparq_reallocate",), "hybrid": (),
+    "sparq": ("sparq_reallocate", "sparq_strided_keys"), "hybrid": (),
     "rocketkv": ("kernel_size", "window", "rocket_split"),
     "streamingllm": ("sink_size",), "h2o": ("heavy_ratio",),
     "duoattention": ("duo_patterns", "duo_threshold"),

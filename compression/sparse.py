@@ -42,7 +42,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kv_cache import CompressedKVCache, Selector, attend, attend_selected, gather_tokens
+from kv_cache import (
+    CompressedKVCache,
+    Selector,
+    attend,
+    attend_selected,
+    gather_tokens,
+    sector_bytes,
+    strided_bytes,
+    token_bytes,
+)
 
 
 def group_sum(x: Tensor, n_kv_heads: int) -> Tensor:
@@ -64,59 +73,85 @@ def exact_scores(q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
     return p.sum(dim=2).masked_fill(~valid, float("-inf"))
 
 
-def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
+def page_summary(kmin: Tensor, kmax: Tensor) -> Tensor:
+    """Page min/max keys (B, H_kv, P, D) each -> the summary layout (B, H_kv, 2 D, P): rows
+    0..D-1 the max of each head dim over each page, rows D..2D-1 the min, so that one head
+    dim's values over all pages are one contiguous row (RocketKV Sec. 3.4: "along the head
+    dimension to enable efficient gathering")."""
+    return torch.cat([kmax, kmin], dim=-1).transpose(-1, -2)
+
+
+def page_bounds(q: Tensor, summary: Tensor) -> Tensor:
     """Quest page bounds summed over each query group.
 
-    q: (B, H, 1, D); kmin, kmax: (B, H_kv, P, D). Returns (B, H_kv, P) float32 with
-    sum_i max(q_i kmax_i, q_i kmin_i) per query head, summed over the group: an upper bound of
-    the group-summed q . k for every key k in the page.
+    Args:
+        q: (B, H, 1, D) queries.
+        summary: (B, H_kv, 2 D, P) page max rows then min rows (``page_summary``), or
+            (B, H_kv, D, P) when a page's max and min coincide (pages of one token: K^T).
+    Returns:
+        (B, H_kv, P) float32: sum over the group's query heads of sum_i max(q_i kmax_i,
+        q_i kmin_i), an upper bound of the group-summed q . k for every key k in the page.
+        Since kmax >= kmin, max(q_i kmax_i, q_i kmin_i) = max(q_i, 0) kmax_i + min(q_i, 0)
+        kmin_i, which is linear in q: the group's queries are summed first and the bound is
+        one matrix-vector product over the summary, read once.
     """
     B, H, _, D = q.shape
-    Hkv = kmin.shape[1]
-    qg = q.reshape(B, Hkv, H // Hkv, 1, D).float()  # (B, H_kv, G, 1, D)
-    bound = torch.maximum(qg * kmax[:, :, None].float(), qg * kmin[:, :, None].float())
-    return bound.sum(dim=-1).sum(dim=2)  # (B, H_kv, P)
+    Hkv = summary.shape[1]
+    qs = q.reshape(B, Hkv, H // Hkv, D).float()
+    if summary.shape[2] == 2 * D:
+        qs = torch.cat([qs.clamp(min=0), qs.clamp(max=0)], dim=-1)  # (B, H_kv, G, 2 D)
+    qs = qs.sum(dim=2, keepdim=True).to(summary.dtype)  # (B, H_kv, 1, 2 D or D)
+    return torch.matmul(qs, summary).float()[:, :, 0]
 
 
 def top_r_dims(q: Tensor, n_kv_heads: int, r: int) -> Tensor:
     """Indices (B, H_kv, r) of the r largest dims of |q| summed over each query group."""
-    return group_sum(q[:, :, 0].abs().float(), n_kv_heads).topk(r, dim=-1).indices
+    return group_sum(q[:, :, 0].abs().float(), n_kv_heads).topk(r, dim=-1, sorted=False).indices
 
 
-def sparq_temperature(q: Tensor, dims: Tensor) -> Tensor:
-    """SparQ's softmax scale denominator sqrt(d * sum|q_r| / sum|q|), (B, H_kv, G, 1).
-
-    q: (B, H, 1, D); dims: (B, H_kv, r)."""
+def query_dims(q: Tensor, dims: Tensor) -> Tensor:
+    """The group's queries at ``dims``: q (B, H, 1, D), dims (B, H_kv, r) -> (B, H_kv, G, r)."""
     B, H, _, D = q.shape
     Hkv = dims.shape[1]
-    qa = q.reshape(B, Hkv, H // Hkv, D).abs().float()
-    q_r = qa.gather(-1, dims[:, :, None].expand(-1, -1, H // Hkv, -1))
-    return torch.sqrt(D * q_r.sum(-1, keepdim=True) / qa.sum(-1, keepdim=True))
+    return q.reshape(B, Hkv, H // Hkv, D).gather(-1, dims[:, :, None].expand(-1, -1, H // Hkv, -1))
 
 
-def sparq_scores(q: Tensor, k: Tensor, dims: Tensor, valid: Tensor) -> Tensor:
+def sparq_temperature(q: Tensor, q_r: Tensor) -> Tensor:
+    """SparQ's softmax scale denominator sqrt(d * sum|q_r| / sum|q|), (B, H_kv, G, 1).
+
+    q: (B, H, 1, D); q_r: (B, H_kv, G, r), the queries at the chosen dims (``query_dims``)."""
+    B, H, _, D = q.shape
+    qa = q.reshape(B, q_r.shape[1], H // q_r.shape[1], D).abs().float()
+    return torch.sqrt(D * q_r.abs().float().sum(-1, keepdim=True) / qa.sum(-1, keepdim=True))
+
+
+def sparq_scores(q: Tensor, k: Tensor, dims: Tensor, valid: Tensor,
+                 dim_major: bool = False) -> Tensor:
     """SparQ approximate attention per query head.
 
-    q: (B, H, 1, D); k: (B, H_kv, S, D); dims: (B, H_kv, r); valid: (S,).
-    Returns (B, H_kv, G, S) float32 probabilities softmax(q_r . K_r / temperature).
+    Args:
+        q: (B, H, 1, D); dims: (B, H_kv, r); valid: (S,) bool.
+        k: the keys, (B, H_kv, S, D), or with ``dim_major`` their transposed copy
+            (B, H_kv, D, S), whose r chosen dims are r contiguous rows.
+    Returns:
+        (B, H_kv, G, S) float32 probabilities softmax(q_r . K_r / temperature).
     """
-    B, H, _, D = q.shape
-    Hkv = k.shape[1]
-    G = H // Hkv
-    qg = q.reshape(B, Hkv, G, D)
-    q_r = qg.gather(-1, dims[:, :, None].expand(-1, -1, G, -1))  # (B, H_kv, G, r)
-    k_r = k.gather(-1, dims[:, :, None, :].expand(-1, -1, k.shape[2], -1))  # (B, H_kv, S, r)
-    s = torch.matmul(q_r, k_r.transpose(-1, -2)).float() / sparq_temperature(q, dims)
+    q_r = query_dims(q, dims)  # (B, H_kv, G, r)
+    if dim_major:
+        k_r = k.gather(2, dims[..., None].expand(-1, -1, -1, k.shape[-1]))  # (B, H_kv, r, S)
+    else:  # r elements of every key row: a strided read
+        k_r = k.gather(-1, dims[:, :, None, :].expand(-1, -1, k.shape[2], -1)).transpose(-1, -2)
+    s = torch.matmul(q_r, k_r).float() / sparq_temperature(q, q_r)
     return s.masked_fill(~valid, float("-inf")).softmax(dim=-1)
 
 
-def hybrid_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, dims: Tensor,
-                       counts: Tensor) -> Tensor:
+def hybrid_page_scores(q: Tensor, summary: Tensor, dims: Tensor, counts: Tensor) -> Tensor:
     """Hybrid attention (RocketKV Alg. 2, steps 2-3) token probabilities per page, group-summed.
 
     Args:
         q: (B, H, 1, D) queries.
-        kmin, kmax: (B, H_kv, P, D) element-wise min and max keys of each page.
+        summary: (B, H_kv, 2 D, P) page max rows then min rows (``page_summary``), or
+            (B, H_kv, D, P) when max and min coincide (pages of one token: K^T).
         dims: (B, H_kv, r) int64, the top-r dims of the group-summed |q| (``top_r_dims``).
         counts: (P,) integer, valid (written) tokens of each page (0 .. page_size); a device
             tensor, so shapes stay static in the compiled decode step.
@@ -127,17 +162,17 @@ def hybrid_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, dims: Tensor,
         valid token of page p carries s_gp and the softmax runs over the valid tokens, so each
         of them gets exp(s_gp) / sum_p' counts_p' exp(s_gp') (the released code's token
         expansion, computed per page with log(counts) in the normalizer); summed over the
-        group. Pages without a valid token get 0.
+        group. Pages without a valid token get 0. Only the r summary rows the signs pick are
+        read (one gather of r contiguous rows), not the other bound.
     """
-    B, H, _, D = q.shape
-    Hkv, P = kmin.shape[1], kmin.shape[2]
-    G = H // Hkv
-    qg = q.reshape(B, Hkv, G, D)
-    sign = qg.float().sum(dim=2).gather(-1, dims) >= 0  # (B, H_kv, r)
-    idx = dims[:, :, None, :].expand(-1, -1, P, -1)
-    chosen = torch.where(sign[:, :, None, :], kmax.gather(-1, idx), kmin.gather(-1, idx))
-    q_r = qg.gather(-1, dims[:, :, None].expand(-1, -1, G, -1))  # (B, H_kv, G, r)
-    s = torch.matmul(q_r, chosen.transpose(-1, -2)).float() / sparq_temperature(q, dims)
+    D = q.shape[-1]
+    P = summary.shape[-1]
+    q_r = query_dims(q, dims)  # (B, H_kv, G, r)
+    rows = dims
+    if summary.shape[2] == 2 * D:  # the min row where the group-summed q is negative
+        rows = dims + D * (q_r.float().sum(dim=2) < 0)
+    chosen = summary.gather(2, rows[..., None].expand(-1, -1, -1, P))  # (B, H_kv, r, P)
+    s = torch.matmul(q_r, chosen).float() / sparq_temperature(q, q_r)  # (B, H_kv, G, P)
     # log-normalizer over tokens: log sum_p n_p exp(s_p); log(0) = -inf drops empty pages
     lse = torch.logsumexp(s + counts.float().log(), dim=-1, keepdim=True)  # (B, H_kv, G, 1)
     return torch.exp(s - lse).masked_fill(counts == 0, 0.0).sum(dim=2)
@@ -145,17 +180,40 @@ def hybrid_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, dims: Tensor,
 
 def page_to_tokens(page_scores: Tensor, page_size: int, valid: Tensor) -> Tensor:
     """Copy each page's score to its slots: (B, H_kv, P) -> (B, H_kv, P * page_size) float32,
-    -inf at slots not marked ``valid`` (S,) bool, for a token-level top-k."""
+    -inf at slots not marked ``valid`` (S,) bool (the token-level view of page-constant
+    scores; the slow references compare against it)."""
     scores = page_scores.repeat_interleave(page_size, dim=-1)
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def newest_page(valid: Tensor, page_size: int) -> Tensor:
-    """(S,) bool: the valid slots of the page holding the last valid slot of ``valid`` (S,)
-    bool (a prefix of True), computed on the device (no host sync)."""
-    slots = torch.arange(valid.shape[0], device=valid.device)
-    last = torch.div(valid.sum() - 1, page_size, rounding_mode="floor")
-    return valid & (torch.div(slots, page_size, rounding_mode="floor") == last)
+def top_pages_to_tokens(page_scores: Tensor, counts: Tensor, page_size: int, k: int,
+                        fill: int) -> Tensor:
+    """The top-k tokens of page-constant scores, chosen page by page.
+
+    Args:
+        page_scores: (B, H_kv, P) float32, one score per page.
+        counts: (P,) valid (written) tokens per page; the valid slots are a prefix of the
+            buffer, so every page is full but the last non-empty one.
+        page_size: slots per page; k: tokens to select.
+        fill: a slot that is not valid, returned where fewer than k tokens are valid (the
+            attention masks it out); only needed when the buffer is not all valid.
+    Returns:
+        (B, H_kv, k) int64 slots: the valid tokens of the m = ceil(k / page_size) + 1 best
+        pages (one top-k over P pages, sorted), taken in page order until k are taken. This is
+        the set a top-k over the P * page_size token copies (``page_to_tokens``) gives, up to
+        ties, at 1 / page_size of the entries (RocketKV at 32K, budget 256: 740 pages instead of
+        2960 tokens). The one extra page covers a partial page among the first m - 1.
+    """
+    B, Hkv, P = page_scores.shape
+    m = min(P, -(-k // page_size) + 1)
+    pages = page_scores.topk(m, dim=-1).indices  # (B, H_kv, m), best first
+    offsets = torch.arange(page_size, device=pages.device)
+    toks = (pages[..., None] * page_size + offsets).flatten(-2)  # (B, H_kv, m * page_size)
+    ok = (offsets < counts[pages][..., None]).flatten(-2)  # written slots of those pages
+    rank = ok.cumsum(dim=-1)
+    dest = torch.where(ok & (rank <= k), rank - 1, k)  # k: the discard slot
+    out = toks.new_full((B, Hkv, k + 1), fill).scatter_(-1, dest, toks)
+    return out[..., :k]
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,12 +229,15 @@ class ExactTopK(Selector):
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         scores = exact_scores(q, cache.k_cache, valid)
-        idx = scores.topk(min(self.k, cache.length), dim=-1).indices
+        idx = scores.topk(min(self.k, cache.length), dim=-1, sorted=False).indices
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
-        # physically: every key for the exact scores, then k values (keys re-read from cache)
-        return cache.kv_bytes(cache.capacity) // 2 + cache.kv_bytes(self.k)
+        # physically: every key for the exact scores, then the k chosen pairs
+        return cache.kv_bytes(cache.length) // 2 + cache.kv_bytes(self.k)
+
+    def ideal_bytes(self, cache: CompressedKVCache) -> int:
+        return cache.kv_bytes(self.k)  # the oracle's scoring is not counted (RocketKV Sec. 3.1)
 
     def params(self) -> dict[str, Any]:
         return {"selection": "exact_topk", "k": self.k,
@@ -184,7 +245,13 @@ class ExactTopK(Selector):
 
 
 class PagedSelector(Selector):
-    """A selector that keeps element-wise min/max keys per page of ``page_size`` slots."""
+    """A selector that keeps element-wise min/max keys per page of ``page_size`` slots.
+
+    They live in ``summary`` (B, H_kv, 2 D, pages): rows 0..D-1 the max of each head dim over
+    each page, rows D..2D-1 the min (``page_summary``), so the pages' values of one head dim are
+    one contiguous row: reading r dims reads r rows, not a strided r / D of every page's row.
+    Pages of one token keep no summary: K^T (a strided view of the cache) stands for it.
+    """
 
     def __init__(self, page_size: int):
         super().__init__()
@@ -194,17 +261,22 @@ class PagedSelector(Selector):
         if self.page_size == 1:  # a one-token page's min and max are the key itself
             return
         B, Hkv, S, D = cache.k_cache.shape
-        shape = (B, Hkv, S // self.page_size, D)
-        self.register_buffer("kmin", torch.zeros(shape, dtype=cache.dtype, device=cache.device),
-                             persistent=False)
-        self.register_buffer("kmax", torch.zeros(shape, dtype=cache.dtype, device=cache.device),
+        self.register_buffer("summary", torch.zeros(B, Hkv, 2 * D, S // self.page_size,
+                                                    dtype=cache.dtype, device=cache.device),
                              persistent=False)
 
+    def rows(self, cache: CompressedKVCache) -> Tensor:
+        """The summary (B, H_kv, 2 D, pages), or K^T (B, H_kv, D, S) for pages of one token."""
+        if self.page_size == 1:
+            return cache.k_cache.transpose(-1, -2)
+        return self.summary
+
     def bounds(self, cache: CompressedKVCache) -> tuple[Tensor, Tensor]:
-        """Element-wise (min, max) keys per page, each (B, H_kv, pages, D)."""
+        """Element-wise (min, max) keys per page, each a (B, H_kv, pages, D) view."""
         if self.page_size == 1:
             return cache.k_cache, cache.k_cache
-        return self.kmin, self.kmax
+        D = cache.head_dim
+        return self.summary[:, :, D:].transpose(-1, -2), self.summary[:, :, :D].transpose(-1, -2)
 
     def n_pages(self, cache: CompressedKVCache) -> int:
         return cache.length // self.page_size
@@ -219,29 +291,46 @@ class PagedSelector(Selector):
         kmin = pages.masked_fill(~w, float("inf")).amin(dim=3)
         kmax = pages.masked_fill(~w, float("-inf")).amax(dim=3)
         empty = ~written.any(dim=-1)[None, None, :, None]  # pages no token reached yet
-        self.kmin.copy_(kmin.masked_fill(empty, 0))
-        self.kmax.copy_(kmax.masked_fill(empty, 0))
+        self.summary.copy_(page_summary(kmin.masked_fill(empty, 0), kmax.masked_fill(empty, 0)))
 
     def update(self, cache: CompressedKVCache, slot: Tensor, k: Tensor) -> None:
         if self.page_size == 1:
             return
+        D = cache.head_dim
         page = torch.div(slot, self.page_size, rounding_mode="floor")  # (1,)
         first = (slot % self.page_size) == 0  # a new page starts with this token
-        old_min, old_max = self.kmin.index_select(2, page), self.kmax.index_select(2, page)
-        self.kmin.index_copy_(2, page, torch.where(first, k, torch.minimum(old_min, k)))
-        self.kmax.index_copy_(2, page, torch.where(first, k, torch.maximum(old_max, k)))
+        old = self.summary.index_select(3, page)  # (B, H_kv, 2 D, 1)
+        kt = k.transpose(-1, -2)  # (B, H_kv, D, 1)
+        new = torch.cat([torch.maximum(old[:, :, :D], kt), torch.minimum(old[:, :, D:], kt)], 2)
+        self.summary.index_copy_(3, page, torch.where(first, torch.cat([kt, kt], 2), new))
 
     def page_counts(self, valid: Tensor) -> Tensor:
         """Valid (written) slots per page, (pages,) int64, from ``valid`` (S,) bool."""
         return valid.view(-1, self.page_size).sum(dim=-1)
 
+    def select_tokens(self, cache: CompressedKVCache, page_scores: Tensor,
+                      counts: Tensor) -> Tensor:
+        """Slots (B, H_kv, min(k, S)) of the top-k tokens of ``page_scores`` (B, H_kv, P),
+        empty pages excluded (``top_pages_to_tokens``)."""
+        scores = page_scores.masked_fill(counts == 0, float("-inf"))
+        return top_pages_to_tokens(scores, counts, self.page_size, min(self.k, cache.length),
+                                   fill=cache.length - 1)
+
+    def summary_bytes(self, cache: CompressedKVCache, rows: int) -> int:
+        """Bytes of ``rows`` summary rows for every sequence and KV head, each row whole
+        32-byte sectors (for pages of one token: ``rows`` elements of every key row)."""
+        B, Hkv, e = cache.batch_size, cache.n_kv_heads, cache.k_cache.element_size()
+        if self.page_size == 1:
+            return B * Hkv * cache.length * strided_bytes(rows, cache.head_dim, e)
+        return B * Hkv * rows * sector_bytes(self.n_pages(cache) * e)
+
 
 class Quest(PagedSelector):
     """Quest with group-accumulated page bounds and a token-level top-k of ``k`` tokens.
 
-    Each page's bound (``page_bounds``) is copied to its valid slots (invalid slots -inf) and
-    the ``k`` best tokens are attended exactly, so k need not be a multiple of the page size
-    (k = t // 2 may be less than one page).
+    Each page's bound (``page_bounds``) stands for its valid slots and the ``k`` best tokens
+    are attended exactly, so k need not be a multiple of the page size (k = t // 2 may be less
+    than one page); they are chosen page-first (``top_pages_to_tokens``).
     """
 
     def __init__(self, page_size: int, k: int):
@@ -251,15 +340,22 @@ class Quest(PagedSelector):
     def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         """Token indices (B, H_kv, min(k, S)) int64 of the top page-constant bounds; the
         newest page (the one holding the token being decoded) is always read, within k."""
-        scores = page_to_tokens(page_bounds(q, *self.bounds(cache)), self.page_size, valid)
-        scores = scores.masked_fill(newest_page(valid, self.page_size), float("inf"))
-        return scores.topk(min(self.k, cache.length), dim=-1).indices
+        counts = self.page_counts(valid)
+        newest = (counts > 0).sum() - 1  # the page of the last valid slot
+        bounds = page_bounds(q, self.rows(cache))  # (B, H_kv, P)
+        pages = torch.arange(bounds.shape[-1], device=bounds.device)
+        return self.select_tokens(cache, bounds.masked_fill(pages == newest, float("inf")),
+                                  counts)
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         idx = self.select(cache, q, valid)
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
+        # every min and max row (whole sectors), then k pairs
+        return self.summary_bytes(cache, 2 * cache.head_dim) + token_bytes(cache, self.k)
+
+    def ideal_bytes(self, cache: CompressedKVCache) -> int:
         # min and max of every page (one key+value pair's worth each), then k pairs
         return cache.kv_bytes(self.n_pages(cache) + self.k)
 
@@ -268,32 +364,46 @@ class Quest(PagedSelector):
 
 
 class SparQ(Selector):
-    """SparQ with group-summed |q| dims and group-summed approximate scores."""
+    """SparQ with group-summed |q| dims and group-summed approximate scores.
 
-    def __init__(self, r: int, k: int, reallocate: bool = False):
+    With ``dim_major`` (the default, as the paper's Table 1 counts SparQ: storage 2) a
+    transposed copy of the keys, ``k_dims`` (B, H_kv, D, S), makes the r chosen dims r
+    contiguous rows; without it they are gathered from every key row (a strided read that
+    touches min(r, D e / 32) 32-byte sectors of each row, e bytes per element).
+    """
+
+    def __init__(self, r: int, k: int, reallocate: bool = False, dim_major: bool = True):
         super().__init__()
-        self.r, self.k, self.reallocate = r, k, reallocate
+        self.r, self.k, self.reallocate, self.dim_major = r, k, reallocate, dim_major
 
     def allocate(self, cache: CompressedKVCache) -> None:
+        B, Hkv, S, D = cache.k_cache.shape
         if self.reallocate:
-            B, Hkv, _, D = cache.k_cache.shape
             self.register_buffer("v_mean", torch.zeros(B, Hkv, 1, D, dtype=torch.float32,
+                                                       device=cache.device), persistent=False)
+        if self.dim_major:
+            self.register_buffer("k_dims", torch.zeros(B, Hkv, D, S, dtype=cache.dtype,
                                                        device=cache.device), persistent=False)
 
     def build(self, cache: CompressedKVCache) -> None:
         if self.reallocate:
             self.v_mean.copy_(cache.v_cache[:, :, :cache.kept].float().mean(dim=2, keepdim=True))
+        if self.dim_major:
+            self.k_dims.copy_(cache.k_cache.transpose(-1, -2))
 
     def update(self, cache: CompressedKVCache, slot: Tensor, k: Tensor) -> None:
         if self.reallocate:  # running mean over slots 0..slot
             v = cache.v_cache.index_select(2, slot).float()
             self.v_mean.add_((v - self.v_mean) / (slot + 1).float())
+        if self.dim_major:
+            self.k_dims.index_copy_(3, slot, k.transpose(-1, -2))
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         dims = top_r_dims(q, cache.n_kv_heads, self.r)
-        probs = sparq_scores(q, cache.k_cache, dims, valid)  # (B, H_kv, G, S)
+        keys = self.k_dims if self.dim_major else cache.k_cache
+        probs = sparq_scores(q, keys, dims, valid, self.dim_major)  # (B, H_kv, G, S)
         scores = probs.sum(dim=2).masked_fill(~valid, float("-inf"))
-        idx = scores.topk(min(self.k, cache.length), dim=-1).indices
+        idx = scores.topk(min(self.k, cache.length), dim=-1, sorted=False).indices
         y = attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)  # (B, H, 1, D)
         if not self.reallocate:
             return y
@@ -304,14 +414,24 @@ class SparQ(Selector):
         v_mean = self.v_mean.repeat_interleave(G, dim=1)  # (B, H, 1, D), tiny
         return (alpha * y.float() + (1 - alpha) * v_mean).to(y.dtype)
 
+    def _mean_bytes(self) -> int:
+        return self.v_mean.numel() * self.v_mean.element_size() if self.reallocate else 0
+
     def bytes_read(self, cache: CompressedKVCache) -> int:
+        B, Hkv, S, D = cache.k_cache.shape
+        e = cache.k_cache.element_size()
+        approx = B * Hkv * (self.r * sector_bytes(S * e) if self.dim_major
+                            else S * strided_bytes(self.r, D, e))
+        return approx + token_bytes(cache, self.k) + self._mean_bytes()
+
+    def ideal_bytes(self, cache: CompressedKVCache) -> int:
         # r of d key elements per slot, then k pairs (+ the mean value vector)
         approx = cache.kv_bytes(cache.capacity) * self.r // (2 * cache.head_dim)
-        mean = self.v_mean.numel() * self.v_mean.element_size() if self.reallocate else 0
-        return approx + cache.kv_bytes(self.k) + mean
+        return approx + cache.kv_bytes(self.k) + self._mean_bytes()
 
     def params(self) -> dict[str, Any]:
-        return {"selection": "sparq", "r": self.r, "k": self.k, "reallocate": self.reallocate}
+        return {"selection": "sparq", "r": self.r, "k": self.k, "reallocate": self.reallocate,
+                "dim_major_keys": self.dim_major}
 
 
 class Hybrid(PagedSelector):
@@ -323,17 +443,21 @@ class Hybrid(PagedSelector):
 
     def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         """Token indices (B, H_kv, min(k, S)) int64: top-k of the page-constant token scores
-        (``hybrid_page_scores`` copied to each valid slot, -inf elsewhere)."""
+        (``hybrid_page_scores`` of each page standing for its valid slots), page-first."""
         dims = top_r_dims(q, cache.n_kv_heads, self.r)
-        pages = hybrid_page_scores(q, *self.bounds(cache), dims, self.page_counts(valid))
-        scores = page_to_tokens(pages, self.page_size, valid)  # (B, H_kv, S)
-        return scores.topk(min(self.k, cache.length), dim=-1).indices
+        counts = self.page_counts(valid)
+        return self.select_tokens(cache, hybrid_page_scores(q, self.rows(cache), dims, counts),
+                                  counts)
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         idx = self.select(cache, q, valid)
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
+        # r summary rows (the min or the max one of each chosen dim), then k pairs
+        return self.summary_bytes(cache, self.r) + token_bytes(cache, self.k)
+
+    def ideal_bytes(self, cache: CompressedKVCache) -> int:
         # r elements (min or max by sign) per page, then k pairs
         approx = cache.kv_bytes(self.n_pages(cache)) * self.r // (2 * cache.head_dim)
         return approx + cache.kv_bytes(self.k)
@@ -342,6 +466,6 @@ class Hybrid(PagedSelector):
         return {"selection": "hybrid", "page_size": self.page_size, "r": self.r, "k": self.k}
 
 
-__all__ = ["ExactTopK", "Quest", "SparQ", "Hybrid", "exact_scores", "page_bounds",
-           "sparq_scores", "hybrid_page_scores", "page_to_tokens", "top_r_dims",
-           "gather_tokens", "attend"]
+__all__ = ["ExactTopK", "Quest", "SparQ", "Hybrid", "exact_scores", "page_summary",
+           "page_bounds", "sparq_scores", "hybrid_page_scores", "page_to_tokens",
+           "top_pages_to_tokens", "top_r_dims", "gather_tokens", "attend"]

@@ -11,15 +11,21 @@ checkpoint directory) and records, from the repeat with the median decode step:
 * ``decode_ms_median/p10/p90``: per-step latency (CUDA events around each step on GPU,
   synchronized wall clock on CPU) after the first decode steps, which compile the step or find
   it compiled and capture CUDA graphs (their time is ``compile_s``, excluded); ``tokens_per_s``;
-  ``prefill_s`` (the prompt is prefilled once per run). The compiled step is reused across
-  contexts and budgets (``generate.DYNAMO_CONFIG``): each method structure compiles at most
-  twice in a sweep.
+  ``prefill_s`` (the prompt is prefilled once per run). Every row of a sweep runs under one
+  compile regime (``compile_regime``): ``static`` (default) compiles each row afresh with
+  static shapes (the kernels a single run gets; ``compile_s`` is each row's compile cost),
+  ``dynamic`` compiles symbolic shapes once per method structure and reuses them for every
+  context and budget (cheaper sweeps, possibly slower kernels). Mixing them, as reusing a
+  static graph for the first row and a symbolic one for the rest would, makes rows of one
+  chart incomparable.
 * ``peak_memory_bytes`` {prefill, decode, total} (``torch.cuda.max_memory_allocated`` reset at
   phase boundaries; process peak RSS on CPU), ``kv_cache_bytes``, ``kv_bytes_per_step``,
   ``weight_bytes`` and ``weight_bytes_per_step``.
 * ``bandwidth_gbps``: device bandwidth measured in the same run by a large device-to-device
   copy (bytes read + bytes written over the copy time), and ``roofline_ms``: the bytes that
-  step must read (weights + ``kv_bytes_per_step``) over that bandwidth.
+  step must read (weights + ``kv_bytes_per_step``, what the kernels touch at our layout, whole
+  32-byte sectors) over that bandwidth; ``ideal_roofline_ms`` the same with
+  ``kv_ideal_bytes_per_step`` (the paper's Table 1 count).
 
 ``--weights`` adds weight-only quantization (``quantize.py``): ``float`` (default), ``int8``,
 ``int4-g<G>``; each mode loads the model afresh and quantizes it in place (``quantize_model``:
@@ -127,9 +133,12 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         opts = {k: v for k, v in vars(args).items()  # the options this method reads
                 if v is not None and (k in OPTIONS_BY_METHOD.get(method, ()) or
                                       k == "skip_layers" and method in OPTIONS_BY_METHOD)}
+        if args.compile and args.compile_regime == "static":
+            torch._dynamo.reset()  # this row compiles its own static-shape graph
         r = generate(model, prompt, method=method, budget=budget,
                      max_new_tokens=args.new_tokens,
-                     compile=args.compile and not opts.get("offload"), method_options=opts)
+                     compile=args.compile and not opts.get("offload"), method_options=opts,
+                     compile_dynamic=args.compile_regime == "dynamic" or None)
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
     step_bytes = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]
@@ -148,6 +157,10 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         "achieved_gbps": best["bandwidth_gbps"],
         "roofline_ms": step_bytes / (bandwidth * 1e9) * 1e3,
         "method_params": best["method_params"], "compiled": best["compiled"],
+        "compile_regime": args.compile_regime if best["compiled"] else "eager",
+        "kv_ideal_bytes_per_step": best["kv_ideal_bytes_per_step"],
+        "ideal_roofline_ms": (best["weight_bytes_per_step"] + best["kv_ideal_bytes_per_step"])
+        / (bandwidth * 1e9) * 1e3,
         "warmup_steps": best["warmup_steps"], "decode_steps": best["decode_steps"],
     }
 
@@ -347,6 +360,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=list(DTYPES))
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
+    p.add_argument("--compile-regime", choices=["static", "dynamic"], default="static",
+                   help="static (default): every row compiles its own static-shape graph "
+                        "(compile cache reset per row); dynamic: one symbolic-shape graph per "
+                        "method structure serves every row")
     p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
     p.add_argument("--out", default="results", help="results root (default results/)")
     p.add_argument("--no-plots", action="store_true")

@@ -81,3 +81,25 @@ def test_context_labels_and_threads(capsys):
         ["512", "1.5K", "16K", "32K", "128K", "128K"]
     assert main(["--device", "cpu", "--model", "stories260K", "--threads", "0"]) == 2
     assert "--threads must be positive" in capsys.readouterr().err
+
+
+def test_one_compile_regime_per_sweep(tmp_path, monkeypatch):
+    """static: every row compiles its own graph (the compile cache is reset per row); dynamic:
+    one symbolic-shape graph serves every context. A counting backend stands in for inductor."""
+    from torch._dynamo.testing import CompileCounter
+
+    import scripts.bench as bench
+
+    counter = CompileCounter()
+    real = bench.generate
+    monkeypatch.setattr(bench, "generate",
+                        lambda *a, **kw: real(*a, compile_backend=counter, **kw))
+    for regime, graphs in (("static", 2), ("dynamic", 1)):
+        counter.clear()
+        out = tmp_path / regime
+        assert main(["--device", "cpu", "--model", "stories260K", "--context", "160", "256",
+                     "--methods", "full", "--new-tokens", "5", "--compile",
+                     "--compile-regime", regime, "--out", str(out), "--no-plots"]) == 0
+        rows = json.loads(next((out / "cpu").glob("bench-*.json")).read_text())
+        assert [r["compile_regime"] for r in rows] == [regime] * 2
+        assert counter.frame_count == graphs

@@ -118,8 +118,7 @@ def test_page_summaries_after_an_appended_chunk_equal_a_fresh_build():
         a.append(q[:, :, T:], k[:, :, T:], v[:, :, T:], T)
         b.store_prompt(k, v, q[:, :, :0])
         pages = -(-(T + Tc) // a.selector.page_size)
-        assert torch.equal(a.selector.kmin[:, :, :pages], b.selector.kmin[:, :, :pages])
-        assert torch.equal(a.selector.kmax[:, :, :pages], b.selector.kmax[:, :, :pages])
+        assert torch.equal(a.selector.summary[..., :pages], b.selector.summary[..., :pages])
 
 
 def test_extending_a_recorded_prefill_equals_prefilling_the_whole(stories_model):

@@ -130,6 +130,46 @@ def test_stops_at_eos_and_at_context_end(stories_model):
     assert r["stop_reason"] == "context_length" and r["new_tokens"] == 12  # 512-token context
 
 
+def test_stop_checks_every_n_steps_equal_checking_every_step(stories_model):
+    """Reading the stop flag every 4 steps returns what checking every step returns (tokens,
+    stop reason, the conversation's position); batch rows stopping at different steps."""
+    prompts = torch.tensor([[1, 403, 407], [1, 403, 300]])
+    for stop in ([426], [432, 291]):
+        each = generate(stories_model, prompts, max_new_tokens=60, stop_ids=stop)
+        assert each["stop_reason"] == "eos"
+        for every in (4, 7):
+            r = generate(stories_model, prompts, max_new_tokens=60, stop_ids=stop,
+                         stop_check_every=every)
+            assert r["token_ids"] == each["token_ids"]
+            assert r["stop_reason"] == each["stop_reason"]
+            assert r["conversation"] == each["conversation"]
+    with pytest.raises(ConfigError, match="stop_check_every"):
+        generate(stories_model, [1, 403], stop_check_every=0)
+
+
+def test_decoding_reads_nothing_back_without_stop_tokens(stories_model):
+    """No host sync per decode step unless stop tokens exist: the device-to-host reads
+    (``_local_scalar_dense``: ``bool()``, ``int()``, ``.item()``) of a run do not grow with
+    its length; with a stop token they grow by one per step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    def reads(steps, **kw):
+        Reads.n = 0
+        with Reads():
+            generate(stories_model, [1, 403, 407], max_new_tokens=steps, **kw)
+        return Reads.n
+
+    assert reads(4) == reads(14)
+    assert reads(14, stop_ids=[9999 % 512]) - reads(4, stop_ids=[9999 % 512]) == 10
+
+
 def test_generate_rejects_bad_prompts(stories_model):
     with pytest.raises(ConfigError, match="empty"):
         generate(stories_model, torch.zeros(1, 0, dtype=torch.long))

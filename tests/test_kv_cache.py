@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from compression import build_caches
-from kv_cache import FullKVCache, attend, causal_attention
+from kv_cache import (
+    FLEX_BLOCK,
+    FullKVCache,
+    attend,
+    causal_attention,
+    prefix_attention,
+)
 from model import ConfigError, ModelArgs
 
 
@@ -102,3 +108,71 @@ def test_build_caches_rejects_unknown_method_and_bad_budget():
     with pytest.raises(ConfigError, match="positive"):
         build_caches("full", tiny_args(), batch_size=1, prompt_len=4, max_new_tokens=4,
                      budget=0, dtype=torch.float32, device="cpu")
+
+
+def test_compiled_decode_attention_reads_only_the_written_blocks():
+    """``prefix_attention`` compiled (FlexAttention over a block mask built from the last
+    written slot) equals the loop reference at block edges, never touching the key blocks
+    after the one holding that slot: NaN there would poison any kernel that read them (the
+    eager formula, which masks the whole buffer, turns them into NaN). A second buffer length
+    recompiles with symbolic shapes (bench sweeps) and still holds."""
+    torch._dynamo.reset()
+    step = torch.compile(prefix_attention, fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, D = 2, 8, 2, 16
+    q = torch.randn(B, H, 1, D, generator=g)
+    for S, lasts in ((300, (0, 127, 128, 255, 299)), (520, (400,))):
+        k, v = torch.randn(2, B, Hkv, S, D, generator=g)
+        for last in lasts:
+            end = (last // FLEX_BLOCK + 1) * FLEX_BLOCK  # the written block's end
+            kn, vn = k.clone(), v.clone()
+            kn[:, :, end:], vn[:, :, end:] = float("nan"), float("nan")
+            pos = torch.tensor([last])
+            out = step(q, kn, vn, pos)
+            ref = slow_attention(q[:1], k[:1], v[:1], lambda b, h, i, j, n=last: j <= n)
+            assert torch.allclose(out[:1], ref, atol=1e-5), (S, last)
+            assert torch.allclose(out, prefix_attention(q, k, v, pos), atol=1e-5)
+            if end < S:
+                assert prefix_attention(q, kn, vn, pos).isnan().any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the GPU machine)")
+@pytest.mark.parametrize("H,Hkv", [(32, 8), (8, 8)])
+def test_cuda_prefill_block_takes_flash_with_the_lower_right_mask(H, Hkv):
+    """On CUDA a later prefill block (``start > 0``) with GQA runs SDPA's flash kernel with
+    the lower-right causal mask (no mask tensor), and matches the explicit-mask path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kv_cache import _flash_available
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, D, start, Tq = 1, 128, 700, 300
+    q = torch.randn(B, H, Tq, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, B, Hkv, start + Tq, D, generator=g, device="cuda",
+                       dtype=torch.bfloat16)
+    assert _flash_available(q, k, v, H != Hkv)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # raises if flash cannot take it
+        flash = causal_attention(q, k, v, start)
+    mask = torch.arange(start + Tq, device="cuda") <= \
+        torch.arange(start, start + Tq, device="cuda")[:, None]
+    explicit = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=H != Hkv)
+    assert torch.allclose(flash.float(), explicit, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the GPU machine)")
+def test_cuda_compiled_decode_attention_matches_eager():
+    """The flex decoding path under CUDA graphs (llama-3.1-8b head shapes, bf16) equals the
+    eager formula as positions advance inside one captured graph."""
+    torch._dynamo.reset()
+    step = torch.compile(prefix_attention, fullgraph=True, mode="reduce-overhead")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    S = 4096 + 64
+    q = torch.randn(1, 32, 1, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1, 8, S, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    pos = torch.tensor([4000], device="cuda")
+    for _ in range(6):
+        out = step(q, k, v, pos).clone()
+        ref = prefix_attention(q.float(), k.float(), v.float(), pos)
+        assert torch.allclose(out.float(), ref, atol=2e-2)
+        pos += 37

@@ -13,8 +13,10 @@ from compression.sparse import (
     exact_scores,
     hybrid_page_scores,
     page_bounds,
+    page_summary,
     page_to_tokens,
     sparq_scores,
+    top_pages_to_tokens,
 )
 from kv_cache import CompressedKVCache, FullKVCache, Selector
 from model import ModelArgs
@@ -48,7 +50,7 @@ def test_quest_page_bounds_bound_every_token():
     page = 8
     kp = k.view(1, 2, 4, page, D)
     kmin, kmax = kp.amin(3), kp.amax(3)
-    bounds = page_bounds(q, kmin, kmax)
+    bounds = page_bounds(q, page_summary(kmin, kmax))
     for kv in range(2):
         for p in range(4):
             ref = sum(max(float(q[0, h, 0, i] * kmax[0, kv, p, i]),
@@ -69,6 +71,8 @@ def test_sparq_scores_match_loops():
     dims = torch.tensor([[[1, 5, 7], [0, 2, 9]]])
     valid = torch.arange(12) < 10
     s = sparq_scores(q, k, dims, valid)
+    # the transposed (dim-major) copy of K gives the same scores
+    assert torch.equal(sparq_scores(q, k.transpose(-1, -2).contiguous(), dims, valid, True), s)
     for kv in range(2):
         for g in range(G):
             qh = q[0, kv * G + g, 0]
@@ -122,7 +126,7 @@ def test_hybrid_page_scores_match_token_expansion_loops(n_valid):
     dims = torch.tensor([[[3, 4], [8, 15]], [[0, 1], [2, 14]]])
     valid = torch.arange(P * page) < n_valid
     counts = valid.view(P, page).sum(-1)
-    s = hybrid_page_scores(q, kmin, kmax, dims, counts)
+    s = hybrid_page_scores(q, page_summary(kmin, kmax), dims, counts)
     assert s.shape == (2, 2, P)
     assert (s[..., counts == 0] == 0).all()  # pages no token reached
     tokens = page_to_tokens(s, page, valid)
@@ -174,7 +178,7 @@ def test_hybrid_partial_last_page_counts_only_its_written_tokens():
     idx = set(cache.selector.select(cache, q, valid)[0, 0].tolist())
     assert 12 in idx and len(idx) == 4 and idx - {12} <= {4, 5, 6, 7}
     # a page-level softmax would have read page 1 whole: {4, 5, 6, 7}, without slot 12
-    pages = hybrid_page_scores(q, kmin, kmax, torch.tensor([[[0, 1]]]),
+    pages = hybrid_page_scores(q, page_summary(kmin, kmax), torch.tensor([[[0, 1]]]),
                                torch.tensor([4, 4, 4, 4]))  # as if page 3 were full
     assert pages[0, 0].argmax() == 1
 
@@ -287,11 +291,31 @@ def test_token_level_selection_matches_loops_at_every_decode_step(kind):
                 assert is_top_k(ref, idx[b, kv].tolist(), k), (t, b, kv)
 
 
-def test_quest_reads_page_bounds_plus_k_tokens():
+def test_bytes_read_at_sector_granularity_and_ideal():
+    """Hand counts; B = 2, H_kv = 2, D = 16, float32 (a 64-byte key row, two 32-byte
+    sectors); 37 prompt tokens + 29 new = 66 slots."""
     cache, _, _ = run_cache(Quest(16, 3))  # k = 3 < one page
-    pages = cache.length // 16
-    assert cache.bytes_read_per_step() == cache.kv_bytes(pages + 3)
+    pages = cache.length // 16  # 80 slots: 5 pages, a 20-byte summary row: one sector
+    assert pages == 5
+    assert cache.ideal_bytes_per_step() == cache.kv_bytes(pages + 3)
+    # 32 summary rows (max, min) of one sector, then 3 key+value rows of 64 bytes
+    assert cache.bytes_read_per_step() == 2 * 2 * (32 * 32 + 2 * 3 * 64)
     assert cache.selector.params() == {"selection": "quest", "page_size": 16, "k": 3}
+
+    cache, _, _ = run_cache(Hybrid(4, 5, 8))  # 68 slots, 17 pages: 68 bytes -> 3 sectors
+    assert cache.ideal_bytes_per_step() == 2 * 2 * (17 * 5 * 4 + 2 * 8 * 64)
+    assert cache.bytes_read_per_step() == 2 * 2 * (5 * 96 + 2 * 8 * 64)
+    cache, _, _ = run_cache(Hybrid(1, 5, 8))  # no summary: 5 dims of every key row
+    assert cache.bytes_read_per_step() == 2 * 2 * (66 * 64 + 2 * 8 * 64)  # 5 of 2 sectors
+
+    for dim_major, approx in ((True, 5 * 288), (False, 66 * 64)):  # 264 bytes: 9 sectors
+        cache, _, _ = run_cache(SparQ(5, 8, dim_major=dim_major))
+        assert cache.ideal_bytes_per_step() == 2 * 2 * (66 * 5 * 4 + 2 * 8 * 64)
+        assert cache.bytes_read_per_step() == 2 * 2 * (approx + 2 * 8 * 64)
+        extra = 2 * 2 * 16 * 66 * 4 if dim_major else 0  # the transposed copy of K
+        assert cache.allocated_bytes() == cache.kv_bytes(66) + extra + 8  # + slot offset
+    cache, _, _ = run_cache(SparQ(1, 8, dim_major=False))
+    assert cache.bytes_read_per_step() == 2 * 2 * (66 * 32 + 2 * 8 * 64)  # one sector a row
 
 
 def test_quest_always_reads_the_newest_page():
@@ -299,8 +323,6 @@ def test_quest_always_reads_the_newest_page():
     bounds; unforced, the page of the token being decoded loses (SmolLM2 at budget 256 then
     read its own slot in 0-11% of layers and wrote broken digits). Here every full page's
     bound beats the newest page's, yet the newest tokens are read."""
-    from compression.sparse import newest_page
-
     args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, vocab_size=8)
     cache = CompressedKVCache(0, args, 1, torch.float32, "cpu", prompt_len=16,
                               prompt_capacity=16, max_new_tokens=8, selector=Quest(4, 6))
@@ -312,8 +334,35 @@ def test_quest_always_reads_the_newest_page():
     for step in range(2):
         cache.decode(q, small, small, torch.tensor([16 + step]))
     valid = torch.arange(cache.length) <= 17
-    assert newest_page(valid, 4).nonzero().flatten().tolist() == [16, 17]
-    bounds = page_bounds(q, *cache.selector.bounds(cache))[0, 0]
+    bounds = page_bounds(q, cache.selector.rows(cache))[0, 0]
     assert bounds[4] < bounds[:4].min()  # the newest page would lose on its bound
     idx = cache.selector.select(cache, q, valid)[0, 0].tolist()
     assert {16, 17} <= set(idx) and len(idx) == 6
+
+
+def test_page_first_top_k_equals_the_token_top_k_set():
+    """``top_pages_to_tokens`` (top pages, then their tokens) against a top-k over every token
+    copy of page-constant scores: the same set (ties within the boundary page aside), for
+    partial newest pages, empty pages, k below one page and k above the valid tokens."""
+    g = torch.Generator().manual_seed(3)
+    for page, P in ((4, 9), (1, 12), (8, 5)):
+        S = page * P
+        for n_valid in (S, S - 1, S - page + 1, 2 * page + 1, 3):
+            valid = torch.arange(S) < n_valid
+            counts = valid.view(P, page).sum(-1)
+            scores = torch.randn(2, 3, P, generator=g).masked_fill(counts == 0, float("-inf"))
+            tokens = page_to_tokens(scores, page, valid)  # (2, 3, S)
+            for k in (1, 3, page, 2 * page, 2 * page + 3, n_valid, min(S, n_valid + 5)):
+                idx = top_pages_to_tokens(scores, counts, page, k, fill=S - 1)
+                assert idx.shape == (2, 3, k)
+                for b in range(2):
+                    for h in range(3):
+                        chosen = idx[b, h].tolist()
+                        real = [j for j in chosen if valid[j]]
+                        assert len(set(real)) == len(real) == min(k, n_valid)
+                        assert all(j == S - 1 for j in chosen if not valid[j])  # the fill slot
+                        assert is_top_k(tokens[b, h], real, min(k, n_valid)), (page, n_valid, k)
+                        ref = set(tokens[b, h].topk(k).indices.tolist()) & set(range(n_valid))
+                        pages = [j // page for j in real]
+                        if k <= n_valid and all(pages.count(p) == counts[p] for p in pages):
+                            assert set(real) == ref  # no partly taken page: no ties at all
