@@ -163,22 +163,25 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> Tensor:
     Returns:
         (B, H, 1, D) in the dtype of v.
 
-    Eager, this is ``attend`` with a (S,) mask. Compiled (``torch.compile``, the timed decode
-    step), it is FlexAttention over a block mask built on the device from ``last``: the key
-    blocks of ``FLEX_BLOCK`` tokens before the one holding ``last`` are full, that one is
-    masked at ``last``, and blocks after it are never read, so the step reads what is written,
-    not the whole buffer. On CUDA the flex decoding kernel splits the sequence over thread
-    blocks (flash-decoding) and reads K/V once per KV head for its query group (GQA), where
-    matmul-softmax-matmul is a GEMM of G rows over S keys. Needs head_dim >= 16 on CUDA (the
-    kernel's tile); smaller heads keep the eager formula.
+    Eager, and on CPU, this is ``attend`` with a (S,) mask. Compiled on CUDA (the timed decode
+    step), it is ``flex_prefix_attention``: FlexAttention's decoding kernel reads only the key
+    blocks written so far and splits the sequence over thread blocks (flash-decoding), reading
+    K/V once per KV head for its query group (GQA), where matmul-softmax-matmul is a GEMM of G
+    rows over S keys. Needs head_dim >= 16 (the kernel's tile); smaller heads keep the formula.
+    On CPU inductor's flex kernel measured 2.3x slower than the compiled formula at 32K
+    (``results/cpu/bench_step-32k-compiled*.json``), so CPU keeps the formula.
     """
-    if torch.compiler.is_compiling() and (q.device.type != "cuda" or q.shape[-1] >= 16):
-        return _flex_prefix_attention(q, k, v, last)
+    if torch.compiler.is_compiling() and q.device.type == "cuda" and q.shape[-1] >= 16:
+        return flex_prefix_attention(q, k, v, last)
     mask = torch.arange(k.shape[2], device=last.device) <= last  # (S,)
     return attend(q, k, v, mask)
 
 
-def _flex_prefix_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> Tensor:
+def flex_prefix_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> Tensor:
+    """``prefix_attention`` through FlexAttention (call it inside ``torch.compile``; eager
+    FlexAttention is a slow reference). The block mask is built on the device from ``last``:
+    the key blocks of ``FLEX_BLOCK`` tokens before the one holding ``last`` are full, that one
+    is masked at ``last``, and blocks after it are never read. Same arguments and result."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     S = k.shape[2]

@@ -16,7 +16,8 @@ Per row:
 
 * ``step_ms_median/p10/p90``: the cache's ``decode`` (write the new token, select, attend).
 * ``aten_ops`` and ``aten_op_counts``: the ATen operators one eager step dispatches (a
-  ``TorchDispatchMode`` count; on CPU each is at least one kernel), with ``topk_ops`` and
+  ``TorchDispatchMode`` count), ``aten_ops`` without the metadata-only ones (views, counted
+  in ``view_ops``), so each is at least one kernel launch in eager mode; ``topk_ops`` and
   ``gather_ops`` (gather, index, index_select, index_copy, scatter) singled out.
 * ``cuda_kernels`` (CUDA only): kernels the profiler sees in one step of the timed function
   (compiled or eager, as timed).
@@ -64,6 +65,9 @@ from scripts.bench import measure_bandwidth  # noqa: E402
 
 HETEROGENEOUS = ("omnikv", "duoattention")  # layers differ: no one layer stands for the model
 GATHER_OPS = ("gather", "index", "index_select", "index_copy", "index_put", "scatter", "take")
+VIEW_OPS = ("view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "transpose", "permute",
+            "select", "slice", "t", "alias", "as_strided", "detach", "split", "unbind",
+            "_reshape_alias", "lift_fresh")  # metadata only: no kernel
 
 
 class OpCounter(TorchDispatchMode):
@@ -125,7 +129,7 @@ def decode_step(cache, q, k, v, pos):
 def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts, dtype,
             device: torch.device, bandwidth: float) -> dict:
     gen = torch.Generator().manual_seed(opts.seed)
-    n_steps = opts.warmup + opts.steps
+    n_steps = 1 + opts.warmup + opts.steps  # the op-counting step, warm-up, timed
     layer_args = dataclasses.replace(args, n_layers=1)
     options = {k: v for k, v in vars(opts).items()
                if v is not None and (k in OPTIONS_BY_METHOD.get(method, ()) or
@@ -180,7 +184,9 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
         "compile_regime": "static per row" if opts.compile else "eager",
         "steps": len(times), "step_ms_median": percentile(times, 50),
         "step_ms_p10": percentile(times, 10), "step_ms_p90": percentile(times, 90),
-        "aten_ops": sum(ops.values()), "topk_ops": ops.get("topk", 0),
+        "aten_ops": sum(n for op, n in ops.items() if op not in VIEW_OPS),
+        "view_ops": sum(n for op, n in ops.items() if op in VIEW_OPS),
+        "topk_ops": ops.get("topk", 0),
         "gather_ops": sum(ops.get(n, 0) for n in GATHER_OPS),
         "aten_op_counts": dict(sorted(ops.items())), "cuda_kernels": kernels,
         "bytes_read_per_step": read, "ideal_bytes_per_step": ideal,

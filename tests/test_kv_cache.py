@@ -11,6 +11,7 @@ from kv_cache import (
     FullKVCache,
     attend,
     causal_attention,
+    flex_prefix_attention,
     prefix_attention,
 )
 from model import ConfigError, ModelArgs
@@ -111,13 +112,13 @@ def test_build_caches_rejects_unknown_method_and_bad_budget():
 
 
 def test_compiled_decode_attention_reads_only_the_written_blocks():
-    """``prefix_attention`` compiled (FlexAttention over a block mask built from the last
-    written slot) equals the loop reference at block edges, never touching the key blocks
-    after the one holding that slot: NaN there would poison any kernel that read them (the
-    eager formula, which masks the whole buffer, turns them into NaN). A second buffer length
-    recompiles with symbolic shapes (bench sweeps) and still holds."""
+    """The CUDA decode attention's block mask, run by inductor on CPU: compiled
+    ``flex_prefix_attention`` equals the loop reference at block edges, never touching the key
+    blocks after the one holding the last written slot: NaN there would poison any kernel that
+    read them (the eager formula, which masks the whole buffer, turns them into NaN). A second
+    buffer length recompiles with symbolic shapes (bench sweeps) and still holds."""
     torch._dynamo.reset()
-    step = torch.compile(prefix_attention, fullgraph=True)
+    step = torch.compile(flex_prefix_attention, fullgraph=True)
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, D = 2, 8, 2, 16
     q = torch.randn(B, H, 1, D, generator=g)
