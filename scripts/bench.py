@@ -89,6 +89,19 @@ def measure_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
 
 
+def resolve_run(args) -> tuple[torch.device, torch.dtype]:
+    """Apply ``--threads``, resolve ``--device``, default ``--compile`` (on for CUDA) and
+    ``--dtype`` (bf16 on CUDA, float32 elsewhere). Raises ConfigError on bad values."""
+    if args.threads is not None:
+        if args.threads <= 0:
+            raise ConfigError(f"--threads must be positive, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    device = _resolve_device(args.device)
+    args.compile = device.type == "cuda" if args.compile is None else args.compile
+    return device, DTYPES[args.dtype] if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
 def configurations(args) -> list[tuple[int, int, str, int | None]]:
     rows = []
     for batch in args.batch_sizes:
@@ -374,14 +387,7 @@ def main(argv=None) -> int:
                         "skipped); results are saved after every configuration anyway")
     args = p.parse_args(argv)
     try:
-        if args.threads is not None:
-            if args.threads <= 0:
-                raise ConfigError(f"--threads must be positive, got {args.threads}")
-            torch.set_num_threads(args.threads)
-        device = _resolve_device(args.device)
-        args.compile = device.type == "cuda" if args.compile is None else args.compile
-        dtype = DTYPES[args.dtype] if args.dtype else (
-            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        device, dtype = resolve_run(args)
         if args.methods == ["all"]:
             args.methods = list(METHODS)
         unknown = [m for m in args.methods if m not in METHODS]

@@ -53,7 +53,6 @@ from compression import METHODS, OPTIONS_BY_METHOD, UNBUDGETED, build_caches  # 
 from generate import (  # noqa: E402
     DTYPES,
     OneLineParser,
-    _resolve_device,
     _sync,
     add_method_options,
     device_name,
@@ -61,7 +60,7 @@ from generate import (  # noqa: E402
     write_json,
 )
 from model import CONFIGS, ConfigError, ModelArgs  # noqa: E402
-from scripts.bench import measure_bandwidth  # noqa: E402
+from scripts.bench import measure_bandwidth, resolve_run  # noqa: E402
 
 HETEROGENEOUS = ("omnikv", "duoattention")  # layers differ: no one layer stands for the model
 GATHER_OPS = ("gather", "index", "index_select", "index_copy", "index_put", "scatter", "take")
@@ -258,14 +257,7 @@ def main(argv=None) -> int:
         if bad:
             raise ConfigError(f"{', '.join(bad)}: its layers differ, so one layer does not "
                               "stand for the step; use scripts/bench.py")
-        if opts.threads is not None:
-            if opts.threads <= 0:
-                raise ConfigError(f"--threads must be positive, got {opts.threads}")
-            torch.set_num_threads(opts.threads)
-        device = _resolve_device(opts.device)
-        opts.compile = device.type == "cuda" if opts.compile is None else opts.compile
-        dtype = DTYPES[opts.dtype] if opts.dtype else (
-            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        device, dtype = resolve_run(opts)
         args = ModelArgs.from_name(opts.model)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
