@@ -154,27 +154,27 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tenso
 FLEX_BLOCK = 128  # tokens per key block of the compiled decode attention (FlexAttention)
 
 
-def prefix_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> Tensor:
-    """Decode attention of q over the written prefix ``0 .. last`` of static K/V buffers.
+def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
+    """Decode attention of q over the written prefix of static K/V buffers.
 
     Args:
-        q: (B, H, 1, D); k, v: (B, H_kv, S, D) static buffers; last: (1,) int64 device
-            tensor, the last written slot (shapes never depend on it: one compiled graph).
+        q: (B, H, 1, D); k, v: (B, H_kv, S, D) static buffers; valid: (S,) bool device
+            tensor, True on the written prefix (slots 0 .. last; shapes never depend on it:
+            one compiled graph).
     Returns:
         (B, H, 1, D) in the dtype of v.
 
-    Eager, and on CPU, this is ``attend`` with a (S,) mask. Compiled on CUDA (the timed decode
-    step), it is ``flex_prefix_attention``: FlexAttention's decoding kernel reads only the key
-    blocks written so far and splits the sequence over thread blocks (flash-decoding), reading
-    K/V once per KV head for its query group (GQA), where matmul-softmax-matmul is a GEMM of G
-    rows over S keys. Needs head_dim >= 16 (the kernel's tile); smaller heads keep the formula.
-    On CPU inductor's flex kernel measured 2.3x slower than the compiled formula at 32K
-    (``results/cpu/bench_step-32k-compiled*.json``), so CPU keeps the formula.
+    Eager, and on CPU, this is ``attend`` masked by ``valid``. Compiled on CUDA (the timed
+    decode step), it is ``flex_prefix_attention``: FlexAttention's decoding kernel reads only
+    the key blocks written so far and splits the sequence over thread blocks (flash-decoding),
+    reading K/V once per KV head for its query group (GQA), where matmul-softmax-matmul is a
+    GEMM of G rows over S keys. Needs head_dim >= 16 (the kernel's tile); smaller heads keep
+    the formula. On CPU inductor's flex kernel measured 2.3x slower than the compiled formula
+    at 32K (``results/cpu/bench_step-32k-compiled*.json``), so CPU keeps the formula.
     """
     if torch.compiler.is_compiling() and q.device.type == "cuda" and q.shape[-1] >= 16:
-        return flex_prefix_attention(q, k, v, last)
-    mask = torch.arange(k.shape[2], device=last.device) <= last  # (S,)
-    return attend(q, k, v, mask)
+        return flex_prefix_attention(q, k, v, valid.sum(dim=0, keepdim=True) - 1)
+    return attend(q, k, v, valid)
 
 
 def flex_prefix_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> Tensor:
@@ -417,7 +417,8 @@ class FullKVCache(KVCache):
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
-        return prefix_attention(q, self.k_cache, self.v_cache, input_pos)
+        valid = torch.arange(self.k_cache.shape[2], device=input_pos.device) <= input_pos
+        return prefix_attention(q, self.k_cache, self.v_cache, valid)
 
     def bytes_read_per_step(self) -> int:
         # compiled, the step reads the written blocks; at the last step that is the whole
@@ -541,8 +542,7 @@ class Selector(nn.Module):
         prefix of the buffer (slots 0 .. the one just written)."""
         if cache.head_mask is not None:  # per-query-head token sets (original SnapKV)
             return attend(q, cache.k_cache, cache.v_cache, valid & cache.head_mask)
-        last = valid.sum(dim=0, keepdim=True) - 1  # valid is the prefix 0 .. last
-        return prefix_attention(q, cache.k_cache, cache.v_cache, last)
+        return prefix_attention(q, cache.k_cache, cache.v_cache, valid)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
         """Bytes one decode step's kernels read at this layout: every slot's key and value."""

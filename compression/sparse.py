@@ -178,14 +178,6 @@ def hybrid_page_scores(q: Tensor, summary: Tensor, dims: Tensor, counts: Tensor)
     return torch.exp(s - lse).masked_fill(counts == 0, 0.0).sum(dim=2)
 
 
-def page_to_tokens(page_scores: Tensor, page_size: int, valid: Tensor) -> Tensor:
-    """Copy each page's score to its slots: (B, H_kv, P) -> (B, H_kv, P * page_size) float32,
-    -inf at slots not marked ``valid`` (S,) bool (the token-level view of page-constant
-    scores; the slow references compare against it)."""
-    scores = page_scores.repeat_interleave(page_size, dim=-1)
-    return scores.masked_fill(~valid, float("-inf"))
-
-
 def top_pages_to_tokens(page_scores: Tensor, counts: Tensor, page_size: int, k: int,
                         fill: int) -> Tensor:
     """The top-k tokens of page-constant scores, chosen page by page.
@@ -200,7 +192,7 @@ def top_pages_to_tokens(page_scores: Tensor, counts: Tensor, page_size: int, k: 
     Returns:
         (B, H_kv, k) int64 slots: the valid tokens of the m = ceil(k / page_size) + 1 best
         pages (one top-k over P pages, sorted), taken in page order until k are taken. This is
-        the set a top-k over the P * page_size token copies (``page_to_tokens``) gives, up to
+        the set a top-k over the P * page_size token copies of the page scores gives, up to
         ties, at 1 / page_size of the entries (RocketKV at 32K, budget 256: 740 pages instead of
         2960 tokens). The one extra page covers a partial page among the first m - 1.
     """
@@ -467,5 +459,5 @@ class Hybrid(PagedSelector):
 
 
 __all__ = ["ExactTopK", "Quest", "SparQ", "Hybrid", "exact_scores", "page_summary",
-           "page_bounds", "sparq_scores", "hybrid_page_scores", "page_to_tokens",
+           "page_bounds", "sparq_scores", "hybrid_page_scores",
            "top_pages_to_tokens", "top_r_dims", "gather_tokens", "attend"]

@@ -102,6 +102,13 @@ def resolve_run(args) -> tuple[torch.device, torch.dtype]:
         torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
+def method_options(args, method: str) -> dict:
+    """The parsed method options ``method`` reads (``skip_layers`` for every budgeted one)."""
+    return {k: v for k, v in vars(args).items()
+            if v is not None and (k in OPTIONS_BY_METHOD.get(method, ()) or
+                                  k == "skip_layers" and method in OPTIONS_BY_METHOD)}
+
+
 def configurations(args) -> list[tuple[int, int, str, int | None]]:
     rows = []
     for batch in args.batch_sizes:
@@ -143,9 +150,7 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
     prompt = torch.randint(0, model.args.vocab_size, (batch, context), generator=gen)
     best = None
     for _ in range(args.repeats):
-        opts = {k: v for k, v in vars(args).items()  # the options this method reads
-                if v is not None and (k in OPTIONS_BY_METHOD.get(method, ()) or
-                                      k == "skip_layers" and method in OPTIONS_BY_METHOD)}
+        opts = method_options(args, method)
         if args.compile and args.compile_regime == "static":
             torch._dynamo.reset()  # this row compiles its own static-shape graph
         r = generate(model, prompt, method=method, budget=budget,

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from compression import METHODS, OPTIONS_BY_METHOD, UNBUDGETED, build_caches  # noqa: E402
+from compression import METHODS, UNBUDGETED, build_caches  # noqa: E402
 from generate import (  # noqa: E402
     DTYPES,
     OneLineParser,
@@ -60,7 +60,7 @@ from generate import (  # noqa: E402
     write_json,
 )
 from model import CONFIGS, ConfigError, ModelArgs  # noqa: E402
-from scripts.bench import measure_bandwidth, resolve_run  # noqa: E402
+from scripts.bench import measure_bandwidth, method_options, resolve_run  # noqa: E402
 
 HETEROGENEOUS = ("omnikv", "duoattention")  # layers differ: no one layer stands for the model
 GATHER_OPS = ("gather", "index", "index_select", "index_copy", "index_put", "scatter", "take")
@@ -130,9 +130,7 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
     gen = torch.Generator().manual_seed(opts.seed)
     n_steps = 1 + opts.warmup + opts.steps  # the op-counting step, warm-up, timed
     layer_args = dataclasses.replace(args, n_layers=1)
-    options = {k: v for k, v in vars(opts).items()
-               if v is not None and (k in OPTIONS_BY_METHOD.get(method, ()) or
-                                     k == "skip_layers" and method in OPTIONS_BY_METHOD)}
+    options = method_options(opts, method)
     cache = build_caches(method, layer_args, batch_size=opts.batch_size, prompt_len=context,
                          max_new_tokens=max(opts.new_tokens, n_steps + 2), budget=budget,
                          dtype=dtype, device=device, **options)[0]

@@ -132,9 +132,10 @@ def test_compiled_decode_attention_reads_only_the_written_blocks():
             out = step(q, kn, vn, pos)
             ref = slow_attention(q[:1], k[:1], v[:1], lambda b, h, i, j, n=last: j <= n)
             assert torch.allclose(out[:1], ref, atol=1e-5), (S, last)
-            assert torch.allclose(out, prefix_attention(q, k, v, pos), atol=1e-5)
+            assert torch.allclose(out, prefix_attention(q, k, v, torch.arange(S) <= last),
+                                  atol=1e-5)
             if end < S:
-                assert prefix_attention(q, kn, vn, pos).isnan().any()
+                assert prefix_attention(q, kn, vn, torch.arange(S) <= last).isnan().any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the GPU machine)")
@@ -166,14 +167,18 @@ def test_cuda_compiled_decode_attention_matches_eager():
     """The flex decoding path under CUDA graphs (llama-3.1-8b head shapes, bf16) equals the
     eager formula as positions advance inside one captured graph."""
     torch._dynamo.reset()
-    step = torch.compile(prefix_attention, fullgraph=True, mode="reduce-overhead")
-    g = torch.Generator(device="cuda").manual_seed(0)
     S = 4096 + 64
+
+    def attend_written(q, k, v, pos):  # the position is the graph's input, as in decode
+        return prefix_attention(q, k, v, torch.arange(S, device=pos.device) <= pos)
+
+    step = torch.compile(attend_written, fullgraph=True, mode="reduce-overhead")
+    g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 32, 1, 128, generator=g, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn(2, 1, 8, S, 128, generator=g, device="cuda", dtype=torch.bfloat16)
     pos = torch.tensor([4000], device="cuda")
     for _ in range(6):
         out = step(q, k, v, pos).clone()
-        ref = prefix_attention(q.float(), k.float(), v.float(), pos)
+        ref = attend_written(q.float(), k.float(), v.float(), pos)
         assert torch.allclose(out.float(), ref, atol=2e-2)
         pos += 37

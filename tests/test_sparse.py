@@ -14,7 +14,6 @@ from compression.sparse import (
     hybrid_page_scores,
     page_bounds,
     page_summary,
-    page_to_tokens,
     sparq_scores,
     top_pages_to_tokens,
 )
@@ -24,6 +23,13 @@ from model import ModelArgs
 ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
                  vocab_size=10, max_seq_len=512)
 G, D = 2, 16
+
+
+def page_to_tokens(page_scores, page_size, valid):
+    """The token-level view of page-constant scores: each page's score copied to its slots,
+    (B, H_kv, P) -> (B, H_kv, P * page_size), -inf at slots not ``valid``."""
+    scores = page_scores.repeat_interleave(page_size, dim=-1)
+    return scores.masked_fill(~valid, float("-inf"))
 
 
 def rand(*shape, seed=0):
