@@ -232,16 +232,23 @@ def _sync(device: torch.device) -> None:
 # Generation
 
 
-def _prepare_caches(model: Transformer, spec: dict[str, Any]) -> None:
+def _prepare_caches(model: Transformer, spec: dict[str, Any],
+                    meter: MemoryMeter | None = None) -> None:
     """Attach caches for ``spec``; reuse the model's current ones when the spec matches, so
     repeated calls keep the compiled graph and its static buffers (a new prompt overwrites
-    every slot a step can read: prompt slots at prefill, later slots before they are valid)."""
+    every slot a step can read: prompt slots at prefill, later slots before they are valid).
+    New caches: the old ones are released first, then ``meter`` is reset, so this run's peak
+    never counts the caches a previous run left (a benchmark runs its rows in one process)."""
     model._conversation = None
     if getattr(model, "_cache_spec", None) == spec and all(c is not None for c in model.caches):
         return
     for layer in model.layers:  # free the old buffers before allocating new ones
         layer.attention.kv_cache = None
     model._cache_spec = None
+    if meter is not None:
+        if meter.cuda:
+            torch.cuda.empty_cache()
+        meter.reset()
     caches = build_caches(spec["method"], model.args, batch_size=spec["batch_size"],
                           prompt_len=spec["prompt_len"], max_new_tokens=spec["new_tokens"],
                           budget=spec["budget"], dtype=spec["dtype"], device=spec["device"],
@@ -573,7 +580,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         spec = {"method": method, "budget": budget, "batch_size": B, "prompt_len": T,
                 "new_tokens": new_tokens + reserve_tokens, "dtype": dtype, "device": device,
                 "options": dict(method_options or {})}
-        _prepare_caches(model, spec)
+        _prepare_caches(model, spec, meter)
         chunk, start, limit_reason = prompt, 0, "context_length"
         if prefilled is not None and not all(c.shared_prefill for c in model.caches):
             prefilled = None  # the method prefills its own way (KeyDiff's blocks)

@@ -152,6 +152,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tenso
 
 
 FLEX_BLOCK = 128  # tokens per key block of the compiled decode attention (FlexAttention)
+FLEX_DECODE = True  # False: compiled CUDA decode keeps the masked formula (for comparisons)
 
 
 def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
@@ -170,34 +171,74 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
     reading K/V once per KV head for its query group (GQA), where matmul-softmax-matmul is a
     GEMM of G rows over S keys. Needs head_dim >= 16 (the kernel's tile); smaller heads keep
     the formula. On CPU inductor's flex kernel measured 2.3x slower than the compiled formula
-    at 32K (``results/cpu/bench_step-32k-compiled*.json``), so CPU keeps the formula.
+    at 32K (``results/cpu/bench_step-32k-compiled*.json``), so CPU keeps the formula (and it
+    has no log-sum-exp output). On the H200 at 128K the flex kernel read a layer's 512 MiB of
+    K/V at 1.40x its bandwidth floor, and one layer's step took 0.349 ms against the formula's
+    0.456 ms (``results/NVIDIA-H200/``). ``FLEX_DECODE = False`` keeps the formula on CUDA.
     """
-    if torch.compiler.is_compiling() and q.device.type == "cuda" and q.shape[-1] >= 16:
+    if FLEX_DECODE and torch.compiler.is_compiling() and q.device.type == "cuda" and \
+            q.shape[-1] >= 16:
         return flex_prefix_attention(q, k, v, valid.sum(dim=0, keepdim=True) - 1)
     return attend(q, k, v, valid)
 
 
 def flex_prefix_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> Tensor:
     """``prefix_attention`` through FlexAttention (call it inside ``torch.compile``; eager
-    FlexAttention is a slow reference). The block mask is built on the device from ``last``:
-    the key blocks of ``FLEX_BLOCK`` tokens before the one holding ``last`` are full, that one
-    is masked at ``last``, and blocks after it are never read. Same arguments and result."""
+    FlexAttention is a slow reference). Same arguments and result, with ``last`` the (1,) slot
+    written last.
+
+    The key blocks of ``FLEX_BLOCK`` tokens before the one holding ``last`` are wholly written:
+    FlexAttention's decoding kernel reads them (a block mask built on the device, no mask
+    function) and returns their log-sum-exp. The block holding ``last`` is gathered (one block)
+    and attended exactly, masked at ``last``; the two partial softmaxes are merged by their
+    log-sum-exps (flash-decoding's split-KV combine). Blocks after it are never read. No mask
+    function reads a tensor computed in the graph: torch 2.11's CUDA flex decoding lowering
+    fails on one ("convert FlexibleLayout to FixedLayout first"). Eager FlexAttention ignores
+    the block indices, so eagerly (tests) a mask function masks the slots of the same blocks."""
+    import inspect
+
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    S = k.shape[2]
+    B, H, _, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
     n_blocks = -(-S // FLEX_BLOCK)
-    block = torch.div(last, FLEX_BLOCK, rounding_mode="floor").to(torch.int32)  # (1,)
-    full_num = block.view(1, 1, 1)  # blocks 0 .. block - 1 are wholly written
-    full_idx = torch.arange(n_blocks, dtype=torch.int32, device=q.device).view(1, 1, 1, -1)
-    part_num = torch.ones(1, 1, 1, dtype=torch.int32, device=q.device)
-    part_idx = block.view(1, 1, 1, 1).expand(1, 1, 1, n_blocks).contiguous()
+    block = torch.div(last, FLEX_BLOCK, rounding_mode="floor")  # (1,) the block holding last
+    num = block.to(torch.int32).view(1, 1, 1)  # blocks 0 .. block - 1 are wholly written
+    idx = torch.arange(n_blocks, dtype=torch.int32, device=q.device).view(1, 1, 1, -1)
+    kw = {"seq_lengths": (1, S)}
+    if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+        kw["compute_q_blocks"] = False  # the backward pass's indices: never needed here
+    if not torch.compiler.is_compiling():  # eager flex ignores the block indices: mask by slot
+        limit = block * FLEX_BLOCK
+        kw["mask_mod"] = lambda b, h, q_idx, kv_idx: kv_idx < limit[0]
+    mask = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=FLEX_BLOCK, **kw)
+    try:  # torch >= 2.9 asks for the log-sum-exp this way (return_lse is deprecated)
+        from torch.nn.attention.flex_attention import AuxRequest
 
-    def written(b, h, q_idx, kv_idx):
-        return kv_idx <= last[0]
-
-    mask = BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx,
-                                    BLOCK_SIZE=FLEX_BLOCK, mask_mod=written, seq_lengths=(1, S))
-    return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        head, aux = flex_attention(q, k, v, block_mask=mask, enable_gqa=G > 1,
+                                   return_aux=AuxRequest(lse=True))
+        lse_head = aux.lse
+    except ImportError:
+        head, lse_head = flex_attention(q, k, v, block_mask=mask, enable_gqa=G > 1,
+                                        return_lse=True)
+    # the block holding last, exactly: (B, H_kv, G, FLEX_BLOCK) scores in float32
+    slots = block * FLEX_BLOCK + torch.arange(FLEX_BLOCK, device=q.device)
+    written = slots <= last  # before the clamp: a short last block's repeats stay masked
+    slots = slots.clamp(max=S - 1)
+    kt = k.index_select(2, slots).float()
+    vt = torch.where(written[:, None], v.index_select(2, slots).float(), 0.0)
+    s = torch.matmul(q.view(B, Hkv, G, D).float(), kt.transpose(-1, -2)) / math.sqrt(D)
+    s = s.masked_fill(~written, float("-inf"))
+    lse_tail = s.logsumexp(dim=-1)  # (B, H_kv, G): finite, last is in the block
+    tail = torch.matmul((s - lse_tail[..., None]).exp(), vt)  # (B, H_kv, G, D)
+    lse_head = lse_head.view(B, Hkv, G).float()
+    top = torch.maximum(lse_head, lse_tail)
+    w_head = (lse_head - top).exp()  # 0 when no block is whole (lse -inf)
+    w_tail = (lse_tail - top).exp()
+    head = torch.where(w_head[..., None] > 0, head.view(B, Hkv, G, D).float(), 0.0)
+    out = (head * w_head[..., None] + tail * w_tail[..., None]) / (w_head + w_tail)[..., None]
+    return out.view(B, H, 1, D).to(v.dtype)
 
 
 def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:

@@ -67,6 +67,11 @@ from generate import (  # noqa: E402
 )
 from model import CONFIGS, ConfigError  # noqa: E402
 
+# the default sweep: the paper's Fig. 5 (scripts/check_targets.py times a run that covers it)
+DEFAULT_METHODS = ("full", "gptfast_dense", "rocketkv")
+DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096)
+DEFAULT_CONTEXTS = (16384, 32768, 65536, 98304, 131072 - 64)
+
 
 def measure_bandwidth(device: torch.device, nbytes: int) -> float:
     """Device memory bandwidth in GB/s from copying ``nbytes`` (read + write counted)."""
@@ -362,11 +367,10 @@ def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b",
                    help="named config (random weights) or a checkpoint directory")
-    p.add_argument("--methods", nargs="+", default=["full", "gptfast_dense", "rocketkv"],
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                    help="methods, or 'all'")
-    p.add_argument("--budgets", nargs="+", type=int, default=[256, 512, 1024, 2048, 4096])
-    p.add_argument("--context", nargs="+", type=int,
-                   default=[16384, 32768, 65536, 98304, 131072 - 64])
+    p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS))
+    p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--weights", nargs="+", default=["float"],

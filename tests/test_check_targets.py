@@ -20,8 +20,9 @@ def passing_rows():
     for c in (16384, 32768, 65536, 98304, 131008):
         full_roof = 4 + c / 8192
         rows += [row("full", None, c, 1.2 * full_roof, full_roof, peak=(16 + c / 7630) * GB),
-                 row("gptfast_dense", None, c, 4 * full_roof, full_roof, peak=50 * GB),
-                 row("rocketkv", 256, c, 4.4, 4.0, peak=19 * GB)]
+                 row("gptfast_dense", None, c, 4 * full_roof, full_roof, peak=50 * GB)]
+        rows += [row("rocketkv", b, c, 4.4, 4.0, peak=19 * GB) for b in (256, 512, 1024, 2048,
+                                                                           4096)]
     rows += [row("full", None, 32768, 30.0, 25.0, batch=16),
              row("rocketkv", 256, 32768, 9.0, 8.0, batch=16)]
     for r in rows:
@@ -32,7 +33,7 @@ def passing_rows():
 
 def test_all_targets_pass():
     results = evaluate(passing_rows())
-    assert [t["status"] for t in results] == ["pass"] * 6 + ["not measured"], results
+    assert [t["status"] for t in results] == ["pass"] * 6 + ["not measured", "pass"], results
 
 
 def test_each_target_can_fail():
@@ -52,8 +53,31 @@ def test_each_target_can_fail():
     assert evaluate(heavy)[3]["status"] == "FAIL"  # the whole run counts, not only decode
     batch = [dict(r, tokens_per_s=100.0) if r["batch_size"] == 16 else r for r in rows]
     assert evaluate(batch)[4]["status"] == "FAIL"
+    close = [dict(r, decode_ms_median=7.0) if r["method"] == "full" and r["batch_size"] == 1
+             and r["context"] == 131008 else r for r in rows]
+    assert evaluate(close)[7]["status"] == "FAIL"
     slow_sweep = [dict(r, elapsed_s=700.0) for r in rows]
     assert evaluate(slow_sweep)[5]["status"] == "FAIL"
+    cut = [dict(r, error="skipped: --time-limit 480 s reached")
+           if r["method"] == "rocketkv" and r["budget"] == 4096 else r for r in rows]
+    assert evaluate(cut)[5]["status"] == "FAIL"  # a sweep cut short is not a fast sweep
+    assert "5 of 35 configurations skipped" in evaluate(cut)[5]["measured"]
+
+
+def test_the_sweep_time_is_judged_on_a_run_that_holds_the_default_sweep():
+    rows = passing_rows()
+    part = [dict(r, date="20261122-000000", elapsed_s=100.0)
+            if r["method"] == "full" and r["batch_size"] == 1 else r for r in rows]
+    assert evaluate(part)[5]["status"] == "not measured"  # no run holds all 35
+
+
+def test_a_total_inflated_by_the_previous_row_is_not_this_rows_peak():
+    """Rows measured before generate()'s meter fix: ``total`` counted the caches the previous
+    row left; the whole-run peak is the larger of the row's prefill and decode peaks."""
+    rows = [dict(r, peak_memory_bytes={"prefill": 19 * GB, "decode": 17 * GB,
+                                       "total": 33 * GB})
+            if r["method"] == "rocketkv" and r["context"] == 131008 else r for r in passing_rows()]
+    assert evaluate(rows)[3]["status"] == "pass"
 
 
 def test_missing_or_errored_configurations_are_not_measured():
@@ -69,7 +93,7 @@ def test_cli(tmp_path, capsys):
     good.write_text(json.dumps(passing_rows()))
     assert main([str(good), "--json", str(tmp_path / "t.json")]) == 0
     assert "| pass |" in capsys.readouterr().out
-    assert len(json.loads((tmp_path / "t.json").read_text())) == 7
+    assert len(json.loads((tmp_path / "t.json").read_text())) == 8
     # a later file's row replaces the earlier one of the same configuration
     worse = tmp_path / "worse.json"
     worse.write_text(json.dumps([row("rocketkv", 256, 98304, 40.0, 4.0, peak=19 * GB)]))

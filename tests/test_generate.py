@@ -474,3 +474,33 @@ def test_ctrl_c_keeps_what_was_generated(tmp_path):
     assert data["interrupted"] is True and data["stop_reason"] == "interrupted"
     assert 0 < data["new_tokens"] < 4000
     assert data["text"][0].strip()[:10] in stdout
+
+
+def test_a_run_that_replaces_the_caches_resets_its_memory_peak_after_freeing_the_old_ones():
+    """A bench runs its rows in one process: a row's peak must not count the caches the
+    previous row left (H200: rocketkv@256 at 128K after full reported full's 31 GiB). The
+    meter is reset only once every old cache is released, and not when the caches are
+    reused (their buffers are this run's)."""
+    import generate as g
+
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                     intermediate_size=16, vocab_size=64, max_seq_len=256)
+    model = random_model(args, "cpu", torch.float32)
+    resets = []
+
+    class Meter:
+        cuda = False
+
+        def reset(self):
+            resets.append([layer.attention.kv_cache for layer in model.layers])
+
+    spec = {"method": "full", "budget": None, "batch_size": 1, "prompt_len": 8,
+            "new_tokens": 4, "dtype": torch.float32, "device": torch.device("cpu"),
+            "options": {}}
+    g._prepare_caches(model, spec, Meter())
+    old = list(model.caches)
+    g._prepare_caches(model, dict(spec, method="streamingllm", budget=8), Meter())
+    assert len(resets) == 2 and all(c is None for caches in resets for c in caches)
+    assert all(a is not b for a, b in zip(old, model.caches))
+    g._prepare_caches(model, dict(spec, method="streamingllm", budget=8), Meter())  # reused
+    assert len(resets) == 2

@@ -111,31 +111,24 @@ def test_build_caches_rejects_unknown_method_and_bad_budget():
                      budget=0, dtype=torch.float32, device="cpu")
 
 
-def test_compiled_decode_attention_reads_only_the_written_blocks():
-    """The CUDA decode attention's block mask, run by inductor on CPU: compiled
-    ``flex_prefix_attention`` equals the loop reference at block edges, never touching the key
-    blocks after the one holding the last written slot: NaN there would poison any kernel that
-    read them (the eager formula, which masks the whole buffer, turns them into NaN). A second
-    buffer length recompiles with symbolic shapes (bench sweeps) and still holds."""
-    torch._dynamo.reset()
-    step = torch.compile(flex_prefix_attention, fullgraph=True)
+def test_flex_decode_attention_merges_whole_blocks_and_the_written_tail():
+    """``flex_prefix_attention`` (FlexAttention over the wholly written key blocks, the block
+    holding the last slot attended exactly, the two merged by log-sum-exp) equals the loop
+    reference at block edges: no whole block (last < FLEX_BLOCK), last at a block's first and
+    final slot, a buffer that is not a multiple of the block. Run eagerly: inductor's CPU flex
+    kernel has no log-sum-exp output; the CUDA test below compiles it and poisons the blocks it
+    must not read."""
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, D = 2, 8, 2, 16
     q = torch.randn(B, H, 1, D, generator=g)
     for S, lasts in ((300, (0, 127, 128, 255, 299)), (520, (400,))):
         k, v = torch.randn(2, B, Hkv, S, D, generator=g)
         for last in lasts:
-            end = (last // FLEX_BLOCK + 1) * FLEX_BLOCK  # the written block's end
-            kn, vn = k.clone(), v.clone()
-            kn[:, :, end:], vn[:, :, end:] = float("nan"), float("nan")
-            pos = torch.tensor([last])
-            out = step(q, kn, vn, pos)
+            out = flex_prefix_attention(q, k, v, torch.tensor([last]))
             ref = slow_attention(q[:1], k[:1], v[:1], lambda b, h, i, j, n=last: j <= n)
             assert torch.allclose(out[:1], ref, atol=1e-5), (S, last)
             assert torch.allclose(out, prefix_attention(q, k, v, torch.arange(S) <= last),
                                   atol=1e-5)
-            if end < S:
-                assert prefix_attention(q, kn, vn, torch.arange(S) <= last).isnan().any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the GPU machine)")
@@ -176,9 +169,12 @@ def test_cuda_compiled_decode_attention_matches_eager():
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 32, 1, 128, generator=g, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn(2, 1, 8, S, 128, generator=g, device="cuda", dtype=torch.bfloat16)
-    pos = torch.tensor([4000], device="cuda")
-    for _ in range(6):
-        out = step(q, k, v, pos).clone()
+    pos = torch.tensor([0], device="cuda")
+    for last in (4000, 4037, 0, 127, 128, 255, 1000, S - 1):
+        pos.fill_(last)  # in place: the captured graph reads this tensor
+        end = (last // FLEX_BLOCK + 1) * FLEX_BLOCK  # the end of the block holding last
+        kn, vn = k.clone(), v.clone()
+        kn[:, :, end:], vn[:, :, end:] = float("nan"), float("nan")  # never to be read
+        out = step(q, kn, vn, pos).clone()
         ref = attend_written(q.float(), k.float(), v.float(), pos)
-        assert torch.allclose(out.float(), ref, atol=2e-2)
-        pos += 37
+        assert torch.allclose(out.float(), ref, atol=2e-2), last

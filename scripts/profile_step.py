@@ -1,0 +1,158 @@
+"""Where one decode step's time goes: the kernels of the compiled decode step by GPU time.
+
+    python scripts/profile_step.py --context 131008 --methods full rocketkv --budgets 256 \
+        --out results/NVIDIA-H200
+
+For each method (and budget) a random-weight model at a named shape prefills ``--context``
+tokens, decodes through ``generate()`` exactly as ``bench.py`` does (compiled, CUDA graphs on
+GPU), and ``torch.profiler`` records ``--steps`` decode steps after the warm-up (compilation
+and graph capture are not recorded; the host waits for the device before the profiler starts
+and before it stops, so the trace holds exactly those steps). Kernels are grouped by name and
+ranked by their device time per step (microseconds). Writes ``profile-<context>.json`` (every
+kernel) and ``profile-<context>.md`` (the ``--top`` kernels per method, with the share of the
+step each takes) under ``--out``.
+
+On CPU (tests, no GPU) the profiler records CPU operators instead of kernels; the figures are
+then CPU times and the files say so (``activity: cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
+from compression import METHODS, UNBUDGETED  # noqa: E402
+from generate import OneLineParser, device_name, generate, write_json  # noqa: E402
+from model import CONFIGS, ConfigError  # noqa: E402
+from scripts.bench import method_options, resolve_run  # noqa: E402
+
+
+def _device_us(event, cuda: bool) -> float:
+    """Total time of a ``key_averages()`` entry in us: device time on CUDA (the attribute is
+    ``device_time_total`` from torch 2.4, ``cuda_time_total`` before), self CPU time on CPU."""
+    if not cuda:
+        return event.self_cpu_time_total
+    for name in ("self_device_time_total", "device_time_total", "cuda_time_total"):
+        if hasattr(event, name):
+            return getattr(event, name)
+    raise RuntimeError("torch.profiler event has no device time attribute")
+
+
+def profile_one(model, method: str, budget, context: int, steps: int, args, device) -> dict:
+    """Profile ``steps`` decode steps of ``method``; kernels sorted by time per step (us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, model.args.vocab_size, (1, context), generator=gen)
+    if args.compile:
+        torch._dynamo.reset()  # this configuration's own static graph, as bench.py's rows
+    warm = 3 + 2  # generate()'s compile warm-up, then two untimed steps: not recorded
+    prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+
+    def window(tokens):  # the host waits for the device at both edges: exactly `steps` steps
+        n = tokens.shape[1]  # tokens so far: n - 1 decode steps have run
+        if n - 1 in (warm, warm + steps):
+            if cuda:
+                torch.cuda.synchronize(device)
+            prof.start() if n - 1 == warm else prof.stop()
+
+    r = generate(model, prompt, method=method, budget=budget,
+                 max_new_tokens=warm + steps + 2, compile=args.compile,
+                 method_options=method_options(args, method), on_token=window)
+    kernels = {}
+    for e in prof.key_averages():
+        us = _device_us(e, cuda)
+        if us > 0:
+            k = kernels.setdefault(e.key, {"name": e.key, "us_per_step": 0.0, "calls_per_step": 0})
+            k["us_per_step"] += us / steps
+            k["calls_per_step"] += e.count / steps
+    rows = sorted(kernels.values(), key=lambda k: -k["us_per_step"])
+    total = sum(k["us_per_step"] for k in rows)
+    for k in rows:
+        k["share"] = k["us_per_step"] / total if total else 0.0
+    return {"method": method, "budget": budget, "context": context, "steps": steps,
+            "activity": "cuda" if cuda else "cpu", "total_us_per_step": total,
+            "decode_ms_median": r["decode_ms_median"], "compiled": r["compiled"],
+            "kernels": rows}
+
+
+def markdown(results: list[dict], top: int, header: str) -> str:
+    lines = [header, ""]
+    for res in results:
+        label = res["method"] + (f" @{res['budget']}" if res["budget"] is not None else "")
+        unit = "kernel" if res["activity"] == "cuda" else "CPU operator"
+        lines += [f"### {label}, context {res['context']}: {res['total_us_per_step']:.0f} us of "
+                  f"{unit} time per step (decode median {res['decode_ms_median']:.3f} ms)", "",
+                  f"| {unit} | us / step | calls / step | share |", "|---|---|---|---|"]
+        for k in res["kernels"][:top]:
+            name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
+            name = name.replace("|", "\\|")
+            lines.append(f"| `{name}` | {k['us_per_step']:.1f} | {k['calls_per_step']:.1f} | "
+                         f"{100 * k['share']:.1f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b", choices=list(CONFIGS),
+                   help="named config (random weights)")
+    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
+    p.add_argument("--budgets", nargs="+", type=int, default=[256])
+    p.add_argument("--context", type=int, default=131072 - 64)
+    p.add_argument("--steps", type=int, default=5, help="decode steps recorded")
+    p.add_argument("--top", type=int, default=15, help="kernels per method in the table")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: on for cuda)")
+    p.add_argument("--out", default="results", help="directory for profile-<context>.{json,md}")
+    args = p.parse_args(argv)
+    try:
+        device, dtype = resolve_run(args)
+        unknown = [m for m in args.methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        for flag in ("context", "steps", "top"):
+            if getattr(args, flag) <= 0:
+                raise ConfigError(f"--{flag} must be positive")
+        model = load_model(RANDOM_PREFIX + args.model, device, dtype)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = []
+    for method in args.methods:
+        for budget in [None] if method in UNBUDGETED else args.budgets:
+            try:
+                results.append(profile_one(model, method, budget, args.context, args.steps,
+                                           args, device))
+            except ConfigError as e:
+                print(f"error: {method} {budget}: {e}", file=sys.stderr)
+                return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python scripts/profile_step.py", *(sys.argv[1:] if argv is None
+                                                              else argv)])
+    meta = {"device": device_name(device), "torch_version": torch.__version__,
+            "model": args.model, "dtype": str(dtype).removeprefix("torch."), "command": command}
+    write_json(out / f"profile-{args.context}.json", {**meta, "results": results})
+    header = (f"Kernels of one decode step by time, {meta['device']}, torch "
+              f"{meta['torch_version']}, {args.model} random weights, {meta['dtype']}, batch 1, "
+              f"mean over {args.steps} steps.\n\n`{command}`")
+    text = markdown(results, args.top, header)
+    (out / f"profile-{args.context}.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
