@@ -238,14 +238,21 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     (``max_new_tokens`` unless an item's ``meta["max_new_tokens"]`` says otherwise; a batch
     decodes its items' largest).
 
+    A budget the method rejects for some items (a longer answer leaves less of the budget to
+    the prompt) fails those items only: their ``scores`` and ``answers`` are None, ``score``
+    is the mean over the items that ran, and the row adds ``items_run`` and ``item_errors``
+    {item index: message}. A row is an error only when every item failed.
+
     Returns {"modes": {mode: {"rows": [{"method", "budget", "score" (mean over items, 0..1),
-    "scores", "answers"} or {"method", "budget", "error"}]}}, "eval_s"}."""
+    "scores", "answers"[, "items_run", "item_errors"]} or {"method", "budget", "error"}]}},
+    "eval_s"}."""
     batches = batches_of(items, batch_size)
     pad_id = tok.encode("\n", bos=False)[-1]
     bar = _progress(len(batches) * len(configs) * len(modes), progress)
     t0 = time.perf_counter()
     answers = {mode: {c: [None] * len(items) for c in configs} for mode in modes}
-    errors: dict[str, dict[tuple[str, Any], str]] = {mode: {} for mode in modes}
+    errors: dict[str, dict[tuple[str, Any], dict[int, str]]] = {
+        mode: {c: {} for c in configs} for mode in modes}  # per item: the budget error
     for idx in batches:
         batch = pad_to_equal([items[i] for i in idx], pad_id)
         if bar is not None:
@@ -255,8 +262,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                         tick=(lambda: bar.update(1)) if bar is not None else (lambda: None))
         for mode, res in got.items():
             for c, ans in res.items():
-                if isinstance(ans, str):
-                    errors[mode][c] = ans
+                if isinstance(ans, str):  # this batch's items only (their lengths, answers)
+                    errors[mode][c].update({i: ans for i in idx})
                     continue
                 for i, a in zip(idx, ans):
                     answers[mode][c][i] = a
@@ -267,12 +274,18 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
         rows = []
         for method, budget in configs:
             row: dict[str, Any] = {"method": method, "budget": budget}
-            if (method, budget) in errors[mode]:
-                row["error"] = errors[mode][(method, budget)]
+            errs = errors[mode][(method, budget)]
+            if len(errs) == len(items):
+                row["error"] = next(iter(errs.values()))
             else:
                 ans = answers[mode][(method, budget)]
-                scores = [score(a, it) for a, it in zip(ans, items)]
-                row.update(score=sum(scores) / len(scores), scores=scores, answers=ans)
+                scores = [None if i in errs else score(a, it)
+                          for i, (a, it) in enumerate(zip(ans, items))]
+                ran = [x for x in scores if x is not None]
+                row.update(score=sum(ran) / len(ran), scores=scores, answers=ans)
+                if errs:
+                    row.update(items_run=len(ran), item_errors={
+                        str(i): msg for i, msg in sorted(errs.items())})
             rows.append(row)
         result["modes"][mode] = {"rows": rows}
     result["eval_s"] = time.perf_counter() - t0
@@ -309,7 +322,11 @@ def accuracy_table(rows: Sequence[dict[str, Any]], budgets: Sequence[int],
 
 
 def _cell(row: dict[str, Any]) -> str:
-    return "n/a" if "error" in row else f"{100 * row['score']:.1f}"
+    """``n/a`` for an error, the score (%), and ``(ran/all)`` when some items failed."""
+    if "error" in row:
+        return "n/a"
+    part = f" ({row['items_run']}/{len(row['scores'])})" if "items_run" in row else ""
+    return f"{100 * row['score']:.1f}{part}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -188,10 +188,12 @@ def heatmaps(result: dict[str, Any], path: Path) -> None:
         grid = torch.zeros(len(depths), len(lengths))
         count = torch.zeros(len(depths), len(lengths))
         for it, s in zip(items, r["scores"]):
+            if s is None:  # the method rejected this item's budget
+                continue
             di, li = depths.index(it["depth"]), lengths.index(it["length"])
             grid[di, li] += s
             count[di, li] += 1
-        acc = grid / count.clamp(min=1)
+        acc = torch.where(count > 0, grid / count.clamp(min=1), float("nan"))  # NaN: blank
         ax = axes[mi, bi]
         ax.axis("on")
         ax.imshow(acc.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")

@@ -86,17 +86,19 @@ def build_items(tok: Tokenizer, essays: str, tasks: Sequence[str], lengths: Sequ
 
 def task_rows(rows: Sequence[dict[str, Any]], items: Sequence[Item],
               tasks: Sequence[str]) -> list[dict[str, Any]]:
-    """Per row: ``per_task`` {task: mean score} and ``score`` = the mean over tasks."""
+    """Per row: ``per_task`` {task: mean score over its items that ran, None if none ran} and
+    ``score`` = the mean over tasks, None unless every task ran (an average over fewer tasks
+    would not compare with the other rows)."""
     for r in rows:
         if "error" in r:
             continue
         per = {}
         for t in tasks:
-            s = [x for x, it in zip(r["scores"], items) if it.meta["task"] == t]
+            s = [x for x, it in zip(r["scores"], items) if it.meta["task"] == t and x is not None]
             per[t] = sum(s) / len(s) if s else None
         r["per_task"] = per
         vals = [v for v in per.values() if v is not None]
-        r["score"] = sum(vals) / len(vals)
+        r["score"] = sum(vals) / len(vals) if len(vals) == len(per) else None
     return list(rows)
 
 
@@ -109,7 +111,8 @@ def ruler_table(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> str:
         if "error" in r:
             cells = ["n/a"] * (len(tasks) + 1)
         else:
-            cells = [f"{100 * r['per_task'][t]:.1f}" for t in tasks] + [f"{100 * r['score']:.1f}"]
+            cells = ["n/a" if r["per_task"][t] is None else f"{100 * r['per_task'][t]:.1f}"
+                     for t in tasks] + ["n/a" if r["score"] is None else f"{100 * r['score']:.1f}"]
         lines.append(f"| {r['method']} | {budget} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -122,7 +125,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    rows = [r for r in result["rows"] if "error" not in r]
+    rows = [r for r in result["rows"] if r.get("score") is not None]
     for m in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == m]
         if m in UNBUDGETED:

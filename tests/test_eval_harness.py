@@ -149,3 +149,47 @@ def test_bad_arguments_exit_2(capsys):
     assert "budgets" in capsys.readouterr().err
     assert ruler_main(["--checkpoint", "x", "--samples", "0"]) == 2
     assert "samples" in capsys.readouterr().err
+
+
+def test_a_budget_error_fails_only_the_items_it_concerns(monkeypatch):
+    """A method that rejects the budget for one group of items (a task whose long answer
+    leaves t - m under the observation window) fails those items only: the row keeps the
+    others' mean, marks the failed ones, and the RULER table shows n/a for that task and for
+    the average (over fewer tasks it would not compare); a row fails whole only when every
+    item did."""
+    import scripts.eval_common as ec
+    from scripts.eval_ruler import ruler_table, task_rows
+
+    class Tok:
+        def encode(self, text, bos=False):
+            return [0]
+
+    items = [ec.Item([1] * 4, [2], ("a",), {"task": "short", "group": 1}),
+             ec.Item([1] * 4, [2], ("a",), {"task": "short", "group": 1}),
+             ec.Item([1] * 6, [2], ("a",), {"task": "long", "group": 2})]
+
+    def run_batch(model, tok, batch, configs, m, modes, options, tick):
+        long = len(batch[0].doc_ids) == 6
+        return {"standard": {("snapkv", 128): "budget too small" if long else ["a", "b"],
+                             ("full", None): ["a"] * len(batch)}}
+
+    monkeypatch.setattr(ec, "run_batch", run_batch)
+    res = ec.evaluate_items(None, Tok(), items, [("snapkv", 128), ("full", None)], 8,
+                            lambda ans, it: float(ans == it.outputs[0]), progress=False)
+    snap, full = res["modes"]["standard"]["rows"]
+    assert snap["score"] == 0.5 and snap["scores"] == [1.0, 0.0, None]
+    assert snap["items_run"] == 2 and snap["item_errors"] == {"2": "budget too small"}
+    assert ec.accuracy_table([snap, full], [128]).splitlines()[2] == "| snapkv | 50.0 (2/3) |"
+    assert "items_run" not in full and full["score"] == 1.0
+    rows = task_rows([snap, full], items, ["short", "long"])
+    assert rows[0]["per_task"] == {"short": 0.5, "long": None} and rows[0]["score"] is None
+    assert ruler_table(rows, ["short", "long"]).splitlines()[2] == \
+        "| snapkv | 128 | 50.0 | n/a | n/a |"
+
+    def all_fail(model, tok, batch, configs, m, modes, options, tick):
+        return {"standard": {("snapkv", 128): "budget too small"}}
+
+    monkeypatch.setattr(ec, "run_batch", all_fail)
+    row = ec.evaluate_items(None, Tok(), items, [("snapkv", 128)], 8, lambda a, it: 1.0,
+                            progress=False)["modes"]["standard"]["rows"][0]
+    assert row == {"method": "snapkv", "budget": 128, "error": "budget too small"}
