@@ -61,7 +61,10 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
         if n - 1 in (warm, warm + steps):
             if cuda:
                 torch.cuda.synchronize(device)
-            prof.start() if n - 1 == warm else prof.stop()
+            if n - 1 == warm:
+                prof.start()
+            else:
+                prof.stop()
 
     r = generate(model, prompt, method=method, budget=budget,
                  max_new_tokens=warm + steps + 2, compile=args.compile,
