@@ -453,6 +453,13 @@ METHODS: dict[str, tuple[str, Callable[..., list[KVCache]]]] = {
 UNBUDGETED = ("full", "gptfast_dense")  # methods that take no token budget
 
 
+def check_methods(names: list[str]) -> None:
+    """Raises ConfigError naming every name in ``names`` that is not a method of ``METHODS``."""
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown methods {', '.join(unknown)}; known: {', '.join(METHODS)}")
+
+
 def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
                  max_new_tokens: int, budget: int | None, dtype: torch.dtype, device,
                  **options) -> list[KVCache]:

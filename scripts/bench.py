@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
-from compression import METHODS, OPTIONS_BY_METHOD, UNBUDGETED  # noqa: E402
+from compression import METHODS, OPTIONS_BY_METHOD, UNBUDGETED, check_methods  # noqa: E402
 from generate import (  # noqa: E402
     DTYPES,
     OneLineParser,
@@ -399,9 +399,7 @@ def main(argv=None) -> int:
         device, dtype = resolve_run(args)
         if args.methods == ["all"]:
             args.methods = list(METHODS)
-        unknown = [m for m in args.methods if m not in METHODS]
-        if unknown:
-            raise ConfigError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        check_methods(args.methods)
         for name in ("budgets", "context", "batch_sizes"):
             if min(getattr(args, name)) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")

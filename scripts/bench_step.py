@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from compression import METHODS, UNBUDGETED, build_caches  # noqa: E402
+from compression import UNBUDGETED, build_caches, check_methods  # noqa: E402
 from generate import (  # noqa: E402
     DTYPES,
     OneLineParser,
@@ -248,9 +248,7 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if opts.warmup < 0:
             raise ConfigError("--warmup must not be negative")
-        unknown = [m for m in opts.methods if m not in METHODS]
-        if unknown:
-            raise ConfigError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        check_methods(opts.methods)
         bad = [m for m in opts.methods if m in HETEROGENEOUS]
         if bad:
             raise ConfigError(f"{', '.join(bad)}: its layers differ, so one layer does not "

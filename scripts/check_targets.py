@@ -163,12 +163,12 @@ def _evaluate(all_rows: list[dict]) -> list[dict]:
                        None if x is None else f"{x:.2f}x", x is not None and x >= 3.5))
 
     big = [r for r in _ok(rows, batch_size=1) if r["context"] >= K128 - 128]
-    a = next((r for r in big if r["method"] == "rocketkv" and r["budget"] == 256), None)
-    b = next((r for r in big if r["method"] == "full" and r["context"] == (a or {}).get(
-        "context")), None)
+    rocket128 = next((r for r in big if r["method"] == "rocketkv" and r["budget"] == 256), None)
+    full128 = next((r for r in big if r["method"] == "full" and r["context"] == (
+        rocket128 or {}).get("context")), None)
     measured, passed = None, False
-    if a and b:
-        pa, pb = run_peak(a), run_peak(b)
+    if rocket128 and full128:
+        pa, pb = run_peak(rocket128), run_peak(full128)
         measured = f"{pa / GB:.2f} GB vs {pb / GB:.2f} GB ({100 * (1 - pa / pb):.1f}%)"
         passed = pa <= 20 * GB and 1 - pa / pb >= 0.4
     out.append(_result("whole-run peak memory, rocketkv @256 at 128K (saving vs full)",
@@ -195,10 +195,8 @@ def _evaluate(all_rows: list[dict]) -> list[dict]:
     out.append(_result("int4 + rocketkv @256 vs float full at 128K (decode step; peak)",
                        ">= 5x and < 10 GB", measured, passed))
 
-    a = next((r for r in big if r["method"] == "rocketkv" and r["budget"] == 256), None)
-    b = next((r for r in big if r["method"] == "full" and r["context"] == (a or {}).get(
-        "context")), None)
-    x = b["decode_ms_median"] / a["decode_ms_median"] if a and b else None
+    x = full128["decode_ms_median"] / rocket128["decode_ms_median"] \
+        if rocket128 and full128 else None
     out.append(_result("rocketkv @256 decode step vs full at 128K (issue 10)", ">= 1.8x",
                        None if x is None else f"{x:.2f}x", x is not None and x >= 1.8))
     return out

@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
-from compression import METHODS, UNBUDGETED  # noqa: E402
+from compression import METHODS, UNBUDGETED, check_methods  # noqa: E402
 from generate import (  # noqa: E402
     DTYPES,
     OneLineParser,
@@ -299,9 +299,7 @@ def check_args(args: argparse.Namespace) -> None:
     if min(args.budgets) <= 0:
         raise ConfigError(f"--budgets must be positive numbers of tokens, got "
                           f"{min(args.budgets)}")
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:
-        raise ConfigError(f"unknown methods {', '.join(unknown)}; known: {', '.join(METHODS)}")
+    check_methods(args.methods)
     check_json_path(args.json)
     args.checkpoint = resolve_checkpoint(args.checkpoint)  # a short name: its local copy
     path = Path(args.checkpoint)

@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from compression import METHODS, UNBUDGETED, build_caches  # noqa: E402
+from compression import UNBUDGETED, build_caches, check_methods  # noqa: E402
 from generate import DTYPES, OneLineParser, weight_bytes, write_json  # noqa: E402
 from model import CONFIGS, ConfigError, ModelArgs, Transformer  # noqa: E402
 
@@ -199,9 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     a = p.parse_args(argv)
     try:
-        unknown = [m for m in a.methods if m not in METHODS]
-        if unknown:
-            raise ConfigError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        check_methods(a.methods)
         for name in ("budgets", "context"):
             if min(getattr(a, name)) <= 0:
                 raise ConfigError(f"--{name} must be positive")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
-from compression import METHODS, UNBUDGETED  # noqa: E402
+from compression import UNBUDGETED, check_methods  # noqa: E402
 from generate import OneLineParser, device_name, generate, write_json  # noqa: E402
 from model import CONFIGS, ConfigError  # noqa: E402
 from scripts.bench import method_options, resolve_run  # noqa: E402
@@ -122,9 +122,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         device, dtype = resolve_run(args)
-        unknown = [m for m in args.methods if m not in METHODS]
-        if unknown:
-            raise ConfigError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        check_methods(args.methods)
         for flag in ("context", "steps", "top"):
             if getattr(args, flag) <= 0:
                 raise ConfigError(f"--{flag} must be positive")
