@@ -228,6 +228,8 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
     budgets = sorted({r["budget"] for r in ok if r["budget"] is not None})
     methods = sorted({r["method"] for r in ok if r["method"] not in UNBUDGETED})
     title = f"{ok[0]['model']} {ok[0]['dtype']} batch {batch} on {ok[0]['device']}"
+    # charts (a)-(c) draw a series only where it has a line (chart (d) shows one context)
+    min_points = 2 if len(contexts) > 1 else 1
 
     def speedups(method, budget, base):
         xs, ys = [], []
@@ -244,7 +246,7 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
         for t in budgets:
             for base, style in (("full", "-o"), ("gptfast_dense", "--s")):
                 xs, ys = speedups(m, t, base)
-                if xs:
+                if len(xs) >= min_points:
                     ax.plot(xs, ys, style, label=f"{m} t={t} vs {base}")
     _context_axis(ax, contexts)
     ax.set(xlabel="context (tokens)", ylabel="decode speedup (x)",
@@ -265,7 +267,7 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
                         xs.append(c)
                         ys.append(100 * (1 - a["peak_memory_bytes"][phase]
                                          / b["peak_memory_bytes"][phase]))
-                if xs:
+                if len(xs) >= min_points:
                     ax.plot(xs, ys, style, label=f"{m} t={t} ({phase} phase)")
     _context_axis(ax, contexts)
     ax.axhspan(-NOISE_PCT, NOISE_PCT, color="0.85", zorder=0,
@@ -281,7 +283,7 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
         for t in ([None] if r_method in UNBUDGETED else budgets):
             pts = [(c, _find(ok, method=r_method, budget=t, context=c)) for c in contexts]
             pts = [(c, r) for c, r in pts if r]
-            if not pts:
+            if len(pts) < min_points:
                 continue
             label = r_method if t is None else f"{r_method} t={t}"
             line = ax.plot([c for c, _ in pts], [r["decode_ms_median"] for _, r in pts], "-o",

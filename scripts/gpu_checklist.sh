@@ -8,12 +8,13 @@
 # b: the targets' rows: full, rocketkv@256 and gptfast_dense at 96K and 128K (item 2)
 # c: the rest of the sweep that fits one call, 16K-64K (item 2); every row compiles its own
 #    static graph (47-88 s on the H200; the dynamic regime took 407 s for its first row)
-# d: batch 16 at 32K (item 3), every method at 32K (item 4)
+# d: batch 16 at 32K (item 3), then every method at 32K (item 4) in d, e and f: a row compiles
+#    for 31-94 s on the H200, so the 14 rows take three calls
 # Every step has its own time limit, so a slow step leaves the next ones their time; bench.py
 # saves its rows after every configuration. Plots are drawn afterwards from the JSON (the
 # device returns at most 8 files).
 set -o pipefail
-part=${1:?part a, b, c or d}
+part=${1:?part a, b, c, d, e or f}
 out=${2:-${OUT:?no OUTDIR and no \$OUT}}
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -50,9 +51,19 @@ d)
     step batch 16
     timeout 250 $py scripts/bench.py $M --batch-sizes 16 --context 32768 --methods full rocketkv \
         --budgets 256 --time-limit 150
-    step every method at 32K
-    timeout 300 $py scripts/bench.py $M --context 32768 --methods all --budgets 256 \
-        --time-limit 180
+    step every method at 32K, 1 of 3
+    timeout 300 $py scripts/bench.py $M --context 32768 --methods full gptfast_dense exact_topk \
+        snapkv --budgets 256 --time-limit 230
+    ;;
+e)
+    step every method at 32K, 2 of 3
+    timeout 560 $py scripts/bench.py $M --context 32768 --methods snapkv_pp quest sparq hybrid \
+        rocketkv --budgets 256 --time-limit 440
+    ;;
+f)
+    step every method at 32K, 3 of 3
+    timeout 560 $py scripts/bench.py $M --context 32768 --methods streamingllm h2o duoattention \
+        keydiff omnikv --budgets 256 --time-limit 440
     ;;
 *)
     echo "unknown part $part"; exit 2 ;;

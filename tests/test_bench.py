@@ -115,3 +115,34 @@ def test_one_compile_regime_per_sweep(tmp_path, monkeypatch):
         assert asked == [True if regime == "dynamic" else None] * 2
         if regime == "static":
             assert [r["compile_regime"] for r in rows] == ["static"] * 2
+
+
+def _row(method, budget, context, ms):
+    return {"model": "m", "dtype": "bfloat16", "device": "gpu", "batch_size": 1,
+            "method": method, "budget": budget, "context": context, "decode_ms_median": ms,
+            "roofline_ms": ms / 2, "peak_memory_bytes": {"decode": ms, "total": ms}}
+
+
+def test_charts_draw_a_line_only_for_series_at_several_contexts(tmp_path, monkeypatch):
+    """A sweep joined with an every-method row at one context: charts (a)-(c) leave out the
+    one-point series (chart (d) holds them); a one-context run keeps every series."""
+    import scripts.bench as bench
+
+    legends = {}
+
+    def save(fig, prefix, name):
+        legends[name] = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+        return tmp_path / name
+
+    monkeypatch.setattr(bench, "_save", save)
+    rows = [_row("full", None, 16, 4.0), _row("full", None, 32, 6.0),
+            _row("rocketkv", 8, 16, 2.0), _row("rocketkv", 8, 32, 2.5),
+            _row("snapkv", 8, 32, 1.5)]
+    bench.plot(rows, tmp_path / "b", 32)
+    assert legends["a_speedup"] == ["rocketkv t=8 vs full"]
+    assert not any("snapkv" in label for label in legends["b_memory"] + legends["c_latency"])
+    assert "rocketkv t=8" in legends["c_latency"] and "full" in legends["c_latency"]
+    bench.plot([r for r in rows if r["context"] == 32], tmp_path / "b", 32)
+    assert legends["a_speedup"] == ["rocketkv t=8 vs full", "snapkv t=8 vs full"]
