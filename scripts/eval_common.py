@@ -29,6 +29,8 @@ than block-wise masks.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import re
 import sys
 import time
@@ -229,11 +231,61 @@ def batches_of(items: Sequence[Item], batch_size: int) -> list[list[int]]:
     return batches
 
 
+def code_digest() -> str:
+    """sha256 (hex) of the engine's Python sources (the top level, ``compression/`` and
+    ``scripts/``): answers saved by other code are not reused."""
+    h = hashlib.sha256()
+    files = sorted([*ROOT.glob("*.py"), *ROOT.glob("compression/**/*.py"),
+                    *ROOT.glob("scripts/*.py")])
+    for f in files:
+        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def run_fingerprint(items: Sequence[Item], configs: Sequence[tuple[str, Any]],
+                    max_new_tokens: int, modes: Sequence[str], options: dict[str, Any] | None,
+                    batch_size: int, run_key: Any = None) -> str:
+    """sha256 (hex) of what a batch's answers depend on: every item's token ids and
+    per-item answer length, the configurations, modes, method options, batch size,
+    ``run_key`` (the caller's checkpoint, dtype and device) and the code (``code_digest``)."""
+    spec = {"code": code_digest(),
+            "items": [[it.doc_ids, it.question_ids, it.meta.get("max_new_tokens")]
+                      for it in items],
+            "configs": [list(c) for c in configs], "max_new_tokens": max_new_tokens,
+            "modes": list(modes), "options": options or {}, "batch_size": batch_size,
+            "run_key": run_key}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _read_partial(path: Path, fingerprint: str) -> list[dict[str, Any]]:
+    """The finished batches saved in ``path`` by a run with this ``fingerprint``; [] when the
+    file is absent or another run's. A last line cut off mid-write is dropped."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    try:
+        header = json.loads(lines[0]) if lines else {}
+    except json.JSONDecodeError:
+        header = {}
+    if header.get("fingerprint") != fingerprint:
+        print(f"note: {path} holds another run's batches (other items or settings); "
+              "starting afresh", file=sys.stderr)
+        return []
+    done = []
+    for line in lines[1:]:
+        try:
+            done.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # the line a killed run was writing
+    return done
+
+
 def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                    configs: Sequence[tuple[str, Any]], max_new_tokens: int,
                    score: Callable[[str, Item], float], *, modes: Sequence[str] = ("standard",),
                    options: dict[str, Any] | None = None, batch_size: int = 10,
-                   progress: bool = True) -> dict[str, Any]:
+                   progress: bool = True, partial: str | Path | None = None,
+                   run_key: Any = None) -> dict[str, Any]:
     """Answers and scores of every configuration on every item in every mode
     (``max_new_tokens`` unless an item's ``meta["max_new_tokens"]`` says otherwise; a batch
     decodes its items' largest).
@@ -243,23 +295,23 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     is the mean over the items that ran, and the row adds ``items_run`` and ``item_errors``
     {item index: message}. A row is an error only when every item failed.
 
+    ``partial``: a JSON-lines file that keeps every finished batch's answers as the run goes
+    (a header line with ``run_fingerprint``, then one line per batch). A run that finds the
+    file with the same fingerprint skips the batches it holds, so a run that was killed (or
+    cut by a GPU lease's time limit) continues where it stopped with the same answers; a
+    file of another run is overwritten. The caller deletes it once the results are written.
+
     Returns {"modes": {mode: {"rows": [{"method", "budget", "score" (mean over items, 0..1),
     "scores", "answers"[, "items_run", "item_errors"]} or {"method", "budget", "error"}]}},
-    "eval_s"}."""
+    "eval_s" (this process's seconds), "batches", "batches_resumed"}."""
     batches = batches_of(items, batch_size)
     pad_id = tok.encode("\n", bos=False)[-1]
-    bar = _progress(len(batches) * len(configs) * len(modes), progress)
     t0 = time.perf_counter()
     answers = {mode: {c: [None] * len(items) for c in configs} for mode in modes}
     errors: dict[str, dict[tuple[str, Any], dict[int, str]]] = {
         mode: {c: {} for c in configs} for mode in modes}  # per item: the budget error
-    for idx in batches:
-        batch = pad_to_equal([items[i] for i in idx], pad_id)
-        if bar is not None:
-            bar.set_description(f"{batch[0].tokens} tokens x {len(batch)}")
-        m = max(it.meta.get("max_new_tokens", max_new_tokens) for it in batch)
-        got = run_batch(model, tok, batch, configs, m, modes=modes, options=options,
-                        tick=(lambda: bar.update(1)) if bar is not None else (lambda: None))
+
+    def record(idx: list[int], got: dict[str, dict[tuple[str, Any], Any]]) -> None:
         for mode, res in got.items():
             for c, ans in res.items():
                 if isinstance(ans, str):  # this batch's items only (their lengths, answers)
@@ -267,9 +319,48 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                     continue
                 for i, a in zip(idx, ans):
                     answers[mode][c][i] = a
-    if bar is not None:
-        bar.close()
-    result: dict[str, Any] = {"modes": {}}
+
+    saved = None
+    done: set[tuple[int, ...]] = set()
+    if partial is not None:
+        partial = Path(partial)
+        fingerprint = run_fingerprint(items, configs, max_new_tokens, modes, options,
+                                      batch_size, run_key)
+        kept = _read_partial(partial, fingerprint)
+        for line in kept:
+            record(line["batch"], {mode: {(m, b): ans for m, b, ans in res}
+                                   for mode, res in line["got"].items()})
+            done.add(tuple(line["batch"]))
+        partial.parent.mkdir(parents=True, exist_ok=True)  # rewritten without a cut-off line
+        partial.write_text("".join(json.dumps(x) + "\n"
+                                   for x in [{"fingerprint": fingerprint}, *kept]))
+        saved = partial.open("a")
+    todo = [idx for idx in batches if tuple(idx) not in done]
+    bar = _progress(len(batches) * len(configs) * len(modes), progress)
+    if bar is not None and done:
+        bar.update((len(batches) - len(todo)) * len(configs) * len(modes))
+    try:
+        for idx in todo:
+            batch = pad_to_equal([items[i] for i in idx], pad_id)
+            if bar is not None:
+                bar.set_description(f"{batch[0].tokens} tokens x {len(batch)}")
+            m = max(it.meta.get("max_new_tokens", max_new_tokens) for it in batch)
+            got = run_batch(model, tok, batch, configs, m, modes=modes, options=options,
+                            tick=(lambda: bar.update(1)) if bar is not None else (lambda: None))
+            record(idx, got)
+            if saved is not None:
+                saved.write(json.dumps({"batch": idx, "got": {
+                    mode: [[m_, b, ans] for (m_, b), ans in res.items()]
+                    for mode, res in got.items()}}) + "\n")
+                saved.flush()
+    finally:
+        if saved is not None:
+            saved.close()
+        if bar is not None:
+            bar.close()
+    result: dict[str, Any] = {"modes": {}, "batches": len(batches),
+                              "batches_resumed": len(batches) - len(todo),
+                              "partial": None if partial is None else str(partial)}
     for mode in modes:
         rows = []
         for method, budget in configs:
@@ -395,6 +486,15 @@ def load(args: argparse.Namespace):
     return model, tok, device
 
 
+def resume_options(args: argparse.Namespace, task: str, model: Transformer,
+                   device: torch.device) -> dict[str, Any]:
+    """``evaluate_items``' ``partial`` (``TASK.partial.jsonl`` in ``--out``) and ``run_key``
+    (checkpoint, tokenizer, device, dtype) for a script's run."""
+    dtype = next(model.parameters()).dtype
+    return {"partial": Path(args.out) / f"{task}.partial.jsonl",
+            "run_key": [args.checkpoint, args.tokenizer, device.type, str(dtype)]}
+
+
 def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transformer,
                  task: str, fields: dict[str, Any], t0: float,
                  table: Callable[[list[dict[str, Any]]], str],
@@ -408,6 +508,7 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
                   "checkpoint": args.checkpoint, "split": args.split, "seed": args.seed,
                   "method_options": method_options(args), **fields,
                   "eval_s": got["eval_s"], "runtime_s": time.perf_counter() - t0,
+                  "batches": got.get("batches"), "batches_resumed": got.get("batches_resumed"),
                   "modes_run_together": list(args.modes), "torch_version": torch.__version__,
                   "threads": torch.get_num_threads()}
         name = f"{task}_qa" if mode == "question_agnostic" else task
@@ -415,6 +516,8 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
         print(f"{name}:\n{text}")
         paths = write_outputs(args.out, name, result, text, lambda p, r=result: figure(r, p))
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    if got.get("partial"):  # every result is written: the saved batches have served
+        Path(got["partial"]).unlink(missing_ok=True)
 
 
 def write_outputs(out_dir: str | Path, name: str, result: dict[str, Any], table: str,

@@ -60,6 +60,7 @@ from scripts.eval_common import (  # noqa: E402
     load,
     method_options,
     report_modes,
+    resume_options,
     rouge1_recall,
     string_match_all,
 )
@@ -242,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(x is not None for x in custom) and not all(x is not None for x in custom):
             raise ConfigError("--needle, --question and --answer go together")
         texts = read_texts(args.text)
-        model, tok, _ = load(args)
+        model, tok, device = load(args)
         too_long = [n for n in args.lengths if n + args.max_new_tokens > model.args.max_seq_len]
         if too_long:
             raise ConfigError(f"--lengths {too_long[0]} + --max-new-tokens exceed the model's "
@@ -261,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         got = evaluate_items(model, tok, items, configs, args.max_new_tokens,
                              lambda a, it: score_answer(a, it, rouge), modes=args.modes,
                              options=method_options(args), batch_size=args.batch_size,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress,
+                             **resume_options(args, "needle", model, device))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ from scripts.eval_common import (  # noqa: E402
     load,
     method_options,
     report_modes,
+    resume_options,
     string_match_all,
 )
 from scripts.ruler_tasks import DEFAULT_ESSAYS, TASKS, load_essays, make_sample  # noqa: E402
@@ -166,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--samples must be positive")
         if not Path(args.essays).exists():
             raise ConfigError(f"essay haystack not found: {args.essays}")
-        model, tok, _ = load(args)
+        model, tok, device = load(args)
         too_long = [n for n in args.lengths if n + 96 > model.args.max_seq_len]
         if too_long:
             raise ConfigError(f"--lengths {too_long[0]} + the longest answer (96 tokens) exceed "
@@ -182,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         got = evaluate_items(model, tok, items, configs, 24,
                              lambda a, it: string_match_all(a, it.outputs), modes=args.modes,
                              options=method_options(args), batch_size=args.batch_size,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress,
+                             **resume_options(args, "ruler", model, device))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

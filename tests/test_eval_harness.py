@@ -112,6 +112,8 @@ def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
     assert rows["full"]["score"] == 1.0 and len(rows["quest"]["scores"]) == 2
     assert (tmp_path / "needle.png").stat().st_size > 0
     assert "| quest |" in (tmp_path / "needle.md").read_text()
+    assert result["batches"] == 1 and result["batches_resumed"] == 0
+    assert not (tmp_path / "needle.partial.jsonl").exists()  # removed once the results are out
 
 
 def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
@@ -142,6 +144,7 @@ def test_ruler_cli_quick_run(tmp_path):
     assert full["score"] == sum(full["per_task"].values()) / 2
     assert all(abs(it["tokens"] - 600) <= 30 for it in result["items"])
     assert (tmp_path / "ruler_qa.png").exists() and (tmp_path / "ruler_qa.md").exists()
+    assert not (tmp_path / "ruler.partial.jsonl").exists()
 
 
 def test_bad_arguments_exit_2(capsys):
@@ -193,3 +196,55 @@ def test_a_budget_error_fails_only_the_items_it_concerns(monkeypatch):
     row = ec.evaluate_items(None, Tok(), items, [("snapkv", 128)], 8, lambda a, it: 1.0,
                             progress=False)["modes"]["standard"]["rows"][0]
     assert row == {"method": "snapkv", "budget": 128, "error": "budget too small"}
+
+
+def test_a_killed_run_resumes_from_its_saved_batches(monkeypatch, tmp_path):
+    """evaluate_items(partial=...) saves each finished batch; a run with the same items and
+    settings skips those batches and ends with the answers of an uninterrupted run. A line cut
+    off mid-write is dropped (and rewritten), and another run's file is not reused."""
+    import scripts.eval_common as ec
+
+    class Tok:
+        def encode(self, text, bos=False):
+            return [0]
+
+    items = [ec.Item([i % 3 + 1] * (4 + i // 2), [2], (str(i),), {}) for i in range(6)]
+    configs = [("snapkv", 128), ("full", None)]
+    calls = []
+
+    def run_batch(model, tok, batch, configs, m, modes, options, tick):
+        calls.append(len(batch[0].doc_ids))
+        if len(calls) == limit[0]:
+            raise KeyboardInterrupt  # the run is killed in its next batch
+        n = len(batch[0].doc_ids)
+        return {mode: {c: "budget too small" if c[1] and n == 6 else
+                       [f"{mode} {c[0]} {x.outputs[0]}" for x in batch]
+                       for c in configs} for mode in modes}
+
+    def evaluate(path, configs=configs):
+        return ec.evaluate_items(None, Tok(), items, configs, 8,
+                                 lambda a, it: float(a.endswith(it.outputs[0])),
+                                 modes=("standard", "question_agnostic"), batch_size=2,
+                                 progress=False, partial=path, run_key=["x"])
+
+    monkeypatch.setattr(ec, "run_batch", run_batch)
+    limit = [0]
+    whole = evaluate(None)
+    assert whole["batches"] == 3 and whole["batches_resumed"] == 0 and len(calls) == 3
+    path = tmp_path / "needle.partial.jsonl"
+    calls.clear()
+    limit = [3]  # two batches finish, the third is killed
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(path)
+    assert len(path.read_text().splitlines()) == 1 + 2
+    with path.open("a") as f:
+        f.write('{"batch": [4, 5], "got": {"stan')  # a line cut off by the kill
+    calls.clear()
+    limit = [0]
+    resumed = evaluate(path)
+    assert calls == [6] and resumed["batches_resumed"] == 2  # only the unfinished batch ran
+    assert resumed["modes"] == whole["modes"]
+    assert len(path.read_text().splitlines()) == 1 + 3
+    calls.clear()
+    other = evaluate(path, configs=[("full", None)])  # another run's file: all batches again
+    assert len(calls) == 3 and other["batches_resumed"] == 0
