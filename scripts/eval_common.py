@@ -331,6 +331,9 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
             record(line["batch"], {mode: {(m, b): ans for m, b, ans in res}
                                    for mode, res in line["got"].items()})
             done.add(tuple(line["batch"]))
+        if done:
+            print(f"resuming: {len(done)} of {len(batches)} batches from {partial}",
+                  file=sys.stderr)
         partial.parent.mkdir(parents=True, exist_ok=True)  # rewritten without a cut-off line
         partial.write_text("".join(json.dumps(x) + "\n"
                                    for x in [{"fingerprint": fingerprint}, *kept]))
