@@ -137,11 +137,13 @@ def depth_grid(n: int) -> list[float]:
 def build_items(tok: Tokenizer, hay: Haystack, lengths: Sequence[int], depths: Sequence[float],
                 needles: int, seed: int, split: str = "eval",
                 fact: dict[str, str] | None = None) -> list[Item]:
-    """Every prompt of the grid, grouped by (length, needle) so each group has one length."""
+    """Every prompt of the grid, needle by needle (each over every length and depth), in
+    batches of one needle and length (``meta["group"]``): a run cut short (``--time-limit``)
+    has whole needles over the grid."""
     n = len(hay.sentences)
     items = []
-    for length in lengths:
-        for j in range(needles):
+    for j in range(needles):
+        for length in lengths:
             s = seed + j + (DEV_SEED_OFFSET if split == "dev" else 0)
             f = fact or needle_fact(s)
             head, tail = chat_pieces(tok, f["question"], f["answer_prefix"])
@@ -156,7 +158,8 @@ def build_items(tok: Tokenizer, hay: Haystack, lengths: Sequence[int], depths: S
                 doc, reached = insert_needle(pieces, needle, d)
                 items.append(Item(head + doc, tail, (f["answer"],), {
                     "length": length, "depth": d, "depth_reached": reached, "needle": j,
-                    "seed": s, "answer": f["answer"], "haystack_start": start % n}, len(head)))
+                    "seed": s, "answer": f["answer"], "haystack_start": start % n,
+                    "group": (j, length)}, len(head)))
     return items
 
 
@@ -174,7 +177,7 @@ def heatmaps(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if "error" not in r]
+    rows = [r for r in result["rows"] if r.get("score") is not None]
     lengths, depths = result["lengths"], result["depths"]
     items = result["items"]
     cols = max(1, len(result["budgets"]))
@@ -271,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lengths": sorted({it.meta["length"] for it in items}), "depths": depths,
         "needles": args.needles, "budgets": budgets, "max_new_tokens": args.max_new_tokens,
         "scoring": "rouge1_recall" if rouge else "exact",
-        "items": [{**it.meta, "tokens": it.tokens} for it in items]}, t0,
+        "items": [{k: v for k, v in it.meta.items() if k != "group"} | {"tokens": it.tokens}
+                  for it in items]}, t0,
         lambda rows: accuracy_table(rows, budgets), heatmaps)
     return 0
 

@@ -7,6 +7,7 @@ from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 
 from scripts.eval_common import (
     Item,
+    batches_of,
     chat_pieces,
     configurations,
     evaluate_items,
@@ -63,6 +64,10 @@ def test_needle_prompts_have_the_asked_length_and_depth(tok, hay):
     items = build_items(tok, hay, [700, 1500], depths, 2, seed=3)
     assert len(items) == 2 * 2 * 5
     assert all(it.tokens == it.meta["length"] for it in items)  # exactly, every depth
+    # needle by needle over the grid (a run cut short has whole needles), a batch per length
+    assert [(it.meta["needle"], it.meta["length"]) for it in items] == \
+        [(j, n) for j in range(2) for n in (700, 1500) for _ in depths]
+    assert [[items[i].meta["depth"] for i in b] for b in batches_of(items, 10)] == [depths] * 4
     for it in items:
         assert abs(it.meta["depth_reached"] - it.meta["depth"]) < 0.08  # a sentence or so
         needle = tok.encode(" " + needle_fact(it.meta["seed"])["needle"], bos=False)
@@ -113,6 +118,9 @@ def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
     assert (tmp_path / "needle.png").stat().st_size > 0
     assert "| quest |" in (tmp_path / "needle.md").read_text()
     assert result["batches"] == 1 and result["batches_resumed"] == 0
+    assert result["unfinished"] == 0 and result["device"] == "cpu"
+    from scripts.eval_common import cpu_has_native_bf16
+    assert result["dtype"] == ("bfloat16" if cpu_has_native_bf16() else "float32")
     assert not (tmp_path / "needle.partial.jsonl").exists()  # removed once the results are out
 
 
@@ -248,3 +256,45 @@ def test_a_killed_run_resumes_from_its_saved_batches(monkeypatch, tmp_path):
     calls.clear()
     other = evaluate(path, configs=[("full", None)])  # another run's file: all batches again
     assert len(calls) == 3 and other["batches_resumed"] == 0
+
+
+def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkeypatch,
+                                                                             tmp_path):
+    """``stop`` (--time-limit) ends a run between batches: the unfinished items have no
+    score, each row's score is the finished items' mean, and the same call with the saved
+    batches runs only the rest, ending as an uninterrupted run."""
+    import scripts.eval_common as ec
+
+    class Tok:
+        def encode(self, text, bos=False):
+            return [0]
+
+    items = [ec.Item([1] * 4, [2], (str(i),), {"group": i // 2}) for i in range(6)]
+    calls = []
+
+    def run_batch(model, tok, batch, configs, m, modes, options, tick):
+        calls.append(len(batch))
+        return {"standard": {("full", None): [x.outputs[0] if x.outputs[0] != "1" else "?"
+                                              for x in batch]}}
+
+    monkeypatch.setattr(ec, "run_batch", run_batch)
+    path = tmp_path / "needle.partial.jsonl"
+
+    def evaluate(stop):
+        return ec.evaluate_items(None, Tok(), items, [("full", None)], 8,
+                                 lambda a, it: float(a == it.outputs[0]), batch_size=2,
+                                 progress=False, partial=path, stop=stop)
+
+    cut = evaluate(lambda: len(calls) == 1)  # stops after its first batch
+    row = cut["modes"]["standard"]["rows"][0]
+    assert calls == [2] and cut["unfinished"] == 4
+    assert row["scores"] == [1.0, 0.0, None, None, None, None]
+    assert row["score"] == 0.5 and row["items_run"] == 2 and "item_errors" not in row
+    assert ec.accuracy_table([row], [128]).splitlines()[2] == "| full | 50.0 (2/6) |"
+    none = evaluate(lambda: True)["modes"]["standard"]["rows"][0]  # nothing more ran
+    assert none["score"] == 0.5 and calls == [2]
+    calls.clear()
+    rest = evaluate(None)
+    assert calls == [2, 2] and rest["unfinished"] == 0 and rest["batches_resumed"] == 1
+    row = rest["modes"]["standard"]["rows"][0]
+    assert row["scores"] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and "items_run" not in row
