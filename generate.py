@@ -21,7 +21,7 @@ import resource
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from checkpoint import (
     resolve_checkpoint,
 )
 from compression import METHODS, UNBUDGETED, build_caches
+from compression.snapkv import shared_window_votes
 from kv_cache import PromptRecorder
 from model import ConfigError, ModelArgs, Transformer
 from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
@@ -276,6 +277,9 @@ class PrefilledPrompt:
         attention_sums: per layer (B, H_kv, T) float32 column sums of every prompt query's
             attention (``kv_cache.attention_column_sums``), recorded when asked for (H2O
             needs them); None otherwise.
+        votes_memo: per layer, the SnapKV-family observation-window votes already computed
+            from this prefill (``compression.snapkv.shared_window_votes``), so building many
+            methods' and budgets' caches from it scores the window once per layer.
     """
 
     tokens: Tensor
@@ -286,6 +290,7 @@ class PrefilledPrompt:
     prefill_s: float
     obs_window: int = 64
     attention_sums: list[Tensor] | None = None
+    votes_memo: list[dict] = field(default_factory=list, repr=False)
 
 
 def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]],
@@ -377,8 +382,12 @@ def _store_prefilled(model: Transformer, pre: PrefilledPrompt) -> Tensor:
         if cache.obs_window > q_obs.shape[2] and q_obs.shape[2] < pre.tokens.shape[1]:
             raise ConfigError(f"the method's observation window ({cache.obs_window} tokens) "
                               f"exceeds the {q_obs.shape[2]} queries recorded by prefill_once")
-        cache.store_prompt(pre.k[i], pre.v[i],
-                           q_obs[:, :, q_obs.shape[2] - min(cache.obs_window, q_obs.shape[2]):])
+        while len(pre.votes_memo) <= i:
+            pre.votes_memo.append({})
+        with shared_window_votes(pre.votes_memo[i]):  # one vote per layer and window
+            cache.store_prompt(pre.k[i], pre.v[i],
+                               q_obs[:, :, q_obs.shape[2] - min(cache.obs_window,
+                                                               q_obs.shape[2]):])
     return pre.logits
 
 

@@ -25,6 +25,10 @@ GQA models divides it by the group size, because each query head keeps its own t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -35,6 +39,28 @@ from model import ModelArgs
 WINDOW = 32  # observation window (tokens), both methods
 SNAPKV_KERNEL = 7
 SNAPKV_PP_KERNELS = (63, 511)  # (below the threshold, at or above it)
+
+
+_VOTES_MEMO: ContextVar[dict | None] = ContextVar("window_votes_memo", default=None)
+
+
+@contextmanager
+def shared_window_votes(memo: dict) -> Iterator[None]:
+    """Within the block, ``window_votes`` stores its result in ``memo`` and returns the stored
+    one when asked again for the same key tensor (the same object, not modified since) and the
+    same window queries (the same memory) and window length.
+
+    Every SnapKV-family cache built from one shared prefill scores the same prompt keys with the
+    same observation window, so the votes (the costly part of eviction: ``window`` x T scores
+    per query head) need computing once per layer and window, not once per method and budget.
+    The memo keeps the key tensors it saw alive, so an identity check cannot be fooled by a
+    freed tensor's reused address. Give it the lifetime of the prefill (``PrefilledPrompt``).
+    """
+    token = _VOTES_MEMO.set(memo)
+    try:
+        yield
+    finally:
+        _VOTES_MEMO.reset(token)
 
 
 def window_votes(q: Tensor, k: Tensor, window: int) -> Tensor:
@@ -51,8 +77,17 @@ def window_votes(q: Tensor, k: Tensor, window: int) -> Tensor:
         the float32 transient is (B, G * window, T), 64 MiB at 128K tokens, G = 4, window 32).
     """
     T = k.shape[2]
-    votes = attention_column_sums(q[:, :, -window:], k, T - window, per_query_head=True)
-    return votes[..., :T - window]
+    q_win = q[:, :, -window:]
+    memo = _VOTES_MEMO.get()
+    key = (id(k), window, q_win.data_ptr(), tuple(q_win.shape), q_win.stride(), q_win.dtype)
+    if memo is not None and key in memo:
+        k_seen, k_version, q_version, votes = memo[key]
+        if k_seen is k and k_version == k._version and q_version == q._version:
+            return votes
+    votes = attention_column_sums(q_win, k, T - window, per_query_head=True)[..., :T - window]
+    if memo is not None:
+        memo[key] = (k, k._version, q._version, votes)
+    return votes
 
 
 def pool_votes(votes: Tensor, kernel: int, kind: str) -> Tensor:

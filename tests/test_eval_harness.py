@@ -298,3 +298,34 @@ def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkey
     assert calls == [2, 2] and rest["unfinished"] == 0 and rest["batches_resumed"] == 1
     row = rest["modes"]["standard"]["rows"][0]
     assert row["scores"] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and "items_run" not in row
+
+
+def test_worker_processes_give_the_answers_of_one_process(smollm2_model, tok, hay):
+    """``workers=2``: batches run in two spawned processes (each loading the model with the
+    given settings) and end with the answers of one process at the same thread count."""
+    from functools import partial
+
+    import torch
+
+    import scripts.eval_common as ec
+
+    items = build_items(tok, hay, [200], [0.3, 0.9], 2, seed=1)  # two batches (needles)
+    configs = configurations(["full", "rocketkv"], [64])
+    spec = {"threads": 1, "device": "cpu", "dtype": "float32",
+            "checkpoint": str(shared_file(SMOLLM2_GGUF)), "tokenizer": None}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = evaluate_items(smollm2_model, tok, items, configs, 6, lambda a, it: 0.0,
+                             modes=["standard", "question_agnostic"], progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    two = evaluate_items(None, tok, items, configs, 6, lambda a, it: 0.0,
+                         modes=["standard", "question_agnostic"], progress=False, workers=2,
+                         load_worker=partial(ec._load_worker, spec))
+    assert one["workers"] == 1 and two["workers"] == 2 and two["batches"] == 2
+    assert two["modes"] == one["modes"]
+    bad = dict(spec, checkpoint="/nonexistent.gguf")  # a worker that cannot load: raised here
+    with pytest.raises(Exception, match="nonexistent"):
+        evaluate_items(None, tok, items, configs, 8, lambda a, it: 0.0, progress=False,
+                       workers=2, load_worker=partial(ec._load_worker, bad))

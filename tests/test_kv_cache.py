@@ -12,6 +12,7 @@ from kv_cache import (
     attend,
     causal_attention,
     flex_prefix_attention,
+    gather_tokens,
     prefix_attention,
 )
 from model import ConfigError, ModelArgs
@@ -178,3 +179,19 @@ def test_cuda_compiled_decode_attention_matches_eager():
         out = step(q, kn, vn, pos).clone()
         ref = attend_written(q.float(), k.float(), v.float(), pos)
         assert torch.allclose(out.float(), ref, atol=2e-2), last
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_tokens_picks_each_heads_rows(dtype):
+    """The CPU row path (index_select on the flattened cache) against a loop, and a
+    non-contiguous cache (the element-wise path)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 17, 8, generator=g).to(dtype)
+    idx = torch.randint(0, 17, (2, 3, 5), generator=g)
+    expect = torch.stack([torch.stack([x[b, h, idx[b, h]] for h in range(3)])
+                          for b in range(2)])
+    assert torch.equal(gather_tokens(x, idx), expect)
+    wide = torch.randn(2, 3, 17, 16, generator=g).to(dtype)[..., ::2]  # strided rows
+    expect = torch.stack([torch.stack([wide[b, h, idx[b, h]] for h in range(3)])
+                          for b in range(2)])
+    assert not wide.is_contiguous() and torch.equal(gather_tokens(wide, idx), expect)

@@ -7,6 +7,7 @@ import torch
 
 from compression.snapkv import (
     pool_votes,
+    shared_window_votes,
     snapkv_pp_kernel,
     snapkv_pp_select,
     snapkv_select,
@@ -55,6 +56,40 @@ def qk():
     q = torch.randn(2, 4, 40, 8, generator=g)
     k = torch.randn(2, 2, 40, 8, generator=g)
     return q, k
+
+
+def test_shared_window_votes_score_each_window_once(qk, monkeypatch):
+    """Inside ``shared_window_votes`` the SnapKV family asks for the votes of one prefill's
+    window once per window length: the selections are those computed without the memo, a key
+    tensor changed in place (or another window) is scored afresh."""
+    import compression.snapkv as snapkv
+
+    q, k = qk
+    expect_pp = snapkv_pp_select(q, k, 20, 8, 5)
+    expect = snapkv_select(q, k, 20, 10, 8, 5, "avg")
+    calls = []
+    real = snapkv.attention_column_sums
+    monkeypatch.setattr(snapkv, "attention_column_sums",
+                        lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    memo = {}
+    with shared_window_votes(memo):
+        assert torch.equal(snapkv_pp_select(q, k, 20, 8, 5), expect_pp)
+        assert torch.equal(snapkv_pp_select(q, k, 24, 8, 9), snapkv_pp_select(q, k, 24, 8, 9))
+        got = snapkv_select(q, k, 20, 10, 8, 5, "avg")
+        assert all(torch.equal(a, b) for a, b in zip(got, expect))
+        assert calls == [8]  # one window: scored once
+        snapkv_pp_select(q[:, :, -16:], k, 20, 16, 5)  # another window: scored
+        assert calls == [8, 16]
+        k2 = k.clone()
+        before = snapkv_pp_select(q, k2, 20, 8, 5)
+        k2[:, :, :20] *= -1  # the same tensor, changed: scored again
+        after = snapkv_pp_select(q, k2, 20, 8, 5)
+        assert calls == [8, 16, 8, 8] and torch.equal(before, expect_pp)
+        assert not torch.equal(after, before)
+    calls.clear()
+    snapkv_pp_select(q, k, 20, 8, 5)  # outside the block: no memo
+    snapkv_pp_select(q, k, 20, 8, 5)
+    assert calls == [8, 8]
 
 
 def test_window_votes_match_loops(qk):
