@@ -139,11 +139,14 @@ def build_items(tok: Tokenizer, hay: Haystack, lengths: Sequence[int], depths: S
                 fact: dict[str, str] | None = None) -> list[Item]:
     """Every prompt of the grid, needle by needle (each over every length and depth), in
     batches of one needle and length (``meta["group"]``): a run cut short (``--time-limit``)
-    has whole needles over the grid."""
+    has whole needles over the grid. Within a needle the longest context comes first, so
+    that with ``--workers`` the batches that start last are the short ones (in the default
+    grid run with the shortest first, the last 8K batch ran alone for its final 7 minutes
+    while the other worker had nothing left)."""
     n = len(hay.sentences)
     items = []
     for j in range(needles):
-        for length in lengths:
+        for length in sorted(lengths, reverse=True):
             s = seed + j + (DEV_SEED_OFFSET if split == "dev" else 0)
             f = fact or needle_fact(s)
             head, tail = chat_pieces(tok, f["question"], f["answer_prefix"])

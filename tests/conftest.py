@@ -9,8 +9,21 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-# The models under test are tiny: one thread avoids parallel-region overhead and contention.
+# The models under test are tiny: one thread avoids parallel-region overhead and contention
+# (pytest-xdist runs one test process per core). The CLIs the tests start as subprocesses
+# inherit OMP_NUM_THREADS.
 torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_again():
+    """A test that runs a CLI in-process with ``--threads N`` sets torch's global thread count;
+    restore 1 after it, or every later test in that process competes with the other xdist
+    process for the cores (a 10-second test took 60 in a suite run)."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 SHARED = ROOT.parent / "shared" / "data"
 STORIES_BIN = SHARED / "models" / "stories260K.bin"

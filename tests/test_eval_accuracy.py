@@ -371,7 +371,7 @@ def test_cli_quick_run_on_smollm2_writes_the_three_files(tmp_path, capsys):
     rc = main(["--checkpoint", str(gguf), "--text", str(essays), "--prompt-tokens", "256",
                "--num-prompts", "4", "--limit", "2", "--methods", "full", "quest",
                "--budgets", "128", "--max-new-tokens", "6", "--out", str(out),
-               "--no-progress", "--threads", "2"])
+               "--no-progress", "--threads", "1"])
     assert rc == 0
     data = json.loads((out / "fidelity.json").read_text())
     assert data["bos_prefix"] == [] and data["num_prompts"] == 2  # SmolLM2 adds no BOS

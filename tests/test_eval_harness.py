@@ -64,9 +64,10 @@ def test_needle_prompts_have_the_asked_length_and_depth(tok, hay):
     items = build_items(tok, hay, [700, 1500], depths, 2, seed=3)
     assert len(items) == 2 * 2 * 5
     assert all(it.tokens == it.meta["length"] for it in items)  # exactly, every depth
-    # needle by needle over the grid (a run cut short has whole needles), a batch per length
+    # needle by needle over the grid (a run cut short has whole needles), a batch per length,
+    # the longest first
     assert [(it.meta["needle"], it.meta["length"]) for it in items] == \
-        [(j, n) for j in range(2) for n in (700, 1500) for _ in depths]
+        [(j, n) for j in range(2) for n in (1500, 700) for _ in depths]
     assert [[items[i].meta["depth"] for i in b] for b in batches_of(items, 10)] == [depths] * 4
     for it in items:
         assert abs(it.meta["depth_reached"] - it.meta["depth"]) < 0.08  # a sentence or so
@@ -127,7 +128,7 @@ def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
 def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
     rc = kept_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
                     "--lengths", "512", "--depths", "1", "--needles", "1", "--methods",
-                    "snapkv_pp", "keydiff", "quest", "--budgets", "128", "--threads", "2"])
+                    "snapkv_pp", "keydiff", "quest", "--budgets", "128", "--threads", "1"])
     assert rc == 0
     rows = {r["method"]: r for r in json.loads((tmp_path / "kept.json").read_text())["rows"]}
     T = 512
@@ -143,8 +144,8 @@ def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
 def test_ruler_cli_quick_run(tmp_path):
     rc = ruler_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
                      "--lengths", "600", "--samples", "1", "--tasks", "niah_single_noise",
-                     "vt", "--methods", "full", "hybrid", "--budgets", "96", "--threads", "2",
-                     "--no-progress", "--modes", "question_agnostic"])
+                     "vt", "--methods", "full", "hybrid", "--budgets", "96", "--threads", "1",
+                     "--workers", "1", "--no-progress", "--modes", "question_agnostic"])
     assert rc == 0
     result = json.loads((tmp_path / "ruler_qa.json").read_text())
     full = result["rows"][0]
@@ -300,9 +301,11 @@ def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkey
     assert row["scores"] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and "items_run" not in row
 
 
-def test_worker_processes_give_the_answers_of_one_process(smollm2_model, tok, hay):
-    """``workers=2``: batches run in two spawned processes (each loading the model with the
-    given settings) and end with the answers of one process at the same thread count."""
+def test_worker_processes_give_the_answers_of_one_process(smollm2_model, tok, hay, tmp_path):
+    """``--workers 2``: batches run in two spawned processes, each loading the model as the
+    script did (``resume_options``: checkpoint, device, dtype, threads shared), and end with
+    the answers of one process at the same threads per process."""
+    import argparse
     from functools import partial
 
     import torch
@@ -311,8 +314,11 @@ def test_worker_processes_give_the_answers_of_one_process(smollm2_model, tok, ha
 
     items = build_items(tok, hay, [200], [0.3, 0.9], 2, seed=1)  # two batches (needles)
     configs = configurations(["full", "rocketkv"], [64])
-    spec = {"threads": 1, "device": "cpu", "dtype": "float32",
-            "checkpoint": str(shared_file(SMOLLM2_GGUF)), "tokenizer": None}
+    args = argparse.Namespace(out=str(tmp_path), time_limit=None, workers=2, threads=2,
+                              checkpoint=str(shared_file(SMOLLM2_GGUF)), tokenizer=None)
+    opts = ec.resume_options(args, "needle", smollm2_model, torch.device("cpu"))
+    assert opts["workers"] == 2 and opts["load_worker"].args[0]["threads"] == 1
+    assert opts["load_worker"].args[0]["dtype"] == "float32"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -321,11 +327,11 @@ def test_worker_processes_give_the_answers_of_one_process(smollm2_model, tok, ha
     finally:
         torch.set_num_threads(threads)
     two = evaluate_items(None, tok, items, configs, 6, lambda a, it: 0.0,
-                         modes=["standard", "question_agnostic"], progress=False, workers=2,
-                         load_worker=partial(ec._load_worker, spec))
+                         modes=["standard", "question_agnostic"], progress=False,
+                         workers=opts["workers"], load_worker=opts["load_worker"])
     assert one["workers"] == 1 and two["workers"] == 2 and two["batches"] == 2
     assert two["modes"] == one["modes"]
-    bad = dict(spec, checkpoint="/nonexistent.gguf")  # a worker that cannot load: raised here
-    with pytest.raises(Exception, match="nonexistent"):
-        evaluate_items(None, tok, items, configs, 8, lambda a, it: 0.0, progress=False,
+    bad = dict(opts["load_worker"].args[0], checkpoint="/nonexistent.gguf")
+    with pytest.raises(Exception, match="nonexistent"):  # a worker that cannot load: raised
+        evaluate_items(None, tok, items, configs, 6, lambda a, it: 0.0, progress=False,
                        workers=2, load_worker=partial(ec._load_worker, bad))
