@@ -279,7 +279,8 @@ class PrefilledPrompt:
             needs them); None otherwise.
         votes_memo: per layer, the SnapKV-family observation-window votes already computed
             from this prefill (``compression.snapkv.shared_window_votes``), so building many
-            methods' and budgets' caches from it scores the window once per layer.
+            methods' and budgets' caches from it scores the window once per layer: (B, H, T)
+            float32 per layer and window length, kept as long as the prefill.
     """
 
     tokens: Tensor
@@ -290,7 +291,10 @@ class PrefilledPrompt:
     prefill_s: float
     obs_window: int = 64
     attention_sums: list[Tensor] | None = None
-    votes_memo: list[dict] = field(default_factory=list, repr=False)
+    votes_memo: list[dict] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.votes_memo = [{} for _ in self.k]
 
 
 def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]],
@@ -382,8 +386,6 @@ def _store_prefilled(model: Transformer, pre: PrefilledPrompt) -> Tensor:
         if cache.obs_window > q_obs.shape[2] and q_obs.shape[2] < pre.tokens.shape[1]:
             raise ConfigError(f"the method's observation window ({cache.obs_window} tokens) "
                               f"exceeds the {q_obs.shape[2]} queries recorded by prefill_once")
-        while len(pre.votes_memo) <= i:
-            pre.votes_memo.append({})
         with shared_window_votes(pre.votes_memo[i]):  # one vote per layer and window
             cache.store_prompt(pre.k[i], pre.v[i],
                                q_obs[:, :, q_obs.shape[2] - min(cache.obs_window,
