@@ -388,7 +388,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
 
     tick = (lambda n=1: bar.update(n)) if bar is not None else (lambda n=1: None)
     try:
-        if workers > 1 and len(todo) > 1:
+        if workers > 1 and todo:  # a last single batch too: the same threads per process
             if load_worker is None:
                 raise ValueError("workers > 1 needs load_worker")
             _run_in_workers(todo, batch_args, finish, tick, stop, workers, load_worker)
@@ -407,7 +407,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     result: dict[str, Any] = {"modes": {}, "batches": len(batches),
                               "batches_resumed": len(batches) - len(todo),
                               "unfinished": len(items) - len(finished),
-                              "workers": workers if workers > 1 and len(todo) > 1 else 1,
+                              "workers": workers if workers > 1 and todo else 1,
                               "partial": None if partial is None else str(partial)}
     for mode in modes:
         rows = []

@@ -110,7 +110,8 @@ def test_question_agnostic_full_answers_like_one_prefill(smollm2_model, tok, hay
 def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
     rc = needle_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
                       "--lengths", "512", "--depths", "2", "--needles", "1", "--methods",
-                      "full", "quest", "--budgets", "64", "--threads", "1", "--no-progress",
+                      "full", "quest", "--budgets", "64", "--threads", "1", "--workers", "1",
+                      "--no-progress",
                       "--modes", "standard"])
     assert rc == 0
     result = json.loads((tmp_path / "needle.json").read_text())
