@@ -138,7 +138,7 @@ def sparq_scores(q: Tensor, k: Tensor, dims: Tensor, valid: Tensor,
     """
     q_r = query_dims(q, dims)  # (B, H_kv, G, r)
     if dim_major:
-        k_r = k.gather(2, dims[..., None].expand(-1, -1, -1, k.shape[-1]))  # (B, H_kv, r, S)
+        k_r = gather_tokens(k, dims)  # (B, H_kv, r, S): r whole rows
     else:  # r elements of every key row: a strided read
         k_r = k.gather(-1, dims[:, :, None, :].expand(-1, -1, k.shape[2], -1)).transpose(-1, -2)
     s = torch.matmul(q_r, k_r).float() / sparq_temperature(q, q_r)
@@ -166,12 +166,11 @@ def hybrid_page_scores(q: Tensor, summary: Tensor, dims: Tensor, counts: Tensor)
         read (one gather of r contiguous rows), not the other bound.
     """
     D = q.shape[-1]
-    P = summary.shape[-1]
     q_r = query_dims(q, dims)  # (B, H_kv, G, r)
     rows = dims
     if summary.shape[2] == 2 * D:  # the min row where the group-summed q is negative
         rows = dims + D * (q_r.float().sum(dim=2) < 0)
-    chosen = summary.gather(2, rows[..., None].expand(-1, -1, -1, P))  # (B, H_kv, r, P)
+    chosen = gather_tokens(summary, rows)  # (B, H_kv, r, P): r whole rows
     s = torch.matmul(q_r, chosen).float() / sparq_temperature(q, q_r)  # (B, H_kv, G, P)
     # log-normalizer over tokens: log sum_p n_p exp(s_p); log(0) = -inf drops empty pages
     lse = torch.logsumexp(s + counts.float().log(), dim=-1, keepdim=True)  # (B, H_kv, G, 1)
@@ -296,6 +295,21 @@ class PagedSelector(Selector):
         new = torch.cat([torch.maximum(old[:, :, :D], kt), torch.minimum(old[:, :, D:], kt)], 2)
         self.summary.index_copy_(3, page, torch.where(first, torch.cat([kt, kt], 2), new))
 
+    def extend(self, cache: CompressedKVCache, first: int, n: int) -> None:
+        """Recompute the summary of the pages that slots ``first .. first + n - 1`` touch from
+        the cache's written slots of those pages: min and max are exact, so this equals ``n``
+        ``update`` calls in order, in one pass instead of n."""
+        if self.page_size == 1 or n == 0:
+            return
+        P = self.page_size
+        p0, p1 = first // P, (first + n - 1) // P + 1  # the pages touched
+        pages = cache.k_cache[:, :, p0 * P:p1 * P].unflatten(2, (p1 - p0, P))  # (B,Hkv,n_p,P,D)
+        written = (torch.arange(p0 * P, p1 * P, device=cache.device) < first + n).view(-1, P)
+        w = written[None, None, :, :, None]
+        kmin = pages.masked_fill(~w, float("inf")).amin(dim=3)
+        kmax = pages.masked_fill(~w, float("-inf")).amax(dim=3)
+        self.summary[..., p0:p1] = page_summary(kmin, kmax)
+
     def page_counts(self, valid: Tensor) -> Tensor:
         """Valid (written) slots per page, (pages,) int64, from ``valid`` (S,) bool."""
         return valid.view(-1, self.page_size).sum(dim=-1)
@@ -389,6 +403,16 @@ class SparQ(Selector):
             self.v_mean.add_((v - self.v_mean) / (slot + 1).float())
         if self.dim_major:
             self.k_dims.index_copy_(3, slot, k.transpose(-1, -2))
+
+    def extend(self, cache: CompressedKVCache, first: int, n: int) -> None:
+        """Copy the chunk's keys into ``k_dims`` at once; the running mean of values (with
+        ``reallocate``) keeps its per-slot float32 updates so it sums in the decode order."""
+        if self.reallocate:
+            super().extend(cache, first, n)
+            return
+        if self.dim_major:
+            chunk = cache.k_cache[:, :, first:first + n]  # (B, H_kv, n, D)
+            self.k_dims[..., first:first + n] = chunk.transpose(-1, -2)
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         dims = top_r_dims(q, cache.n_kv_heads, self.r)

@@ -1,6 +1,7 @@
 """compression/sparse.py against slow loop references."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -228,6 +229,40 @@ def test_selecting_everything_equals_full_attention(selector):
         ref.append(full.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
                                torch.tensor([t])))
     assert torch.allclose(out, torch.cat(ref, dim=2), atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Quest(4, 8), lambda: Hybrid(4, 4, 8), lambda: Hybrid(1, 4, 8), lambda: SparQ(4, 8),
+    lambda: SparQ(4, 8, reallocate=True)], ids=["quest", "hybrid", "hybrid_page1", "sparq",
+                                                "sparq_reallocate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_appending_a_chunk_equals_one_update_per_slot(make, dtype):
+    """A selector's one-pass ``extend`` leaves exactly the state that the per-slot ``update``
+    loop (the base class's ``extend``) leaves, chunks starting and ending inside pages."""
+    T, steps = 37, 40  # prompt ends inside page 9 (4-slot pages)
+    sel = make()
+    looped = make()
+    looped.extend = types.MethodType(Selector.extend, looped)  # the per-slot loop
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, T + steps, D, generator=g).to(dtype) for h in (4, 2, 2))
+    caches, outs = [], []
+    for s in (sel, looped):
+        cache = CompressedKVCache(0, ARGS, 2, dtype, "cpu", prompt_len=T, prompt_capacity=T,
+                                  max_new_tokens=steps, selector=s)
+        cache.prefill(q[:, :, :T], k[:, :, :T], v[:, :, :T])
+        out = []
+        for a, b in ((T, T + 11), (T + 11, T + 12), (T + 12, T + 30)):  # 11, 1 and 18 slots
+            out.append(cache.append(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], a))
+        t = T + 30
+        out.append(cache.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                torch.tensor([t])))
+        caches.append(cache)
+        outs.append(torch.cat(out, dim=2))
+    state = [dict(c.selector.named_buffers()) for c in caches]
+    assert state[0].keys() == state[1].keys()
+    for name in state[0]:
+        assert torch.equal(state[0][name], state[1][name]), name
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_sparq_mean_value_running_mean():
