@@ -272,17 +272,22 @@ class PagedSelector(Selector):
     def n_pages(self, cache: CompressedKVCache) -> int:
         return cache.length // self.page_size
 
-    def build(self, cache: CompressedKVCache) -> None:
-        if self.page_size == 1:
-            return
-        B, Hkv, S, D = cache.k_cache.shape
-        pages = cache.k_cache.view(B, Hkv, S // self.page_size, self.page_size, D)
-        written = (torch.arange(S, device=cache.device) < cache.kept).view(-1, self.page_size)
-        w = written[None, None, :, :, None]
+    def summarize(self, cache: CompressedKVCache, p0: int, p1: int, written: int) -> None:
+        """Set the summary of pages ``p0 .. p1 - 1`` from the cache's first ``written`` slots
+        (min and max over each page's written slots; 0 for a page with none)."""
+        P = self.page_size
+        pages = cache.k_cache[:, :, p0 * P:p1 * P].unflatten(2, (p1 - p0, P))  # (B,Hkv,n_p,P,D)
+        ok = (torch.arange(p0 * P, p1 * P, device=cache.device) < written).view(-1, P)
+        w = ok[None, None, :, :, None]
         kmin = pages.masked_fill(~w, float("inf")).amin(dim=3)
         kmax = pages.masked_fill(~w, float("-inf")).amax(dim=3)
-        empty = ~written.any(dim=-1)[None, None, :, None]  # pages no token reached yet
-        self.summary.copy_(page_summary(kmin.masked_fill(empty, 0), kmax.masked_fill(empty, 0)))
+        empty = ~ok.any(dim=-1)[None, None, :, None]  # pages no token reached yet
+        self.summary[..., p0:p1] = page_summary(kmin.masked_fill(empty, 0),
+                                                kmax.masked_fill(empty, 0))
+
+    def build(self, cache: CompressedKVCache) -> None:
+        if self.page_size > 1:
+            self.summarize(cache, 0, self.n_pages(cache), cache.kept)
 
     def update(self, cache: CompressedKVCache, slot: Tensor, k: Tensor) -> None:
         if self.page_size == 1:
@@ -299,16 +304,9 @@ class PagedSelector(Selector):
         """Recompute the summary of the pages that slots ``first .. first + n - 1`` touch from
         the cache's written slots of those pages: min and max are exact, so this equals ``n``
         ``update`` calls in order, in one pass instead of n."""
-        if self.page_size == 1 or n == 0:
-            return
-        P = self.page_size
-        p0, p1 = first // P, (first + n - 1) // P + 1  # the pages touched
-        pages = cache.k_cache[:, :, p0 * P:p1 * P].unflatten(2, (p1 - p0, P))  # (B,Hkv,n_p,P,D)
-        written = (torch.arange(p0 * P, p1 * P, device=cache.device) < first + n).view(-1, P)
-        w = written[None, None, :, :, None]
-        kmin = pages.masked_fill(~w, float("inf")).amin(dim=3)
-        kmax = pages.masked_fill(~w, float("-inf")).amax(dim=3)
-        self.summary[..., p0:p1] = page_summary(kmin, kmax)
+        if self.page_size > 1 and n > 0:  # the pages touched; slots before first are written
+            P = self.page_size
+            self.summarize(cache, first // P, (first + n - 1) // P + 1, first + n)
 
     def page_counts(self, valid: Tensor) -> Tensor:
         """Valid (written) slots per page, (pages,) int64, from ``valid`` (S,) bool."""
