@@ -386,10 +386,9 @@ def _store_prefilled(model: Transformer, pre: PrefilledPrompt) -> Tensor:
         if cache.obs_window > q_obs.shape[2] and q_obs.shape[2] < pre.tokens.shape[1]:
             raise ConfigError(f"the method's observation window ({cache.obs_window} tokens) "
                               f"exceeds the {q_obs.shape[2]} queries recorded by prefill_once")
+        w = min(cache.obs_window, q_obs.shape[2])  # the method's window; 0: no eviction
         with shared_window_votes(pre.votes_memo[i]):  # one vote per layer and window
-            cache.store_prompt(pre.k[i], pre.v[i],
-                               q_obs[:, :, q_obs.shape[2] - min(cache.obs_window,
-                                                               q_obs.shape[2]):])
+            cache.store_prompt(pre.k[i], pre.v[i], q_obs[:, :, q_obs.shape[2] - w:])
     return pre.logits
 
 

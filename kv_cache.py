@@ -570,7 +570,8 @@ class Selector(nn.Module):
 
     A selector may own auxiliary buffers (page summaries, running means): they are counted in
     the cache's ``allocated_bytes``. Subclasses override ``build`` (after prefill), ``update``
-    (after each write), ``attend`` and the byte/parameter reports.
+    (after each decode write) with ``extend`` (after a prompt chunk's writes: the state that
+    ``update`` per slot would leave), ``attend`` and the byte/parameter reports.
     """
 
     page_size = 1  # the cache's buffer length is rounded up to a multiple of this
@@ -586,10 +587,8 @@ class Selector(nn.Module):
 
     def extend(self, cache: CompressedKVCache, first: int, n: int) -> None:
         """Account for the keys just written at slots ``first .. first + n - 1`` (a prompt
-        chunk appended to the cache); by default one ``update`` per slot, in order."""
-        for slot in range(first, first + n):
-            s = torch.tensor([slot], device=cache.device)
-            self.update(cache, s, cache.k_cache.index_select(2, s))
+        chunk appended to the cache), leaving the state ``n`` ``update`` calls in order would.
+        A selector that keeps per-slot state overrides both."""
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         """Attention output (B, H, 1, D) for q over the slots marked ``valid`` (S,) bool, a

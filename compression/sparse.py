@@ -395,10 +395,14 @@ class SparQ(Selector):
         if self.dim_major:
             self.k_dims.copy_(cache.k_cache.transpose(-1, -2))
 
+    def _add_to_mean(self, cache: CompressedKVCache, slot: Tensor) -> None:
+        """The running mean of values over slots 0..slot (``slot`` (1,) int64), float32."""
+        v = cache.v_cache.index_select(2, slot).float()
+        self.v_mean.add_((v - self.v_mean) / (slot + 1).float())
+
     def update(self, cache: CompressedKVCache, slot: Tensor, k: Tensor) -> None:
-        if self.reallocate:  # running mean over slots 0..slot
-            v = cache.v_cache.index_select(2, slot).float()
-            self.v_mean.add_((v - self.v_mean) / (slot + 1).float())
+        if self.reallocate:
+            self._add_to_mean(cache, slot)
         if self.dim_major:
             self.k_dims.index_copy_(3, slot, k.transpose(-1, -2))
 
@@ -406,8 +410,8 @@ class SparQ(Selector):
         """Copy the chunk's keys into ``k_dims`` at once; the running mean of values (with
         ``reallocate``) keeps its per-slot float32 updates so it sums in the decode order."""
         if self.reallocate:
-            super().extend(cache, first, n)
-            return
+            for slot in range(first, first + n):
+                self._add_to_mean(cache, torch.tensor([slot], device=cache.device))
         if self.dim_major:
             chunk = cache.k_cache[:, :, first:first + n]  # (B, H_kv, n, D)
             self.k_dims[..., first:first + n] = chunk.transpose(-1, -2)

@@ -237,12 +237,18 @@ def test_selecting_everything_equals_full_attention(selector):
                                                 "sparq_reallocate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_appending_a_chunk_equals_one_update_per_slot(make, dtype):
-    """A selector's one-pass ``extend`` leaves exactly the state that the per-slot ``update``
-    loop (the base class's ``extend``) leaves, chunks starting and ending inside pages."""
+    """A selector's one-pass ``extend`` leaves exactly the state that one ``update`` per slot
+    leaves, chunks starting and ending inside pages."""
     T, steps = 37, 40  # prompt ends inside page 9 (4-slot pages)
+
+    def per_slot(self, cache, first, n):
+        for slot in range(first, first + n):
+            s = torch.tensor([slot])
+            self.update(cache, s, cache.k_cache.index_select(2, s))
+
     sel = make()
     looped = make()
-    looped.extend = types.MethodType(Selector.extend, looped)  # the per-slot loop
+    looped.extend = types.MethodType(per_slot, looped)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, h, T + steps, D, generator=g).to(dtype) for h in (4, 2, 2))
     caches, outs = [], []
@@ -263,6 +269,18 @@ def test_appending_a_chunk_equals_one_update_per_slot(make, dtype):
     for name in state[0]:
         assert torch.equal(state[0][name], state[1][name]), name
     assert torch.equal(outs[0], outs[1])
+
+
+def test_every_selector_with_per_slot_state_appends_chunks_itself():
+    """The base ``extend`` does nothing, so a selector overriding ``update`` must override it."""
+    import compression  # noqa: F401  (imports every selector module)
+
+    def subclasses(c):
+        return [c] + [s for d in c.__subclasses__() for s in subclasses(d)]
+
+    for c in subclasses(Selector):
+        if c.update is not Selector.update:
+            assert c.extend is not Selector.extend, c.__name__
 
 
 def test_sparq_mean_value_running_mean():
