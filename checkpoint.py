@@ -25,7 +25,6 @@ The tokenizer (``tokenizer.py``) comes from the directory's ``tokenizer.json`` o
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
@@ -36,9 +35,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gguf_reader import MISSING, gguf_field, is_gguf, open_gguf
 from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, rope_inv_freq
+from quantized import QUANT_CONFIG, load_quantized
 
-GGUF_MAGIC = b"GGUF"
 NATIVE_CONFIG = "model_args.json"
 NATIVE_WEIGHTS = "model.safetensors"
 RANDOM_PREFIX = "random:"
@@ -277,7 +277,7 @@ def _materialize(args: ModelArgs, state_dict: dict[str, Tensor], device, dtype,
                  model: Transformer | None = None) -> Transformer:
     """``Transformer(args)`` on ``device`` with ``state_dict``'s tensors cast to ``dtype``.
     ``model``: one built on the meta device whose quantized layers are already real
-    (``quantize.load_quantized``); only its meta parameters are loaded here."""
+    (``quantized.load_quantized``); only its meta parameters are loaded here."""
     if model is None:
         with torch.device("meta"):
             model = Transformer(args)
@@ -337,65 +337,6 @@ def random_model(args: ModelArgs, device, dtype, seed: int = 0) -> Transformer:
 # GGUF
 
 
-def is_gguf(path: str | Path) -> bool:
-    """Whether ``path`` is a file that starts with the GGUF magic (not judged by its name)."""
-    path = Path(path)
-    if not path.is_file():
-        return False
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
-
-
-def open_gguf(path: str | Path):
-    """``gguf.GGUFReader`` over ``path`` (memory-mapped; tensors are read when used).
-
-    Parsing the metadata of a 49K-token vocabulary takes seconds, so the last two readers are
-    kept (keyed by path, size and modification time) for the model and the tokenizer to share.
-
-    Raises:
-        ConfigError: the ``gguf`` package is missing, or the file is unreadable, not GGUF,
-            truncated or corrupt.
-    """
-    try:
-        import gguf
-    except ImportError:
-        raise ConfigError("loading a GGUF checkpoint needs the gguf package "
-                          "(pip install -r requirements.txt)") from None
-    path = Path(path).resolve()
-    if not is_gguf(path):
-        raise ConfigError(f"{path} is not a GGUF file (no GGUF magic)")
-    stat = path.stat()
-    return _gguf_reader(gguf.GGUFReader, path, stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _gguf_reader(reader_cls, path: Path, size: int, mtime_ns: int):
-    try:
-        return reader_cls(path)
-    except (ValueError, IndexError, KeyError, OSError) as e:
-        raise ConfigError(f"cannot read GGUF file {path}: truncated or corrupt ({e})") from None
-
-
-_MISSING = object()
-
-
-def gguf_field(reader, name: str, default: Any = _MISSING) -> Any:
-    """The value of metadata field ``name`` (a Python scalar, string or list).
-
-    Raises:
-        ConfigError: the field is absent and no default is given.
-    """
-    field = reader.fields.get(name)
-    if field is None:
-        if default is _MISSING:
-            raise ConfigError(f"GGUF file lacks the metadata field {name!r}")
-        return default
-    return field.contents()
-
-
 GGUF_ARCHITECTURES = ("llama",)  # Mistral 7B files are labelled llama too
 
 
@@ -421,7 +362,7 @@ def gguf_args(reader, name: str | None = None) -> ModelArgs:
     if gguf_field(reader, f"{arch}.expert_count", 0):
         raise ConfigError("unsupported architecture: mixture of experts in GGUF")
 
-    def get(key, default=_MISSING):
+    def get(key, default=MISSING):
         return gguf_field(reader, f"{arch}.{key}", default)
 
     dim, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
@@ -596,8 +537,6 @@ def resolve_checkpoint(checkpoint: str) -> str:
 
 def is_quantized(checkpoint: str) -> bool:
     """Whether ``checkpoint`` (a resolved path) is a ``quantize.py`` directory."""
-    from quantize import QUANT_CONFIG
-
     return (Path(checkpoint) / QUANT_CONFIG).is_file()
 
 
@@ -649,7 +588,7 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
                     random_dtype: torch.dtype = torch.float32
                     ) -> tuple[ModelArgs, dict[str, Tensor], dict[str, Any] | None]:
     """Config, state dict (``model.py``'s names, on the CPU) and quantization config
-    (``quantize.QUANT_CONFIG``; None for float checkpoints) of ``checkpoint``.
+    (``quantized.QUANT_CONFIG``; None for float checkpoints) of ``checkpoint``.
 
     Float tensors are cast to ``dtype`` when given, else kept as stored (GGUF tensors are
     dequantized to float32; ``random:NAME`` weights are drawn in ``random_dtype``); a quantized
@@ -673,8 +612,6 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
         if not weights.is_file():
             raise ConfigError(f"no {NATIVE_WEIGHTS} in {ckpt} (config without weights)")
         sd = _load_tensors([weights], "cpu")
-        from quantize import QUANT_CONFIG
-
         quant = _read_json(ckpt / QUANT_CONFIG) if (ckpt / QUANT_CONFIG).is_file() else None
     else:
         args = args_from_hf_config(_read_json(ckpt / "config.json"), name=ckpt.name)
@@ -700,8 +637,6 @@ def load_model(checkpoint: str, device, dtype) -> Transformer:
     args, sd, quant = read_checkpoint(checkpoint, dtype=dtype if _is_gguf_path(checkpoint)
                                       else None)
     if quant is not None:
-        from quantize import load_quantized
-
         return load_quantized(args, sd, quant, device, dtype, _materialize)
     return _materialize(args, sd, device, dtype)
 

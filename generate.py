@@ -14,14 +14,12 @@ left out of the latency figures; the prompt is prefilled once.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import resource
 import sys
 import time
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +34,39 @@ from checkpoint import (
     load_model,
     resolve_checkpoint,
 )
-from compression import METHODS, UNBUDGETED, build_caches
-from compression.snapkv import shared_window_votes
-from kv_cache import PromptRecorder
-from model import ConfigError, ModelArgs, Transformer
+from cli import (
+    DTYPES,
+    OneLineParser,
+    check_json_path,
+    check_positive,
+    resolve_device,
+    write_json,
+)
+from compression import (
+    METHODS,
+    add_method_options,
+    build_caches,
+    check_options,
+    given_options,
+    help_epilog,
+)
+from measure import (
+    MemoryMeter,
+    StepTimer,
+    check_memory,
+    device_name,
+    percentile,
+    sync,
+    weight_bytes,
+    weight_bytes_per_step,
+    weights_label,
+)
+from model import ConfigError, Transformer
+from prefill import PrefilledPrompt, as_prompt, store_prefilled
 from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
-METHOD_OPTIONS = ("kernel_size", "pooling", "window", "page_size", "rocket_split",
-                  "sparq_reallocate", "sparq_strided_keys", "sink_size", "heavy_ratio",
-                  "duo_patterns", "duo_threshold", "block_size", "filter_layers",
-                  "omnikv_selector", "offload", "skip_layers")
 SPREAD_WARN = 4.0  # p90/p10 of decode steps above which the report warns of contention
 WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,126 +144,49 @@ def compiled_decode(device: torch.device, backend: Any = None, dynamic: bool | N
 
 
 # --------------------------------------------------------------------------------------------
-# Measurement
-
-
-class MemoryMeter:
-    """Peak memory per phase.
-
-    CUDA: ``torch.cuda.max_memory_allocated`` with ``reset_peak_memory_stats`` at phase
-    boundaries (``kind = "cuda_max_memory_allocated"``). CPU: the process peak resident set
-    (VmHWM), reset through ``/proc/self/clear_refs`` where Linux allows
-    (``kind = "cpu_process_peak_rss"``); where it cannot be reset, each phase reports the peak
-    since process start (``kind = "cpu_process_peak_rss_since_start"``).
-    """
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-        if self.cuda:
-            self.kind = "cuda_max_memory_allocated"
-        else:
-            self.kind = "cpu_process_peak_rss" if self._clear_rss() else \
-                "cpu_process_peak_rss_since_start"
-
-    @staticmethod
-    def _clear_rss() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return True
-        except OSError:
-            return False
-
-    def reset(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.kind == "cpu_process_peak_rss":
-            self._clear_rss()
-
-    def peak(self) -> int:
-        """Peak bytes since the last ``reset``."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            return int(torch.cuda.max_memory_allocated(self.device))
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class StepTimer:
-    """Per-step latency: CUDA events on GPU, synchronized wall clock on CPU (ms)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list[Any] = []
-
-    def start(self) -> Any:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def stop(self, start: Any) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.marks.append((start, end))
-        else:
-            self.marks.append((start, time.perf_counter()))
-
-    def ms(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [s.elapsed_time(e) for s, e in self.marks]
-        return [(e - s) * 1e3 for s, e in self.marks]
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated ``q``-th percentile (0..100) of ``values``; None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def device_name(device: torch.device) -> str:
-    """The accelerator's name (``torch.cuda.get_device_name``), or "cpu"."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# --------------------------------------------------------------------------------------------
 # Generation
 
 
+@dataclass
+class _CacheState:
+    """What ``generate`` left in a model's caches: the spec they were built for, weak
+    references to them (whether they are still the model's shows whether the state holds), and
+    the conversation they hold (``continue_conversation``)."""
+
+    spec: dict[str, Any]
+    caches: list[weakref.ref]
+    conversation: dict[str, Any] | None = None
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Transformer -> _CacheState
+
+
+def _cache_state(model: Transformer) -> _CacheState | None:
+    """The state of ``model``'s caches if ``generate`` built them and they are still attached
+    (another run, ``prefill_once`` or ``setup_caches`` since replaces them: None)."""
+    state = _STATES.get(model)
+    current = model.caches
+    if state is None or len(state.caches) != len(current) or \
+            any(c is None or ref() is not c for ref, c in zip(state.caches, current)):
+        return None
+    return state
+
+
 def _prepare_caches(model: Transformer, spec: dict[str, Any],
-                    meter: MemoryMeter | None = None) -> None:
-    """Attach caches for ``spec``; reuse the model's current ones when the spec matches, so
-    repeated calls keep the compiled graph and its static buffers (a new prompt overwrites
-    every slot a step can read: prompt slots at prefill, later slots before they are valid).
-    New caches: the old ones are released first, then ``meter`` is reset, so this run's peak
-    never counts the caches a previous run left (a benchmark runs its rows in one process)."""
-    model._conversation = None
-    if getattr(model, "_cache_spec", None) == spec and all(c is not None for c in model.caches):
-        return
+                    meter: MemoryMeter | None = None) -> _CacheState:
+    """Attach caches for ``spec``; reuse the model's current ones when ``generate`` built them
+    for the same spec, so repeated calls keep the compiled graph and its static buffers (a new
+    prompt overwrites every slot a step can read: prompt slots at prefill, later slots before
+    they are valid). New caches: the old ones are released first, then ``meter`` is reset, so
+    this run's peak never counts the caches a previous run left (a benchmark runs its rows in
+    one process). Returns the caches' state, its conversation cleared."""
+    state = _cache_state(model)
+    if state is not None and state.spec == spec:
+        state.conversation = None
+        return state
+    _STATES.pop(model, None)
     for layer in model.layers:  # free the old buffers before allocating new ones
         layer.attention.kv_cache = None
-    model._cache_spec = None
     if meter is not None:
         if meter.cuda:
             torch.cuda.empty_cache()
@@ -255,141 +196,8 @@ def _prepare_caches(model: Transformer, spec: dict[str, Any],
                           budget=spec["budget"], dtype=spec["dtype"], device=spec["device"],
                           **spec["options"])
     model.setup_caches(caches, spec["prompt_len"] + spec["new_tokens"])
-    model._cache_spec = spec
-
-
-@dataclass
-class PrefilledPrompt:
-    """One prefill's per-layer K/V, from which any method's caches can be built.
-
-    Prefill attends to the whole uncompressed prompt in every method whose caches say
-    ``shared_prefill`` (RocketKV App. A.3), so its output does not depend on the method: an
-    evaluation prefills a prompt once and gives the result to ``generate(prefilled=...)`` for
-    each method and budget. Holds every layer's K/V: 2 L B H_kv T D elements of the model dtype
-    (377 MiB for SmolLM2-135M at 8K tokens in float32).
-
-    Attributes:
-        tokens: (B, T) int64 prompt.
-        logits: (B, vocab) logits of the last prompt position.
-        k, v: per layer (B, H_kv, T, D), keys rotated at positions 0..T-1.
-        q_obs: per layer (B, H, w, D), the last w = min(obs_window, T) queries (rotated).
-        prefill_s: wall time of the prefill (seconds).
-        attention_sums: per layer (B, H_kv, T) float32 column sums of every prompt query's
-            attention (``kv_cache.attention_column_sums``), recorded when asked for (H2O
-            needs them); None otherwise.
-        votes_memo: per layer, the SnapKV-family observation-window votes already computed
-            from this prefill (``compression.snapkv.shared_window_votes``), so building many
-            methods' and budgets' caches from it scores the window once per layer: (B, H, T)
-            float32 per layer and window length, kept as long as the prefill.
-    """
-
-    tokens: Tensor
-    logits: Tensor
-    k: list[Tensor]
-    v: list[Tensor]
-    q_obs: list[Tensor]
-    prefill_s: float
-    obs_window: int = 64
-    attention_sums: list[Tensor] | None = None
-    votes_memo: list[dict] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.votes_memo = [{} for _ in self.k]
-
-
-def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]],
-                 obs_window: int = 64, attention_sums: bool = False) -> PrefilledPrompt:
-    """Prefill ``prompt`` ((T,) or (B, T) ids) recording every layer's K/V and last
-    ``obs_window`` queries (at least the largest observation window of the methods to build),
-    and with ``attention_sums`` the column sums of the prompt's attention (for methods whose
-    caches say ``needs_attention_sums``, e.g. H2O; about doubles the prefill's attention work).
-
-    Raises:
-        ConfigError: an empty prompt or one that fills the model's context.
-    """
-    device = model.tok_embeddings.weight.device
-    prompt = _as_prompt(model, prompt)
-    B, T = prompt.shape
-    recorders = [PromptRecorder(i, model.args, B, model.tok_embeddings.weight.dtype, device,
-                                obs_window, attention_sums) for i in range(model.args.n_layers)]
-    for layer in model.layers:
-        layer.attention.kv_cache = None
-    model._cache_spec = model._conversation = None
-    model.setup_caches(recorders, T)
-    _sync(device)
-    t0 = time.perf_counter()
-    logits = model.prefill(prompt)
-    _sync(device)
-    prefill_s = time.perf_counter() - t0
-    for layer in model.layers:
-        layer.attention.kv_cache = None
-    return PrefilledPrompt(prompt, logits, [r.k for r in recorders], [r.v for r in recorders],
-                           [r.q_obs for r in recorders], prefill_s, obs_window,
-                           [r.sums for r in recorders] if attention_sums else None)
-
-
-def extend_prefilled(model: Transformer, pre: PrefilledPrompt,
-                     chunk: Tensor | Sequence[int] | Sequence[Sequence[int]]) -> PrefilledPrompt:
-    """``pre``'s prompt followed by ``chunk`` ((Tc,) or (B, Tc) ids), recorded as if prefilled
-    whole: the chunk's queries attend exactly to ``pre``'s K/V and to the chunk causally. One
-    prefill of a document then serves both the question-agnostic run (the document alone) and
-    the standard one (document + question). ``pre`` is left unchanged.
-
-    Raises:
-        ConfigError: bad ids, a batch size other than ``pre``'s, or the model's context.
-    """
-    chunk = _as_prompt(model, chunk)
-    B, T = pre.tokens.shape
-    if chunk.shape[0] != B:
-        raise ConfigError(f"the chunk has {chunk.shape[0]} sequences, the prompt {B}")
-    if T + chunk.shape[1] >= model.args.max_seq_len:
-        raise ConfigError(f"{T + chunk.shape[1]} tokens leave no room in the model's context")
-    device = model.tok_embeddings.weight.device
-    recorders = []
-    for i in range(model.args.n_layers):
-        r = PromptRecorder(i, model.args, B, model.tok_embeddings.weight.dtype, device,
-                           pre.obs_window, pre.attention_sums is not None)
-        r.k, r.v, r.q_obs = pre.k[i], pre.v[i], pre.q_obs[i]
-        r.sums = None if pre.attention_sums is None else pre.attention_sums[i]
-        recorders.append(r)
-    for layer in model.layers:
-        layer.attention.kv_cache = None
-    model._cache_spec = model._conversation = None
-    model.setup_caches(recorders, T + chunk.shape[1])
-    _sync(device)
-    t0 = time.perf_counter()
-    logits = model.prefill(chunk, start=T)
-    _sync(device)
-    for layer in model.layers:
-        layer.attention.kv_cache = None
-    return PrefilledPrompt(torch.cat([pre.tokens, chunk], dim=1), logits,
-                           [r.k for r in recorders], [r.v for r in recorders],
-                           [r.q_obs for r in recorders],
-                           pre.prefill_s + time.perf_counter() - t0, pre.obs_window,
-                           None if pre.attention_sums is None else [r.sums for r in recorders])
-
-
-def _store_prefilled(model: Transformer, pre: PrefilledPrompt) -> Tensor:
-    """Every cache stores its layer's recorded prompt (and compresses it); returns the logits."""
-    for i, cache in enumerate(model.caches):
-        if not cache.shared_prefill:
-            raise ConfigError(f"{type(cache).__name__} prefills in its own way; it cannot be "
-                              "built from a shared prefill")
-        if cache.needs_attention_sums:
-            if pre.attention_sums is None:
-                raise ConfigError(f"{type(cache).__name__} evicts on the prompt's accumulated "
-                                  "attention: prefill_once(..., attention_sums=True) must "
-                                  "record it")
-            cache.store_scored_prompt(pre.k[i], pre.v[i], pre.attention_sums[i])
-            continue
-        q_obs = pre.q_obs[i]
-        if cache.obs_window > q_obs.shape[2] and q_obs.shape[2] < pre.tokens.shape[1]:
-            raise ConfigError(f"the method's observation window ({cache.obs_window} tokens) "
-                              f"exceeds the {q_obs.shape[2]} queries recorded by prefill_once")
-        w = min(cache.obs_window, q_obs.shape[2])  # the method's window; 0: no eviction
-        with shared_window_votes(pre.votes_memo[i]):  # one vote per layer and window
-            cache.store_prompt(pre.k[i], pre.v[i], q_obs[:, :, q_obs.shape[2] - w:])
-    return pre.logits
+    state = _STATES[model] = _CacheState(spec, [weakref.ref(c) for c in caches])
+    return state
 
 
 @torch.no_grad()
@@ -409,11 +217,11 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
     device = model.tok_embeddings.weight.device
     timer = StepTimer(device)
     meter.reset()
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     logits = prefill_fn()
     next_tok = sample(logits, **sampling) if new_tokens else None  # (B, 1)
-    _sync(device)
+    sync(device)
     prefill_s = time.perf_counter() - t0
     peak_prefill = meter.peak()
     meter.reset()
@@ -436,7 +244,7 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
             if check and step % stop_check_every == 0 and bool(done.all()):
                 break
             if step == warmup_steps and warmup_steps:
-                _sync(device)
+                sync(device)
                 compile_s = time.perf_counter() - t_warm
                 meter.reset()
             start = timer.start() if step >= warmup_steps else None
@@ -457,7 +265,7 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
         if bool(hit.any(dim=1).all()):
             n = int(hit.int().argmax(dim=1).max()) + 1
     if warmup_steps and compile_s is None and n > 1:  # the run ended within the warm-up
-        _sync(device)
+        sync(device)
         compile_s = time.perf_counter() - t_warm
     return {"tokens": out[:, :n].tolist(), "prefill_s": prefill_s, "decode_ms": timer.ms(),
             "peak_prefill": peak_prefill, "peak_decode": meter.peak(), "compile_s": compile_s,
@@ -465,26 +273,10 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
             "pending": out[:, n - 1:n] if n else None, "position": first_pos + max(n - 1, 0)}
 
 
-def _as_prompt(model: Transformer, prompt) -> Tensor:
-    """``prompt`` as a (B, T) int64 tensor on the model's device, its ids checked."""
-    device = model.tok_embeddings.weight.device
-    prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)
-    if prompt.dim() == 1:
-        prompt = prompt[None]
-    if prompt.dim() != 2 or prompt.shape[1] == 0:
-        raise ConfigError("the prompt is empty")
-    if int(prompt.min()) < 0 or int(prompt.max()) >= model.args.vocab_size:
-        raise ConfigError(f"prompt token ids must lie in [0, {model.args.vocab_size})")
-    if prompt.shape[1] >= model.args.max_seq_len:
-        raise ConfigError(f"the prompt ({prompt.shape[1]} tokens) leaves no room in the model's "
-                          f"context ({model.args.max_seq_len} tokens)")
-    return prompt
-
-
 def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]], *,
              method: str = "full", budget: int | None = None, max_new_tokens: int = 256,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, stop_ids: Sequence[int] = (), compile: bool = False,
+             seed: int | None = None, stop_ids: Sequence[int] = (), compile: bool | None = False,
              compile_backend: Any = None, method_options: dict[str, Any] | None = None,
              warmup_steps: int = WARMUP_STEPS, reserve_tokens: int = 0,
              continue_conversation: bool = False,
@@ -500,7 +292,8 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
             only (the prompt is cached for a later ``continue_conversation`` call).
         temperature, top_k, top_p: sampling (temperature 0 is greedy); ``seed`` seeds it.
         stop_ids: a sequence stops after emitting one of these; the run stops when all have.
-        compile: compile the decode step (CUDA graphs on GPU). The first ``warmup_steps``
+        compile: compile the decode step (CUDA graphs on GPU); None: compile when every
+            cache of the method can (``KVCache.compilable``). The first ``warmup_steps``
             decode steps compile it (or find it compiled) and capture the graphs: their time is
             ``compile_s`` and they are left out of every latency and decode-memory figure.
             Prefill runs once.
@@ -544,81 +337,122 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
             of another prompt.
     """
     device = model.tok_embeddings.weight.device
-    dtype = model.tok_embeddings.weight.dtype
-    prompt = _as_prompt(model, prompt)
-    B, T = prompt.shape
+    prompt = as_prompt(model, prompt)
     if max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must not be negative, got {max_new_tokens}")
     if reserve_tokens < 0:
         raise ConfigError(f"reserve_tokens must not be negative, got {reserve_tokens}")
     if stop_check_every < 1:
         raise ConfigError(f"stop_check_every must be at least 1, got {stop_check_every}")
-    context = model.args.max_seq_len
     meter = MemoryMeter(device)
     meter.reset()
     if continue_conversation:
-        conv = getattr(model, "_conversation", None)
-        if conv is None:
-            raise ConfigError("no conversation to continue: the previous generate() call must "
-                              "leave its caches (a prefill_once or another model run since "
-                              "drops them)")
         if prefilled is not None:
             raise ConfigError("prefilled applies to the first turn, not to a continuation")
-        if B != conv["batch_size"]:
-            raise ConfigError(f"the conversation has {conv['batch_size']} sequences, the "
-                              f"prompt {B}")
-        spec = model._cache_spec
-        chunk = prompt if conv["pending"] is None else torch.cat([conv["pending"], prompt], 1)
-        start = conv["position"]
-        room = conv["end"] - start
-        if chunk.shape[1] > room:
-            raise ConfigError(f"the turn ({chunk.shape[1]} tokens with the pending generated "
-                              f"token) exceeds the conversation's room ({room} tokens); pass "
-                              "a larger reserve_tokens to the first call")
-        new_tokens = min(max_new_tokens, room - chunk.shape[1] + 1)
-        limit_reason = "reserve"
-
-        def prefill_fn():
-            return model.prefill(chunk, start=start)
+        turn = _next_turn(model, prompt, max_new_tokens)
     else:
-        if prefilled is not None and not torch.equal(prefilled.tokens, prompt):
-            raise ConfigError("prefilled holds another prompt than the one given")
-        new_tokens = min(max_new_tokens, context - T)  # prompt + generated fit the context
-        if T + new_tokens + reserve_tokens > context:
-            raise ConfigError(f"prompt {T} + new tokens {new_tokens} + reserve_tokens "
-                              f"{reserve_tokens} exceed the model's context ({context} tokens)")
-        spec = {"method": method, "budget": budget, "batch_size": B, "prompt_len": T,
-                "new_tokens": new_tokens + reserve_tokens, "dtype": dtype, "device": device,
+        spec = {"method": method, "budget": budget, "batch_size": prompt.shape[0],
+                "prompt_len": prompt.shape[1], "new_tokens": reserve_tokens,
+                "dtype": model.tok_embeddings.weight.dtype, "device": device,
                 "options": dict(method_options or {})}
-        _prepare_caches(model, spec, meter)
-        chunk, start, limit_reason = prompt, 0, "context_length"
-        if prefilled is not None and not all(c.shared_prefill for c in model.caches):
-            prefilled = None  # the method prefills its own way (KeyDiff's blocks)
-        if prefilled is not None:
-            def prefill_fn():
-                return _store_prefilled(model, prefilled)
-        else:
-            def prefill_fn():
-                return model.prefill(prompt)
+        turn = _first_turn(model, prompt, spec, max_new_tokens, prefilled, meter)
     peak_setup = meter.peak()
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
-
+    if compile is None:
+        compile = all(c.compilable for c in model.caches)
     if compile and not all(c.compilable for c in model.caches):
-        raise ConfigError("this method's decode step synchronizes with the host (--offload) "
-                          "and runs eagerly: use --no-compile")
+        raise ConfigError("this method's decode step synchronizes with the host and runs "
+                          "eagerly: use --no-compile")
     step_fn = compiled_decode(device, compile_backend, compile_dynamic) if compile \
         else decode_one_token
     if seed is not None:
         torch.manual_seed(seed)
-    first_pos = start + chunk.shape[1]
-    run = _run(model, prefill_fn, B, first_pos, new_tokens, step_fn, sampling, stop, meter,
-               warmup_steps=warmup_steps if compile else 0, on_token=on_token,
-               stop_check_every=stop_check_every)
+    first_pos = turn.start + turn.chunk.shape[1]
+    run = _run(model, turn.prefill_fn, prompt.shape[0], first_pos, turn.new_tokens, step_fn,
+               sampling, stop, meter, warmup_steps=warmup_steps if compile else 0,
+               on_token=on_token, stop_check_every=stop_check_every)
+    spec = turn.state.spec
     end = spec["prompt_len"] + spec["new_tokens"]  # positions the caches hold
-    model._conversation = {"batch_size": B, "pending": run["pending"],
-                           "position": run["position"], "end": end}
+    turn.state.conversation = {"batch_size": prompt.shape[0], "pending": run["pending"],
+                               "position": run["position"], "end": end}
+    result = _report(model, spec, prompt, run, stop_ids, max_new_tokens, turn.limit_reason)
+    result["conversation"] = {"start": turn.start, "position": run["position"],
+                              "room": end - run["position"] - (run["pending"] is not None)}
+    result["prefill_shared"] = turn.shared
+    result["peak_memory_bytes"]["total"] = max(peak_setup, result["peak_memory_bytes"]["total"])
+    result["peak_memory_kind"] = meter.kind
+    result["compiled"] = bool(compile)
+    return result
 
+
+@dataclass
+class _Turn:
+    """What ``generate`` feeds and decodes: ``chunk`` (B, Tc) at positions ``start ..``,
+    filled into the caches by ``prefill_fn() -> logits``, then up to ``new_tokens`` tokens;
+    ``limit_reason`` is the stop reason when the room ends first."""
+
+    state: _CacheState
+    chunk: Tensor
+    start: int
+    new_tokens: int
+    prefill_fn: Any
+    limit_reason: str
+    shared: bool = False  # the caches are built from a shared prefill (``prefilled``)
+
+
+def _first_turn(model: Transformer, prompt: Tensor, spec: dict[str, Any], max_new_tokens: int,
+                prefilled: PrefilledPrompt | None, meter: MemoryMeter) -> _Turn:
+    """The caches of ``spec`` for ``prompt`` (``spec["new_tokens"]`` holds the reserve, to
+    which the new tokens are added), prefilled by the model or from ``prefilled``."""
+    T, context = prompt.shape[1], model.args.max_seq_len
+    reserve = spec["new_tokens"]
+    if prefilled is not None and not torch.equal(prefilled.tokens, prompt):
+        raise ConfigError("prefilled holds another prompt than the one given")
+    new_tokens = min(max_new_tokens, context - T)  # prompt + generated fit the context
+    if T + new_tokens + reserve > context:
+        raise ConfigError(f"prompt {T} + new tokens {new_tokens} + reserve_tokens "
+                          f"{reserve} exceed the model's context ({context} tokens)")
+    state = _prepare_caches(model, {**spec, "new_tokens": new_tokens + reserve}, meter)
+    if prefilled is not None and not all(c.shared_prefill for c in model.caches):
+        prefilled = None  # the method prefills its own way (KeyDiff's blocks)
+    if prefilled is not None:
+        return _Turn(state, prompt, 0, new_tokens, lambda: store_prefilled(model, prefilled),
+                     "context_length", shared=True)
+    return _Turn(state, prompt, 0, new_tokens, lambda: model.prefill(prompt), "context_length")
+
+
+def _next_turn(model: Transformer, prompt: Tensor, max_new_tokens: int) -> _Turn:
+    """The next turn of the conversation the previous ``generate`` call left in the caches:
+    its pending token, then ``prompt``, fed at the conversation's position."""
+    state = _cache_state(model)
+    conv = None if state is None else state.conversation
+    if conv is None:
+        raise ConfigError("no conversation to continue: the previous generate() call must "
+                          "leave its caches (a prefill_once or another model run since "
+                          "drops them)")
+    if prompt.shape[0] != conv["batch_size"]:
+        raise ConfigError(f"the conversation has {conv['batch_size']} sequences, the "
+                          f"prompt {prompt.shape[0]}")
+    chunk = prompt if conv["pending"] is None else torch.cat([conv["pending"], prompt], 1)
+    start = conv["position"]
+    room = conv["end"] - start
+    if chunk.shape[1] > room:
+        raise ConfigError(f"the turn ({chunk.shape[1]} tokens with the pending generated "
+                          f"token) exceeds the conversation's room ({room} tokens); pass "
+                          "a larger reserve_tokens to the first call")
+    new_tokens = min(max_new_tokens, room - chunk.shape[1] + 1)
+    return _Turn(state, chunk, start, new_tokens, lambda: model.prefill(chunk, start=start),
+                 "reserve")
+
+
+def _report(model: Transformer, spec: dict[str, Any], prompt: Tensor, run: dict[str, Any],
+            stop_ids: Sequence[int], max_new_tokens: int, limit_reason: str) -> dict[str, Any]:
+    """``generate``'s result from ``_run``'s: tokens cut at each sequence's stop token, the
+    stop reason, latency, memory and the bytes the caches and weights hold and move."""
+    B, T = prompt.shape
+    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    end = spec["prompt_len"] + spec["new_tokens"]
     # each sequence ends at its first stop token (kept); the rest of the batch may run on
     tokens = []
     stop_set = set(stop_ids)
@@ -659,10 +493,9 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "token_ids": tokens,
         "new_tokens": n_generated,
         "stop_reason": stop_reason,
-        "conversation": {"start": start, "position": run["position"],
-                         "room": end - run["position"] - (run["pending"] is not None)},
+        "conversation": None,  # generate fills these four
         "prefill_s": run["prefill_s"],
-        "prefill_shared": prefilled is not None,
+        "prefill_shared": None,
         "decode_steps": len(decode_ms),
         "decode_ms": decode_ms,
         "decode_ms_median": median,
@@ -672,8 +505,8 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "tokens_per_s_per_sequence": (len(decode_ms) / (sum(decode_ms) / 1e3))
         if decode_ms else None,
         "peak_memory_bytes": {"prefill": run["peak_prefill"], "decode": run["peak_decode"],
-                              "total": max(peak_setup, run["peak_prefill"], run["peak_decode"])},
-        "peak_memory_kind": meter.kind,
+                              "total": max(run["peak_prefill"], run["peak_decode"])},
+        "peak_memory_kind": None,
         "kv_cache_bytes": kv_cache_bytes,
         "kv_bytes_per_step": kv_per_step,
         "kv_ideal_bytes_per_step": kv_ideal,
@@ -688,7 +521,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         "bandwidth_gbps": ((w_per_step + kv_per_step) / (median / 1e3) / 1e9) if median else None,
         "compile_s": run["compile_s"],
         "warmup_steps": run["warmup_steps"],
-        "compiled": bool(compile),
+        "compiled": None,
         "device": device_name(device),
         "dtype": str(dtype).removeprefix("torch."),
         "torch_version": torch.__version__,
@@ -699,125 +532,8 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
 # CLI
 
 
-def add_method_options(m: argparse._ActionsContainer) -> None:
-    """Every method option (``METHOD_OPTIONS``) as a CLI flag, for generate.py, bench.py and
-    the accuracy scripts; an option the chosen method does not read is refused at build time
-    (``compression.check_options``)."""
-    m.add_argument("--kernel-size", type=int,
-                   help="SnapKV/SnapKV++/RocketKV pooling kernel (odd; default 7 for snapkv, "
-                        "63/511 by prompt length for snapkv_pp and rocketkv)")
-    m.add_argument("--pooling", choices=["avg", "max"], help="snapkv pooling (default avg)")
-    m.add_argument("--window", type=int, help="observation window in tokens (default 32)")
-    m.add_argument("--page-size", type=int,
-                   help="quest page size (default max(16, tokens / (budget / 2)))")
-    m.add_argument("--rocket-split", choices=["sqrt", "adaptive"],
-                   help="RocketKV budget split between stages (default sqrt: paper v1)")
-    m.add_argument("--sparq-reallocate", action="store_true",
-                   help="sparq: mix in the mean value by the unselected probability mass")
-    m.add_argument("--sparq-strided-keys", action="store_true",
-                   help="sparq: no dim-major copy of K (storage 1x instead of 1.5x the full "
-                        "cache); the r dims are then a strided read of every key row")
-    m.add_argument("--sink-size", type=int,
-                   help="streamingllm: attention sinks kept (default 4)")
-    m.add_argument("--heavy-ratio", type=float,
-                   help="h2o: share of the budget for heavy hitters (default 0.5)")
-    m.add_argument("--duo-patterns", metavar="PATH",
-                   help="duoattention: head gates, a TSV (layers x KV heads) or a directory "
-                        "with full_attention_heads.tsv; needed above a 640-token budget")
-    m.add_argument("--duo-threshold", type=float,
-                   help="duoattention: gates above this retrieve (the pattern's own split, "
-                        "DuoAttention deploys 0.5); default: the budget sets the share")
-    m.add_argument("--block-size", type=int,
-                   help="keydiff: prompt tokens per prefill block (default 128); cache memory "
-                        "stays within budget + block")
-    m.add_argument("--filter-layers", type=_layer_list, metavar="L1,L2,...",
-                   help="omnikv: filter layers (default: the paper's 2,8,18 for 32 layers, "
-                        "scaled to other depths)")
-    m.add_argument("--omnikv-selector", choices=["last", "uniform", "exponential"],
-                   help="omnikv: context selector over its observation window (default last)")
-    m.add_argument("--offload", action="store_true",
-                   help="omnikv: keep the sparse layers' K/V in host memory (runs eagerly)")
-    m.add_argument("--skip-layers", type=int,
-                   help="leave the first N layers uncompressed (the paper: 2 for LongChat)")
-
-
-def _layer_list(text: str) -> list[int]:
-    """``--filter-layers 2,8,18`` -> [2, 8, 18] (argparse type; a bad list is a usage error)."""
-    try:
-        layers = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got "
-                                         f"{text!r}") from None
-    if not layers:
-        raise argparse.ArgumentTypeError("expected at least one layer index")
-    return layers
-
-
-def weights_label(model: Transformer) -> str:
-    """``float``, ``int8`` or ``int4-g<G>`` (``quantize.py``), with ``, classifier C`` when the
-    classifier is stored otherwise (``int8``, ``float``)."""
-    q = model.quantization
-    if q is None:
-        return "float"
-    label = q["mode"] + (f"-g{q['groupsize']}" if q.get("groupsize") else "")
-    return label + (f", classifier {q['classifier']}" if q["classifier"] != q["mode"] else "")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """ArgumentParser whose usage errors are one ``error: ...`` line and exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n")
-
-
-def write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` whole: a temporary file beside it, then
-    ``os.replace``; on failure the temporary file is removed.
-
-    Raises:
-        ConfigError: the file cannot be written (the OS's reason).
-    """
-    tmp = Path(f"{path}.tmp")
-    try:
-        tmp.write_text(json.dumps(obj, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
-
-
-def check_json_path(path: str | None, flag: str = "--json") -> None:
-    """Fail before a run whose JSON destination cannot be written: a missing directory, a
-    directory in the file's place, or no write permission (a read-only filesystem included).
-
-    Raises:
-        ConfigError: naming the problem.
-    """
-    if not path:
-        return
-    dest = Path(path)
-    parent = dest.resolve().parent
-    if dest.is_dir():
-        raise ConfigError(f"{flag} {path} is a directory; give a file name")
-    if not parent.is_dir():
-        raise ConfigError(f"{flag}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (dest.exists()
-                                                    and not os.access(dest, os.W_OK)):
-        raise ConfigError(f"{flag} {path}: not writable (permissions or a read-only "
-                          "filesystem)")
-
-
-def check_positive(args: argparse.Namespace, *flags: str) -> None:
-    """ConfigError naming the first of ``flags`` (argparse dests) set to a value <= 0."""
-    for flag in flags:
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    methods = "\n".join(f"  {name:<12} {desc}" for name, (desc, _) in METHODS.items())
-    p = OneLineParser(description=__doc__.split("\n\n")[0], epilog=f"methods:\n{methods}",
+    p = OneLineParser(description=__doc__.split("\n\n")[0], epilog=help_epilog(),
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory (HF layout or converted), a .gguf file, a short "
@@ -894,78 +610,6 @@ class TextStreamer:
         sys.stdout.flush()
 
 
-def weight_bytes(model: Transformer) -> int:
-    """Bytes of all of ``model``'s parameters (tied matrices counted once; int8/int4 layers
-    of ``quantize.py`` at their stored size)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def weight_bytes_per_step(model: Transformer) -> int:
-    """Parameter bytes one decode step reads: all but the embedding table, which is only
-    gathered (B rows), unless the classifier shares it (a quantized checkpoint's classifier
-    is its own copy, ``quantize.py``)."""
-    emb = model.tok_embeddings.weight
-    tied = getattr(model.output, "weight", None) is emb
-    return weight_bytes(model) - (0 if tied else emb.numel() * emb.element_size())
-
-
-def float_weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
-    """Bytes of a float model of shape ``args`` in ``dtype`` (a tied classifier counted once)."""
-    D = args.head_dim
-    per_layer = (args.dim * (args.n_heads + 2 * args.n_kv_heads) * D + args.n_heads * D * args.dim
-                 + 3 * args.dim * args.intermediate_size + 2 * args.dim)
-    tables = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2)
-    return (args.n_layers * per_layer + tables + args.dim) * dtype.itemsize
-
-
-def available_bytes(device: torch.device) -> int | None:
-    """Memory free for this run: CUDA's free device memory, or the CPU's MemAvailable
-    (``/proc/meminfo``); None where it cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device, batch: int,
-                 tokens: int) -> None:
-    """Refuse a run whose float weights plus full-size KV cache (``tokens`` per sequence) do
-    not fit in the memory ``device`` has free, before anything is allocated.
-
-    Raises:
-        ConfigError: with the estimate, what is free and what to change.
-    """
-    free = available_bytes(device)
-    weights = float_weight_bytes(args, dtype)
-    kv = 2 * args.n_layers * batch * args.n_kv_heads * args.head_dim * tokens * dtype.itemsize
-    if free is not None and weights + kv > free:
-        gib = 2 ** 30
-        name = str(dtype).removeprefix("torch.")
-        raise ConfigError(f"this run needs at least {(weights + kv) / gib:.1f} GiB ({name} "
-                          f"weights {weights / gib:.1f} GiB + KV cache {kv / gib:.1f} GiB) but "
-                          f"{device.type} has {free / gib:.1f} GiB free; use a GPU, --dtype "
-                          "bfloat16, quantized weights (quantize.py) or a shorter run")
-
-
-def _resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda requested but CUDA is not available on this machine")
-    if device.type not in ("cuda", "cpu"):
-        raise ConfigError(f"unsupported device {name!r} (cuda or cpu)")
-    return device
-
-
 def format_report(r: dict[str, Any]) -> str:
     def mb(x):
         return f"{x / 2**20:.1f} MiB"
@@ -1029,15 +673,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not math.isfinite(args.temperature) or args.temperature < 0:
             raise ConfigError(f"--temperature must be a finite number >= 0, got "
                               f"{args.temperature}")
-        if args.budget is not None and args.method in UNBUDGETED:
+        method = METHODS[args.method]
+        if args.budget is not None and not method.budgeted:
             raise ConfigError(f"method {args.method} reads every cached token and takes no "
                               "--budget")
+        options = given_options(args)
+        if not method.budgeted and options:
+            raise ConfigError(f"method {args.method} takes no method options "
+                              f"({', '.join(options)})")
+        check_options(args.method, options)  # before any slow work
         check_json_path(args.json)
-        device = _resolve_device(args.device)
+        device = resolve_device(args.device)
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
-        compile = (device.type == "cuda" and not args.offload) if args.compile is None \
-            else args.compile
+        # default: compiled on CUDA where the method's caches allow (OmniKV's --offload not)
+        compile = args.compile if args.compile is not None else \
+            (None if device.type == "cuda" else False)
         if args.system is not None and not args.chat:
             raise ConfigError("--system needs --chat (it is a message of the chat template)")
         if args.chat and args.prompt is None:
@@ -1075,10 +726,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "prompt; generation stops at the context end", file=sys.stderr)
         stop_ids = () if (tok is None or args.ignore_eos) else (
             tok.chat_stop_ids if args.chat else tok.stop_ids)
-        options = {name: getattr(args, name) for name in METHOD_OPTIONS
-                   if getattr(args, name) is not None and getattr(args, name) is not False}
-        if args.method == "full" and options:
-            raise ConfigError(f"method full takes no method options ({', '.join(options)})")
         streamer = TextStreamer(tok, stop_ids) if (
             tok is not None and args.batch_size == 1 and args.stream) else None
         result = generate(model, prompt, method=args.method, budget=args.budget,

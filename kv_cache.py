@@ -33,7 +33,9 @@ cached token.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -41,7 +43,31 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import ModelArgs
+from model import ConfigError, ModelArgs
+
+_PREFILL_MEMO: ContextVar[dict | None] = ContextVar("prefill_memo", default=None)
+
+
+@contextmanager
+def prefill_memo(memo: dict) -> Iterator[None]:
+    """Within the block, ``current_prefill_memo()`` returns ``memo``.
+
+    Caches built from one recorded prefill (``prefill.prefill_once``) store the same prompt
+    K/V, so work that depends only on the prefill (the SnapKV family's observation-window
+    votes, ``compression.snapkv.window_votes``) needs doing once per layer, not once per
+    method and budget: ``KVCache.store_recorded_prompt`` runs ``store_prompt`` inside this
+    block with the prefill's per-layer memo, which lives as long as the prefill.
+    """
+    token = _PREFILL_MEMO.set(memo)
+    try:
+        yield
+    finally:
+        _PREFILL_MEMO.reset(token)
+
+
+def current_prefill_memo() -> dict | None:
+    """The memo of the enclosing ``prefill_memo`` block, or None outside one."""
+    return _PREFILL_MEMO.get()
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
@@ -369,15 +395,38 @@ class KVCache(nn.Module):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot append a prompt chunk")
 
-    needs_attention_sums = False  # True: eviction needs the column sums of every prompt
-    # query's attention (H2O); a shared prefill must record them and hand them to
-    # ``store_scored_prompt(k, v, sums)`` instead of calling ``store_prompt``
+    needs_attention_sums = False  # True: storing a recorded prompt needs the column sums of
+    # every prompt query's attention (H2O): ``prefill.prefill_once(attention_sums=True)``
+
+    def store_recorded_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor,
+                              attention_sums: Tensor | None, memo: dict) -> None:
+        """Store a whole prompt recorded by a shared prefill (``prefill.prefill_once``), as
+        ``store_prompt`` would have stored it during that prefill.
+
+        Args:
+            k, v: (B, H_kv, T, D), keys rotated at positions 0..T-1.
+            q_obs: (B, H, w, D), the prompt's last w recorded queries (w = T when the prompt
+                is shorter than the recorded window).
+            attention_sums: (B, H_kv, T) float32 column sums of every prompt query's attention
+                (``attention_column_sums``), or None when the prefill did not record them.
+            memo: the prefill's dict for this layer, shared by every cache built from it
+                (``prefill_memo``).
+        Raises:
+            ConfigError: the cache's observation window exceeds the recorded queries.
+        """
+        w_rec = q_obs.shape[2]
+        if self.obs_window > w_rec and w_rec < k.shape[2]:
+            raise ConfigError(f"the method's observation window ({self.obs_window} tokens) "
+                              f"exceeds the {w_rec} queries recorded by prefill_once")
+        w = min(self.obs_window, w_rec)  # the method's window; 0: no eviction
+        with prefill_memo(memo):
+            self.store_prompt(k, v, q_obs[:, :, w_rec - w:])
 
     compilable = True  # False: the decode step syncs with the host (OmniKV's offload) and runs
     # eagerly
 
     shared_prefill = True  # prefill attends to the whole uncompressed prompt, so every such
-    # method's caches may be built from one prefill's K/V (``generate.prefill_once``)
+    # method's caches may be built from one prefill's K/V (``prefill.prefill_once``)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         """Store the new token's k, v and attend.
@@ -442,7 +491,7 @@ class FullKVCache(KVCache):
 
     def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:
         k_buf, v_buf = self.prompt_buffers(start, start + k.shape[2])
-        if not _same_view(k, k_buf):  # the model did not write into our buffers directly
+        if not same_view(k, k_buf):  # the model did not write into our buffers directly
             k_buf.copy_(k)
             v_buf.copy_(v)
 
@@ -470,48 +519,7 @@ class FullKVCache(KVCache):
         return {**self._params, "max_seq_len": self.max_seq_len}
 
 
-class GptFastDenseCache(FullKVCache):
-    """Full-KV the way gpt-fast (and the RocketKV release) ran it, as a benchmark baseline.
-
-    K/V are expanded to every query head with ``repeat_interleave`` at each step, attention
-    runs SDPA's math kernel over the whole static buffer, and a (max_seq x max_seq) boolean
-    causal mask is materialized (counted in ``allocated_bytes``: 16 GiB at 128K). Prefill uses
-    ``causal_attention`` like every other cache (the decode step is what is compared).
-    """
-
-    def __init__(self, layer_idx: int, args: ModelArgs, batch_size: int, dtype: torch.dtype,
-                 device: torch.device | str, max_seq_len: int, causal_mask: Tensor):
-        super().__init__(layer_idx, args, batch_size, dtype, device, max_seq_len,
-                         params={"baseline": "gpt-fast dense decode"})
-        self.causal_mask = causal_mask  # shared by every layer, as gpt-fast's model buffer
-
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
-        self.k_cache.index_copy_(2, input_pos, k)
-        self.v_cache.index_copy_(2, input_pos, v)
-        G = self.n_heads // self.n_kv_heads
-        keys = self.k_cache.repeat_interleave(G, dim=1)  # (B, H, S, D) copies, as gpt-fast
-        values = self.v_cache.repeat_interleave(G, dim=1)
-        mask = self.causal_mask[input_pos][None, None]  # (1, 1, 1, S) bool
-        # SDPA's math kernel, which takes the mask additively (what SDPA does with a bool mask)
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-            ~mask, float("-inf"))
-        return torch.ops.aten._scaled_dot_product_attention_math(q, keys, values,
-                                                                 attn_mask=bias)[0]
-
-    def allocated_bytes(self) -> int:
-        mask = self.causal_mask.numel() if self.layer_idx == 0 else 0  # count the shared mask once
-        return super().allocated_bytes() + mask
-
-
-def _build_gptfast_dense(args: ModelArgs, *, batch_size: int, prompt_len: int,
-                         max_new_tokens: int, dtype: torch.dtype, device, **_) -> list[KVCache]:
-    max_seq_len = prompt_len + max_new_tokens
-    mask = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=device))
-    return [GptFastDenseCache(i, args, batch_size, dtype, device, max_seq_len, mask)
-            for i in range(args.n_layers)]
-
-
-def _same_view(a: Tensor, b: Tensor) -> bool:
+def same_view(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` is exactly the view ``b`` (same storage, offset, shape and strides)."""
     return (a.untyped_storage()._cdata == b.untyped_storage()._cdata
             and a.storage_offset() == b.storage_offset() and a.shape == b.shape
@@ -680,7 +688,7 @@ class CompressedKVCache(KVCache):
             k, v = gather_tokens(k, idx), gather_tokens(v, idx)
             if self.head_mask is not None:
                 self.head_mask[..., :self.kept] = head_mask
-        if not _same_view(k, self.k_cache[:, :, :self.kept]):
+        if not same_view(k, self.k_cache[:, :, :self.kept]):
             self.k_cache[:, :, :self.kept] = k
             self.v_cache[:, :, :self.kept] = v
         self.selector.build(self)
@@ -726,52 +734,3 @@ class CompressedKVCache(KVCache):
                 **self.selector.params()}
 
 
-def _build_full(args: ModelArgs, *, batch_size: int, prompt_len: int, max_new_tokens: int,
-                budget: int | None, dtype: torch.dtype, device, **_) -> list[KVCache]:
-    max_seq_len = prompt_len + max_new_tokens
-    return [FullKVCache(i, args, batch_size, dtype, device, max_seq_len)
-            for i in range(args.n_layers)]
-
-
-class PromptRecorder(KVCache):
-    """Prefill-only cache that keeps one layer's whole-prompt K/V and its last ``obs_window``
-    queries, so that any number of methods' caches can be built from one prefill
-    (``generate.prefill_once``). It cannot decode.
-
-    Attributes after prefill: ``k``, ``v`` (B, H_kv, T, D) and ``q_obs`` (B, H, w, D),
-    w = min(obs_window, T), in the model's dtype; with ``attention_sums``, ``sums``
-    (B, H_kv, T) float32, the column sums of every prompt query's attention
-    (``attention_column_sums``, what H2O's eviction needs), else None.
-    """
-
-    def __init__(self, layer_idx: int, args: ModelArgs, batch_size: int, dtype: torch.dtype,
-                 device, obs_window: int, attention_sums: bool = False):
-        super().__init__(layer_idx, args, batch_size, dtype, device)
-        self.obs_window = obs_window
-        self.record_sums = attention_sums
-        self.k = self.v = self.q_obs = self.sums = None
-
-    def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:
-        self.k, self.v, self.q_obs = k, v, q_obs
-        if self.record_sums:
-            self.sums = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)
-
-    def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-        if self.record_sums:
-            self.sums[..., :start + q.shape[2]] += attention_column_sums(q, k, start)
-        return causal_attention(q, k, v, start)
-
-    def append(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-        """Record a chunk after the recorded prompt (exact causal attention over both), as if
-        the whole had been prefilled at once."""
-        if start != self.k.shape[2]:
-            raise ValueError(f"the recorded prompt has {self.k.shape[2]} tokens, not {start}")
-        self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-        self.q_obs = torch.cat([self.q_obs, q], dim=2)[:, :, -self.obs_window:]
-        if self.record_sums:
-            self.sums = torch.cat([self.sums, self.sums.new_zeros(k.shape[:3])], dim=2) + \
-                attention_column_sums(q, self.k, start)
-        return causal_attention(q, self.k, self.v, start)
-
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
-        raise RuntimeError("PromptRecorder only records a prefill; build a method's caches")

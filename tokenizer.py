@@ -29,6 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gguf_reader import (  # one reader for model and tokenizer: parsing takes seconds
+    is_gguf,
+    open_gguf,
+)
 from model import ConfigError
 
 # files that make a directory have a tokenizer, in the order load_tokenizer prefers them
@@ -752,7 +756,6 @@ def gguf_tokenizer(path_or_reader) -> HFTokenizer:
     """
     _require_tokenizers("the tokenizer of a GGUF file")
     if isinstance(path_or_reader, (str, Path)):
-        from checkpoint import open_gguf  # shared reader: parsing takes seconds
 
         reader, where = open_gguf(path_or_reader), str(path_or_reader)
     else:
@@ -947,7 +950,6 @@ def has_tokenizer(path: str | Path) -> bool:
     """Whether ``path`` is a directory holding one of ``TOKENIZER_FILES``, or a GGUF file whose
     metadata holds a tokenizer (``tokenizer.ggml.tokens``; an unreadable GGUF counts as having
     one, so that loading it reports what is wrong)."""
-    from checkpoint import is_gguf, open_gguf
 
     path = Path(path)
     if path.is_dir():
@@ -981,7 +983,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         path = found[0]
     if not path.is_file():
         raise ConfigError(f"tokenizer file not found: {path}")
-    from checkpoint import is_gguf
 
     if is_gguf(path):
         return gguf_tokenizer(path)

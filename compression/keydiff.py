@@ -33,10 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kv_cache import KVCache, _same_view, causal_attention
+from compression.registry import BudgetError, Method, Option, positive, register
+from kv_cache import KVCache, causal_attention, same_view
 from model import ModelArgs
 
 KEYDIFF_BLOCK = 128  # prompt tokens per prefill block (the default; the paper uses 128)
+BLOCK_SIZE = Option("block_size", "keydiff: prompt tokens per prefill block (default 128); "
+                    "cache memory stays within budget + block", check=positive)
 
 
 def keydiff_scores(k: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -120,7 +123,7 @@ class KeyDiffCache(KVCache):
     def store_prompt(self, k: Tensor, v: Tensor, q_obs: Tensor, start: int = 0) -> None:
         Tb = k.shape[2]
         k_buf, v_buf = self.prompt_buffers(start, start + Tb)
-        if not _same_view(k, k_buf):
+        if not same_view(k, k_buf):
             k_buf.copy_(k)
             v_buf.copy_(v)
         n = self.filled
@@ -229,3 +232,28 @@ class KeyDiffCache(KVCache):
         return {**self._params, "capacity": self.capacity, "block_size": self.block,
                 "prompt_tokens_kept": self.kept,
                 "cache_slots": self.capacity + self.block}
+
+
+@register
+class KeyDiff(Method):
+    name = "keydiff"
+    description = ("KeyDiff: keeps the most distinct keys (cosine to the mean key), block-wise "
+                   "prefill within t + block slots")
+    budget_rule = ("capacity t - 1 per KV head (a step reads them + the new token); blocks of 128 "
+                   "(`--block-size`): t - 1 + block slots")
+    options = (BLOCK_SIZE,)
+    source = "KeyDiff (Park et al. 2025) Sec. 3.2, Eq. 6, 8"
+
+    def derive(self, budget, prompt_len, new_tokens, args, options):
+        if budget < 2:
+            raise BudgetError("keydiff keeps t - 1 tokens beside the new one: t must be >= 2")
+        block = options.get("block_size") or KEYDIFF_BLOCK
+        return {"budget": budget, "compression_ratio": prompt_len / budget,
+                "capacity": budget - 1, "block_size": block, "cache_slots": budget - 1 + block,
+                "traffic_tokens": float(budget)}
+
+    def build_layer(self, layer, args, params, *, batch_size, prompt_len, max_new_tokens,
+                    dtype, device):
+        return KeyDiffCache(layer, args, batch_size, dtype, device, prompt_len=prompt_len,
+                            max_new_tokens=max_new_tokens, capacity=params["capacity"],
+                            block=params["block_size"], params=self.reported(params))

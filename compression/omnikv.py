@@ -44,19 +44,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cli import layer_list
+from compression.registry import BudgetError, Method, Option, register, report_overshoot
 from kv_cache import (
     FullKVCache,
     KVCache,
-    _same_view,
     attend,
     attention_probs,
     causal_attention,
+    same_view,
 )
-from model import ModelArgs
+from model import ConfigError, ModelArgs
 
 OMNIKV_WINDOW = 16  # observation window of the uniform and exponential selectors (Sec. 5)
 SELECTORS = ("last", "uniform", "exponential")
 PAPER_FILTER_LAYERS = {32: (2, 8, 18), 48: (6, 11, 30), 80: (4, 19, 41)}  # Sec. 5, App. D.2
+
+FILTER_LAYERS = Option("filter_layers", "omnikv: filter layers (default: the paper's 2,8,18 for "
+                       "32 layers, scaled to other depths)", type=layer_list,
+                       metavar="L1,L2,...")
+SELECTOR = Option("omnikv_selector", "omnikv: context selector over its observation window "
+                  "(default last)", type=str, choices=SELECTORS)
+OFFLOAD = Option("offload", "omnikv: keep the sparse layers' K/V in host memory (runs eagerly)",
+                 type=None)
 
 
 def default_filter_layers(n_layers: int) -> list[int]:
@@ -283,7 +293,7 @@ class OmniKVSparseCache(KVCache):
         end = start + k.shape[2]
         if end > self.max_seq_len:
             raise ValueError(f"prompt of {end} tokens exceeds the cache ({self.max_seq_len})")
-        if not _same_view(k, self.k_bank[:, :, start:end]):
+        if not same_view(k, self.k_bank[:, :, start:end]):
             self.k_bank[:, :, start:end].copy_(k)
             self.v_bank[:, :, start:end].copy_(v)
 
@@ -391,3 +401,46 @@ def omnikv_traffic(roles: Sequence[str], capacity: int, t: int) -> float:
     the whole ``capacity``, sparse layers t."""
     return sum(t if r == "sparse" else capacity for r in roles) / len(roles)
 
+
+@register
+class OmniKV(Method):
+    name = "omnikv"
+    description = ("OmniKV: filter layers select t - 1 tokens for the layers after them, nothing "
+                   "evicted (--offload: host memory)")
+    budget_rule = ("sparse layers read t - 1 selected + the new token; filter layers "
+                   "`--filter-layers` (the paper's 2,8,18 for 32 layers, scaled to other "
+                   "depths); `traffic_tokens` averages every layer's reads")
+    options = (FILTER_LAYERS, SELECTOR, OFFLOAD)
+    skip_layers = "the layers before the first filter layer attend fully (--filter-layers)"
+    source = "OmniKV (Hao et al. 2025) Sec. 4, Alg. 1, Eq. 2-4"
+
+    def derive(self, budget, prompt_len, new_tokens, args, options):
+        if budget < 2:
+            raise BudgetError("omnikv selects t - 1 tokens beside the new one: t must be >= 2")
+        layers = options.get("filter_layers")
+        layers = list(layers) if layers else default_filter_layers(args.n_layers)
+        if any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 0 or \
+                layers[-1] >= args.n_layers:
+            raise ConfigError(f"--filter-layers must be increasing layer indices in [0, "
+                              f"{args.n_layers - 1}], got {layers}")
+        roles = layer_roles(args.n_layers, layers)
+        selector = options.get("omnikv_selector") or "last"
+        p = {"budget": budget, "compression_ratio": prompt_len / budget,
+             "filter_layers": layers, "sparse_layers": roles.count("sparse"),
+             "k_select": budget - 1, "selector": selector,
+             "selector_window": 1 if selector == "last" else OMNIKV_WINDOW,
+             "offload": bool(options.get("offload")),
+             "traffic_tokens": omnikv_traffic(roles, prompt_len + new_tokens, budget)}
+        if not roles.count("sparse"):
+            p["note"] = ("no sparse layer: every layer attends fully (the filter layers and "
+                         "the layers after them leave none)")
+        report_overshoot(p, budget)
+        return p
+
+    def build(self, args, params, *, batch_size, prompt_len, max_new_tokens, dtype, device,
+              options):
+        return build_omnikv(args, batch_size=batch_size, prompt_len=prompt_len,
+                            max_new_tokens=max_new_tokens, budget=params["budget"], dtype=dtype,
+                            device=device, filter_layers=params["filter_layers"],
+                            selector=params["selector"], offload=params["offload"],
+                            params=params)

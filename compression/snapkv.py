@@ -1,66 +1,42 @@
-"""SnapKV and SnapKV++: prompt eviction by observation-window voting.
+"""SnapKV (Li et al. 2024): prompt eviction by observation-window voting, per query head.
 
 SnapKV (snapkv.tex Sec. 4, listing): the last ``window`` prompt queries vote for prefix keys
 (softmax attention weights summed over the window), the votes are pooled along the sequence
 (kernel 7, avg or max, stride 1, padding kernel // 2) so neighbours of important tokens survive,
 and each query head keeps its top ``prompt_budget - window`` prefix tokens plus the window.
+The voting (``window_votes``, ``pool_votes``) is shared with SnapKV++ (``snapkv_pp.py``) and
+RocketKV's first stage.
 
-SnapKV++ (RocketKV paper, Sec. 3.3, Alg. 1): the votes are also summed over the query heads of
-each KV group, so one selection is shared by the group (GQA-compatible), pooling is max-pooling,
-and the kernel adapts to the prompt length (63 below a model's threshold, 511 from it on).
-
-Adaptive kernel threshold (``snapkv_pp_kernel``), derived from the model config rather than looked
-up by name, so every checkpoint of a model (HF directory, GGUF) gets the same rule. The paper's
-thresholds (RocketKV Sec. 4.4.2 and App. A.3) are Llama3.1-8B 48K (context 131072, llama3 RoPE
-scaling), LongChat-7B-v1.5 12K (context 32768, linear RoPE scaling, factor 8) and Mistral-7B-v0.2
-none, always 63 (context 32768 native, rope theta 1e6, no RoPE scaling). Both thresholds are 3/8
-of the model's context (49152 = 3/8 * 131072, 12288 = 3/8 * 32768), and both models reach that
-context by RoPE scaling, which Mistral lacks. Rule: kernel 511 when the config has RoPE scaling
-and the prompt has at least ``3 * max_seq_len // 8`` tokens, else 63.
-
-Token budget ``t`` (RocketKV Sec. 3.5 and App. A.3): both methods compress only the prompt and
-read everything they keep, so the prompt budget is ``t - max_new_tokens``. The SnapKV baseline on
-GQA models divides it by the group size, because each query head keeps its own tokens.
+Token budget ``t`` (RocketKV Sec. 3.5 and App. A.3): SnapKV compresses only the prompt and
+reads everything it keeps, so the prompt budget is P = t - max_new_tokens; on GQA models each
+query head keeps its own P // G tokens (the RocketKV paper's GQA baseline), and a KV head stores
+the union of its query heads' tokens with a per-query-head mask.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kv_cache import attention_column_sums
-from model import ModelArgs
+from compression.registry import BudgetError, CompressedMethod, Option, positive, register
+from kv_cache import attention_column_sums, current_prefill_memo
 
-WINDOW = 32  # observation window (tokens), both methods
+WINDOW = 32  # observation window (tokens), the SnapKV family
 SNAPKV_KERNEL = 7
-SNAPKV_PP_KERNELS = (63, 511)  # (below the threshold, at or above it)
 
 
-_VOTES_MEMO: ContextVar[dict | None] = ContextVar("window_votes_memo", default=None)
+def _odd_positive(value: int) -> str | None:
+    if value <= 0:
+        return "must be positive"
+    return None if value % 2 else "must be odd (pooling keeps the sequence length)"
 
 
-@contextmanager
-def shared_window_votes(memo: dict) -> Iterator[None]:
-    """Within the block, ``window_votes`` stores its result in ``memo`` and returns the stored
-    one when asked again for the same key tensor (the same object, not modified since) and the
-    same window queries (the same memory) and window length.
-
-    Every SnapKV-family cache built from one shared prefill scores the same prompt keys with the
-    same observation window, so the votes (the costly part of eviction: ``window`` x T scores
-    per query head) need computing once per layer and window, not once per method and budget.
-    The memo keeps the key tensors it saw alive, so an identity check cannot be fooled by a
-    freed tensor's reused address. Give it the lifetime of the prefill (``PrefilledPrompt``).
-    """
-    token = _VOTES_MEMO.set(memo)
-    try:
-        yield
-    finally:
-        _VOTES_MEMO.reset(token)
+KERNEL_SIZE = Option("kernel_size", "SnapKV/SnapKV++/RocketKV pooling kernel (odd; default 7 "
+                     "for snapkv, 63/511 by prompt length for snapkv_pp and rocketkv)",
+                     check=_odd_positive)
+WINDOW_OPTION = Option("window", "observation window in tokens (default 32)", check=positive)
+POOLING = Option("pooling", "snapkv pooling (default avg)", type=str, choices=("avg", "max"))
 
 
 def window_votes(q: Tensor, k: Tensor, window: int) -> Tensor:
@@ -78,7 +54,7 @@ def window_votes(q: Tensor, k: Tensor, window: int) -> Tensor:
     """
     T = k.shape[2]
     q_win = q[:, :, -window:]
-    memo = _VOTES_MEMO.get()
+    memo = current_prefill_memo()  # one prefill's votes, shared by the caches built from it
     key = (id(k), window, q_win.data_ptr(), tuple(q_win.shape), q_win.stride(), q_win.dtype)
     if memo is not None and key in memo:
         k_seen, k_version, q_version, votes = memo[key]
@@ -106,29 +82,11 @@ def pool_votes(votes: Tensor, kernel: int, kind: str) -> Tensor:
     return y[..., :shape[-1]].reshape(shape)
 
 
-def _with_window(prefix_idx: Tensor, T: int, window: int) -> Tensor:
+def with_window(prefix_idx: Tensor, T: int, window: int) -> Tensor:
     """Sorted prefix indices (..., n) followed by the window positions T-window..T-1."""
     win = torch.arange(T - window, T, device=prefix_idx.device)
     prefix_idx = prefix_idx.sort(dim=-1).values
     return torch.cat([prefix_idx, win.expand(*prefix_idx.shape[:-1], window)], dim=-1)
-
-
-def snapkv_pp_select(q: Tensor, k: Tensor, keep: int, window: int, kernel: int) -> Tensor:
-    """SnapKV++ (Alg. 1): token indices kept per KV head, shared by its query group.
-
-    Args:
-        q: (B, H, Tq, D), its last ``window`` rows the prompt's last queries; k: (B, H_kv, T, D);
-        keep: prompt tokens to keep (window < keep < T).
-    Returns:
-        (B, H_kv, keep) int64, ascending: top ``keep - window`` prefix tokens by max-pooled
-        group-summed votes, then the ``window`` observation tokens.
-    """
-    B, H = q.shape[:2]
-    T = k.shape[2]
-    Hkv = k.shape[1]
-    votes = window_votes(q, k, window).view(B, Hkv, H // Hkv, T - window).sum(dim=2)
-    pooled = pool_votes(votes, kernel, "max")
-    return _with_window(pooled.topk(keep - window, dim=-1).indices, T, window)
 
 
 def snapkv_select(q: Tensor, k: Tensor, keep: int, per_head: int, window: int, kernel: int,
@@ -159,34 +117,65 @@ def snapkv_select(q: Tensor, k: Tensor, keep: int, per_head: int, window: int, k
     union = chosen.any(dim=2)  # (B, H_kv, L)
     # union members first (in position order), then padding tokens; keep the first keep-window
     order = torch.argsort((~union).to(torch.int8), dim=-1, stable=True)[..., :keep - window]
-    idx = _with_window(order, T, window)  # (B, H_kv, keep)
+    idx = with_window(order, T, window)  # (B, H_kv, keep)
     prefix = idx[..., :keep - window]
     mask = chosen.gather(-1, prefix[:, :, None, :].expand(-1, -1, G, -1))
     head_mask = torch.cat([mask, mask.new_ones(B, Hkv, G, window)], dim=-1)
     return idx, head_mask
 
 
-def snapkv_pp_kernel(args: ModelArgs, prompt_len: int) -> int:
-    """Adaptive SnapKV++ max-pooling kernel (RocketKV Sec. 3.3, Sec. 4.4.2, App. A.3).
+def observation_window(budget: int, options) -> int:
+    """The observation window (``--window``, default ``WINDOW``) of the SnapKV family.
 
-    Rule: 511 when ``args.rope_scaling is not None`` and ``prompt_len >= 3 * args.max_seq_len
-    // 8``, else 63.
-
-    Derivation: the paper's empirically chosen thresholds are 48K tokens for Llama3.1-8B
-    (max_seq_len 131072, llama3 RoPE scaling: 3/8 * 131072 = 49152 = 48K) and 12K for
-    LongChat-7B-v1.5 (max_seq_len 32768, linear RoPE scaling factor 8: 3/8 * 32768 = 12288 =
-    12K); Mistral-7B-v0.2 (max_seq_len 32768 reached natively with rope theta 1e6, no scaling)
-    always uses 63. The rule reproduces all three from the config alone, whatever the
-    checkpoint is called (a GGUF Llama 3.1 carries its scaling as ``freq_factors``, which
-    counts as scaling). The released code pools with 63 always.
-
-    Args:
-        args: the model config (``rope_scaling`` and ``max_seq_len``, tokens, are read).
-        prompt_len: prompt tokens T.
-    Returns:
-        The odd kernel size in tokens (63 or 511); ``--kernel-size`` overrides it in
-        ``compression.derive``.
+    Raises:
+        BudgetError: the budget is below the window.
     """
-    small, large = SNAPKV_PP_KERNELS
-    scaled = args.rope_scaling is not None
-    return large if scaled and prompt_len >= 3 * args.max_seq_len // 8 else small
+    window = options.get("window") or WINDOW
+    if budget < window:
+        raise BudgetError(f"below the observation window ({window} tokens)")
+    return window
+
+
+def prompt_budget(budget: int, new_tokens: int, options) -> tuple[int, int]:
+    """(window, prompt budget t - m) of SnapKV and SnapKV++, which compress only the prompt
+    and read every token they keep (RocketKV Sec. 3.5, App. A.3).
+
+    Raises:
+        BudgetError: the budget is below the window, or leaves no prompt budget.
+    """
+    window = observation_window(budget, options)
+    p = budget - new_tokens
+    if p <= 0:
+        raise BudgetError(f"the prompt budget t - max_new_tokens = {p} is not positive")
+    return window, p
+
+
+@register
+class SnapKV(CompressedMethod):
+    name = "snapkv"
+    description = "SnapKV: per-head observation-window voting evicts prompt tokens (budget t - m)"
+    budget_rule = "prompt budget (t - m) // G per query head; window 32, kernel 7, avg pooling"
+    options = (KERNEL_SIZE, POOLING, WINDOW_OPTION)
+    internal_params = ("evict",)
+    per_head_mask = True
+    source = "SnapKV (Li et al. 2024) Sec. 4; RocketKV App. A.3"
+
+    def derive(self, budget, prompt_len, new_tokens, args, options):
+        window, budget_p = prompt_budget(budget, new_tokens, options)
+        per_head = budget_p // args.group_size
+        if per_head <= window:
+            raise BudgetError(f"the per-head prompt budget (t - m) // G = {per_head} does "
+                              f"not exceed the observation window ({window})")
+        return {"budget": budget, "compression_ratio": prompt_len / budget, "window": window,
+                "prompt_budget": budget_p, "per_head_budget": per_head,
+                "pooling": options.get("pooling") or "avg",
+                "kernel_size": options.get("kernel_size") or SNAPKV_KERNEL,
+                "keep": min(prompt_len, args.group_size * (per_head - window) + window),
+                "evict": prompt_len > per_head}
+
+    def evictor(self, p):
+        if not p["evict"]:
+            return None
+        keep, per_head, window = p["keep"], p["per_head_budget"], p["window"]
+        kernel, pooling = p["kernel_size"], p["pooling"]
+        return lambda q, k: snapkv_select(q, k, keep, per_head, window, kernel, pooling)

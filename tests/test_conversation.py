@@ -5,9 +5,10 @@ import torch
 from test_kv_cache import slow_attention
 
 from compression import build_caches
-from generate import extend_prefilled, generate, prefill_once
+from generate import generate
 from kv_cache import CompressedKVCache, Selector
 from model import ConfigError, ModelArgs
+from prefill import extend_prefilled, prefill_once
 
 METHODS = ["exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid", "rocketkv"]
 

@@ -1,4 +1,5 @@
-"""StreamingLLM, H2O and DuoAttention (compression/eviction.py) against slow references, and
+"""StreamingLLM, H2O and DuoAttention (compression/streamingllm.py, h2o.py, duoattention.py)
+against slow references, and
 DuoAttention's head identification (scripts/duo_identify.py)."""
 
 import math
@@ -10,16 +11,13 @@ from conftest import SMOLLM2_GGUF, shared_file
 
 import kv_cache
 from compression import build_caches, derive
-from compression.eviction import (
-    H2OCache,
-    SinkRecentCache,
-    duo_retrieval_heads,
-    duo_split,
-    load_duo_pattern,
-)
-from generate import generate, main, prefill_once
+from compression.duoattention import duo_retrieval_heads, duo_split, load_duo_pattern
+from compression.h2o import H2OCache
+from compression.streamingllm import SinkRecentCache
+from generate import generate, main
 from kv_cache import attention_column_sums
 from model import ConfigError, ModelArgs, Transformer
+from prefill import prefill_once
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_PATTERN = ROOT / "patterns" / "SmolLM2-135M-Instruct"

@@ -12,7 +12,8 @@ from conftest import ROOT, SHARED
 
 from checkpoint import random_model
 from compression import build_caches
-from generate import generate, percentile, sample
+from generate import generate, sample
+from measure import percentile
 from model import ConfigError, ModelArgs
 from tokenizer import load_tokenizer
 
@@ -48,7 +49,6 @@ def test_cached_decode_equals_recomputing_the_sequence(stories_model):
         model.setup_caches(build_caches("full", model.args, batch_size=1, prompt_len=t,
                                         max_new_tokens=1, budget=None, dtype=torch.float32,
                                         device="cpu"), t + 1)
-        model._cache_spec = None
         logits = model.prefill(torch.tensor([seq[:t]]))
         assert int(logits.argmax()) == seq[t], f"position {t}"
     # and the logits themselves: step-by-step decode vs one prefill of the whole sequence
@@ -428,34 +428,35 @@ def test_report_warns_when_step_times_spread(stories_model):
 def test_json_destination_without_write_access_fails_before_the_run(tmp_path, monkeypatch):
     """A read-only filesystem or directory: os.access reports no write access (patched here,
     since root writes through permissions)."""
-    import generate as g
+    import cli
 
     real = os.access
-    monkeypatch.setattr(g.os, "access", lambda path, mode: False if mode & os.W_OK
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: False if mode & os.W_OK
                         else real(path, mode))
-    with pytest.raises(g.ConfigError, match="not writable"):
-        g.check_json_path(str(tmp_path / "out.json"))
-    monkeypatch.setattr(g.os, "access", real)
-    g.check_json_path(str(tmp_path / "out.json"))  # writable: no error
+    with pytest.raises(cli.ConfigError, match="not writable"):
+        cli.check_json_path(str(tmp_path / "out.json"))
+    monkeypatch.setattr(cli.os, "access", real)
+    cli.check_json_path(str(tmp_path / "out.json"))  # writable: no error
 
 
 def test_a_run_that_cannot_fit_is_refused_before_allocating(monkeypatch, capsys):
     """The float weights + KV estimate equals what a model allocates; a run above the free
     memory is one error line (random:llama-3.1-8b in float32 on a small CPU, simulated)."""
     import generate as g
+    import measure
     from checkpoint import random_model
     from model import ModelArgs
 
     args = ModelArgs.from_name("stories260K")  # tied classifier
-    assert g.float_weight_bytes(args, torch.float32) == \
-        g.weight_bytes(random_model(args, "cpu", torch.float32))
+    assert measure.float_weight_bytes(args, torch.float32) == \
+        measure.weight_bytes(random_model(args, "cpu", torch.float32))
     untied = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
                        vocab_size=100)
-    assert g.float_weight_bytes(untied, torch.bfloat16) == \
-        g.weight_bytes(random_model(untied, "cpu", torch.bfloat16))
+    assert measure.float_weight_bytes(untied, torch.bfloat16) == \
+        measure.weight_bytes(random_model(untied, "cpu", torch.bfloat16))
     big = ModelArgs.from_name("llama-3.1-8b")
-    assert abs(g.float_weight_bytes(big, torch.bfloat16) / 1e9 - 16.06) < 0.01  # 8.03B params
-    monkeypatch.setattr(g, "available_bytes", lambda device: 24 * 2**30)
+    assert abs(measure.float_weight_bytes(big, torch.bfloat16) / 1e9 - 16.06) < 0.01  # 8.03B params
+    monkeypatch.setattr(measure, "available_bytes", lambda device: 24 * 2**30)
     rc = g.main(["--checkpoint", "random:llama-3.1-8b", "--device", "cpu", "--prompt-tokens",
                  "1024", "--max-new-tokens", "8"])
     err = capsys.readouterr().err

@@ -27,7 +27,6 @@ def logits_along(model, ids: torch.Tensor, n_prompt: int) -> torch.Tensor:
     model.setup_caches(build_caches("full", model.args, batch_size=1, prompt_len=n_prompt,
                                     max_new_tokens=S - n_prompt + 1, budget=None,
                                     dtype=torch.float32, device="cpu"), S + 1)
-    model._cache_spec = None
     with torch.no_grad():
         out = [model.prefill(ids[:, :n_prompt])[0]]
         for t in range(n_prompt, S):

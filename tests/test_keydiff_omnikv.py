@@ -18,9 +18,10 @@ from compression.omnikv import (
     default_filter_layers,
     layer_roles,
 )
-from generate import generate, main, prefill_once
+from generate import generate, main
 from kv_cache import FullKVCache
 from model import ConfigError, ModelArgs, Transformer
+from prefill import prefill_once
 
 
 def dense_over(q, k, v, positions):

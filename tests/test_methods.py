@@ -1,6 +1,7 @@
 """compression/__init__.py: budget -> parameters, errors, bytes, and every method end to end."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,19 +9,73 @@ from conftest import SHARED, shared_file
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compression import METHODS, build_caches, derive, smallest_budget
+from compression import (
+    METHODS,
+    Method,
+    Option,
+    build_caches,
+    derive,
+    methods_table,
+    smallest_budget,
+)
+from compression.registry import DOC_TABLES, every_option, options_table, render_docs
 from generate import generate
 from kv_cache import CompressedKVCache, FullKVCache
 from model import CONFIGS, ConfigError, ModelArgs
 from tokenizer import load_tokenizer
 
-COMPRESSED = ["exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid", "rocketkv",
-              "streamingllm", "h2o", "duoattention", "keydiff", "omnikv"]
+# the test matrix comes from the registry: a newly registered method is tested here at once
+COMPRESSED = [name for name, m in METHODS.items() if m.budgeted]
 LLAMA = ModelArgs.from_name("llama-3.1-8b")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_method_is_registered():
-    assert set(METHODS) == {"full", "gptfast_dense", *COMPRESSED}
+    assert list(METHODS) == ["full", "gptfast_dense", "exact_topk", "snapkv", "snapkv_pp",
+                             "quest", "sparq", "hybrid", "rocketkv", "streamingllm", "h2o",
+                             "duoattention", "keydiff", "omnikv"]
+    assert [m for m in METHODS if not METHODS[m].budgeted] == ["full", "gptfast_dense"]
+    for m in METHODS.values():  # what the docs table and --help show
+        assert m.description and m.budget_rule and m.source, m.name
+
+
+def test_the_docs_tables_are_the_registrys():
+    """README.md's and docs/methods.md's method and option tables are generated from the
+    registry (``python -m compression --update-docs``); a stale one fails here."""
+    for rel, tables in DOC_TABLES.items():
+        text = (ROOT / rel).read_text()
+        assert render_docs(text, tables) == text, \
+            f"{rel} is stale: run python -m compression --update-docs"
+    stale = "a\n<!-- methods-table -->\n| old |\n<!-- /methods-table -->\nb"
+    fresh = render_docs(stale, {"methods-table": lambda: methods_table()})
+    assert fresh != stale and "| `rocketkv` | t |" in fresh and fresh.endswith("\nb")
+    with pytest.raises(ValueError, match="no <!-- options-table -->"):
+        render_docs(stale, {"options-table": options_table})
+
+
+def test_a_flag_means_one_thing_and_a_name_registers_once():
+    """Methods sharing an option share one ``Option`` (one flag, one help), and a name
+    cannot be registered twice."""
+    from compression.registry import register
+    from compression.snapkv import KERNEL_SIZE
+
+    flags = [o.flag for o in every_option().values()]
+    assert len(flags) == len(set(flags)) and "--kernel-size" in flags
+    assert KERNEL_SIZE in METHODS["rocketkv"].options and KERNEL_SIZE in METHODS["snapkv"].options
+
+    class Again(Method):
+        name = "quest"
+
+    with pytest.raises(ValueError, match="registered twice"):
+        register(Again)
+
+    class Clash(Method):
+        name = "clash"
+        options = (Option("kernel_size", "another meaning"),)
+
+    with pytest.raises(ValueError, match="share one Option"):
+        register(Clash)
+    assert "clash" not in METHODS
 
 
 def test_rocketkv_sqrt_split_parameters():

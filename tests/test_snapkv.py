@@ -5,14 +5,9 @@ import math
 import pytest
 import torch
 
-from compression.snapkv import (
-    pool_votes,
-    shared_window_votes,
-    snapkv_pp_kernel,
-    snapkv_pp_select,
-    snapkv_select,
-    window_votes,
-)
+from compression.snapkv import pool_votes, snapkv_select, window_votes
+from compression.snapkv_pp import snapkv_pp_kernel, snapkv_pp_select
+from kv_cache import prefill_memo
 from model import CONFIGS, ModelArgs
 
 
@@ -58,8 +53,8 @@ def qk():
     return q, k
 
 
-def test_shared_window_votes_score_each_window_once(qk, monkeypatch):
-    """Inside ``shared_window_votes`` the SnapKV family asks for the votes of one prefill's
+def test_a_prefill_memo_scores_each_window_once(qk, monkeypatch):
+    """Inside ``kv_cache.prefill_memo`` the SnapKV family asks for the votes of one prefill's
     window once per window length: the selections are those computed without the memo, a key
     tensor changed in place (or another window) is scored afresh."""
     import compression.snapkv as snapkv
@@ -72,7 +67,7 @@ def test_shared_window_votes_score_each_window_once(qk, monkeypatch):
     monkeypatch.setattr(snapkv, "attention_column_sums",
                         lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
     memo = {}
-    with shared_window_votes(memo):
+    with prefill_memo(memo):
         assert torch.equal(snapkv_pp_select(q, k, 20, 8, 5), expect_pp)
         assert torch.equal(snapkv_pp_select(q, k, 24, 8, 9), snapkv_pp_select(q, k, 24, 8, 9))
         got = snapkv_select(q, k, 20, 10, 8, 5, "avg")

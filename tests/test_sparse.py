@@ -1,4 +1,4 @@
-"""compression/sparse.py against slow loop references."""
+"""Exact-TopK, Quest, SparQ and hybrid selection (compression/exact_topk.py, quest.py, sparq.py, hybrid.py, selection.py) against slow loop references."""
 
 import math
 import types
@@ -6,18 +6,11 @@ import types
 import pytest
 import torch
 
-from compression.sparse import (
-    ExactTopK,
-    Hybrid,
-    Quest,
-    SparQ,
-    exact_scores,
-    hybrid_page_scores,
-    page_bounds,
-    page_summary,
-    sparq_scores,
-    top_pages_to_tokens,
-)
+from compression.exact_topk import ExactTopK, exact_scores
+from compression.hybrid import Hybrid, hybrid_page_scores
+from compression.quest import Quest, page_bounds
+from compression.selection import page_summary, top_pages_to_tokens
+from compression.sparq import SparQ, sparq_scores
 from kv_cache import CompressedKVCache, FullKVCache, Selector
 from model import ModelArgs
 

@@ -1,0 +1,96 @@
+"""Command-line helpers every entry point shares: dtypes, one-line usage errors, whole-file JSON
+writes, early checks of paths and numbers, and the device choice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """ArgumentParser whose usage errors are one ``error: ...`` line and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}\n")
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` whole: a temporary file beside it, then
+    ``os.replace``; on failure the temporary file is removed.
+
+    Raises:
+        ConfigError: the file cannot be written (the OS's reason).
+    """
+    tmp = Path(f"{path}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def check_json_path(path: str | None, flag: str = "--json") -> None:
+    """Fail before a run whose JSON destination cannot be written: a missing directory, a
+    directory in the file's place, or no write permission (a read-only filesystem included).
+
+    Raises:
+        ConfigError: naming the problem.
+    """
+    if not path:
+        return
+    dest = Path(path)
+    parent = dest.resolve().parent
+    if dest.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; give a file name")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (dest.exists()
+                                                    and not os.access(dest, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable (permissions or a read-only "
+                          "filesystem)")
+
+
+def check_positive(args: argparse.Namespace, *flags: str) -> None:
+    """ConfigError naming the first of ``flags`` (argparse dests) set to a value <= 0."""
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda requested but CUDA is not available on this machine")
+    if device.type not in ("cuda", "cpu"):
+        raise ConfigError(f"unsupported device {name!r} (cuda or cpu)")
+    return device
+
+
+
+def layer_list(text: str) -> list[int]:
+    """``--filter-layers 2,8,18`` -> [2, 8, 18] (argparse type; a bad list is a usage error)."""
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got "
+                                         f"{text!r}") from None
+    if not layers:
+        raise argparse.ArgumentTypeError("expected at least one layer index")
+    return layers
+

@@ -1,0 +1,190 @@
+"""DuoAttention (Xiao et al. 2025): retrieval heads keep every token, streaming heads a ring.
+
+Per KV head, retrieval heads keep every token and streaming heads keep ``sink`` + ``recent``
+tokens in a ring (``streamingllm.SinkRecentCache``); heads are split by learned gates (a TSV
+with one row per layer and one column per KV head, ``load_duo_pattern``;
+``scripts/duo_identify.py`` makes one for any model). A layer's retrieval and streaming heads
+live in two buffers of their own sizes, so nothing is padded to the largest capacity and one
+compiled step serves every layer's split. Prefill attends to the whole uncompressed prompt
+(RocketKV App. A.3: "we do not perform any KV cache compression or sparse attention mechanism
+in the prefill phase ... including DuoAttention").
+
+Token budget ``t`` (the RocketKV paper's baseline, App. A.3, ``duo_split``): above 640 tokens the
+streaming heads keep 128 sinks + 512 recent and the share of retrieval heads is set so the
+average read per KV head meets t: the int(N (t - 640) / (C - 640)) KV heads (N over the model,
+C = prompt + new tokens) with the largest gates retrieve (``--duo-threshold``: gates above it
+instead); at or below 640 every head streams, with 128 sinks above 256 and ``int(0.2 t)`` below,
+the rest recent.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from compression.registry import Method, Option, register, report_overshoot
+from compression.streamingllm import SinkRecentCache
+from model import ConfigError, ModelArgs
+
+DUO_SINK, DUO_RECENT = 128, 512  # streaming heads above the 640-token budget (RocketKV App. A.3)
+DUO_PATTERN_FILE = "full_attention_heads.tsv"
+
+PATTERNS = Option("duo_patterns", "duoattention: head gates, a TSV (layers x KV heads) or a "
+                  "directory with full_attention_heads.tsv; needed above a 640-token budget",
+                  type=str, metavar="PATH")
+THRESHOLD = Option("duo_threshold", "duoattention: gates above this retrieve (the pattern's own "
+                   "split, DuoAttention deploys 0.5); default: the budget sets the share",
+                   type=float)
+
+
+def duo_split(t: int, capacity: int, n_heads_total: int,
+              threshold: float | None = None) -> dict[str, Any]:
+    """DuoAttention's parameters at budget t (RocketKV App. A.3).
+
+    Args:
+        t: token budget; capacity: prompt + new tokens (what a retrieval head reads per step,
+            its whole static buffer); n_heads_total: layers x KV heads.
+        threshold: gates above it make retrieval heads (the pattern's own split); None: the
+            budget sets how many.
+    Returns:
+        sink and recent (streaming heads), ``retrieval_heads`` (how many, over the model; None
+        when the threshold decides) and ``needs_pattern``.
+    """
+    if t > DUO_SINK + DUO_RECENT:
+        sink, recent = DUO_SINK, DUO_RECENT
+    else:
+        sink = DUO_SINK if t > 256 else int(0.2 * t)
+        recent = t - sink
+    n_ret = None
+    if threshold is None:
+        stream = sink + recent
+        share = max(0.0, (t - stream) / (capacity - stream)) if capacity > stream else 1.0
+        n_ret = min(n_heads_total, math.floor(share * n_heads_total))
+    return {"sink": sink, "recent": recent, "retrieval_heads": n_ret,
+            "needs_pattern": threshold is not None or n_ret > 0}
+
+
+def duo_traffic(n_ret: int, n_total: int, capacity: int, sink: int, recent: int) -> float:
+    """Mean KV pairs read per step per KV head: retrieval heads read ``capacity``, streaming
+    heads ``sink + recent``."""
+    return (n_ret * capacity + (n_total - n_ret) * (sink + recent)) / n_total
+
+
+def load_duo_pattern(path: str | Path, args: ModelArgs) -> Tensor:
+    """DuoAttention head gates: (n_layers, n_kv_heads) float64.
+
+    Args:
+        path: a TSV file (one row per layer, one tab-separated gate per KV head; near 1 marks a
+            retrieval head) or a directory holding ``full_attention_heads.tsv`` (the layout of
+            DuoAttention's released patterns and of ``scripts/duo_identify.py``'s output).
+    Raises:
+        ConfigError: missing or unreadable file, a non-numeric value, or a shape other than the
+            model's (layers x KV heads).
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / DUO_PATTERN_FILE
+    try:
+        lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--duo-patterns: cannot read {p}: {e}") from None
+    try:
+        rows = [[float(x) for x in ln.split()] for ln in lines]
+    except ValueError as e:
+        raise ConfigError(f"--duo-patterns: {p} holds a non-numeric value ({e})") from None
+    shape = (len(rows), len({len(r) for r in rows}) == 1 and len(rows[0]) if rows else 0)
+    want = (args.n_layers, args.n_kv_heads)
+    if shape != want:
+        raise ConfigError(f"--duo-patterns: {p} has {len(rows)} rows of "
+                          f"{sorted({len(r) for r in rows})} gates; the model needs {want[0]} "
+                          f"rows (layers) of {want[1]} gates (KV heads)")
+    gates = torch.tensor(rows, dtype=torch.float64)
+    if not torch.isfinite(gates).all():
+        raise ConfigError(f"--duo-patterns: {p} holds a value that is not finite")
+    return gates
+
+
+def duo_retrieval_heads(gates: Tensor, n_ret: int | None = None,
+                        threshold: float | None = None) -> list[list[int]]:
+    """Retrieval KV heads per layer: the ``n_ret`` largest gates over the whole model (ties by
+    layer, then head), or every gate above ``threshold``."""
+    L, Hkv = gates.shape
+    flat = gates.flatten()
+    if threshold is not None:
+        chosen = set((flat > threshold).nonzero().flatten().tolist())
+    else:
+        order = sorted(range(L * Hkv), key=lambda i: (-float(flat[i]), i))
+        chosen = set(order[:n_ret])
+    return [[h for h in range(Hkv) if i * Hkv + h in chosen] for i in range(L)]
+
+
+@register
+class DuoAttention(Method):
+    name = "duoattention"
+    description = ("DuoAttention: retrieval heads keep everything, streaming heads sinks + "
+                   "recent (--duo-patterns)")
+    budget_rule = ("t > 640: streaming heads 128 + 512, the top int(N (t - 640) / (T + m - 640)) "
+                   "of the N KV heads retrieve (`--duo-threshold`: gates above it instead); t <= "
+                   "640: every head streams, 128 sinks above 256 else int(0.2 t), the rest recent")
+    options = (PATTERNS, THRESHOLD)
+    internal_params = ("needs_pattern", "_heads")
+    source = "DuoAttention (Xiao et al. 2025); RocketKV App. A.3"
+
+    def derive(self, budget, prompt_len, new_tokens, args, options):
+        N = args.n_layers * args.n_kv_heads
+        cap = prompt_len + new_tokens
+        p = {"budget": budget, "compression_ratio": prompt_len / budget,
+             **duo_split(budget, cap, N, options.get("duo_threshold"))}
+        if p["retrieval_heads"] is not None:
+            p["traffic_tokens"] = duo_traffic(p["retrieval_heads"], N, cap, p["sink"],
+                                              p["recent"])
+        return p
+
+    def build(self, args, params, *, batch_size, prompt_len, max_new_tokens, dtype, device,
+              options):
+        params["_heads"] = self.retrieval_heads(params, args, prompt_len + max_new_tokens,
+                                                params["budget"], options)
+        return super().build(args, params, batch_size=batch_size, prompt_len=prompt_len,
+                             max_new_tokens=max_new_tokens, dtype=dtype, device=device,
+                             options=options)
+
+    def build_layer(self, layer, args, params, *, batch_size, prompt_len, max_new_tokens,
+                    dtype, device):
+        heads = params["_heads"][layer]
+        return SinkRecentCache(layer, args, batch_size, dtype, device, prompt_len=prompt_len,
+                               max_new_tokens=max_new_tokens, sink=params["sink"],
+                               recent=params["recent"], retrieval_heads=heads,
+                               params={**self.reported(params), "layer_retrieval_heads": heads})
+
+    @staticmethod
+    def retrieval_heads(p: dict[str, Any], args: ModelArgs, capacity: int, t: int,
+                        options: dict[str, Any]) -> list[list[int]]:
+        """Retrieval KV heads per layer from ``--duo-patterns``; completes ``p``
+        (``retrieval_heads``, ``traffic_tokens``, ``budget_overshoot`` when over t).
+
+        Raises:
+            ConfigError: the budget needs retrieval heads and no pattern was given, or a bad
+                pattern file (``load_duo_pattern``).
+        """
+        path = options.get("duo_patterns")
+        if not p["needs_pattern"]:
+            if path is not None:
+                p["note"] = f"--duo-patterns unused: at budget {t} every head streams"
+            return [[] for _ in range(args.n_layers)]
+        if path is None:
+            raise ConfigError(f"duoattention at budget {t} (above {p['sink'] + p['recent']} "
+                              f"tokens) keeps {p['retrieval_heads']} retrieval heads and needs "
+                              "their gates: --duo-patterns PATH (a TSV of layers x KV heads; "
+                              "scripts/duo_identify.py makes one for any model)")
+        gates = load_duo_pattern(path, args)
+        heads = duo_retrieval_heads(gates, p["retrieval_heads"], options.get("duo_threshold"))
+        n_ret = sum(len(h) for h in heads)
+        N = args.n_layers * args.n_kv_heads
+        p.update(retrieval_heads=n_ret, retrieval_share=n_ret / N, duo_patterns=str(path),
+                 traffic_tokens=duo_traffic(n_ret, N, capacity, p["sink"], p["recent"]))
+        report_overshoot(p, t)
+        return heads

@@ -1,0 +1,186 @@
+"""Measurement: per-step latency, peak memory per phase, weight bytes and the memory estimate.
+
+``generate.generate`` fills its result with these figures; ``scripts/bench.py`` and the other
+benchmarks reuse them, so every figure is measured one way.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model import ConfigError, ModelArgs, Transformer
+
+
+class MemoryMeter:
+    """Peak memory per phase.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` with ``reset_peak_memory_stats`` at phase
+    boundaries (``kind = "cuda_max_memory_allocated"``). CPU: the process peak resident set
+    (VmHWM), reset through ``/proc/self/clear_refs`` where Linux allows
+    (``kind = "cpu_process_peak_rss"``); where it cannot be reset, each phase reports the peak
+    since process start (``kind = "cpu_process_peak_rss_since_start"``).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        if self.cuda:
+            self.kind = "cuda_max_memory_allocated"
+        else:
+            self.kind = "cpu_process_peak_rss" if self._clear_rss() else \
+                "cpu_process_peak_rss_since_start"
+
+    @staticmethod
+    def _clear_rss() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.kind == "cpu_process_peak_rss":
+            self._clear_rss()
+
+    def peak(self) -> int:
+        """Peak bytes since the last ``reset``."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class StepTimer:
+    """Per-step latency: CUDA events on GPU, synchronized wall clock on CPU (ms)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def start(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, start: Any) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.marks.append((start, end))
+        else:
+            self.marks.append((start, time.perf_counter()))
+
+    def ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [s.elapsed_time(e) for s, e in self.marks]
+        return [(e - s) * 1e3 for s, e in self.marks]
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated ``q``-th percentile (0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's name (``torch.cuda.get_device_name``), or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+def weights_label(model: Transformer) -> str:
+    """``float``, ``int8`` or ``int4-g<G>`` (``quantize.py``), with ``, classifier C`` when the
+    classifier is stored otherwise (``int8``, ``float``)."""
+    q = model.quantization
+    if q is None:
+        return "float"
+    label = q["mode"] + (f"-g{q['groupsize']}" if q.get("groupsize") else "")
+    return label + (f", classifier {q['classifier']}" if q["classifier"] != q["mode"] else "")
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of all of ``model``'s parameters (tied matrices counted once; int8/int4 layers
+    of ``quantize.py`` at their stored size)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def weight_bytes_per_step(model: Transformer) -> int:
+    """Parameter bytes one decode step reads: all but the embedding table, which is only
+    gathered (B rows), unless the classifier shares it (a quantized checkpoint's classifier
+    is its own copy, ``quantize.py``)."""
+    emb = model.tok_embeddings.weight
+    tied = getattr(model.output, "weight", None) is emb
+    return weight_bytes(model) - (0 if tied else emb.numel() * emb.element_size())
+
+
+def float_weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
+    """Bytes of a float model of shape ``args`` in ``dtype`` (a tied classifier counted once)."""
+    D = args.head_dim
+    per_layer = (args.dim * (args.n_heads + 2 * args.n_kv_heads) * D + args.n_heads * D * args.dim
+                 + 3 * args.dim * args.intermediate_size + 2 * args.dim)
+    tables = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2)
+    return (args.n_layers * per_layer + tables + args.dim) * dtype.itemsize
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for this run: CUDA's free device memory, or the CPU's MemAvailable
+    (``/proc/meminfo``); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device, batch: int,
+                 tokens: int) -> None:
+    """Refuse a run whose float weights plus full-size KV cache (``tokens`` per sequence) do
+    not fit in the memory ``device`` has free, before anything is allocated.
+
+    Raises:
+        ConfigError: with the estimate, what is free and what to change.
+    """
+    free = available_bytes(device)
+    weights = float_weight_bytes(args, dtype)
+    kv = 2 * args.n_layers * batch * args.n_kv_heads * args.head_dim * tokens * dtype.itemsize
+    if free is not None and weights + kv > free:
+        gib = 2 ** 30
+        name = str(dtype).removeprefix("torch.")
+        raise ConfigError(f"this run needs at least {(weights + kv) / gib:.1f} GiB ({name} "
+                          f"weights {weights / gib:.1f} GiB + KV cache {kv / gib:.1f} GiB) but "
+                          f"{device.type} has {free / gib:.1f} GiB free; use a GPU, --dtype "
+                          "bfloat16, quantized weights (quantize.py) or a shorter run")
+
