@@ -1,11 +1,21 @@
 """Command-line helpers every entry point shares: dtypes, one-line usage errors, whole-file JSON
-writes, early checks of paths and numbers, and the device choice."""
+writes, early checks of paths and numbers, the device choice, prompt files, and the one flag
+vocabulary of the scripts.
+
+Every script names a checkpoint (or a named config) ``--checkpoint``, methods ``--methods``,
+budgets ``--budgets``, an output directory ``--out``, a single output file ``--json``, a quick
+run ``--limit`` and a quiet one ``--no-progress``. Spellings a script used before stay for one
+release as hidden aliases (``deprecated_alias``) that say which flag to use instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +104,54 @@ def layer_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError("expected at least one layer index")
     return layers
 
+
+def read_prompt(path: str) -> str:
+    """The text of prompt file ``path`` (``-``: stdin), without the newline that ends a text
+    file.
+
+    Raises:
+        ConfigError: the file cannot be read, is not UTF-8, or holds only white space.
+    """
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read prompt file {path}: {e}") from None
+    if not text.strip():
+        raise ConfigError(f"prompt file {path} is empty")
+    return text.removesuffix("\n").removesuffix("\r")  # the newline that ends a text file
+
+
+class _Deprecated(argparse.Action):
+    """Stores into the new flag's destination after a one-line note on stderr."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, use: str, **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.use = use
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"note: {option_string} is deprecated; use {self.use}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Accept ``old`` (e.g. ``--model``) as a hidden spelling of the option ``new`` (e.g.
+    ``--checkpoint``), added to ``parser`` before: the same destination, type, choices and
+    number of values, left out of ``--help``; using it prints ``note: OLD is deprecated; use
+    NEW`` on stderr.
+
+    Raises:
+        ValueError: ``parser`` has no option ``new``.
+    """
+    action = next((a for a in parser._actions if new in a.option_strings), None)
+    if action is None:
+        raise ValueError(f"the parser has no option {new}")
+    parser.add_argument(old, dest=action.dest, nargs=action.nargs, type=action.type,
+                        choices=action.choices, metavar=action.metavar,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                        action=partial(_Deprecated, use=new))
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command a result records: ``python scripts/SCRIPT.py`` and the arguments as given
+    (``argv``, or the process's own when None)."""
+    return " ".join([f"python scripts/{script}", *(sys.argv[1:] if argv is None else argv)])

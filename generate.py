@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from cli import (
     OneLineParser,
     check_json_path,
     check_positive,
+    read_prompt,
     resolve_device,
     write_json,
 )
@@ -49,6 +50,7 @@ from compression import (
     check_options,
     given_options,
     help_epilog,
+    plan,
 )
 from measure import (
     MemoryMeter,
@@ -547,7 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, help="token budget: KV pairs read per decode step per "
                    "layer per KV-head group")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text file, - for stdin")
+    src.add_argument("--prompt", metavar="FILE", help="prompt text file, - for stdin")
+    src.add_argument("-p", "--prompt-text", metavar="TEXT", help="the prompt text itself")
     src.add_argument("--prompt-tokens", type=int, metavar="N",
                      help="synthetic prompt of N random token ids (efficiency runs)")
     add_method_options(p.add_argument_group(
@@ -575,16 +578,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "A host sync per token: --no-stream for timing runs")
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     return p
-
-
-def _read_prompt(path: str) -> str:
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read prompt file {path}: {e}") from None
-    if not text.strip():
-        raise ConfigError(f"prompt file {path} is empty")
-    return text.removesuffix("\n").removesuffix("\r")  # the newline that ends a text file
 
 
 class TextStreamer:
@@ -616,6 +609,7 @@ def format_report(r: dict[str, Any]) -> str:
 
     lines = [
         f"method {r['method']}  budget {r['budget']}  params {r['method_params']}",
+        *([f"load (weights and tokenizer) {r['load_s']:.1f} s"] if r.get("load_s") else []),
         f"prompt tokens {r['prompt_tokens']}  generated {r['new_tokens']} ({r['stop_reason']})"
         f"  batch {r['batch_size']}",
         f"prefill (time to first token) {r['prefill_s'] * 1e3:.1f} ms",
@@ -660,7 +654,32 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: the generated text on stdout (a ``==> sequence i <==`` header before
+    each when the batch has several), the report on stderr, ``--json`` for every figure.
+
+    Exit status: 0; 2 for bad input (one ``error:`` line, before any slow work where it can
+    be checked); 1 out of memory or an unwritable JSON; 130 after Ctrl-C and 143 after SIGTERM
+    (what was generated, the report and the JSON are kept)."""
     args = build_parser().parse_args(argv)
+    signals: list[int] = []
+
+    def on_sigterm(signum, frame):  # what `timeout` and job schedulers send: as Ctrl-C
+        signals.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        previous = None
+    try:
+        code = _main(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return 128 + signal.SIGTERM if signals and code == 130 else code
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if args.budget is not None and args.budget <= 0:
             raise ConfigError(f"--budget must be a positive number of tokens, got {args.budget}")
@@ -681,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not method.budgeted and options:
             raise ConfigError(f"method {args.method} takes no method options "
                               f"({', '.join(options)})")
-        check_options(args.method, options)  # before any slow work
+        check_options(args.method, options)
         check_json_path(args.json)
         device = resolve_device(args.device)
         dtype = DTYPES[args.dtype] if args.dtype else (
@@ -691,15 +710,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             (None if device.type == "cuda" else False)
         if args.system is not None and not args.chat:
             raise ConfigError("--system needs --chat (it is a message of the chat template)")
-        if args.chat and args.prompt is None:
-            raise ConfigError("--chat needs a text --prompt")
-        text = _read_prompt(args.prompt) if args.prompt is not None else None
+        if args.chat and args.prompt_tokens is not None:
+            raise ConfigError("--chat needs a text --prompt or --prompt-text")
+        text = args.prompt_text if args.prompt_text is not None else \
+            read_prompt(args.prompt) if args.prompt is not None else None
+        if text is not None and not text.strip():
+            raise ConfigError("--prompt-text is empty")
 
+        t_load = time.perf_counter()
         checkpoint = resolve_checkpoint(args.checkpoint)
-        if not is_quantized(checkpoint):
-            check_memory(checkpoint_args(checkpoint), dtype, device, args.batch_size,
-                         (args.prompt_tokens or 0) + args.max_new_tokens)
-        model = load_model(checkpoint, device, dtype)
+        margs = checkpoint_args(checkpoint)
         tok: Tokenizer | None = None
         if args.tokenizer:
             tok = load_tokenizer(args.tokenizer)
@@ -709,18 +729,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("a text prompt needs a tokenizer: the checkpoint has none ("
                               f"{', '.join(TOKENIZER_FILES)} or GGUF tokenizer metadata); pass "
                               "--tokenizer FILE or use --prompt-tokens N")
-        if tok is not None and tok.vocab_size > model.args.vocab_size:
+        if tok is not None and tok.vocab_size > margs.vocab_size:
             raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only "
-                              f"{model.args.vocab_size}")
+                              f"{margs.vocab_size}")
         if text is not None:
             ids = tok.encode_chat(text, system=args.system) if args.chat else tok.encode(text)
         else:
             gen = torch.Generator().manual_seed(args.seed)
-            ids = torch.randint(0, model.args.vocab_size, (args.prompt_tokens,),
+            ids = torch.randint(0, margs.vocab_size, (args.prompt_tokens,),
                                 generator=gen).tolist()
+        room = margs.max_seq_len - len(ids)
+        if room <= 0:
+            raise ConfigError(f"the prompt ({len(ids)} tokens) leaves no room in the model's "
+                              f"context ({margs.max_seq_len} tokens)")
+        # every method setting is checked here, before the weights load
+        plan(args.method, margs, prompt_len=len(ids),
+             max_new_tokens=min(args.max_new_tokens, room), budget=args.budget, **options)
+        if not is_quantized(checkpoint):
+            check_memory(margs, dtype, device, args.batch_size,
+                         len(ids) + args.max_new_tokens)
+        model = load_model(checkpoint, device, dtype)
+        load_s = time.perf_counter() - t_load
         prompt = torch.tensor([ids] * args.batch_size)
-        room = model.args.max_seq_len - len(ids)
-        if 0 < room < args.max_new_tokens:
+        if room < args.max_new_tokens:
             print(f"note: --max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the "
                   f"model's context ({model.args.max_seq_len}) leaves after the {len(ids)}-token "
                   "prompt; generation stops at the context end", file=sys.stderr)
@@ -748,15 +779,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                        for row in result["token_ids"]] if tok is not None else None)
     result["checkpoint"] = args.checkpoint
     result["model"] = model.args.name
+    result["load_s"] = load_s
     interrupted = result["stop_reason"] == "interrupted"
     result["interrupted"] = interrupted
     if streamer is not None:
         streamer.finish(result["text"][0])
     elif result["text"] is not None:
-        print(result["text"][0])
-    if result["text"] is not None:
-        print("-" * 80)
-    print(format_report(result))
+        for i, text in enumerate(result["text"]):
+            if len(result["text"]) > 1:
+                print(f"==> sequence {i} <==")
+            print(text)
+    sys.stdout.flush()
+    print(format_report(result), file=sys.stderr)
     if args.json:
         try:
             write_json(args.json, result)

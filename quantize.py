@@ -160,6 +160,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # write_directory removed its temporary directory
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
     print(f"wrote {path}")
     return 0
 

@@ -27,6 +27,7 @@ from compression.registry import (
     help_epilog,
     methods_table,
     options_for,
+    plan,
     smallest_budget,
 )
 from compression import full  # noqa: F401
@@ -46,4 +47,4 @@ from compression import omnikv  # noqa: F401
 
 __all__ = ["METHODS", "BudgetError", "Method", "Option", "add_method_options", "build_caches",
            "check_methods", "check_options", "derive", "given_options", "help_epilog",
-           "methods_table", "options_for", "smallest_budget"]
+           "methods_table", "options_for", "plan", "smallest_budget"]

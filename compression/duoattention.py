@@ -19,6 +19,7 @@ the rest recent.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,11 @@ from model import ConfigError, ModelArgs
 
 DUO_SINK, DUO_RECENT = 128, 512  # streaming heads above the 640-token budget (RocketKV App. A.3)
 DUO_PATTERN_FILE = "full_attention_heads.tsv"
+PATTERNS_DIR = Path(__file__).resolve().parents[1] / "patterns"  # patterns shipped with the engine
 
 PATTERNS = Option("duo_patterns", "duoattention: head gates, a TSV (layers x KV heads) or a "
-                  "directory with full_attention_heads.tsv; needed above a 640-token budget",
+                  "directory with full_attention_heads.tsv; needed above a 640-token budget "
+                  "(default: the one in patterns/ made for the model, if any)",
                   type=str, metavar="PATH")
 THRESHOLD = Option("duo_threshold", "duoattention: gates above this retrieve (the pattern's own "
                    "split, DuoAttention deploys 0.5); default: the budget sets the share",
@@ -122,6 +125,23 @@ def duo_retrieval_heads(gates: Tensor, n_ret: int | None = None,
     return [[h for h in range(Hkv) if i * Hkv + h in chosen] for i in range(L)]
 
 
+def shipped_pattern(args: ModelArgs, root: Path = PATTERNS_DIR) -> Path | None:
+    """The pattern directory under ``root`` (``patterns/``) made for this model: its
+    ``config.json`` names the model (``ModelArgs.name``, e.g. a GGUF's ``general.name``) and
+    its TSV has the model's layers x KV heads; None when there is none."""
+    for cfg in sorted(root.glob(f"*/{'config.json'}")):
+        try:
+            made_for = json.loads(cfg.read_text()).get("model")
+        except (OSError, ValueError):
+            continue
+        tsv = cfg.parent / DUO_PATTERN_FILE
+        if made_for == args.name and tsv.is_file():
+            rows = [ln.split() for ln in tsv.read_text().splitlines() if ln.strip()]
+            if len(rows) == args.n_layers and all(len(r) == args.n_kv_heads for r in rows):
+                return cfg.parent
+    return None
+
+
 @register
 class DuoAttention(Method):
     name = "duoattention"
@@ -144,13 +164,9 @@ class DuoAttention(Method):
                                               p["recent"])
         return p
 
-    def build(self, args, params, *, batch_size, prompt_len, max_new_tokens, dtype, device,
-              options):
-        params["_heads"] = self.retrieval_heads(params, args, prompt_len + max_new_tokens,
-                                                params["budget"], options)
-        return super().build(args, params, batch_size=batch_size, prompt_len=prompt_len,
-                             max_new_tokens=max_new_tokens, dtype=dtype, device=device,
-                             options=options)
+    def validate(self, params, args, capacity, options):
+        params["_heads"] = self.retrieval_heads(params, args, capacity, params["budget"],
+                                                options)
 
     def build_layer(self, layer, args, params, *, batch_size, prompt_len, max_new_tokens,
                     dtype, device):
@@ -176,10 +192,15 @@ class DuoAttention(Method):
                 p["note"] = f"--duo-patterns unused: at budget {t} every head streams"
             return [[] for _ in range(args.n_layers)]
         if path is None:
+            path = shipped_pattern(args)
+        if path is None:
+            need = (f"keeps {p['retrieval_heads']} retrieval heads" if p["retrieval_heads"]
+                    is not None else f"retrieves on the gates above --duo-threshold "
+                    f"{options.get('duo_threshold')}")
             raise ConfigError(f"duoattention at budget {t} (above {p['sink'] + p['recent']} "
-                              f"tokens) keeps {p['retrieval_heads']} retrieval heads and needs "
-                              "their gates: --duo-patterns PATH (a TSV of layers x KV heads; "
-                              "scripts/duo_identify.py makes one for any model)")
+                              f"tokens) {need} and needs the heads' gates: --duo-patterns PATH "
+                              "(a TSV of layers x KV heads; scripts/duo_identify.py makes one "
+                              f"for any model; none in {PATTERNS_DIR} for {args.name!r})")
         gates = load_duo_pattern(path, args)
         heads = duo_retrieval_heads(gates, p["retrieval_heads"], options.get("duo_threshold"))
         n_ret = sum(len(h) for h in heads)

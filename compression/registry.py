@@ -153,6 +153,15 @@ class Method:
         """Layer ``layer``'s cache from ``derive``'s ``params`` (report ``reported(params)``)."""
         raise NotImplementedError
 
+    def validate(self, params: dict[str, Any], args: ModelArgs, capacity: int,
+                 options: Mapping[str, Any]) -> None:
+        """Checks of the derived ``params`` that need more than the budget (files the method
+        reads, for one); may complete ``params``. ``capacity``: prompt + new tokens.
+
+        Raises:
+            ConfigError: what the run cannot use.
+        """
+
     def reported(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` without ``internal_params``: what a cache reports."""
         return {k: v for k, v in params.items() if k not in self.internal_params}
@@ -311,20 +320,17 @@ def smallest_budget(method: str, prompt_len: int, new_tokens: int, args: ModelAr
     return None
 
 
-def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
-                 max_new_tokens: int, budget: int | None, dtype: torch.dtype, device,
-                 **options) -> list[KVCache]:
-    """One cache per layer for ``method``.
+def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
+         budget: int | None, **options) -> dict[str, Any] | None:
+    """Every check of a run of ``method`` that needs no weights and no memory: the parameters
+    ``build_caches`` will build from, or None when the run uses the full cache (an unbudgeted
+    method, or a budget of at least the whole sequence). ``generate.py`` calls it before
+    loading the checkpoint, so a bad method setting is reported at once.
 
-    Args:
-        method: a key of ``METHODS``.
-        prompt_len, max_new_tokens: tokens; static buffers are sized from them.
-        budget: token budget (KV pairs read per decode step per layer per KV group), or None
-            for an unbudgeted method.
-        options: method options (``Option.name`` -> value; None or False: unset).
     Raises:
         ConfigError: unknown method; a budget that is missing, not positive, given to an
-            unbudgeted method or too small (naming the smallest valid one); a bad option.
+            unbudgeted method or too small (naming the smallest valid one); a bad option or
+            an option the method does not read; what ``Method.validate`` rejects.
     """
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
@@ -337,18 +343,14 @@ def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
     if not m.budgeted:
         if budget is not None:
             raise ConfigError(f"method {method} reads every cached token and takes no --budget")
-        return m.build(args, {}, batch_size=batch_size, prompt_len=T, max_new_tokens=new,
-                       dtype=dtype, device=device, options=options)
+        return None
     if budget is None:
         raise ConfigError(f"method {method} needs --budget (tokens per decode step)")
     skip = options.get("skip_layers") or 0
     if not 0 <= skip <= args.n_layers:
         raise ConfigError(f"--skip-layers must lie in [0, {args.n_layers}], got {skip}")
     if budget >= T + new:
-        note = (f"budget {budget} >= the whole sequence ({T} prompt + {new} new tokens): "
-                "no compression")
-        return [full_cache(i, args, batch_size, T, new, dtype, device, note)
-                for i in range(args.n_layers)]
+        return None
     try:
         params = m.derive(budget, T, new, args, options)
     except BudgetError as e:
@@ -359,8 +361,37 @@ def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
         raise ConfigError(f"{method}: budget {budget} is too small: {e}; {hint} (prompt {T} "
                           f"tokens, max_new_tokens {new})") from None
     params.update(method=method, skip_layers=skip, compressed=True)
-    return m.build(args, params, batch_size=batch_size, prompt_len=T, max_new_tokens=new,
-                   dtype=dtype, device=device, options=options)
+    m.validate(params, args, T + new, options)
+    return params
+
+
+def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
+                 max_new_tokens: int, budget: int | None, dtype: torch.dtype, device,
+                 **options) -> list[KVCache]:
+    """One cache per layer for ``method`` (after the checks of ``plan``).
+
+    Args:
+        method: a key of ``METHODS``.
+        prompt_len, max_new_tokens: tokens; static buffers are sized from them.
+        budget: token budget (KV pairs read per decode step per layer per KV group), or None
+            for an unbudgeted method.
+        options: method options (``Option.name`` -> value; None or False: unset).
+    Raises:
+        ConfigError: see ``plan``.
+    """
+    T, new = prompt_len, max_new_tokens
+    params = plan(method, args, prompt_len=T, max_new_tokens=new, budget=budget, **options)
+    options = {k: v for k, v in options.items() if v is not None and v is not False}
+    m = METHODS[method]
+    if params is not None:
+        return m.build(args, params, batch_size=batch_size, prompt_len=T, max_new_tokens=new,
+                       dtype=dtype, device=device, options=options)
+    if not m.budgeted:
+        return m.build(args, {}, batch_size=batch_size, prompt_len=T, max_new_tokens=new,
+                       dtype=dtype, device=device, options=options)
+    note = f"budget {budget} >= the whole sequence ({T} prompt + {new} new tokens): no compression"
+    return [full_cache(i, args, batch_size, T, new, dtype, device, note)
+            for i in range(args.n_layers)]
 
 
 def methods_table(detailed: bool = False) -> str:

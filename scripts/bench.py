@@ -1,8 +1,8 @@
 """Decode speed and memory sweep: the RocketKV paper's Fig. 5, measured against the roofline.
 
     python scripts/bench.py                       # paper defaults: llama-3.1-8b, bf16, CUDA
-    python scripts/bench.py --device cpu --model stories260K --context 128 256 --budgets 64 \\
-        --new-tokens 8                            # CPU smoke run (under a minute)
+    python scripts/bench.py --device cpu --checkpoint stories260K --context 128 256 \\
+        --budgets 64 --new-tokens 8               # CPU smoke run (under a minute)
 
 For every (batch size, context, method, budget) the script runs ``generate.generate`` on a
 random prompt of ``context`` tokens with random weights at the model's real shapes (or a real
@@ -50,84 +50,28 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
-from compression import METHODS, OPTIONS_BY_METHOD, UNBUDGETED, check_methods  # noqa: E402
-from generate import (  # noqa: E402
-    DTYPES,
-    OneLineParser,
-    _resolve_device,
-    add_method_options,
-    device_name,
-    generate,
-    write_json,
+from checkpoint import RANDOM_PREFIX, load_model
+from cli import DTYPES, OneLineParser, command_line, deprecated_alias, write_json
+from compression import METHODS, add_method_options, check_methods, options_for
+from evals.bench import (
+    DEFAULT_BUDGETS,
+    DEFAULT_CONTEXTS,
+    DEFAULT_METHODS,
+    measure_bandwidth,
+    resolve_run,
+    results_dir,
 )
-from model import CONFIGS, ConfigError  # noqa: E402
-
-# the default sweep: the paper's Fig. 5 (scripts/check_targets.py times a run that covers it)
-DEFAULT_METHODS = ("full", "gptfast_dense", "rocketkv")
-DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096)
-DEFAULT_CONTEXTS = (16384, 32768, 65536, 98304, 131072 - 64)
-
-
-def measure_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Device memory bandwidth in GB/s from copying ``nbytes`` (read + write counted)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(5):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    del src, dst
-    return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
-
-
-def resolve_run(args) -> tuple[torch.device, torch.dtype]:
-    """Apply ``--threads``, resolve ``--device``, default ``--compile`` (on for CUDA) and
-    ``--dtype`` (bf16 on CUDA, float32 elsewhere). Raises ConfigError on bad values."""
-    if args.threads is not None:
-        if args.threads <= 0:
-            raise ConfigError(f"--threads must be positive, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    device = _resolve_device(args.device)
-    args.compile = device.type == "cuda" if args.compile is None else args.compile
-    return device, DTYPES[args.dtype] if args.dtype else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
-
-
-def method_options(args, method: str) -> dict:
-    """The parsed method options ``method`` reads (``skip_layers`` for every budgeted one)."""
-    return {k: v for k, v in vars(args).items()
-            if v is not None and (k in OPTIONS_BY_METHOD.get(method, ()) or
-                                  k == "skip_layers" and method in OPTIONS_BY_METHOD)}
-
-
-def configurations(args) -> list[tuple[int, int, str, int | None]]:
-    rows = []
-    for batch in args.batch_sizes:
-        for context in args.context:
-            for method in args.methods:
-                for budget in ([None] if method in UNBUDGETED else args.budgets):
-                    rows.append((batch, context, method, budget))
-    return rows
+from evals.harness import configurations
+from generate import generate
+from measure import device_name
+from model import CONFIGS, ConfigError
+from quantized import GROUPSIZES, quantize_model
 
 
 def parse_weights(spec: str) -> tuple[str, int | None]:
     """``float``, ``int8`` or ``int4-g<G>`` -> (mode, groupsize). ConfigError otherwise."""
-    from quantize import GROUPSIZES
-
     m = re.fullmatch(r"float|int8|int4-g(\d+)", spec)
     if not m or (m.group(1) and int(m.group(1)) not in GROUPSIZES):
         raise ConfigError(f"--weights: {spec!r} is not float, int8 or int4-g<G> with G in "
@@ -140,8 +84,6 @@ def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype)
     mode, groupsize = parse_weights(spec)
     model = load_model(ckpt, device, dtype)
     if mode != "float":
-        from quantize import quantize_model
-
         if model.quantization is not None:
             raise ConfigError(f"--weights {spec}: {ckpt} is already quantized; pass --weights "
                               "float (its own weights) or a float checkpoint")
@@ -155,7 +97,7 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
     prompt = torch.randint(0, model.args.vocab_size, (batch, context), generator=gen)
     best = None
     for _ in range(args.repeats):
-        opts = method_options(args, method)
+        opts = options_for(method, args)
         if args.compile and args.compile_regime == "static":
             torch._dynamo.reset()  # this row compiles its own static-shape graph
         r = generate(model, prompt, method=method, budget=budget,
@@ -226,7 +168,7 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
     ok = [r for r in ok if r["batch_size"] == batch]
     contexts = sorted({r["context"] for r in ok})
     budgets = sorted({r["budget"] for r in ok if r["budget"] is not None})
-    methods = sorted({r["method"] for r in ok if r["method"] not in UNBUDGETED})
+    methods = sorted({r["method"] for r in ok if METHODS[r["method"]].budgeted})
     title = f"{ok[0]['model']} {ok[0]['dtype']} batch {batch} on {ok[0]['device']}"
     # charts (a)-(c) draw a series only where it has a line (chart (d) shows one context)
     min_points = 2 if len(contexts) > 1 else 1
@@ -280,7 +222,7 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
 
     fig, ax = plt.subplots(figsize=(10, 4.5))  # (c)
     for r_method in sorted({r["method"] for r in ok}):
-        for t in ([None] if r_method in UNBUDGETED else budgets):
+        for t in (budgets if METHODS[r_method].budgeted else [None]):
             pts = [(c, _find(ok, method=r_method, budget=t, context=c)) for c in contexts]
             pts = [(c, r) for c, r in pts if r]
             if len(pts) < min_points:
@@ -367,7 +309,7 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-3.1-8b",
+    p.add_argument("--checkpoint", default="llama-3.1-8b",
                    help="named config (random weights) or a checkpoint directory")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                    help="methods, or 'all'")
@@ -391,11 +333,13 @@ def main(argv=None) -> int:
     p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
     p.add_argument("--out", default="results", help="results root (default results/)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_method_options(p.add_argument_group(
         "method options (applied to every method that takes them)"))
     p.add_argument("--time-limit", type=float, metavar="S",
                    help="start no configuration after S seconds (the rest are listed as "
                         "skipped); results are saved after every configuration anyway")
+    deprecated_alias(p, "--model", "--checkpoint")
     args = p.parse_args(argv)
     try:
         device, dtype = resolve_run(args)
@@ -405,7 +349,7 @@ def main(argv=None) -> int:
         for name in ("budgets", "context", "batch_sizes"):
             if min(getattr(args, name)) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
-        ckpt = RANDOM_PREFIX + args.model if args.model in CONFIGS else args.model
+        ckpt = RANDOM_PREFIX + args.checkpoint if args.checkpoint in CONFIGS else args.checkpoint
         args.weights = list(dict.fromkeys(args.weights))
         for spec in args.weights:
             parse_weights(spec)
@@ -420,18 +364,19 @@ def main(argv=None) -> int:
         def tqdm(items, **_):
             return items
 
-    copy_bytes = 1 << 30 if device.type == "cuda" else 1 << 27
-    bandwidth = measure_bandwidth(device, copy_bytes)
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", device_name(device))
-    out_dir = Path(args.out) / name
+    bandwidth = measure_bandwidth(device)
+    out_dir = results_dir(args.out, device)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     prefix = out_dir / f"bench-{stamp}"
-    command = " ".join(["python scripts/bench.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("bench.py", argv)
     rows = []
     start = time.perf_counter()
-    configs = [(w, *c) for w in args.weights for c in configurations(args)]
-    for weights, batch, context, method, budget in tqdm(configs, desc="bench", unit="config"):
+    configs = [(w, batch, context, method, budget) for w in args.weights
+               for batch in args.batch_sizes for context in args.context
+               for method, budget in configurations(args.methods, args.budgets)]
+    for weights, batch, context, method, budget in tqdm(configs, desc="bench", unit="config",
+                                                         disable=args.no_progress):
         if getattr(model, "_bench_weights", args.weights[0]) != weights:
             del model
             if device.type == "cuda":

@@ -29,8 +29,8 @@ Compile regime: with ``--compile`` every row compiles its own step with static s
 compile cache is reset between rows), so no row runs a symbolic-shape graph left by another.
 
 Methods whose layers differ (omnikv, duoattention) have no single representative layer and are
-refused; use ``scripts/bench.py``. Results: ``--out`` (default
-``results/<device>/bench_step-<timestamp>.json``).
+refused; use ``scripts/bench.py``. Results: ``--json`` (default
+``results/<device>/bench_step-<timestamp>.json``; ``--out`` is its deprecated spelling).
 """
 
 from __future__ import annotations
@@ -38,29 +38,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
-import re
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-from compression import UNBUDGETED, build_caches, check_methods  # noqa: E402
-from generate import (  # noqa: E402
-    DTYPES,
-    OneLineParser,
-    _sync,
-    add_method_options,
-    device_name,
-    percentile,
-    write_json,
-)
-from model import CONFIGS, ConfigError, ModelArgs  # noqa: E402
-from scripts.bench import measure_bandwidth, method_options, resolve_run  # noqa: E402
+from cli import DTYPES, OneLineParser, command_line, deprecated_alias, write_json
+from compression import add_method_options, build_caches, check_methods, options_for
+from evals.bench import measure_bandwidth, resolve_run, results_dir
+from evals.harness import configurations
+from measure import device_name, percentile, sync
+from model import CONFIGS, ConfigError, ModelArgs
 
 HETEROGENEOUS = ("omnikv", "duoattention")  # layers differ: no one layer stands for the model
 GATHER_OPS = ("gather", "index", "index_select", "index_copy", "index_put", "scatter", "take")
@@ -112,12 +103,11 @@ def fill_cache(cache, args: ModelArgs, batch: int, context: int, dtype, device, 
         rand(batch, args.n_kv_heads, context, args.head_dim)
     if cache.prefill_block is not None:
         cache.prefill(rand(batch, args.n_heads, context, args.head_dim), k, v)
-    elif cache.needs_attention_sums:
-        sums = torch.rand(batch, args.n_kv_heads, context, generator=gen).to(device) * 4
-        cache.store_scored_prompt(k, v, sums)
-    else:
-        w = min(cache.obs_window, context)
-        cache.store_prompt(k, v, rand(batch, args.n_heads, w, args.head_dim))
+    else:  # as if built from a shared prefill (attention sums for the caches that need them)
+        sums = torch.rand(batch, args.n_kv_heads, context, generator=gen).to(device) * 4 \
+            if cache.needs_attention_sums else None
+        q_obs = rand(batch, args.n_heads, min(cache.obs_window, context), args.head_dim)
+        cache.store_recorded_prompt(k, v, q_obs, sums, {})
 
 
 def decode_step(cache, q, k, v, pos):
@@ -130,7 +120,7 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
     gen = torch.Generator().manual_seed(opts.seed)
     n_steps = 1 + opts.warmup + opts.steps  # the op-counting step, warm-up, timed
     layer_args = dataclasses.replace(args, n_layers=1)
-    options = method_options(opts, method)
+    options = options_for(method, opts)
     cache = build_caches(method, layer_args, batch_size=opts.batch_size, prompt_len=context,
                          max_new_tokens=max(opts.new_tokens, n_steps + 2), budget=budget,
                          dtype=dtype, device=device, **options)[0]
@@ -154,7 +144,7 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
                 ops = count_ops(decode_step, cache, q, k, v, pos)
                 pos.add_(1)
                 continue
-            _sync(device)
+            sync(device)
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), \
                     torch.cuda.Event(enable_timing=True)
@@ -215,8 +205,9 @@ def summary(rows: list[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-3.1-8b", choices=list(CONFIGS),
-                   help="shapes of the layer (default llama-3.1-8b)")
+    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=list(CONFIGS),
+                   metavar="NAME", help="named config: the shapes of the layer (default "
+                   "llama-3.1-8b)")
     p.add_argument("--context", type=int, nargs="+", default=[32768], help="prompt tokens")
     p.add_argument("--methods", nargs="+", default=["full", "exact_topk", "quest", "sparq",
                                                     "hybrid", "rocketkv"])
@@ -232,8 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the step (default: on for cuda, with CUDA graphs)")
-    p.add_argument("--out", help="JSON path (default results/<device>/bench_step-<time>.json)")
+    p.add_argument("--json", metavar="PATH",
+                   help="rows JSON (default results/<device>/bench_step-<time>.json)")
     add_method_options(p.add_argument_group("method options"))
+    deprecated_alias(p, "--model", "--checkpoint")
+    deprecated_alias(p, "--out", "--json")
     return p
 
 
@@ -254,32 +248,28 @@ def main(argv=None) -> int:
             raise ConfigError(f"{', '.join(bad)}: its layers differ, so one layer does not "
                               "stand for the step; use scripts/bench.py")
         device, dtype = resolve_run(opts)
-        args = ModelArgs.from_name(opts.model)
+        args = ModelArgs.from_name(opts.checkpoint)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(opts.out) if opts.out else Path("results") / re.sub(
-        r"[^A-Za-z0-9._-]+", "-", device_name(device)) / \
+    out = Path(opts.json) if opts.json else results_dir("results", device) / \
         f"bench_step-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     if out.suffix != ".json":
-        print(f"error: --out must name a .json file, got {out}", file=sys.stderr)
+        print(f"error: --json must name a .json file, got {out}", file=sys.stderr)
         return 2
-    bandwidth = measure_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 27)
-    command = " ".join(["python scripts/bench_step.py", *(sys.argv[1:] if argv is None
-                                                           else argv)])
+    bandwidth = measure_bandwidth(device)
+    command = command_line("bench_step.py", argv)
     rows = []
     for context in opts.context:
-        for method in opts.methods:
-            for budget in ([None] if method in UNBUDGETED else opts.budgets):
-                try:
-                    row = run_one(args, method, budget, context, opts, dtype, device,
-                                  bandwidth)
-                except (ConfigError, torch.OutOfMemoryError) as e:
-                    row = {"method": method, "budget": budget, "context": context,
-                           "error": str(e).splitlines()[0]}
-                row["command"] = command
-                rows.append(row)
-                write_json(out, rows)
+        for method, budget in configurations(opts.methods, opts.budgets):
+            try:
+                row = run_one(args, method, budget, context, opts, dtype, device, bandwidth)
+            except (ConfigError, torch.OutOfMemoryError) as e:
+                row = {"method": method, "budget": budget, "context": context,
+                       "error": str(e).splitlines()[0]}
+            row["command"] = command
+            rows.append(row)
+            write_json(out, rows)
     print(summary(rows))
     print(f"copy bandwidth {bandwidth:.1f} GB/s on {device_name(device)}")
     print(f"wrote {out}")

@@ -34,9 +34,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from generate import OneLineParser, write_json  # noqa: E402
+from cli import OneLineParser, write_json
+from evals.bench import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, DEFAULT_METHODS
 
 K96, K128, K32 = 98304, 131072, 32768
 GB = 1e9
@@ -107,8 +106,6 @@ def _sweep_target(rows: list[dict]) -> dict:
     """The default sweep (``bench.py`` with no configuration flags) within 600 s: judged on a
     run (rows of one ``date``) that holds every default configuration; a configuration that
     ``--time-limit`` skipped fails it."""
-    from scripts.bench import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, DEFAULT_METHODS
-
     default = {(m, b, c) for c in DEFAULT_CONTEXTS for m in DEFAULT_METHODS
                for b in (DEFAULT_BUDGETS if m == "rocketkv" else (None,))}
     runs: dict[str, list[dict]] = {}

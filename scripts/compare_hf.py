@@ -49,34 +49,33 @@ import argparse
 import datetime as dt
 import os
 import platform
-import re
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from checkpoint import load_model, resolve_checkpoint  # noqa: E402
-from compression import METHODS, UNBUDGETED, check_methods  # noqa: E402
-from generate import (  # noqa: E402
+from checkpoint import load_model, resolve_checkpoint
+from cli import (
     DTYPES,
     OneLineParser,
-    _read_prompt,
-    _resolve_device,
-    _sync,
     check_json_path,
     check_positive,
-    device_name,
-    generate,
-    percentile,
+    command_line,
+    read_prompt,
+    resolve_device,
     write_json,
 )
-from model import ConfigError, Transformer  # noqa: E402
+from compression import METHODS, check_methods
+from evals.bench import results_dir
+from evals.data import ROOT
+from evals.harness import configurations
+from generate import generate
+from measure import device_name, percentile, sync
+from model import ConfigError, Transformer
+from tokenizer import load_tokenizer
 
 DEFAULT_CONTEXTS = (2048, 7168)
 
@@ -123,21 +122,21 @@ def hf_generate(hf, ids: Sequence[int], steps: int, warmup: int,
     """Greedy prefill + ``warmup + steps`` decode steps with transformers' cache; times in
     seconds (prefill) and ms (decode steps after the warm-up)."""
     x = torch.tensor([list(ids)], dtype=torch.long, device=device)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     out = hf(input_ids=x, use_cache=True, logits_to_keep=1)
     tok = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-    _sync(device)
+    sync(device)
     prefill_s = time.perf_counter() - t0
     past = out.past_key_values
     tokens = [int(tok)]
     ms = []
     for _ in range(warmup + steps):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         out = hf(input_ids=tok, past_key_values=past, use_cache=True)
         tok = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-        _sync(device)
+        sync(device)
         ms.append((time.perf_counter() - t) * 1e3)
         past = out.past_key_values
         tokens.append(int(tok))
@@ -182,9 +181,7 @@ def prompt_ids(args: argparse.Namespace, model: Transformer, length: int) -> lis
     if args.random:
         gen = torch.Generator().manual_seed(args.seed)
         return torch.randint(0, vocab, (length,), generator=gen).tolist()
-    from tokenizer import load_tokenizer
-
-    text = _read_prompt(args.prompt_file)
+    text = read_prompt(args.prompt_file)
     tok = load_tokenizer(args.tokenizer or args.checkpoint)
     if tok.vocab_size > vocab:
         raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only {vocab}")
@@ -208,7 +205,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def make_row(base: dict[str, Any], context: int, method: str, budget: int | None,
              hf: dict[str, Any], ours: dict[str, Any], check: int) -> dict[str, Any]:
     hf_med, ours_med = percentile(hf["decode_ms"], 50), percentile(ours["decode_ms"], 50)
-    exact = method in UNBUDGETED
+    exact = not METHODS[method].budgeted
     return {
         **base, "context": context, "method": method, "budget": budget,
         "ours_prefill_s": ours["prefill_s"], "hf_prefill_s": hf["prefill_s"],
@@ -308,22 +305,14 @@ def check_args(args: argparse.Namespace) -> None:
     if path.is_file() and path.suffix.lower() != ".gguf":
         raise ConfigError(f"checkpoint must be a .gguf file or a Hugging Face directory: {path}")
     if args.prompt_file is not None:
-        _read_prompt(args.prompt_file)
-
-
-def configurations(args: argparse.Namespace) -> list[tuple[str, int | None]]:
-    out = []
-    for method in dict.fromkeys(args.methods):
-        for budget in ([None] if method in UNBUDGETED else dict.fromkeys(args.budgets)):
-            out.append((method, budget))
-    return out
+        read_prompt(args.prompt_file)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-        device = _resolve_device(args.device)
+        device = resolve_device(args.device)
         dtype = DTYPES[args.dtype]
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -347,14 +336,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     dev = device_name(device)
     json_path = args.json
     if json_path is None:
-        out_dir = ROOT / "results" / re.sub(r"[^A-Za-z0-9._-]+", "-", dev)
+        out_dir = results_dir(ROOT / "results", device)
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path = out_dir / f"compare_hf-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     base = {
         "device": dev, "cpu_model": cpu_model(), "threads": torch.get_num_threads(),
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-        "command": " ".join(["python scripts/compare_hf.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
+        "command": command_line("compare_hf.py", argv),
         "checkpoint": args.checkpoint, "model": model.args.name,
         "dtype": str(dtype).removeprefix("torch."),
         "prompt": "random" if args.random else args.prompt_file,
@@ -362,7 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ours_compiled": args.compile,
         "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
     }
-    configs = configurations(args)
+    configs = configurations(list(dict.fromkeys(args.methods)),
+                             list(dict.fromkeys(args.budgets)))
     rows: list[dict[str, Any]] = []
     with tqdm(total=1 + len(contexts) * (1 + len(configs)), desc="compare_hf", unit="run",
               disable=args.no_progress) as bar:

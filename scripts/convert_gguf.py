@@ -1,6 +1,6 @@
 """Convert a llama-architecture GGUF file into a Hugging Face model directory.
 
-    python scripts/convert_gguf.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
+    python scripts/convert_gguf.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
         [--dtype float32|bfloat16|float16]
 
 The output is what ``transformers`` and ``generate.py --checkpoint DIR`` both load:
@@ -19,20 +19,18 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from checkpoint import (  # noqa: E402
+from checkpoint import (
     check_new_directory,
     hf_config,
     load_gguf,
     meta_to_hf_state_dict,
     write_directory,
 )
-from model import ConfigError  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from cli import DTYPES, deprecated_alias
+from model import ConfigError
+from tokenizer import gguf_tokenizer
 
 
 def convert(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32
@@ -45,8 +43,6 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = tor
             empty directory.
     """
     from safetensors.torch import save_file
-
-    from tokenizer import gguf_tokenizer
 
     out = check_new_directory(out_dir)
     args, sd = load_gguf(gguf_path, dtype)
@@ -69,13 +65,17 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = tor
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gguf", required=True, help="llama-architecture GGUF file")
+    p.add_argument("--checkpoint", metavar="GGUF",
+                   help="llama-architecture GGUF file (required)")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="dtype of the written weights (default float32: exact)")
+    deprecated_alias(p, "--gguf", "--checkpoint")
     a = p.parse_args(argv)
+    if a.checkpoint is None:  # not required=True: --gguf may give it
+        p.error("the following arguments are required: --checkpoint")
     try:
-        out = convert(a.gguf, a.out, DTYPES[a.dtype])
+        out = convert(a.checkpoint, a.out, DTYPES[a.dtype])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,13 +14,11 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from checkpoint import load_model, save_native  # noqa: E402
-from model import ConfigError  # noqa: E402
-from tokenizer import TOKENIZER_FILES  # noqa: E402
+from checkpoint import load_model, save_native
+from model import ConfigError
+from tokenizer import TOKENIZER_FILES
 
 # files beside tokenizer.json that hold its special tokens, EOS ids and chat template
 TOKENIZER_CONFIGS = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja",

@@ -19,13 +19,11 @@ import struct
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from checkpoint import save_native  # noqa: E402
-from model import ConfigError, ModelArgs  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from checkpoint import save_native
+from model import ConfigError, ModelArgs
+from tokenizer import load_tokenizer
 
 HEADER = struct.Struct("<7i")
 

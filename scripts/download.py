@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checkpoint import KNOWN_CHECKPOINTS
 
 PATTERNS = ["config.json", "generation_config.json", "*.safetensors",
             "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
@@ -63,8 +63,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="checkpoints", help="parent directory (default checkpoints/)")
     p.add_argument("--hf-token", default=os.environ.get("HF_TOKEN"))
     a = p.parse_args(argv)
-    from checkpoint import KNOWN_CHECKPOINTS
-
     repo_id = KNOWN_CHECKPOINTS.get(a.repo_id, a.repo_id)
     try:
         path = download(repo_id, a.out, a.hf_token)

@@ -49,17 +49,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.nn.functional as F
+from torch import Tensor
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import Tensor  # noqa: E402
+from checkpoint import load_model, resolve_checkpoint
+from cli import OneLineParser, check_positive, resolve_device
+from evals.data import TEXT
+from evals.prompts import read_texts, text_files
+from model import ConfigError, Transformer, precompute_rope
+from tokenizer import load_tokenizer
 
-from generate import OneLineParser, _resolve_device, check_positive  # noqa: E402
-from model import ConfigError, Transformer  # noqa: E402
-
-DEFAULT_TEXT = ROOT.parent / "shared" / "data" / "text" / "tinystories_valid_excerpt_30KB.txt"
+DEFAULT_TEXT = TEXT / "tinystories_valid_excerpt_30KB.txt"
 
 
 def streaming_mask(T: int, sink: int, recent: int, device=None) -> Tensor:
@@ -147,8 +148,6 @@ def identify(model: Transformer, samples, steps: int, *, lr: float = 0.02,
         p.requires_grad_(False)
     device = model.tok_embeddings.weight.device
     if model.rope.shape[0] < a.max_seq_len:
-        from model import precompute_rope
-
         model.rope = precompute_rope(a, a.max_seq_len, device)
     gates = torch.ones(a.n_layers, a.n_kv_heads, device=device, requires_grad=True)
     opt = torch.optim.Adam([gates], lr=lr)
@@ -251,14 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         check_args(args)
-        from checkpoint import load_model, resolve_checkpoint
-        from scripts.make_prompt import read_texts, text_files
-        from tokenizer import load_tokenizer
-
         if args.threads:
             torch.set_num_threads(args.threads)
         text_files([args.text])
-        device = _resolve_device(args.device or "cpu")
+        device = resolve_device(args.device or "cpu")
         checkpoint = resolve_checkpoint(args.checkpoint)
         model = load_model(checkpoint, device, torch.float32)
         if args.lengths[1] > model.args.max_seq_len:

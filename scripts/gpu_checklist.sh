@@ -12,14 +12,17 @@
 #    for 31-94 s on the H200, so the 14 rows take three calls
 # Every step has its own time limit, so a slow step leaves the next ones their time; bench.py
 # saves its rows after every configuration. Plots are drawn afterwards from the JSON (the
-# device returns at most 8 files).
+# device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
+# `pip install -e .`): PYTHONPATH puts the repository root on the path for scripts/ and evals/.
 set -o pipefail
 part=${1:?part a, b, c, d, e or f}
 out=${2:-${OUT:?no OUTDIR and no \$OUT}}
 py=${PYTHON:-python3}
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-M="--model llama-3.1-8b --no-plots --out $out"
+M="--checkpoint llama-3.1-8b --no-plots --out $out"
 step() { echo "=== $(date +%T) $*"; }
 {
 case $part in

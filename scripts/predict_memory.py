@@ -1,7 +1,7 @@
 """Predict the peak device memory of a run without a GPU: the model on the meta device.
 
     python scripts/predict_memory.py       # llama-3.1-8b bf16, 128K: full vs rocketkv at 256
-    python scripts/predict_memory.py --model mistral-7b-v0.2 --context 32704 \\
+    python scripts/predict_memory.py --checkpoint mistral-7b-v0.2 --context 32704 \\
         --methods full snapkv_pp --budgets 256 1024 --json out.json
 
 Meta tensors carry shapes and dtypes but no data, so the real model code (``Transformer.prefill``
@@ -32,16 +32,16 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
-
-from compression import UNBUDGETED, build_caches, check_methods  # noqa: E402
-from generate import DTYPES, OneLineParser, weight_bytes, write_json  # noqa: E402
-from model import CONFIGS, ConfigError, ModelArgs, Transformer  # noqa: E402
+from cli import DTYPES, OneLineParser, command_line, deprecated_alias, write_json
+from compression import build_caches, check_methods
+from evals.harness import configurations
+from measure import weight_bytes
+from model import CONFIGS, ConfigError, ModelArgs, Transformer
 
 GB = 1e9
 
@@ -188,8 +188,8 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-3.1-8b", choices=list(CONFIGS), metavar="NAME",
-                   help="named config (default llama-3.1-8b)")
+    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=list(CONFIGS),
+                   metavar="NAME", help="named config (default llama-3.1-8b)")
     p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
     p.add_argument("--budgets", nargs="+", type=int, default=[256])
     p.add_argument("--context", nargs="+", type=int, default=[131072 - 64])
@@ -197,6 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
+    deprecated_alias(p, "--model", "--checkpoint")
     a = p.parse_args(argv)
     try:
         check_methods(a.methods)
@@ -207,22 +208,21 @@ def main(argv=None) -> int:
             raise ConfigError("--new-tokens and --batch-size must be positive")
         if a.json and not Path(a.json).resolve().parent.is_dir():
             raise ConfigError(f"--json: directory {Path(a.json).resolve().parent} does not exist")
-        args = ModelArgs.from_name(a.model)
+        args = ModelArgs.from_name(a.checkpoint)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = []
     for context in a.context:
-        for method in a.methods:
-            for budget in ([None] if method in UNBUDGETED else a.budgets):
-                try:
-                    rows.append(predict(args, method, budget, context, a.new_tokens,
-                                        a.batch_size, DTYPES[a.dtype]))
-                except ConfigError as e:
-                    rows.append({"device": "meta", "predicted": True, "model": args.name,
-                                 "method": method, "budget": budget, "context": context,
-                                 "batch_size": a.batch_size, "error": str(e)})
-    command = "python " + " ".join(["scripts/predict_memory.py", *(argv or sys.argv[1:])])
+        for method, budget in configurations(a.methods, a.budgets):
+            try:
+                rows.append(predict(args, method, budget, context, a.new_tokens, a.batch_size,
+                                    DTYPES[a.dtype]))
+            except ConfigError as e:
+                rows.append({"device": "meta", "predicted": True, "model": args.name,
+                             "method": method, "budget": budget, "context": context,
+                             "batch_size": a.batch_size, "error": str(e)})
+    command = command_line("predict_memory.py", argv)
     for r in rows:
         r["command"] = command
     print(summary(rows))

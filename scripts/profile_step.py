@@ -22,15 +22,16 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from checkpoint import RANDOM_PREFIX, load_model  # noqa: E402
-from compression import UNBUDGETED, check_methods  # noqa: E402
-from generate import OneLineParser, device_name, generate, write_json  # noqa: E402
-from model import CONFIGS, ConfigError  # noqa: E402
-from scripts.bench import method_options, resolve_run  # noqa: E402
+from checkpoint import RANDOM_PREFIX, load_model
+from cli import OneLineParser, command_line, deprecated_alias, write_json
+from compression import check_methods, options_for
+from evals.bench import resolve_run
+from evals.harness import configurations
+from generate import generate
+from measure import device_name
+from model import CONFIGS, ConfigError
 
 
 def _device_us(event, cuda: bool) -> float:
@@ -68,7 +69,7 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
 
     r = generate(model, prompt, method=method, budget=budget,
                  max_new_tokens=warm + steps + 2, compile=args.compile,
-                 method_options=method_options(args, method), on_token=window)
+                 method_options=options_for(method, args), on_token=window)
     kernels = {}
     for e in prof.key_averages():
         us = _device_us(e, cuda)
@@ -105,8 +106,8 @@ def markdown(results: list[dict], top: int, header: str) -> str:
 
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-3.1-8b", choices=list(CONFIGS),
-                   help="named config (random weights)")
+    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=list(CONFIGS),
+                   metavar="NAME", help="named config (random weights; default llama-3.1-8b)")
     p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
     p.add_argument("--budgets", nargs="+", type=int, default=[256])
     p.add_argument("--context", type=int, default=131072 - 64)
@@ -119,6 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
     p.add_argument("--out", default="results", help="directory for profile-<context>.{json,md}")
+    deprecated_alias(p, "--model", "--checkpoint")
     args = p.parse_args(argv)
     try:
         device, dtype = resolve_run(args)
@@ -126,28 +128,27 @@ def main(argv=None) -> int:
         for flag in ("context", "steps", "top"):
             if getattr(args, flag) <= 0:
                 raise ConfigError(f"--{flag} must be positive")
-        model = load_model(RANDOM_PREFIX + args.model, device, dtype)
+        model = load_model(RANDOM_PREFIX + args.checkpoint, device, dtype)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     results = []
-    for method in args.methods:
-        for budget in [None] if method in UNBUDGETED else args.budgets:
-            try:
-                results.append(profile_one(model, method, budget, args.context, args.steps,
-                                           args, device))
-            except ConfigError as e:
-                print(f"error: {method} {budget}: {e}", file=sys.stderr)
-                return 2
+    for method, budget in configurations(args.methods, args.budgets):
+        try:
+            results.append(profile_one(model, method, budget, args.context, args.steps, args,
+                                       device))
+        except ConfigError as e:
+            print(f"error: {method} {budget}: {e}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python scripts/profile_step.py", *(sys.argv[1:] if argv is None
-                                                              else argv)])
+    command = command_line("profile_step.py", argv)
     meta = {"device": device_name(device), "torch_version": torch.__version__,
-            "model": args.model, "dtype": str(dtype).removeprefix("torch."), "command": command}
+            "model": args.checkpoint, "dtype": str(dtype).removeprefix("torch."),
+            "command": command}
     write_json(out / f"profile-{args.context}.json", {**meta, "results": results})
     header = (f"Kernels of one decode step by time, {meta['device']}, torch "
-              f"{meta['torch_version']}, {args.model} random weights, {meta['dtype']}, batch 1, "
+              f"{meta['torch_version']}, {meta['model']} random weights, {meta['dtype']}, batch 1, "
               f"mean over {args.steps} steps.\n\n`{command}`")
     text = markdown(results, args.top, header)
     (out / f"profile-{args.context}.md").write_text(text + "\n")

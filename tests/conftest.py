@@ -9,6 +9,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from evals.data import DATA, ESSAYS  # noqa: E402,F401  (ESSAYS: for the tests to import)
+
 # The models under test are tiny: one thread avoids parallel-region overhead and contention
 # (pytest-xdist runs one test process per core). The CLIs the tests start as subprocesses
 # inherit OMP_NUM_THREADS.
@@ -25,15 +27,15 @@ def _one_thread_again():
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
 
-SHARED = ROOT.parent / "shared" / "data"
+SHARED = DATA  # ../shared/data, or $ROCKETKV_DATA (evals/data.py)
 STORIES_BIN = SHARED / "models" / "stories260K.bin"
 TOK512 = SHARED / "tokenizers" / "tok512.model"
 SMOLLM2_GGUF = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-ESSAYS = SHARED / "text" / "PaulGrahamEssays"
 
 
 def shared_file(path: Path) -> Path:
-    """A file from ../shared/data; skip when absent outside CI, fail in CI."""
+    """A file from the data directory (``evals.data.DATA``); skip when absent outside CI, fail
+    in CI."""
     if not path.exists():
         if os.environ.get("CI"):
             pytest.fail(f"{path} is missing in CI")

@@ -11,7 +11,7 @@ KEYS = ("device", "torch_version", "model", "dtype", "method", "budget", "contex
 
 
 def test_cpu_sweep(tmp_path, capsys):
-    rc = main(["--device", "cpu", "--model", "stories260K", "--context", "96", "160",
+    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "96", "160",
                "--budgets", "48", "96", "--new-tokens", "6", "--batch-sizes", "1", "2",
                "--methods", "full", "gptfast_dense", "rocketkv", "snapkv",
                "--out", str(tmp_path), "--compare-context", "160"])
@@ -41,11 +41,13 @@ def test_cpu_sweep(tmp_path, capsys):
 
 def test_bad_arguments(capsys):
     assert main(["--device", "cpu", "--model", "stories260K", "--methods", "magic"]) == 2
-    assert "unknown methods" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown methods" in err
+    assert "note: --model is deprecated; use --checkpoint" in err  # the old spelling works
 
 
 def test_time_limit_skips_the_rest_and_saves(tmp_path):
-    assert main(["--device", "cpu", "--model", "stories260K", "--context", "96",
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "96",
                  "--methods", "full", "rocketkv", "--budgets", "48", "--new-tokens", "4",
                  "--time-limit", "0", "--out", str(tmp_path)]) == 0
     (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
@@ -57,7 +59,7 @@ def test_time_limit_skips_the_rest_and_saves(tmp_path):
 def test_weight_modes_in_one_run(tmp_path, capsys):
     """--weights float int8: every configuration once per mode, rows labelled, the int8 rows
     reading a quarter of the float32 linear weights per step, and chart (e) drawn."""
-    rc = main(["--device", "cpu", "--model", "stories260K", "--context", "96",
+    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "96",
                "--methods", "full", "rocketkv", "--budgets", "48", "--new-tokens", "4",
                "--weights", "float", "int8", "--out", str(tmp_path)])
     assert rc == 0
@@ -69,9 +71,9 @@ def test_weight_modes_in_one_run(tmp_path, capsys):
     assert rows[2]["weight_bytes_per_step"] < rows[0]["weight_bytes_per_step"] / 2
     assert len(list((tmp_path / "cpu").glob("bench-*e_weights.png"))) == 1
     assert "| int8 | 1 | 96 | rocketkv | 48 |" in capsys.readouterr().out
-    assert main(["--device", "cpu", "--model", "stories260K", "--weights", "int4-g32"]) == 2
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--weights", "int4-g32"]) == 2
     assert "does not divide the input width 172" in capsys.readouterr().err
-    assert main(["--device", "cpu", "--model", "stories260K", "--weights", "int5"]) == 2
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--weights", "int5"]) == 2
 
 
 def test_context_labels_and_threads(capsys):
@@ -79,7 +81,7 @@ def test_context_labels_and_threads(capsys):
 
     assert [context_label(c) for c in (512, 1536, 16384, 32768, 131008, 131072)] == \
         ["512", "1.5K", "16K", "32K", "128K", "128K"]
-    assert main(["--device", "cpu", "--model", "stories260K", "--threads", "0"]) == 2
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--threads", "0"]) == 2
     assert "--threads must be positive" in capsys.readouterr().err
 
 
@@ -106,7 +108,7 @@ def test_one_compile_regime_per_sweep(tmp_path, monkeypatch):
         counter.clear()
         asked.clear()
         out = tmp_path / regime
-        assert main(["--device", "cpu", "--model", "stories260K", "--context", "160", "256",
+        assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "160", "256",
                      "--methods", "streamingllm", "--budgets", "32", "--new-tokens", "5",
                      "--compile", "--compile-regime", regime, "--out", str(out),
                      "--no-plots"]) == 0

@@ -7,10 +7,10 @@ from scripts.bench_step import main
 
 def test_rows_counts_and_bytes(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert main(["--device", "cpu", "--model", "stories260K", "--context", "300",
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "300",
                  "--methods", "full", "exact_topk", "quest", "sparq", "hybrid", "rocketkv",
                  "h2o", "--budgets", "64", "--steps", "2", "--warmup", "1",
-                 "--out", str(out)]) == 0
+                 "--json", str(out)]) == 0
     rows = {r["method"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"full", "exact_topk", "quest", "sparq", "hybrid", "rocketkv", "h2o"}
     for r in rows.values():
@@ -28,6 +28,16 @@ def test_rows_counts_and_bytes(tmp_path, capsys):
 
 
 def test_refuses_methods_whose_layers_differ(capsys):
-    assert main(["--device", "cpu", "--model", "stories260K", "--methods", "omnikv"]) == 2
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--methods", "omnikv"]) == 2
     assert "its layers differ" in capsys.readouterr().err
-    assert main(["--device", "cpu", "--model", "stories260K", "--steps", "0"]) == 2
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--steps", "0"]) == 2
+
+
+def test_old_flag_spellings_still_work_with_a_note(capsys):
+    """--model and --out (a file) are --checkpoint and --json, with a deprecation note."""
+    assert main(["--device", "cpu", "--model", "stories260K", "--steps", "0",
+                 "--out", "rows.json"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == ["note: --model is deprecated; use --checkpoint",
+                       "note: --out is deprecated; use --json"]
+    assert "--steps must be positive" in err[2]

@@ -1,5 +1,5 @@
-"""scripts/eval_accuracy.py on the real stories260K checkpoint (2 prompts, T = 200, m = 16) and a
-quick CLI run on SmolLM2."""
+"""Fidelity (evals/fidelity.py, metrics.py, probes.py) and scripts/eval_accuracy.py on the real
+stories260K checkpoint (2 prompts, T = 200, m = 16), and a quick CLI run on SmolLM2."""
 
 import json
 import math
@@ -11,26 +11,25 @@ import torch
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
 from compression import build_caches
-from generate import generate, prefill_once
-from scripts.eval_accuracy import (
+from evals.data import TINYSTORIES_TEXTS
+from evals.fidelity import (
     STORY_SEPARATOR,
-    TINYSTORIES_TEXTS,
-    RecallProbe,
     attach_caches,
     bos_prefix,
     build_from_prefill,
     build_prompt_set,
     evaluate,
-    format_table,
-    main,
-    matching_prefix,
     seeded_pick,
-    selection_masses,
     spread_pick,
     teacher_forced_logprobs,
-    text_files,
-    token_nlls,
 )
+from evals.metrics import matching_prefix, selection_masses, token_nlls
+from evals.probes import RecallProbe
+from evals.prompts import text_files
+from evals.reports import fidelity_table
+from generate import generate
+from prefill import prefill_once
+from scripts.eval_accuracy import main
 from tokenizer import load_tokenizer
 
 T, M = 200, 16
@@ -72,7 +71,6 @@ def full_caches(model, prompt_len, new_tokens):
                           max_new_tokens=new_tokens, budget=None, dtype=torch.float32,
                           device="cpu")
     model.setup_caches(caches, prompt_len + new_tokens)
-    model._cache_spec = None
 
 
 # ---- the prompt set ---------------------------------------------------------------------------
@@ -182,7 +180,7 @@ def test_too_small_budget_gives_an_error_row(rows, result):
     row = rows[("snapkv", 64)]
     assert "smallest valid budget" in row["error"]
     assert "perplexity" not in row and "kv_cache_bytes" not in row
-    line = next(s for s in format_table(result).splitlines() if s.startswith("| snapkv | 64 |"))
+    line = next(s for s in fidelity_table(result).splitlines() if s.startswith("| snapkv | 64 |"))
     assert "n/a" in line and "smallest valid budget" in line
 
 
@@ -200,7 +198,7 @@ def test_compressed_row_is_plausible_and_smaller(rows):
 
 
 def test_table_has_one_line_per_row(result):
-    lines = format_table(result).splitlines()
+    lines = fidelity_table(result).splitlines()
     assert len(lines) == 2 + len(result["rows"]) == 2 + 1 + 2 * 2
     assert lines[2].startswith("| full | - | 16.00 | 1.000 |")
 

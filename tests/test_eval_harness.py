@@ -1,24 +1,30 @@
-"""The accuracy harnesses (scripts/eval_common.py, eval_needle.py, eval_ruler.py) on SmolLM2."""
+"""The accuracy harness (evals/harness.py, needle.py, ruler.py's items, reports.py) and its
+scripts (eval_needle.py, eval_ruler.py, kept_tokens.py) on SmolLM2."""
 
 import json
 
 import pytest
 from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 
-from scripts.eval_common import (
+import evals.harness as ec
+from evals.data import ROOT, data_dir
+from evals.harness import (
     Item,
     batches_of,
     chat_pieces,
     configurations,
+    cpu_has_native_bf16,
     evaluate_items,
     pad_to_equal,
-    rouge1_recall,
 )
-from scripts.eval_needle import Haystack, build_items, depth_grid, insert_needle, needle_fact
+from evals.metrics import rouge1_recall
+from evals.needle import Haystack, build_items, depth_grid, insert_needle, needle_fact
+from evals.prompts import read_texts
+from evals.reports import accuracy_table, ruler_table
+from evals.ruler import task_rows
 from scripts.eval_needle import main as needle_main
 from scripts.eval_ruler import main as ruler_main
 from scripts.kept_tokens import main as kept_main
-from scripts.make_prompt import read_texts
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +37,13 @@ def tok():
 @pytest.fixture(scope="module")
 def hay(tok):
     return Haystack(tok, read_texts([str(shared_file(ESSAYS))]))
+
+
+def test_the_data_directory_is_shared_data_unless_the_environment_says(monkeypatch, tmp_path):
+    monkeypatch.delenv("ROCKETKV_DATA", raising=False)
+    assert data_dir() == ROOT.parent / "shared" / "data"
+    monkeypatch.setenv("ROCKETKV_DATA", str(tmp_path))
+    assert data_dir() == tmp_path
 
 
 def test_rouge1_recall_by_hand():
@@ -121,7 +134,6 @@ def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
     assert "| quest |" in (tmp_path / "needle.md").read_text()
     assert result["batches"] == 1 and result["batches_resumed"] == 0
     assert result["unfinished"] == 0 and result["device"] == "cpu"
-    from scripts.eval_common import cpu_has_native_bf16
     assert result["dtype"] == ("bfloat16" if cpu_has_native_bf16() else "float32")
     assert not (tmp_path / "needle.partial.jsonl").exists()  # removed once the results are out
 
@@ -170,9 +182,6 @@ def test_a_budget_error_fails_only_the_items_it_concerns(monkeypatch):
     others' mean, marks the failed ones, and the RULER table shows n/a for that task and for
     the average (over fewer tasks it would not compare); a row fails whole only when every
     item did."""
-    import scripts.eval_common as ec
-    from scripts.eval_ruler import ruler_table, task_rows
-
     class Tok:
         def encode(self, text, bos=False):
             return [0]
@@ -192,7 +201,7 @@ def test_a_budget_error_fails_only_the_items_it_concerns(monkeypatch):
     snap, full = res["modes"]["standard"]["rows"]
     assert snap["score"] == 0.5 and snap["scores"] == [1.0, 0.0, None]
     assert snap["items_run"] == 2 and snap["item_errors"] == {"2": "budget too small"}
-    assert ec.accuracy_table([snap, full], [128]).splitlines()[2] == "| snapkv | 50.0 (2/3) |"
+    assert accuracy_table([snap, full], [128]).splitlines()[2] == "| snapkv | 50.0 (2/3) |"
     assert "items_run" not in full and full["score"] == 1.0
     rows = task_rows([snap, full], items, ["short", "long"])
     assert rows[0]["per_task"] == {"short": 0.5, "long": None} and rows[0]["score"] is None
@@ -212,8 +221,6 @@ def test_a_killed_run_resumes_from_its_saved_batches(monkeypatch, tmp_path):
     """evaluate_items(partial=...) saves each finished batch; a run with the same items and
     settings skips those batches and ends with the answers of an uninterrupted run. A line cut
     off mid-write is dropped (and rewritten), and another run's file is not reused."""
-    import scripts.eval_common as ec
-
     class Tok:
         def encode(self, text, bos=False):
             return [0]
@@ -265,8 +272,6 @@ def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkey
     """``stop`` (--time-limit) ends a run between batches: the unfinished items have no
     score, each row's score is the finished items' mean, and the same call with the saved
     batches runs only the rest, ending as an uninterrupted run."""
-    import scripts.eval_common as ec
-
     class Tok:
         def encode(self, text, bos=False):
             return [0]
@@ -292,7 +297,7 @@ def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkey
     assert calls == [2] and cut["unfinished"] == 4
     assert row["scores"] == [1.0, 0.0, None, None, None, None]
     assert row["score"] == 0.5 and row["items_run"] == 2 and "item_errors" not in row
-    assert ec.accuracy_table([row], [128]).splitlines()[2] == "| full | 50.0 (2/6) |"
+    assert accuracy_table([row], [128]).splitlines()[2] == "| full | 50.0 (2/6) |"
     none = evaluate(lambda: True)["modes"]["standard"]["rows"][0]  # nothing more ran
     assert none["score"] == 0.5 and calls == [2]
     calls.clear()
@@ -310,8 +315,6 @@ def test_worker_processes_give_the_answers_of_one_process(smollm2_model, tok, ha
     from functools import partial
 
     import torch
-
-    import scripts.eval_common as ec
 
     items = build_items(tok, hay, [200], [0.3, 0.9], 2, seed=1)  # two batches (needles)
     configs = configurations(["full", "rocketkv"], [64])

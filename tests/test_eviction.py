@@ -11,7 +11,12 @@ from conftest import SMOLLM2_GGUF, shared_file
 
 import kv_cache
 from compression import build_caches, derive
-from compression.duoattention import duo_retrieval_heads, duo_split, load_duo_pattern
+from compression.duoattention import (
+    duo_retrieval_heads,
+    duo_split,
+    load_duo_pattern,
+    shipped_pattern,
+)
 from compression.h2o import H2OCache
 from compression.streamingllm import SinkRecentCache
 from generate import generate, main
@@ -290,6 +295,30 @@ def test_duo_pattern_file_and_head_split(tmp_path):
             load_duo_pattern(tmp_path / "bad.tsv", args)
     with pytest.raises(ConfigError, match="cannot read"):
         load_duo_pattern(tmp_path / "missing.tsv", args)
+
+
+def test_duo_finds_the_pattern_shipped_for_its_model(tmp_path):
+    """Without --duo-patterns, the pattern under patterns/ whose config.json names the model
+    (and whose TSV has its layers x KV heads) is used; with none, the error names the option,
+    and with --duo-threshold it says the threshold needs the gates too."""
+    import json
+
+    name = json.loads((SMOLLM2_PATTERN / "config.json").read_text())["model"]
+    smollm2 = ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
+                        vocab_size=49152, name=name)
+    assert shipped_pattern(smollm2) == SMOLLM2_PATTERN
+    assert shipped_pattern(ModelArgs(**{**smollm2.__dict__, "n_layers": 29})) is None
+    caches = build_caches("duoattention", smollm2, batch_size=1, prompt_len=900,
+                          max_new_tokens=4, budget=700, dtype=torch.float32, device="meta")
+    assert caches[0].method_params()["duo_patterns"] == str(SMOLLM2_PATTERN)
+    other = ModelArgs(**{**smollm2.__dict__, "name": "another model"})
+    with pytest.raises(ConfigError, match="keeps 20 retrieval heads .* --duo-patterns PATH"):
+        build_caches("duoattention", other, batch_size=1, prompt_len=900, max_new_tokens=4,
+                     budget=700, dtype=torch.float32, device="meta")
+    with pytest.raises(ConfigError, match="gates above --duo-threshold 0.5 .* --duo-patterns"):
+        build_caches("duoattention", other, batch_size=1, prompt_len=900, max_new_tokens=4,
+                     budget=700, dtype=torch.float32, device="meta", duo_threshold=0.5)
+    assert shipped_pattern(smollm2, root=tmp_path) is None
 
 
 def test_duo_caches_have_per_head_capacities_and_attend_like_the_references(tmp_path):

@@ -221,6 +221,8 @@ def test_cli_end_to_end_json(stories_dir, tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith(PUBLISHED[len("Once upon a time"):][:60])
     r = json.loads(out.read_text())
+    assert p.stdout == r["text"][0] + "\n"  # stdout carries the text alone; the report: stderr
+    assert "prompt tokens 5  generated 40" in p.stderr and r["load_s"] > 0
     for key in ("method", "budget", "method_params", "prompt_token_ids", "token_ids", "text",
                 "prefill_s", "decode_ms", "decode_ms_median", "tokens_per_s",
                 "peak_memory_bytes", "kv_cache_bytes", "kv_bytes_per_step", "weight_bytes",
@@ -240,10 +242,14 @@ def test_cli_stdin_chat_batch_and_random_prompt(stories_dir):
     p = run_cli("--checkpoint", stories_dir, "--prompt", "-", "--chat", "--batch-size", 2,
                 "--max-new-tokens", 5, stdin="Tell me a story")
     assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()  # every sequence of the batch, each under its header
+    assert lines[0] == "==> sequence 0 <==" and "==> sequence 1 <==" in lines
+    first, second = p.stdout.split("==> sequence 1 <==\n")
+    assert first.removeprefix("==> sequence 0 <==\n") == second  # the same prompt, greedy
     p = run_cli("--checkpoint", "random:stories260K", "--prompt-tokens", 64,
                 "--max-new-tokens", 4, "--temperature", 0.8, "--top-k", 20)
     assert p.returncode == 0, p.stderr
-    assert "prompt tokens 64" in p.stdout
+    assert "prompt tokens 64" in p.stderr
 
 
 def test_cli_rocketkv_json_has_every_derived_parameter(stories_dir, tmp_path):
@@ -261,7 +267,7 @@ def test_cli_rocketkv_json_has_every_derived_parameter(stories_dir, tmp_path):
         assert key in params, key
     assert params["split"] == "adaptive" and r["budget"] == 64
     assert r["kv_cache_bytes"] < 2 * 5 * 4 * (r["prompt_tokens"] + 8) * 8 * 4  # < full cache
-    assert "rocketkv" in p.stdout and "c2" in p.stdout
+    assert "rocketkv" in p.stderr and "c2" in p.stderr
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +347,16 @@ BAD = [
      "--rocket-split does not apply to method quest"),
     ("budget with full", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--budget", "64"],
      "takes no --budget"),
+    ("empty prompt text", ["--checkpoint", "{s}", "-p", "  "], "--prompt-text is empty"),
+    ("prompt text and file", ["--checkpoint", "{s}", "-p", "hi", "--prompt", "{d}/ok.txt"],
+     "not allowed with"),
+    ("chat on random ids", ["--checkpoint", "{s}", "--prompt-tokens", "8", "--chat"],
+     "--chat needs a text"),
 ]
+
+# the errors that need the prompt's length but no weights: reported before the weights load
+BEFORE_LOADING = ("budget below a method's minimum", "page size 0", "another method's option",
+                  "budget with full", "prompt too long", "empty prompt text")
 
 
 # run as a real process (exit status, and everything on stderr, warnings included); the
@@ -372,6 +387,33 @@ def test_cli_bad_input_one_clear_line(bad_inputs, stories_dir, case, argv, messa
     assert message in lines[0]
     assert "Traceback" not in err
     assert not list(bad_inputs.glob("**/*.json.tmp"))
+
+
+@pytest.mark.parametrize("case", BEFORE_LOADING)
+def test_method_and_prompt_errors_come_before_the_weights_load(bad_inputs, stories_dir, case,
+                                                                monkeypatch, capsys):
+    import generate as g
+
+    def load(*a, **kw):
+        raise AssertionError("the weights were loaded before the error")
+
+    monkeypatch.setattr(g, "load_model", load)
+    argv = next(b[1] for b in BAD if b[0] == case)
+    rc = g.main([a.format(d=bad_inputs, s=stories_dir) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "weights were loaded" not in err, err
+
+
+def test_inline_prompt_text_equals_the_prompt_file(stories_dir, tmp_path, capsys):
+    import generate as g
+
+    (tmp_path / "p.txt").write_text("Once upon a time\n")
+    assert g.main(["--checkpoint", str(stories_dir), "--prompt", str(tmp_path / "p.txt"),
+                   "--max-new-tokens", "12", "--no-stream"]) == 0
+    from_file = capsys.readouterr().out
+    assert g.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
+                   "--max-new-tokens", "12", "--no-stream"]) == 0
+    assert capsys.readouterr().out == from_file and from_file.startswith(", there was")
 
 
 def test_compiled_step_is_reused_across_contexts_and_budgets():
@@ -411,7 +453,7 @@ def test_cli_says_once_when_max_new_tokens_exceeds_the_context(stories_dir):
     assert p.returncode == 0, p.stderr
     notes = [line for line in p.stderr.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "exceeds the 12 tokens" in notes[0]
-    assert "generated 12 (context_length)" in p.stdout
+    assert "generated 12 (context_length)" in p.stderr
 
 
 def test_report_warns_when_step_times_spread(stories_model):
@@ -464,9 +506,11 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating(monkeypatch, capsys)
         "cpu has 24.0 GiB free" in err and len(err.strip().splitlines()) == 1
 
 
-def test_ctrl_c_keeps_what_was_generated(tmp_path):
-    """A real SIGINT to a streaming generation: the text streamed so far is printed with the
-    report, the JSON is written and marked interrupted, exit 130, no traceback."""
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_keeps_what_was_generated(tmp_path, sig, code):
+    """A real SIGINT (Ctrl-C) or SIGTERM (what `timeout` and job schedulers send) to a
+    streaming generation: the text streamed so far is printed, the report follows on stderr,
+    the JSON is written and marked interrupted, exit 130 or 143, no traceback."""
     import select
     import signal
 
@@ -487,12 +531,12 @@ def test_ctrl_c_keeps_what_was_generated(tmp_path):
         if ready:
             streamed += os.read(proc.stdout.fileno(), 4096)
     assert len(streamed) >= 20, "no streamed text"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     rest, err = proc.communicate(timeout=120)
     stdout = (streamed + rest).decode()
-    assert proc.returncode == 130, err.decode()
+    assert proc.returncode == code, err.decode()
     assert b"Traceback" not in err
-    assert "(interrupted)" in stdout and "-" * 80 in stdout
+    assert "(interrupted)" in err.decode() and "(interrupted)" not in stdout
     data = json.loads(out.read_text())
     assert data["interrupted"] is True and data["stop_reason"] == "interrupted"
     assert 0 < data["new_tokens"] < 4000

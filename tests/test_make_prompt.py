@@ -1,4 +1,5 @@
-"""scripts/make_prompt.py: sentences, token budget, needle depth, sources, bad input."""
+"""evals/prompts.py and scripts/make_prompt.py: sentences, token budget, needle depth, sources,
+bad input."""
 
 import json
 import subprocess
@@ -7,16 +8,16 @@ import sys
 import pytest
 from conftest import ROOT, SHARED, shared_file
 
-from scripts.make_prompt import (
+from evals.prompts import (
     build_document,
     chars_per_4,
     insert_at_depth,
     join_sentences,
-    main,
     make_prompt,
     needle_index,
     split_sentences,
 )
+from scripts.make_prompt import main
 
 ESSAYS = SHARED / "text" / "PaulGrahamEssays"
 RULER = SHARED / "text" / "RULER_PaulGrahamEssays.json"

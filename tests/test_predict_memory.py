@@ -75,11 +75,13 @@ def test_full_cache_is_written_in_place_and_resident_bytes_add_up():
 
 def test_cli_writes_rows(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert main(["--model", "stories260K", "--context", "400", "--methods", "full", "rocketkv",
-                 "snapkv", "--budgets", "64", "--new-tokens", "8", "--json", str(out)]) == 0
+    assert main(["--checkpoint", "stories260K", "--context", "400", "--methods", "full",
+                 "rocketkv", "snapkv", "--budgets", "64", "--new-tokens", "8",
+                 "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["method"] for r in rows] == ["full", "rocketkv", "snapkv"]
     assert all(r["predicted"] and r["device"] == "meta" for r in rows)
     assert "smallest valid budget" in rows[2]["error"]
     assert "not measured on a GPU" in capsys.readouterr().out
-    assert main(["--model", "stories260K", "--methods", "magic"]) == 2
+    assert main(["--model", "stories260K", "--methods", "magic"]) == 2  # the old spelling
+    assert "note: --model is deprecated; use --checkpoint" in capsys.readouterr().err

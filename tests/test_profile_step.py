@@ -9,7 +9,7 @@ def test_profile_records_exactly_the_asked_steps(tmp_path, capsys):
     """The trace holds the asked decode steps and no other: every per-layer operator's calls
     divide evenly by the layers (stories260K: 5) at every step, the LM head's matrix product
     runs once per step, and the table is written per method."""
-    assert main(["--device", "cpu", "--model", "stories260K", "--context", "200",
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "200",
                  "--methods", "full", "rocketkv", "--budgets", "64", "--steps", "3",
                  "--top", "4", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "profile-200.json").read_text())
@@ -25,4 +25,6 @@ def test_profile_records_exactly_the_asked_steps(tmp_path, capsys):
     md = (tmp_path / "profile-200.md").read_text()
     assert "### full, context 200" in md and "### rocketkv @64, context 200" in md
     assert main(["--device", "cpu", "--model", "stories260K", "--steps", "0"]) == 2
-    assert "--steps must be positive" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--steps must be positive" in err
+    assert "note: --model is deprecated; use --checkpoint" in err

@@ -312,6 +312,53 @@ def test_cli_bad_input_one_line_exit_2_nothing_written(bad_dir, capsys, case, ar
     assert not out.exists() and not any(p.name.startswith(".") for p in bad_dir.iterdir())
 
 
+def test_cli_checks_the_output_location_before_any_work(tmp_path, capsys, monkeypatch):
+    """--out under a file, or in a directory it cannot write (os.access patched: root writes
+    through permissions): one line, before the checkpoint is read."""
+    import checkpoint
+
+    def read(*a, **kw):
+        raise AssertionError("the checkpoint was read before the output was checked")
+
+    monkeypatch.setattr("quantize.read_checkpoint", read)
+    (tmp_path / "file.txt").write_text("x")
+    rc, _, err = _main(capsys, "--checkpoint", "random:stories260K", "--mode", "int8",
+                       "--out", tmp_path / "file.txt" / "out")
+    assert rc == 2 and "is not a directory" in err and len(err.strip().splitlines()) == 1
+    real = checkpoint.os.access
+    monkeypatch.setattr(checkpoint.os, "access", lambda p, mode: False if mode & checkpoint.os.W_OK
+                        else real(p, mode))
+    rc, _, err = _main(capsys, "--checkpoint", "random:stories260K", "--mode", "int8",
+                       "--out", tmp_path / "new" / "out")
+    assert rc == 2 and "not writable" in err and not (tmp_path / "new").exists()
+
+
+def test_ctrl_c_in_quantize_is_one_line_and_leaves_nothing(tmp_path):
+    """SIGINT while the SmolLM2 checkpoint is quantized: exit 130, one error line, neither the
+    output directory nor its temporary sibling left behind."""
+    import os
+    import select
+    import signal
+    import time
+
+    out = tmp_path / "q"
+    proc = subprocess.Popen([sys.executable, "quantize.py", "--checkpoint",
+                             str(shared_file(SMOLLM2_GGUF)), "--mode", "int4", "--groupsize",
+                             "32", "--out", str(out)],
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    seen, deadline = b"", time.time() + 120
+    while b"quantize int4" not in seen and time.time() < deadline:  # the progress bar
+        if select.select([proc.stderr], [], [], 1.0)[0]:
+            seen += os.read(proc.stderr.fileno(), 4096)
+    assert b"quantize int4" in seen, seen
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = [ln for ln in err.decode().replace("\r", "\n").splitlines()
+             if ln.startswith("error")]
+    assert proc.returncode == 130 and lines == ["error: interrupted; nothing was written"]
+    assert b"Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
 def test_cli_refuses_a_quantized_source_and_a_used_out_dir(tmp_path, capsys):
     src = tmp_path / "src"
     assert _main(capsys, "--checkpoint", "random:stories260K", "--mode", "int8", "--out", src,
@@ -359,7 +406,7 @@ def _essay_window(tok, n=640):
 
 def _teacher_forced(model, ids, prompt_len):
     """Log-probs of every continuation position after a prompt_len-token prefill."""
-    from scripts.eval_accuracy import attach_caches, teacher_forced_logprobs
+    from evals.fidelity import attach_caches, teacher_forced_logprobs
 
     attach_caches(model, "full", None, prompt_len, len(ids) - prompt_len)
     return teacher_forced_logprobs(model, ids[:prompt_len], ids[prompt_len:])
@@ -416,8 +463,8 @@ def test_int4_checkpoint_round_trip_with_each_classifier_storage(tmp_path):
 def test_accuracy_scripts_load_a_quantized_checkpoint(stories_dir, tmp_path, capsys):
     """eval_accuracy on stories260K quantized to int8 (tokenizer carried over): the quantized
     model's own full-cache row agrees with itself, and a budget covering the sequence too."""
+    from evals.data import TINYSTORIES_TEXTS
     from quantize import quantize_checkpoint
-    from scripts.eval_accuracy import TINYSTORIES_TEXTS
     from scripts.eval_accuracy import main as eval_accuracy
 
     out = quantize_checkpoint(str(stories_dir), "int8", None, tmp_path / "q", progress=False)

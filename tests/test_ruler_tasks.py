@@ -1,5 +1,5 @@
-"""scripts/ruler_tasks.py: determinism, context length with SmolLM2's tokenizer, expected outputs
-in the context, needle depth, scoring and errors."""
+"""evals/ruler.py's tasks: determinism, context length with SmolLM2's tokenizer, expected
+outputs in the context, needle depth, scoring (evals/metrics.py) and errors."""
 
 import json
 import os
@@ -12,16 +12,9 @@ from collections import Counter
 import pytest
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
-from scripts.make_prompt import read_texts
-from scripts.ruler_tasks import (
-    TASKS,
-    Sample,
-    load_essays,
-    make_sample,
-    string_match_all,
-    string_match_part,
-    tolerance,
-)
+from evals.metrics import string_match_all, string_match_part
+from evals.prompts import read_texts
+from evals.ruler import TASKS, Sample, load_essays, make_sample, tolerance
 
 NIAH = ("niah_single_noise", "niah_single_essay", "niah_single_uuid", "niah_multikey",
         "niah_multivalue", "niah_multiquery")
@@ -75,7 +68,7 @@ def test_same_seed_same_sample_other_seed_other_sample(task, essays):
 def test_same_sample_in_another_process(essays):
     """No dependence on Python's per-process string hashing."""
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]);"
-            "from scripts.ruler_tasks import TASKS, make_sample, load_essays;"
+            "from evals.ruler import TASKS, make_sample, load_essays;"
             "e = load_essays(sys.argv[2]);"
             "print(json.dumps([repr(make_sample(t, 800, lambda s: len(s) // 4, 3, e))"
             " for t in TASKS]))")

@@ -1,4 +1,5 @@
-"""Exact-TopK, Quest, SparQ and hybrid selection (compression/exact_topk.py, quest.py, sparq.py, hybrid.py, selection.py) against slow loop references."""
+"""Exact-TopK, Quest, SparQ and hybrid selection (compression/exact_topk.py, quest.py, sparq.py,
+hybrid.py, selection.py) against slow loop references."""
 
 import math
 import types

@@ -1,5 +1,9 @@
-"""What the accuracy harnesses share: chat prompts split into document and question, one
-prefill per batch of prompts for every (method, budget), scoring, tables and the CLI's options.
+"""The accuracy harness: chat prompts split into document and question, batches of equal-length
+prompts, one prefill per batch for every (method, budget), resuming, worker processes, and the
+command-line options the needle, RULER-style and kept-tokens scripts share.
+
+The tasks build ``Item`` lists (``evals.needle``, ``evals.ruler``); ``evaluate_items`` answers
+and scores them; ``evals.reports`` writes the results.
 
 Prompt layout (``chat_item``): the checkpoint's chat template with one user turn, the document
 (context) then a blank line and the question, and the assistant's reply opened with an answer
@@ -18,8 +22,8 @@ turn case of the RocketKV paper's SCBench results. The two modes feed the same t
 ``full`` gives the same answers in both.
 
 Every method here prefills with exact attention over the whole prompt (RocketKV App. A.3), so a
-batch of equal-length prompts is prefilled once (``generate.prefill_once`` on the documents,
-``generate.extend_prefilled`` adds the questions for the standard mode) and each method's caches
+batch of equal-length prompts is prefilled once (``prefill.prefill_once`` on the documents,
+``prefill.extend_prefilled`` adds the questions for the standard mode) and each method's caches
 at each budget are built from the same per-layer K/V; only decoding runs per configuration and
 mode, for the whole batch at once. On CPU the prefill runs in one query block
 (``prefill_chunk_size`` raised to the prompt length), SDPA's causal kernel being faster there
@@ -43,36 +47,23 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from compression import (  # noqa: E402
-    METHODS,
-    NEEDS_ATTENTION_SUMS,
-    OPTIONS_BY_METHOD,
-    UNBUDGETED,
-)
-from generate import (  # noqa: E402
-    METHOD_OPTIONS,
-    _resolve_device,
-    add_method_options,
-    check_positive,
-    extend_prefilled,
-    generate,
-    prefill_once,
-    write_json,
-)
-from model import ConfigError, Transformer  # noqa: E402
-from scripts.ruler_tasks import string_match_all  # noqa: E402,F401  (re-exported)
-from tokenizer import Tokenizer  # noqa: E402
+from checkpoint import load_model, resolve_checkpoint
+from cli import check_positive, resolve_device
+from compression import METHODS, add_method_options, check_methods, options_for
+from evals.data import ROOT
+from generate import generate
+from model import ConfigError, Transformer
+from prefill import extend_prefilled, prefill_once
+from tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_METHODS = ("full", "exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid",
                    "rocketkv")
 DEFAULT_BUDGETS = (128, 256, 512)
 DEV_SEED_OFFSET = 10_000  # --split dev draws from seed + this: prompts disjoint from eval's
 _CONTEXT_MARK = "\u241fCONTEXT\u241f"  # stands for the document while the template renders
+MODES = ("standard", "question_agnostic")
 
 
 @dataclass
@@ -132,44 +123,24 @@ def pad_to_equal(items: Sequence[Item], pad_id: int) -> list[Item]:
 
 
 # --------------------------------------------------------------------------------------------
-# Scoring
-
-
-_WORD = re.compile(r"[a-z0-9]+")
-
-
-def rouge1_recall(prediction: str, reference: str) -> float:
-    """ROUGE-1 recall: the fraction of the reference's words (lower-case alphanumeric runs,
-    with multiplicity) that the prediction contains."""
-    ref = _WORD.findall(reference.lower())
-    if not ref:
-        return 0.0
-    pred: dict[str, int] = {}
-    for w in _WORD.findall(prediction.lower()):
-        pred[w] = pred.get(w, 0) + 1
-    hit = 0
-    for w in ref:
-        if pred.get(w, 0) > 0:
-            pred[w] -= 1
-            hit += 1
-    return hit / len(ref)
-
-
-# --------------------------------------------------------------------------------------------
 # Running configurations
 
 
 def configurations(methods: Sequence[str], budgets: Sequence[int]) -> list[tuple[str, Any]]:
-    """(method, budget) pairs in table order; methods without a budget once, with None."""
-    return [(m, None) if m in UNBUDGETED else (m, b)
-            for m in methods for b in ([None] if m in UNBUDGETED else budgets)]
+    """(method, budget) pairs in table order (every script's rows, the benchmarks' too): each
+    budgeted method at every budget, a method without a budget (``full``, ``gptfast_dense``)
+    once, with None. Repeated names are kept; callers drop them first where they want.
+
+    Raises:
+        ConfigError: a name that is not a method (``compression.check_methods``).
+    """
+    check_methods(list(methods))
+    return [(m, b) if METHODS[m].budgeted else (m, None)
+            for m in methods for b in (budgets if METHODS[m].budgeted else [None])]
 
 
 def _texts(tok: Tokenizer, rows: Sequence[Sequence[int]], stop: set[int]) -> list[str]:
     return [tok.decode([t for t in row if t not in stop]) for row in rows]
-
-
-MODES = ("standard", "question_agnostic")
 
 
 @torch.no_grad()
@@ -193,16 +164,15 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     stop = tuple(sorted(set(tok.chat_stop_ids)))
     model.prefill_chunk_size = max(model.prefill_chunk_size, doc.shape[1] + question.shape[1])
     pre_doc = prefill_once(model, doc, obs_window=max(64, options.get("window") or 0),
-                           attention_sums=any(m in NEEDS_ATTENTION_SUMS for m, _ in configs))
+                           attention_sums=any(METHODS[m].needs_attention_sums
+                                              for m, _ in configs))
     out: dict[str, dict[tuple[str, Any], Any]] = {}
     for mode in modes:
         qa = mode == "question_agnostic"
         pre = pre_doc if qa else extend_prefilled(model, pre_doc, question)
         out[mode] = {}
         for method, budget in configs:
-            opts = {} if method in UNBUDGETED else {  # each method gets the options it takes
-                k: v for k, v in options.items()
-                if k == "skip_layers" or k in OPTIONS_BY_METHOD[method]}
+            opts = options_for(method, options)  # each method gets the options it takes
             try:
                 if qa:
                     generate(model, pre.tokens, method=method, budget=budget, max_new_tokens=0,
@@ -365,7 +335,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                                    for x in [{"fingerprint": fingerprint}, *kept]))
         saved = partial.open("a")
     todo = [idx for idx in batches if tuple(idx) not in done]
-    bar = _progress(len(batches) * len(configs) * len(modes), progress)
+    bar = progress_bar(len(batches) * len(configs) * len(modes), progress)
     if bar is not None and done:
         bar.update((len(batches) - len(todo)) * len(configs) * len(modes))
     finished = {i for idx in done for i in idx}
@@ -512,42 +482,14 @@ def _load_worker(spec: dict[str, Any]) -> tuple[Transformer, Tokenizer]:
     return model, tok
 
 
-def _progress(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool = True, **kwargs: Any):
+    """A tqdm bar on stderr (``unit`` "config" unless given; ``disable`` when not
+    ``enabled``), or None when tqdm is not installed (the GPU machine needs torch alone)."""
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, unit="config", disable=not enabled, file=sys.stderr)
-
-
-# --------------------------------------------------------------------------------------------
-# Reports
-
-
-def accuracy_table(rows: Sequence[dict[str, Any]], budgets: Sequence[int],
-                   label: str = "accuracy (%)") -> str:
-    """Markdown table: one line per method, one column per budget (``-`` for no budget)."""
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    by = {(r["method"], r["budget"]): r for r in rows}
-    head = f"| method ({label}) | " + " | ".join(str(b) for b in budgets) + " |"
-    lines = [head, "|---" * (len(budgets) + 1) + "|"]
-    for m in methods:
-        if m in UNBUDGETED:
-            r = by[(m, None)]
-            cells = [_cell(r)] * len(budgets)
-        else:
-            cells = [_cell(by[(m, b)]) if (m, b) in by else "" for b in budgets]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _cell(row: dict[str, Any]) -> str:
-    """``n/a`` for an error (or nothing run), the score (%), and ``(ran/all)`` when some items
-    failed or were not run."""
-    if "error" in row or row["score"] is None:
-        return "n/a"
-    part = f" ({row['items_run']}/{len(row['scores'])})" if "items_run" in row else ""
-    return f"{100 * row['score']:.1f}{part}"
+    return tqdm(total=total, disable=not enabled, file=sys.stderr, **{"unit": "config", **kwargs})
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,10 +533,6 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
     add_method_options(p.add_argument_group(
         "method options (applied to every method that takes them)"))
 
-def method_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in METHOD_OPTIONS  # 0 is a value (--sink-size 0)
-            if getattr(args, k, None) is not None and getattr(args, k, None) is not False}
-
 
 def check_common(args: argparse.Namespace) -> None:
     """ConfigError for values no run can use."""
@@ -622,12 +560,9 @@ def cpu_has_native_bf16() -> bool:
 
 def load(args: argparse.Namespace):
     """(model, tokenizer, device) for the run; the tokenizer must have a chat template."""
-    from checkpoint import load_model, resolve_checkpoint
-    from tokenizer import load_tokenizer
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = _resolve_device(args.device or "cpu")
+    device = resolve_device(args.device or "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
         args.dtype or ("bfloat16" if device.type == "cuda" or cpu_has_native_bf16()
                        else "float32")]
@@ -660,50 +595,3 @@ def resume_options(args: argparse.Namespace, task: str, model: Transformer,
                         spec["threads"] if workers > 1 else threads],  # sums' order
             "stop": None if limit is None else lambda: time.perf_counter() - t0 > 60 * limit,
             "workers": workers, "load_worker": partial(_load_worker, spec)}
-
-
-def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transformer,
-                 task: str, fields: dict[str, Any], t0: float,
-                 table: Callable[[list[dict[str, Any]]], str],
-                 figure: Callable[[dict[str, Any], Path], None],
-                 rows_of: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = list) -> None:
-    """Per mode of ``got`` (``evaluate_items``): the result dict (rows, the run's settings and
-    ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in ``args.out``."""
-    for mode in args.modes:
-        result = {"task": task, "mode": mode, "question_agnostic": mode == "question_agnostic",
-                  "rows": rows_of(got["modes"][mode]["rows"]), "model": model.args.name,
-                  "checkpoint": args.checkpoint, "split": args.split, "seed": args.seed,
-                  "method_options": method_options(args), **fields,
-                  "eval_s": got["eval_s"], "runtime_s": time.perf_counter() - t0,
-                  "batches": got.get("batches"), "batches_resumed": got.get("batches_resumed"),
-                  "unfinished": got.get("unfinished", 0),
-                  "modes_run_together": list(args.modes), "torch_version": torch.__version__,
-                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                  "device": next(model.parameters()).device.type,
-                  "threads": torch.get_num_threads(), "workers": got.get("workers", 1)}
-        name = f"{task}_qa" if mode == "question_agnostic" else task
-        text = table(result["rows"])
-        print(f"{name}:\n{text}")
-        paths = write_outputs(args.out, name, result, text, lambda p, r=result: figure(r, p))
-        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
-    if got.get("unfinished"):
-        print(f"note: {got['unfinished']} prompts not run (--time-limit): the results cover the "
-              "others, and the same command runs the rest (the finished batches are kept in "
-              f"{got['partial']})", file=sys.stderr)
-    elif got.get("partial"):  # every result is written: the saved batches have served
-        Path(got["partial"]).unlink(missing_ok=True)
-
-
-def write_outputs(out_dir: str | Path, name: str, result: dict[str, Any], table: str,
-                  figure: Callable[[Path], None] | None) -> list[Path]:
-    """``NAME.json``, ``NAME.md`` and (when ``figure``) ``NAME.png`` in ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{name}.json", out / f"{name}.md"]
-    write_json(paths[0], result)
-    paths[1].write_text(table + "\n")
-    if figure is not None:
-        png = out / f"{name}.png"
-        figure(png)
-        paths.append(png)
-    return paths

@@ -1,10 +1,11 @@
-"""RULER-style synthetic long-context tasks, generated deterministically by our own code.
+"""RULER-style synthetic long-context tasks, generated deterministically by our own code, and
+their prompts as the harness's items.
 
 The tasks follow the definitions of NVIDIA's RULER benchmark (retrieval, multi-hop tracing and
 aggregation), scaled to a small instruct model (SmolLM2-135M-Instruct, 8K context). They measure
 how much of a long context a model (with a compressed KV cache) can still use.
 
-    from scripts.ruler_tasks import TASKS, load_essays, make_sample, string_match_all
+    from evals.ruler import TASKS, load_essays, make_sample
     sample = make_sample("niah_single_essay", 4096, count_tokens, seed=0, essays=load_essays())
 
 A ``Sample`` has the ``context`` (the document), the ``question`` asked after it, the
@@ -58,8 +59,8 @@ List tasks calibrate the tokens per item on a probe, then search the number of i
 context counts (a few counts). Only ``count_tokens`` needs to be exact; ``len(text) // 4`` works
 for trying things out.
 
-Scoring: ``string_match_all`` is the fraction of the expected outputs that occur in the
-prediction as substrings, ignoring case (RULER's string_match_all for one sample);
+Scoring (``evals.metrics``): ``string_match_all`` is the fraction of the expected outputs that
+occur in the prediction as substrings, ignoring case (RULER's string_match_all for one sample);
 ``string_match_part`` is 1.0 when any of them occurs. Expected words of cwe are chosen so that
 no pool word contains another and none occurs in the task's question or answer prefix; fwe's
 words all have the same length.
@@ -68,6 +69,12 @@ Determinism: everything is drawn from ``random.Random(f"{task}:{seed}")`` (strin
 with SHA-512, not Python's per-process hash), so the same arguments (and the same
 ``count_tokens`` and ``essays``) give an equal Sample and a different seed gives a different
 one. No set is iterated.
+
+As the harness's items (``build_items``, for ``scripts/eval_ruler.py``): for every task and
+context length, samples drawn with seeds ``seed ..`` (the ``dev`` split from ``seed + 10000``);
+the context gets ``length - (template + question)`` tokens, so a prompt holds about ``length``
+tokens, in the chat template (``evals.harness.chat_pieces``). ``task_rows`` gives each result
+row its per-task scores and their mean.
 """
 
 from __future__ import annotations
@@ -76,17 +83,17 @@ import functools
 import math
 import random
 import string
-import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.make_prompt import read_texts, split_sentences  # noqa: E402
+from evals.data import ESSAYS
+from evals.harness import DEV_SEED_OFFSET, Item, chat_pieces
+from evals.prompts import read_texts, split_sentences
+from model import ConfigError
+from tokenizer import Tokenizer
 
 CountTokens = Callable[[str], int]
 
@@ -95,7 +102,6 @@ TASKS: tuple[str, ...] = ("niah_single_noise", "niah_single_essay", "niah_single
                           "fwe")
 ESSAY_TASKS: tuple[str, ...] = ("niah_single_essay", "niah_single_uuid", "niah_multikey",
                                 "niah_multivalue", "niah_multiquery")
-DEFAULT_ESSAYS = ROOT.parent / "shared" / "data" / "text" / "PaulGrahamEssays"
 
 NOISE_SENTENCES: tuple[str, ...] = ("The grass is green.", "The sky is blue.",
                                     "The sun is yellow.", "Here we go.", "There and back again.")
@@ -200,35 +206,9 @@ def tolerance(context_tokens: int) -> int:
     return max(16, context_tokens // 50)
 
 
-def _found(prediction: str, outputs: Sequence[str]) -> list[bool]:
-    if not outputs:
-        raise ValueError("string matching needs at least one expected output")
-    pred = prediction.lower()
-    return [o.lower() in pred for o in outputs]
-
-
-def string_match_all(prediction: str, outputs: Sequence[str]) -> float:
-    """Fraction of ``outputs`` that occur in ``prediction`` as substrings, ignoring case.
-
-    Raises:
-        ValueError: ``outputs`` is empty.
-    """
-    found = _found(prediction, outputs)
-    return sum(found) / len(found)
-
-
-def string_match_part(prediction: str, outputs: Sequence[str]) -> float:
-    """1.0 when any of ``outputs`` occurs in ``prediction`` (ignoring case), else 0.0.
-
-    Raises:
-        ValueError: ``outputs`` is empty.
-    """
-    return float(any(_found(prediction, outputs)))
-
-
-def load_essays(path: str | Path = DEFAULT_ESSAYS) -> str:
+def load_essays(path: str | Path = ESSAYS) -> str:
     """The essay haystack text: the ``*.txt`` files of a directory (sorted), a text file or a
-    RULER JSON file (``"text"``), joined with blank lines (``make_prompt.read_texts``).
+    RULER JSON file (``"text"``), joined with blank lines (``evals.prompts.read_texts``).
 
     Raises:
         ConfigError: the source is missing, unreadable or empty.
@@ -639,3 +619,52 @@ def make_sample(task: str, context_tokens: int, count_tokens: CountTokens, seed:
         raise RuntimeError(f"{task}: the context counts {n} tokens, outside [{low}, "
                            f"{context_tokens}]")
     return sample
+
+
+# --------------------------------------------------------------------------------------------
+# The tasks as harness items
+
+
+def build_items(tok: Tokenizer, essays: str, tasks: Sequence[str], lengths: Sequence[int],
+                samples: int, seed: int, split: str = "eval") -> list[Item]:
+    """Every sample of every task and length, as chat items grouped by (task, length)."""
+    def count(text: str) -> int:
+        return len(tok.encode(text, bos=False))
+
+    items = []
+    base = seed + (DEV_SEED_OFFSET if split == "dev" else 0)
+    for length in lengths:
+        for task in tasks:
+            for j in range(samples):
+                # the template and question take their share of the prompt first
+                probe = make_sample(task, 512, lambda t: len(t) // 4, base + j, essays)
+                head, tail = chat_pieces(tok, probe.question, probe.answer_prefix)
+                room = length - len(head) - len(tail) - 8  # keys differ by a few tokens
+                try:
+                    s = make_sample(task, room, count, base + j, essays)
+                except ValueError as e:
+                    raise ConfigError(f"{task} at {length} tokens: {e}") from None
+                head, tail = chat_pieces(tok, s.question, s.answer_prefix)
+                items.append(Item(head + tok.encode(s.context, bos=False), tail, s.outputs, {
+                    "task": task, "length": length, "seed": base + j, "depth": s.depth,
+                    "outputs": list(s.outputs), "max_new_tokens": s.max_new_tokens,
+                    "group": (task, length)}, len(head)))
+    return items
+
+
+def task_rows(rows: Sequence[dict[str, Any]], items: Sequence[Item],
+              tasks: Sequence[str]) -> list[dict[str, Any]]:
+    """Per row: ``per_task`` {task: mean score over its items that ran, None if none ran} and
+    ``score`` = the mean over tasks, None unless every task ran (an average over fewer tasks
+    would not compare with the other rows)."""
+    for r in rows:
+        if "error" in r:
+            continue
+        per = {}
+        for t in tasks:
+            s = [x for x, it in zip(r["scores"], items) if it.meta["task"] == t and x is not None]
+            per[t] = sum(s) / len(s) if s else None
+        r["per_task"] = per
+        vals = [v for v in per.values() if v is not None]
+        r["score"] = sum(vals) / len(vals) if len(vals) == len(per) else None
+    return list(rows)

@@ -1,0 +1,13 @@
+"""The evaluation package: the library code behind the accuracy and benchmark scripts in
+``scripts/``, which parse flags, call these modules and the engine, and print.
+
+* ``data``: where the real data lives (``../shared/data`` or ``$ROCKETKV_DATA``).
+* ``prompts``: texts, sentences, documents of a token count, the made-up needle fact.
+* ``harness``: chat items, batches, one prefill per batch, resuming, workers, the shared flags.
+* ``needle``, ``ruler``: the needle grid and the RULER-style tasks as harness items.
+* ``metrics``: answer scores, token and distribution agreement, attention-mass coverage.
+* ``probes``: what a compressed cache reads at each step and keeps after prefill.
+* ``fidelity``: the fidelity prompt set and passes against the full cache.
+* ``reports``: tables, figures and result files.
+* ``bench``: what the speed and memory scripts share (the flag vocabulary is ``cli.py``'s).
+"""
