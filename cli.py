@@ -155,3 +155,15 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command a result records: ``python scripts/SCRIPT.py`` and the arguments as given
     (``argv``, or the process's own when None)."""
     return " ".join([f"python scripts/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def rows_exit_status(rows: Sequence[dict[str, Any]], what: str = "configurations") -> int:
+    """A script's exit status from its result rows: 1, with one ``error:`` line on stderr, when
+    any requested row failed (it has an ``error``; rows a ``--time-limit`` skipped do not
+    count), else 0. The rows that ran are written either way."""
+    failed = [r for r in rows if "error" in r and not str(r["error"]).startswith("skipped:")]
+    if not failed:
+        return 0
+    print(f"error: {len(failed)} of {len(rows)} {what} failed (their rows say why)",
+          file=sys.stderr)
+    return 1

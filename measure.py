@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from compression import build_caches
 from model import ConfigError, ModelArgs, Transformer
 
 
@@ -184,3 +185,42 @@ def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device, batc
                           f"{device.type} has {free / gib:.1f} GiB free; use a GPU, --dtype "
                           "bfloat16, quantized weights (quantize.py) or a shorter run")
 
+
+
+def run_kv_bytes(method: str, args: ModelArgs, *, batch: int, prompt_len: int, new_tokens: int,
+                 budget: int | None, dtype: torch.dtype, options: dict[str, Any]) -> int:
+    """Bytes a run of ``method`` holds beside the weights: its caches (built on the meta
+    device, so nothing is allocated) plus one layer's uncompressed prompt K/V, which prefill
+    holds while a layer's cache compresses it.
+
+    Raises:
+        ConfigError: what ``compression.build_caches`` refuses.
+    """
+    caches = build_caches(method, args, batch_size=batch, prompt_len=prompt_len,
+                          max_new_tokens=new_tokens, budget=budget, dtype=dtype,
+                          device="meta", **options)
+    layer = 2 * batch * args.n_kv_heads * args.head_dim * prompt_len * dtype.itemsize
+    return sum(c.allocated_bytes() for c in caches) + layer
+
+
+def check_run_memory(model: Transformer, method: str, *, batch: int, prompt_len: int,
+                     new_tokens: int, budget: int | None, options: dict[str, Any]) -> None:
+    """Refuse a run of ``method`` on the loaded ``model`` whose caches (``run_kv_bytes``) do
+    not fit in the memory its device has free, counting the model's current caches as free
+    (a new run releases them first), before anything is allocated.
+
+    Raises:
+        ConfigError: with the estimate and what is free.
+    """
+    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    free = available_bytes(device)
+    if free is None:
+        return
+    free += sum(c.allocated_bytes() for c in model.caches if c is not None)
+    need = run_kv_bytes(method, model.args, batch=batch, prompt_len=prompt_len,
+                        new_tokens=new_tokens, budget=budget, dtype=dtype, options=options)
+    if need > free:
+        gib = 2 ** 30
+        raise ConfigError(f"{method} at {prompt_len} tokens, batch {batch} needs about "
+                          f"{need / gib:.1f} GiB of KV cache and prefill buffers beside the "
+                          f"weights, but {device.type} has {free / gib:.1f} GiB free")

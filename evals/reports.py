@@ -49,9 +49,12 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
                  task: str, fields: dict[str, Any], t0: float,
                  table: Callable[[list[dict[str, Any]]], str],
                  figure: Callable[[dict[str, Any], Path], None],
-                 rows_of: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = list) -> None:
+                 rows_of: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = list
+                 ) -> list[dict[str, Any]]:
     """Per mode of ``got`` (``evaluate_items``): the result dict (rows, the run's settings and
-    ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in ``args.out``."""
+    ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in ``args.out``.
+    Returns every mode's rows (for the exit status)."""
+    every = []
     for mode in args.modes:
         result = {"task": task, "mode": mode, "question_agnostic": mode == "question_agnostic",
                   "rows": rows_of(got["modes"][mode]["rows"]), "model": model.args.name,
@@ -66,6 +69,7 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
                   "threads": torch.get_num_threads(), "workers": got.get("workers", 1)}
         name = f"{task}_qa" if mode == "question_agnostic" else task
         text = table(result["rows"])
+        every += result["rows"]
         print(f"{name}:\n{text}")
         paths = write_outputs(args.out, name, result, text, lambda p, r=result: figure(r, p))
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
@@ -75,6 +79,7 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
               f"{got['partial']})", file=sys.stderr)
     elif got.get("partial"):  # every result is written: the saved batches have served
         Path(got["partial"]).unlink(missing_ok=True)
+    return every
 
 
 # --------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import RANDOM_PREFIX, load_model
-from cli import DTYPES, OneLineParser, command_line, deprecated_alias, write_json
+from cli import DTYPES, OneLineParser, command_line, deprecated_alias, rows_exit_status, write_json
 from compression import METHODS, add_method_options, check_methods, options_for
 from evals.bench import (
     DEFAULT_BUDGETS,
@@ -65,7 +65,7 @@ from evals.bench import (
 )
 from evals.harness import configurations
 from generate import generate
-from measure import device_name
+from measure import check_run_memory, device_name
 from model import CONFIGS, ConfigError
 from quantized import GROUPSIZES, quantize_model
 
@@ -102,7 +102,7 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
             torch._dynamo.reset()  # this row compiles its own static-shape graph
         r = generate(model, prompt, method=method, budget=budget,
                      max_new_tokens=args.new_tokens,
-                     compile=args.compile and not opts.get("offload"), method_options=opts,
+                     compile=None if args.compile else False, method_options=opts,
                      compile_dynamic=args.compile_regime == "dynamic" or None)
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
@@ -394,6 +394,9 @@ def main(argv=None) -> int:
                    "error": f"skipped: --time-limit {args.time_limit:g} s reached"}
         else:
             try:
+                check_run_memory(model, method, batch=batch, prompt_len=context,
+                                 new_tokens=args.new_tokens, budget=budget,
+                                 options=options_for(method, args))
                 row = run_one(model, batch, context, method, budget, args, bandwidth, device)
             except (ConfigError, torch.OutOfMemoryError) as e:
                 row = {"device": device_name(device), "model": model.args.name,
@@ -415,7 +418,7 @@ def main(argv=None) -> int:
     print(summary(rows))
     print(f"measured copy bandwidth {bandwidth:.1f} GB/s")
     print(f"wrote {prefix.with_suffix('.json')}" + "".join(f"\n      {p}" for p in pngs))
-    return 0
+    return rows_exit_status(rows)
 
 
 if __name__ == "__main__":

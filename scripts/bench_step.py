@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cli import DTYPES, OneLineParser, command_line, deprecated_alias, write_json
+from cli import DTYPES, OneLineParser, command_line, deprecated_alias, rows_exit_status, write_json
 from compression import add_method_options, build_caches, check_methods, options_for
 from evals.bench import measure_bandwidth, resolve_run, results_dir
 from evals.harness import configurations
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     print(summary(rows))
     print(f"copy bandwidth {bandwidth:.1f} GB/s on {device_name(device)}")
     print(f"wrote {out}")
-    return 0
+    return rows_exit_status(rows)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ from cli import (
     command_line,
     read_prompt,
     resolve_device,
+    rows_exit_status,
     write_json,
 )
 from compression import METHODS, check_methods
@@ -387,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{dev} ({base['cpu_model']}), {base['threads']} threads, torch "
           f"{base['torch_version']}, transformers {base['transformers_version']}; "
           f"wrote {json_path}")
-    return 0
+    return rows_exit_status(rows)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from cli import OneLineParser
+from cli import OneLineParser, rows_exit_status
 from compression import given_options
 from evals.harness import (
     add_common_args,
@@ -89,14 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report_modes(args, got, model, "needle", {
+    rows = report_modes(args, got, model, "needle", {
         "lengths": sorted({it.meta["length"] for it in items}), "depths": depths,
         "needles": args.needles, "budgets": budgets, "max_new_tokens": args.max_new_tokens,
         "scoring": "rouge1_recall" if rouge else "exact",
         "items": [{k: v for k, v in it.meta.items() if k != "group"} | {"tokens": it.tokens}
                   for it in items]}, t0,
         lambda rows: accuracy_table(rows, budgets), needle_heatmaps)
-    return 0
+    return rows_exit_status(rows)
 
 
 if __name__ == "__main__":

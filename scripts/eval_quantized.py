@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import torch
 
 from checkpoint import load_model, resolve_checkpoint
-from cli import DTYPES, OneLineParser, check_positive, command_line
+from cli import DTYPES, OneLineParser, check_positive, command_line, rows_exit_status
 from evals.fidelity import DEFAULT_TEXTS, run_variant, split_prompts
 from evals.harness import configurations, progress_bar
 from evals.prompts import text_files
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = "quantization" if args.split == "eval" else "quantization-dev"
         write_outputs(args.out, name, result, table,
                       lambda path: quantization_plot(rows, path))
-    return 0
+    return rows_exit_status(rows)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cli import OneLineParser
+from cli import OneLineParser, rows_exit_status
 from compression import given_options
 from evals.data import ESSAYS
 from evals.harness import (
@@ -92,14 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report_modes(args, got, model, "ruler", {
+    rows = report_modes(args, got, model, "ruler", {
         "tasks": tasks, "lengths": list(args.lengths), "samples": args.samples,
         "budgets": budgets,
         "items": [{k: v for k, v in it.meta.items() if k != "group"} | {"tokens": it.tokens}
                   for it in items]}, t0,
         lambda rows: ruler_table(rows, tasks), ruler_plot,
         rows_of=lambda rows: task_rows(rows, items, tasks))
-    return 0
+    return rows_exit_status(rows)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 import torch
 
-from cli import OneLineParser
+from cli import OneLineParser, rows_exit_status
 from compression import METHODS, given_options, options_for
-from evals.harness import add_common_args, check_common, load
+from evals.harness import add_common_args, check_common, load, progress_bar
 from evals.needle import Haystack, add_needle_args, build_items, depth_grid, needle_fact
 from evals.probes import kept_positions
 from evals.prompts import read_texts
@@ -82,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = given_options(args)
         sums: dict[tuple[str, int], dict[str, float]] = {}
         errors: dict[tuple[str, int], str] = {}
+        bar = progress_bar(len(items) * len(methods) * len(budgets),
+                           enabled=not args.no_progress, desc="kept tokens")
         for it in items:
             ids = it.doc_ids + it.question_ids
             T = len(ids)
@@ -93,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 METHODS[m].needs_attention_sums for m in methods))
             for method in methods:
                 for budget in budgets:
+                    if bar is not None:
+                        bar.update()
                     if (method, budget) in errors:
                         continue
                     opts = options_for(method, options)
@@ -109,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for name, sl in parts.items():
                         acc[name] = acc.get(name, 0.0) + float(kept[..., sl].mean())
                     acc["n"] += 1
+        if bar is not None:
+            bar.close()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -132,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "torch_version": torch.__version__, "threads": torch.get_num_threads()}
     if args.out:
         write_outputs(args.out, "kept", result, table, None)
-    return 0
+    return rows_exit_status(rows)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from cli import DTYPES, OneLineParser, command_line, deprecated_alias, write_json
+from cli import DTYPES, OneLineParser, command_line, deprecated_alias, rows_exit_status, write_json
 from compression import build_caches, check_methods
 from evals.harness import configurations
 from measure import weight_bytes
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     if a.json:
         write_json(a.json, rows)
         print(f"wrote {a.json}")
-    return 0
+    return rows_exit_status(rows)
 
 
 if __name__ == "__main__":
