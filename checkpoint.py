@@ -3,17 +3,21 @@ weights, and the short names of the models our users run.
 
 Layouts accepted by ``load_model``:
 
-* Hugging Face: ``config.json`` + ``model.safetensors`` or ``model.safetensors.index.json`` with
-  its shards. Tensors are memory-mapped, renamed to ``model.py``'s names, q/k rows permuted from
-  HF's rotate-half layout back to Meta's adjacent-pair RoPE layout, and q/k/v fused.
+* Hugging Face (Llama, Mistral, Qwen2): ``config.json`` + ``model.safetensors`` or
+  ``model.safetensors.index.json`` with its shards. Tensors are memory-mapped, renamed to
+  ``model.py``'s names, q/k rows (and Qwen2's q/k biases) permuted from HF's rotate-half layout
+  back to Meta's adjacent-pair RoPE layout, and q/k/v fused.
 * Converted (``scripts/convert_*.py``): ``model_args.json`` + ``model.safetensors`` already in
   ``model.py``'s names and layout.
 * GGUF (llama.cpp's format, ``*.gguf``): config from the GGUF metadata, tensors dequantized
   with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants and the
-  other types it implements) to the run's dtype. llama.cpp's converter stores the q/k rows in
-  Meta's adjacent-pair RoPE order (it applies the same permutation as ``hf_to_meta_rope_rows``),
-  which is ours: they load as they are (``tests/test_gguf.py`` checks this against
-  transformers' GGUF reader).
+  other types it implements) to the run's dtype. For the llama architecture llama.cpp's
+  converter stores the q/k rows in Meta's adjacent-pair RoPE order (it applies the same
+  permutation as ``hf_to_meta_rope_rows``), which is ours: they load as they are. For qwen2 it
+  stores them, and the q/k biases, in HF's rotate-half order (llama.cpp runs qwen2 with its
+  NEOX, rotate-half RoPE), so they are permuted on load like an HF checkpoint's
+  (``tests/test_gguf.py`` and ``tests/test_qwen2.py`` check both against transformers' GGUF
+  reader).
 * ``random:NAME``: the named config of ``model.CONFIGS`` with random weights (cost depends on
   shapes, not values).
 * A short name (``KNOWN_CHECKPOINTS``: ``llama3.1-8b``, ``smollm2-135m``...): resolved to a
@@ -59,29 +63,49 @@ _HF_TOP_NAMES = {
 
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _qwen2_window_applies(config: dict[str, Any]) -> bool:
+    """Whether a Qwen2 ``config.json``'s ``sliding_window`` reaches any layer. As transformers'
+    Qwen2Config reads it: only with ``use_sliding_window``, and then in the layers
+    ``layer_types`` marks ``sliding_attention`` (by default those from ``max_window_layers``
+    on). Qwen2.5 configs carry a window with ``use_sliding_window: false``."""
+    if not config.get("use_sliding_window", False):
+        return False
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    return config.get("max_window_layers", 28) < config.get("num_hidden_layers", 0)
 
 
 def args_from_hf_config(config: dict[str, Any], name: str | None = None) -> ModelArgs:
-    """Read a Hugging Face ``config.json`` dict of a Llama or Mistral model.
+    """Read a Hugging Face ``config.json`` dict of a Llama, Mistral or Qwen2 model.
 
     Both the classic layout (``rope_theta`` + ``rope_scaling``) and the ``rope_parameters``
-    layout written by transformers 5 are accepted.
+    layout written by transformers 5 are accepted. Qwen2 (``model_type`` qwen2) has q/k/v
+    biases whatever ``attention_bias`` says; its sliding window counts only where the config
+    enables it (``_qwen2_window_applies``). An enabled window narrower than the context is
+    kept, and ``model.py`` refuses runs longer than it.
 
     Raises:
-        ConfigError: unsupported architecture (not Llama/Mistral, biases), a bad
-            sliding window,
-            unsupported rope type, or a missing field.
+        ConfigError: unsupported architecture (not Llama/Mistral/Qwen2, Llama or Mistral
+            with biases), a bad sliding window, unsupported rope type, or a missing field.
     """
     model_type = config.get("model_type")
-    if model_type not in ("llama", "mistral"):
+    if model_type not in SUPPORTED_MODEL_TYPES:
         archs = config.get("architectures")
         raise ConfigError(f"unsupported architecture: model_type={model_type!r} "
-                          f"architectures={archs!r} (supported: llama, mistral)")
-    if config.get("attention_bias") or config.get("mlp_bias"):
+                          f"architectures={archs!r} (supported: "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+    qwen2 = model_type == "qwen2"
+    if not qwen2 and (config.get("attention_bias") or config.get("mlp_bias")):
         raise ConfigError("unsupported architecture: attention or MLP biases")
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported activation {config.get('hidden_act')!r} (need silu)")
     window = config.get("sliding_window")
+    if qwen2 and not _qwen2_window_applies(config):
+        window = None
     max_pos = config.get("max_position_embeddings")
     if window is not None and (not isinstance(window, int) or window <= 0):
         raise ConfigError(f"config.json: sliding_window must be a positive integer or "
@@ -103,6 +127,7 @@ def args_from_hf_config(config: dict[str, Any], name: str | None = None) -> Mode
             max_seq_len=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             sliding_window=window,
+            qkv_bias=qwen2,
         )
     except KeyError as e:
         raise ConfigError(f"config.json lacks the field {e.args[0]!r}") from None
@@ -132,19 +157,18 @@ def args_from_hf_config(config: dict[str, Any], name: str | None = None) -> Mode
 def hf_to_meta_rope_rows(w: Tensor, n_heads: int) -> Tensor:
     """Permute q or k projection rows from HF rotate-half order to Meta adjacent-pair order.
 
-    ``w``: (n_heads * head_dim, dim). Within a head HF stores the first halves of all pairs,
-    then the second halves; Meta interleaves them.
+    ``w``: the weight (n_heads * head_dim, dim) or the bias (n_heads * head_dim,). Within a
+    head HF stores the first halves of all pairs, then the second halves; Meta interleaves
+    them.
     """
-    rows, cols = w.shape
-    half = rows // n_heads // 2
-    return w.view(n_heads, 2, half, cols).transpose(1, 2).reshape(rows, cols)
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def meta_to_hf_rope_rows(w: Tensor, n_heads: int) -> Tensor:
     """Inverse of ``hf_to_meta_rope_rows``."""
-    rows, cols = w.shape
-    half = rows // n_heads // 2
-    return w.view(n_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _read_json(path: Path) -> dict:
@@ -184,8 +208,23 @@ def _load_tensors(files: list[Path], device) -> dict[str, Tensor]:
     return tensors
 
 
+def qkv_names(args: ModelArgs) -> dict[str, str]:
+    """``model.py``'s names (under ``layers.N.``) of the fused q/k/v weight and, for models
+    with q/k/v biases (Qwen2), of their bias, keyed ``weight`` and ``bias``."""
+    names = {"weight": "attention.wqkv.weight"}
+    return names | ({"bias": "attention.wqkv_bias"} if args.qkv_bias else {})
+
+
+def fused_qkv(q: Tensor, k: Tensor, v: Tensor, args: ModelArgs) -> Tensor:
+    """``model.py``'s fused q/k/v weight or bias from HF's three (q/k rows in rotate-half
+    order, permuted here to Meta's adjacent-pair order)."""
+    return torch.cat([hf_to_meta_rope_rows(q, args.n_heads),
+                      hf_to_meta_rope_rows(k, args.n_kv_heads), v])
+
+
 def hf_state_dict(tensors: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Rename HF Llama/Mistral tensors to ``model.py`` names, permute q/k, fuse q/k/v."""
+    """Rename HF Llama/Mistral/Qwen2 tensors to ``model.py`` names, permute q/k, fuse q/k/v
+    (and Qwen2's q/k/v biases)."""
     sd: dict[str, Tensor] = {}
     for name, new in _HF_TOP_NAMES.items():
         if name in tensors:
@@ -193,10 +232,9 @@ def hf_state_dict(tensors: dict[str, Tensor], args: ModelArgs) -> dict[str, Tens
     for i in range(args.n_layers):
         p = f"model.layers.{i}."
         try:
-            q = hf_to_meta_rope_rows(tensors.pop(p + "self_attn.q_proj.weight"), args.n_heads)
-            k = hf_to_meta_rope_rows(tensors.pop(p + "self_attn.k_proj.weight"), args.n_kv_heads)
-            v = tensors.pop(p + "self_attn.v_proj.weight")
-            sd[f"layers.{i}.attention.wqkv.weight"] = torch.cat([q, k, v])
+            for kind, name in qkv_names(args).items():
+                q, k, v = (tensors.pop(f"{p}self_attn.{n}_proj.{kind}") for n in "qkv")
+                sd[f"layers.{i}.{name}"] = fused_qkv(q, k, v, args)
             for hf_name, name in _HF_LAYER_NAMES.items():
                 sd[f"layers.{i}.{name}"] = tensors.pop(p + hf_name)
         except KeyError as e:
@@ -208,11 +246,12 @@ def hf_state_dict(tensors: dict[str, Tensor], args: ModelArgs) -> dict[str, Tens
 
 
 def meta_to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Inverse of ``hf_state_dict``: ``model.py`` names to Hugging Face Llama names, q/k/v
-    split and q/k rows permuted back to HF's rotate-half order. A tied classifier is left out
-    (HF ties it on load)."""
+    """Inverse of ``hf_state_dict``: ``model.py`` names to Hugging Face Llama (Qwen2 with
+    q/k/v biases) names, q/k/v split and q/k rows permuted back to HF's rotate-half order. A
+    tied classifier is left out (HF ties it on load)."""
     top = {new: name for name, new in _HF_TOP_NAMES.items()}
     layer = {new: name for name, new in _HF_LAYER_NAMES.items()}
+    qkv = {name: kind for kind, name in qkv_names(args).items()}
     D = args.head_dim
     out: dict[str, Tensor] = {}
     for name, t in sd.items():
@@ -222,19 +261,20 @@ def meta_to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, T
             continue
         _, i, rest = name.split(".", 2)
         p = f"model.layers.{i}."
-        if rest == "attention.wqkv.weight":
+        if rest in qkv:
             q, k, v = t.split([args.n_heads * D, args.n_kv_heads * D, args.n_kv_heads * D])
-            out[p + "self_attn.q_proj.weight"] = meta_to_hf_rope_rows(q, args.n_heads)
-            out[p + "self_attn.k_proj.weight"] = meta_to_hf_rope_rows(k, args.n_kv_heads)
-            out[p + "self_attn.v_proj.weight"] = v
+            out[f"{p}self_attn.q_proj.{qkv[rest]}"] = meta_to_hf_rope_rows(q, args.n_heads)
+            out[f"{p}self_attn.k_proj.{qkv[rest]}"] = meta_to_hf_rope_rows(k, args.n_kv_heads)
+            out[f"{p}self_attn.v_proj.{qkv[rest]}"] = v
         else:
             out[p + layer[rest]] = t
     return {n: t.contiguous() for n, t in out.items()}
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` (LlamaForCausalLM) for ``args``; ``args_from_hf_config`` reads
-    it back to the same ``ModelArgs``.
+    """A Hugging Face ``config.json`` for ``args`` (Qwen2ForCausalLM for a model with q/k/v
+    biases, else LlamaForCausalLM); ``args_from_hf_config`` reads it back to the same
+    ``ModelArgs``.
 
     Raises:
         ConfigError: RoPE frequency factors (GGUF ``rope_freqs``) that are not Llama 3.1's
@@ -250,9 +290,14 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         rope = LLAMA31_ROPE
     rope_scaling = None if rope is None else {
         "rope_type": rope["type"], **{k: v for k, v in rope.items() if k != "type"}}
+    if args.qkv_bias:  # Qwen2: a window, where there is one, in every layer
+        arch = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                "use_sliding_window": args.sliding_window is not None, "max_window_layers": 0}
+    else:
+        arch = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "attention_bias": False, "mlp_bias": False}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **arch,
         "hidden_size": args.dim,
         "intermediate_size": args.intermediate_size,
         "num_hidden_layers": args.n_layers,
@@ -267,8 +312,6 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_word_embeddings,
         "sliding_window": args.sliding_window,
-        "attention_bias": False,
-        "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -337,19 +380,24 @@ def random_model(args: ModelArgs, device, dtype, seed: int = 0) -> Transformer:
 # GGUF
 
 
-GGUF_ARCHITECTURES = ("llama",)  # Mistral 7B files are labelled llama too
+GGUF_ARCHITECTURES = ("llama", "qwen2")  # Mistral 7B files are labelled llama too
+# Architectures whose q/k rows (and biases) llama.cpp's converter leaves in HF's rotate-half
+# order, as its NEOX RoPE type expects; llama files hold Meta's adjacent-pair order
+GGUF_ROTATE_HALF = ("qwen2",)
+GGUF_QKV_BIAS = ("qwen2",)  # blk.N.attn_{q,k,v}.bias
 
 
 def gguf_args(reader, name: str | None = None) -> ModelArgs:
-    """``ModelArgs`` from a llama-architecture GGUF's metadata.
+    """``ModelArgs`` from a llama- or qwen2-architecture GGUF's metadata.
 
-    Fields (``A`` = ``general.architecture``): ``A.block_count``, ``A.embedding_length``,
-    ``A.feed_forward_length``, ``A.attention.head_count(_kv)``, ``A.attention.key_length`` or
-    ``A.rope.dimension_count`` (head_dim), ``A.context_length``, ``A.rope.freq_base``,
-    ``A.rope.scaling.type``/``.factor`` (linear), ``A.attention.layer_norm_rms_epsilon``. The
-    vocabulary size and the tied classifier (no ``output.weight``) come from the tensors; a
-    ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1 RoPE scaling: one divisor per
-    frequency) becomes ``rope_scaling = {"type": "freq_factors", ...}``.
+    Fields (``A`` = ``general.architecture``, ``llama`` or ``qwen2``): ``A.block_count``,
+    ``A.embedding_length``, ``A.feed_forward_length``, ``A.attention.head_count(_kv)``,
+    ``A.attention.key_length`` or ``A.rope.dimension_count`` (head_dim), ``A.context_length``,
+    ``A.rope.freq_base``, ``A.rope.scaling.type``/``.factor`` (linear),
+    ``A.attention.layer_norm_rms_epsilon``. The vocabulary size and the tied classifier (no
+    ``output.weight``) come from the tensors; a ``rope_freqs.weight`` tensor (llama.cpp's form
+    of Llama 3.1 RoPE scaling: one divisor per frequency) becomes ``rope_scaling = {"type":
+    "freq_factors", ...}``. qwen2 has q/k/v biases (``GGUF_QKV_BIAS``).
 
     Raises:
         ConfigError: another architecture, mixture of experts, partial rotary, an unsupported
@@ -398,6 +446,7 @@ def gguf_args(reader, name: str | None = None) -> ModelArgs:
         rope_scaling=rope_scaling,
         max_seq_len=int(get("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
+        qkv_bias=arch in GGUF_QKV_BIAS,
         name=name or gguf_field(reader, "general.name", None) or arch,
     )
 
@@ -434,9 +483,11 @@ def _dequantize(tensor) -> Tensor:
 
 def gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype | None = None
                     ) -> dict[str, Tensor]:
-    """``model.py``'s state dict from a llama-architecture GGUF: tensors renamed,
-    dequantized one at a time and cast to ``dtype`` (default float32), q/k/v fused. q/k rows
-    stay as stored (Meta's adjacent-pair RoPE order, which llama.cpp's converter writes).
+    """``model.py``'s state dict from a llama- or qwen2-architecture GGUF: tensors renamed,
+    dequantized one at a time and cast to ``dtype`` (default float32), q/k/v fused (weights,
+    and qwen2's biases). llama's q/k rows stay as stored (Meta's adjacent-pair RoPE order,
+    which llama.cpp's converter writes); qwen2's are stored in HF's rotate-half order and
+    permuted like an HF checkpoint's (``GGUF_ROTATE_HALF``).
 
     Raises:
         ConfigError: a missing or unexpected tensor, or an undequantizable type.
@@ -454,10 +505,13 @@ def gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype | None = None
     for name, new in _GGUF_TOP_NAMES.items():
         if name in tensors or name != "output.weight":
             sd[new] = take(name)
+    rotate_half = gguf_field(reader, "general.architecture") in GGUF_ROTATE_HALF
     for i in range(args.n_layers):
         p = f"blk.{i}."
-        sd[f"layers.{i}.attention.wqkv.weight"] = torch.cat(
-            [take(p + "attn_q.weight"), take(p + "attn_k.weight"), take(p + "attn_v.weight")])
+        for kind, name in qkv_names(args).items():
+            q, k, v = (take(f"{p}attn_{n}.{kind}") for n in "qkv")
+            sd[f"layers.{i}.{name}"] = (fused_qkv(q, k, v, args) if rotate_half
+                                        else torch.cat([q, k, v]))
         for name, new in _GGUF_LAYER_NAMES.items():
             sd[f"layers.{i}.{new}"] = take(p + name)
     if tensors:
@@ -467,7 +521,8 @@ def gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype | None = None
 
 def load_gguf(path: str | Path, dtype: torch.dtype | None = None
               ) -> tuple[ModelArgs, dict[str, Tensor]]:
-    """Config and state dict (``dtype``, default float32) of a llama-architecture GGUF file.
+    """Config and state dict (``dtype``, default float32) of a llama- or qwen2-architecture
+    GGUF file.
 
     Raises:
         ConfigError: see ``open_gguf``, ``gguf_args`` and ``gguf_state_dict``.
@@ -646,11 +701,20 @@ def _is_gguf_path(checkpoint: str) -> bool:
 
 
 def check_new_directory(out: str | Path) -> Path:
-    """``out`` as a Path; ConfigError when it exists and is not an empty directory (called
-    before expensive work, and again by ``write_directory``)."""
+    """``out`` as a Path; ConfigError when it exists and is not an empty directory, or when it
+    cannot be made: its nearest existing ancestor is not a directory, or not writable (called
+    before expensive work, and again by ``write_directory``; nothing is created here)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty directory")
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--out {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {parent} is not writable (permissions or a read-only "
+                          "filesystem)")
     return out
 
 

@@ -144,10 +144,13 @@ def weight_bytes_per_step(model: Transformer) -> int:
 
 
 def float_weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
-    """Bytes of a float model of shape ``args`` in ``dtype`` (a tied classifier counted once)."""
+    """Bytes of a float model of shape ``args`` in ``dtype`` (a tied classifier counted once;
+    q/k/v biases where ``args.qkv_bias``)."""
     D = args.head_dim
-    per_layer = (args.dim * (args.n_heads + 2 * args.n_kv_heads) * D + args.n_heads * D * args.dim
-                 + 3 * args.dim * args.intermediate_size + 2 * args.dim)
+    qkv = (args.n_heads + 2 * args.n_kv_heads) * D
+    per_layer = (args.dim * qkv + args.n_heads * D * args.dim
+                 + 3 * args.dim * args.intermediate_size + 2 * args.dim
+                 + (qkv if args.qkv_bias else 0))
     tables = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2)
     return (args.n_layers * per_layer + tables + args.dim) * dtype.itemsize
 

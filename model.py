@@ -1,4 +1,4 @@
-"""One-file Llama/Mistral transformer for decoding with a pluggable KV cache.
+"""One-file Llama/Mistral/Qwen2 transformer for decoding with a pluggable KV cache.
 
 The model knows nothing about KV-cache compression: every attention layer computes q, k, v,
 rotates q and k at the tokens' true positions, and hands them to its cache object
@@ -15,7 +15,8 @@ Two entry points:
   depend on data, so it compiles once (``torch.compile(fullgraph=True)``, CUDA graphs on GPU).
 
 RoPE uses Meta's layout (adjacent pairs rotate together); Hugging Face checkpoints, which use the
-rotate-half layout, are permuted on load (``checkpoint.py``).
+rotate-half layout, are permuted on load (``checkpoint.py``). Qwen2 is Llama with biases on the
+q, k and v projections (``ModelArgs.qkv_bias``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelArgs:
-    """Shape and numerics of a Llama-family decoder.
+    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2).
 
     Attributes:
         dim: hidden size.
@@ -54,9 +55,12 @@ class ModelArgs:
             ``factors``, one divisor per frequency, as llama.cpp's ``rope_freqs`` tensor).
         max_seq_len: context length in tokens (``max_position_embeddings``).
         tie_word_embeddings: the classifier shares the token embedding matrix.
-        sliding_window: Mistral's sliding-window attention span (tokens), or None. The engine
-            attends to the whole context, which equals sliding-window attention only while a
-            run's sequence fits in the window: longer runs are refused (``setup_caches``).
+        sliding_window: the sliding-window attention span (tokens) of Mistral, or of Qwen2 when
+            its config enables it; None for full attention. The engine attends to the whole
+            context, which equals sliding-window attention only while a run's sequence fits in
+            the window: longer runs are refused (``setup_caches``).
+        qkv_bias: the q, k and v projections add a bias (Qwen2); the output projection and the
+            MLP never do.
         name: the config's name, for reports.
     """
 
@@ -73,6 +77,7 @@ class ModelArgs:
     max_seq_len: int = 4096
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    qkv_bias: bool = False
     name: str = "custom"
 
     def __post_init__(self):
@@ -140,6 +145,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "stories260K": dict(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, intermediate_size=172,
                         vocab_size=512, rope_theta=10000.0, max_seq_len=512, norm_eps=1e-5,
                         tie_word_embeddings=True),
+    # Qwen2.5 Instruct (sliding window off in both config.json files)
+    "qwen2.5-7b": dict(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, intermediate_size=18944,
+                       vocab_size=152064, rope_theta=1e6, max_seq_len=32768, norm_eps=1e-6,
+                       qkv_bias=True),
+    "qwen2.5-0.5b": dict(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, intermediate_size=4864,
+                         vocab_size=151936, rope_theta=1e6, max_seq_len=32768, norm_eps=1e-6,
+                         tie_word_embeddings=True, qkv_bias=True),
 }
 
 
@@ -238,9 +250,14 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        # q, k and v in one matmul (fewer kernels in the decode step)
-        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim,
-                              bias=False)
+        # q, k and v in one matmul (fewer kernels in the decode step); rows: q (H * D), then
+        # k (H_kv * D), then v (H_kv * D)
+        qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=False)
+        # Qwen2's q/k/v biases, one per row of wqkv: a parameter of its own rather than
+        # wqkv.bias, so that quantize.py's int8/int4 layers replace wqkv and the bias stays float
+        self.register_parameter("wqkv_bias", nn.Parameter(torch.zeros(qkv_dim))
+                                if args.qkv_bias else None)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.kv_cache = None  # a kv_cache.KVCache, set by Transformer.setup_caches
 
@@ -255,8 +272,10 @@ class Attention(nn.Module):
         """Project and rotate. ``x`` (B, T, dim) -> q (B, H, T, D), k and v (B, H_kv, T, D)."""
         B, T, _ = x.shape
         D = self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_heads * D, self.n_kv_heads * D,
-                                      self.n_kv_heads * D], dim=-1)
+        qkv = self.wqkv(x)  # (B, T, (H + 2 H_kv) D)
+        if self.wqkv_bias is not None:
+            qkv = qkv + self.wqkv_bias
+        q, k, v = qkv.split([self.n_heads * D, self.n_kv_heads * D, self.n_kv_heads * D], dim=-1)
         q = apply_rope(q.view(B, T, self.n_heads, D), rope)  # (B, T, H, D)
         k = apply_rope(k.view(B, T, self.n_kv_heads, D), rope)  # (B, T, H_kv, D)
         v = v.view(B, T, self.n_kv_heads, D)
@@ -265,7 +284,7 @@ class Attention(nn.Module):
     def q_proj(self, x: Tensor, rope: Tensor) -> Tensor:
         """Queries only (prefill): ``x`` (B, T, dim) -> q (B, H, T, D), rotated."""
         B, T, _ = x.shape
-        q = linear_rows(self.wqkv, x, 0, self.n_heads * self.head_dim)  # the q rows
+        q = self.project(x, 0, self.n_heads * self.head_dim)  # the q rows
         q = q.view(B, T, self.n_heads, self.head_dim)
         return apply_rope(q, rope).transpose(1, 2)
 
@@ -273,9 +292,15 @@ class Attention(nn.Module):
         """Keys (rotated) and values only (prefill): ``x`` (B, T, dim) -> (B, H_kv, T, D)."""
         B, T, _ = x.shape
         D = self.head_dim
-        kv = linear_rows(self.wqkv, x, self.n_heads * D, self.wqkv.out_features)
+        kv = self.project(x, self.n_heads * D, self.wqkv.out_features)  # the k and v rows
         k, v = kv.view(B, T, 2 * self.n_kv_heads, D).split(self.n_kv_heads, dim=2)
         return apply_rope(k, rope).transpose(1, 2), v.transpose(1, 2)
+
+    def project(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` of the q/k/v projection, bias included: ``x`` (B, T, dim) ->
+        (B, T, stop - start)."""
+        y = linear_rows(self.wqkv, x, start, stop)
+        return y if self.wqkv_bias is None else y + self.wqkv_bias[start:stop]
 
     def out(self, y: Tensor) -> Tensor:
         """Output projection. ``y`` (B, H, T, D) -> (B, T, dim)."""
@@ -348,7 +373,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Llama/Mistral decoder. Call ``setup_caches`` before ``prefill``/``forward``."""
+    """Llama/Mistral/Qwen2 decoder. Call ``setup_caches`` before ``prefill``/``forward``."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

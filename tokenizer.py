@@ -671,8 +671,15 @@ DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "command-r", "
 GPT2_ONLY = ("gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe")
 LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3")  # also ignores merges, adds BOS
 LLAMA3_REGEX_PRE = ("dbrx", "smaug-bpe")
+QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez")  # llama.cpp's QWEN2 type
 LLAMA_CPP_DEFAULT = ("default",)  # and a file without tokenizer.ggml.pre
-SUPPORTED_PRE = DIGITS_THEN_GPT2 + GPT2_ONLY + LLAMA3_PRE + LLAMA3_REGEX_PRE + LLAMA_CPP_DEFAULT
+SUPPORTED_PRE = (DIGITS_THEN_GPT2 + GPT2_ONLY + LLAMA3_PRE + LLAMA3_REGEX_PRE + QWEN2_PRE
+                 + LLAMA_CPP_DEFAULT)
+# Qwen2's split (its tokenizer.json; llama.cpp's QWEN2 pre-tokenizer): Llama 3's, but each digit
+# alone. No NFC normalization (tokenizer.json has one): llama.cpp and transformers' GGUF
+# tokenizer apply none
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _bpe_pre_tokenizer(pre: str):
@@ -698,6 +705,8 @@ def _bpe_pre_tokenizer(pre: str):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in LLAMA3_PRE + LLAMA3_REGEX_PRE:
         return pre_tokenizers.Sequence([split(LLAMA3_PATTERN), byte_level])
+    if pre in QWEN2_PRE:
+        return pre_tokenizers.Sequence([split(QWEN2_PATTERN), byte_level])
     if pre in LLAMA_CPP_DEFAULT:  # llama.cpp's default BPE pre-tokenization
         return pre_tokenizers.Sequence([split(r"[\p{P}\$\+<=>\^~\|]+"), split(GPT2_PATTERN),
                                         split(r"\p{N}+"), split(r"[0-9][0-9][0-9]"), byte_level])

@@ -1,10 +1,11 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face model directory.
+"""Convert a llama- or qwen2-architecture GGUF file into a Hugging Face model directory.
 
     python scripts/convert_gguf.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
         [--dtype float32|bfloat16|float16]
 
 The output is what ``transformers`` and ``generate.py --checkpoint DIR`` both load:
-``config.json`` (LlamaForCausalLM), ``generation_config.json`` (BOS and the EOS ids),
+``config.json`` (LlamaForCausalLM or Qwen2ForCausalLM), ``generation_config.json`` (BOS and
+the EOS ids),
 ``model.safetensors`` (dequantized weights in HF names, q/k rows in HF's rotate-half order),
 ``tokenizer.json`` and ``tokenizer_config.json`` (the GGUF's own tokenizer and chat template).
 The default float32 keeps the dequantized values exactly (a 4-bit value times its block scale
@@ -66,7 +67,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = tor
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", metavar="GGUF",
-                   help="llama-architecture GGUF file (required)")
+                   help="llama- or qwen2-architecture GGUF file (required)")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="dtype of the written weights (default float32: exact)")

@@ -498,6 +498,8 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating(monkeypatch, capsys)
         measure.weight_bytes(random_model(untied, "cpu", torch.bfloat16))
     big = ModelArgs.from_name("llama-3.1-8b")
     assert abs(measure.float_weight_bytes(big, torch.bfloat16) / 1e9 - 16.06) < 0.01  # 8.03B params
+    qwen = ModelArgs.from_name("qwen2.5-0.5b")  # q/k/v biases, tied classifier
+    assert measure.float_weight_bytes(qwen, torch.float32) == 494_032_768 * 4
     monkeypatch.setattr(measure, "available_bytes", lambda device: 24 * 2**30)
     rc = g.main(["--checkpoint", "random:llama-3.1-8b", "--device", "cpu", "--prompt-tokens",
                  "1024", "--max-new-tokens", "8"])

@@ -84,9 +84,11 @@ def tiny_hf():
 
 def write_gguf(path, hf_model, qtype=Q.F32, arch="llama", extra_tensors=(), untie=True,
                raw_types=None):
-    """A GGUF as llama.cpp's converter writes it: q/k rows permuted to Meta's order.
+    """A GGUF as llama.cpp's converter writes it: llama's q/k rows permuted to Meta's order;
+    qwen2's left in HF's order, with its q/k/v biases (``blk.N.attn_q.bias``...) in float32.
     ``raw_types`` {name: type}: that tensor is written as zero bytes of that type."""
     cfg, sd = hf_model.config, hf_model.state_dict()
+    qwen2 = arch == "qwen2"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -95,7 +97,7 @@ def write_gguf(path, hf_model, qtype=Q.F32, arch="llama", extra_tensors=(), unti
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
 
@@ -114,16 +116,17 @@ def write_gguf(path, hf_model, qtype=Q.F32, arch="llama", extra_tensors=(), unti
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
 
     H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    rope_rows = (lambda w, n: w) if qwen2 else hf_to_meta_rope_rows
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     add("output_norm.weight", sd["model.norm.weight"])
     if untie:
         add("output.weight", sd["lm_head.weight"])
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        add(f"blk.{i}.attn_q.weight", hf_to_meta_rope_rows(sd[p + "self_attn.q_proj.weight"], H))
-        add(f"blk.{i}.attn_k.weight",
-            hf_to_meta_rope_rows(sd[p + "self_attn.k_proj.weight"], Hkv))
-        add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        for kind in ("weight", "bias") if qwen2 else ("weight",):
+            add(f"blk.{i}.attn_q.{kind}", rope_rows(sd[f"{p}self_attn.q_proj.{kind}"], H))
+            add(f"blk.{i}.attn_k.{kind}", rope_rows(sd[f"{p}self_attn.k_proj.{kind}"], Hkv))
+            add(f"blk.{i}.attn_v.{kind}", sd[f"{p}self_attn.v_proj.{kind}"])
         add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
         add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
         add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
@@ -203,8 +206,8 @@ def test_rope_freqs_tensor_is_llama31_scaling(tmp_path, tiny_hf):
 
 
 def test_other_architecture_is_refused(tmp_path, tiny_hf):
-    path = write_gguf(tmp_path / "qwen.gguf", tiny_hf, arch="qwen2")
-    with pytest.raises(ConfigError, match="unsupported architecture in GGUF: 'qwen2'"):
+    path = write_gguf(tmp_path / "phi3.gguf", tiny_hf, arch="phi3")
+    with pytest.raises(ConfigError, match="unsupported architecture in GGUF: 'phi3'"):
         load_model(str(path), "cpu", torch.float32)
 
 

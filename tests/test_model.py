@@ -32,13 +32,16 @@ def make_hf_model(tmp_path, cls_name, kwargs, seed=0, **save_kwargs):
     torch.manual_seed(seed)
     cfg_cls = getattr(transformers, cls_name)
     model_cls = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))
-    cfg = cfg_cls(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                  max_position_embeddings=256, rms_norm_eps=1e-5, **kwargs)
+    cfg = cfg_cls(**{**dict(vocab_size=97, hidden_size=64, intermediate_size=112,
+                            num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5),
+                     **kwargs})
     model = model_cls(cfg).eval()
-    with torch.no_grad():  # norms away from 1 so their weights matter
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # norms away from 1 and biases (Qwen2's q/k/v) away from 0, so
+        for name, p in model.named_parameters():  # their weights matter
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 1.0)
     model.save_pretrained(tmp_path, safe_serialization=True, **save_kwargs)
     return model
 

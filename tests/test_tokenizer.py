@@ -216,6 +216,8 @@ LLAMA_CPP_REGEXES = {  # llama.cpp's llm_tokenizer_bpe regex lists, applied one 
     "llama-bpe": [r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?"
                   r"\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
     "default": [r"[\p{P}\$\+<=>\^~\|]+", LLAMA_CPP_GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
+    "qwen2": [r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?"
+              r"\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
 }
 
 
@@ -475,9 +477,9 @@ def test_bad_gguf_files(tmp_path):
     assert not tok.add_bos and tok.bos_id is None
     with pytest.raises(ConfigError, match="'bert'.*not supported"):
         load_tokenizer(write_gguf(tmp_path / "bert.gguf", "bert", tokens))
-    with pytest.raises(ConfigError, match="'qwen2'.*supported: smollm"):
+    with pytest.raises(ConfigError, match="'qwen35'.*supported: smollm"):
         load_tokenizer(write_gguf(tmp_path / "qwen.gguf", "gpt2", tokens, types=[3, 1, 1, 1],
-                                  merges=["a b"], pre="qwen2"))
+                                  merges=["a b"], pre="qwen35"))
     none = write_gguf(tmp_path / "none.gguf")
     assert not has_tokenizer(none)  # a GGUF without tokenizer metadata has none
     with pytest.raises(ConfigError, match="has no tokenizer"):
