@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from gguf_reader import MISSING, gguf_field, is_gguf, open_gguf
-from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, rope_inv_freq
+from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, meta_transformer, rope_inv_freq
 from quantized import QUANT_CONFIG, load_quantized
 
 NATIVE_CONFIG = "model_args.json"
@@ -322,8 +322,7 @@ def _materialize(args: ModelArgs, state_dict: dict[str, Tensor], device, dtype,
     ``model``: one built on the meta device whose quantized layers are already real
     (``quantized.load_quantized``); only its meta parameters are loaded here."""
     if model is None:
-        with torch.device("meta"):
-            model = Transformer(args)
+        model = meta_transformer(args)
     tied = args.tie_word_embeddings and isinstance(model.output, torch.nn.Linear)
     if tied:
         state_dict.pop("output.weight", None)
@@ -351,8 +350,7 @@ def random_model(args: ModelArgs, device, dtype, seed: int = 0) -> Transformer:
     """Model of shape ``args`` with random weights (N(0, 0.02); norms 1), built on ``device``
     directly in ``dtype`` (no float32 copy first). Models over 1 GiB show a progress bar on
     stderr while their weights are drawn (minutes for an 8B model on a CPU)."""
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = meta_transformer(args)
     model = model.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     params = list(model.named_parameters())
@@ -463,21 +461,58 @@ _GGUF_TOP_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.we
                    "norm.weight", "output.weight": "output.weight"}
 
 
+# GGUF block formats dequantized in torch: (bytes, values) per block of 32 values
+TORCH_DEQUANT = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32)}
+
+
+def dequantize_blocks(raw, kind: str) -> Tensor:
+    """GGUF blocks of ``kind`` (``TORCH_DEQUANT``) as float32, vectorized in torch: the same
+    values, bit for bit, as the ``gguf`` package's numpy code (tests/test_gguf.py), about 4x
+    faster (SmolLM2's file: 0.4 s instead of 1.4 s on the 2-core VM).
+
+    Block layouts (ggml-common.h): Q8_0 = f16 scale d, 32 int8 q: d q; Q4_0 = d, 16 bytes of
+    4-bit q (low nibbles the first 16 values, high nibbles the next 16): d (q - 8); Q4_1 = d,
+    f16 minimum m, 16 bytes as Q4_0: d q + m.
+
+    Args:
+        raw: uint8 array (..., n_blocks * block bytes), a GGUF tensor's ``data``.
+    Returns:
+        float32 (..., n_blocks * 32).
+    """
+    nbytes, n = TORCH_DEQUANT[kind]
+    b = torch.from_numpy(raw.copy()).reshape(-1, nbytes)  # a copy: the mapping is read-only
+    d = b[:, :2].contiguous().view(torch.float16).float()  # (blocks, 1)
+    if kind == "Q8_0":
+        out = d * b[:, 2:].contiguous().view(torch.int8).float()
+    else:
+        qs = b[:, 4:] if kind == "Q4_1" else b[:, 2:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()  # (blocks, 32)
+        if kind == "Q4_1":
+            out = d * q + b[:, 2:4].contiguous().view(torch.float16).float()
+        else:
+            out = d * (q - 8)
+    return out.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * n)
+
+
 def _dequantize(tensor) -> Tensor:
-    """One GGUF tensor as float32, shaped (out, in) like ``nn.Linear.weight``.
+    """One GGUF tensor as float32, shaped (out, in) like ``nn.Linear.weight``: the block
+    formats of ``TORCH_DEQUANT`` in torch, the rest by the ``gguf`` package.
 
     Raises:
         ConfigError: a quantization type the ``gguf`` package cannot dequantize.
     """
     import gguf
 
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dim first
+    kind = tensor.tensor_type.name
+    if kind in TORCH_DEQUANT:
+        return dequantize_blocks(tensor.data, kind).reshape(shape)
     try:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
         raise ConfigError(f"tensor {tensor.name} has quantization type "
                           f"{tensor.tensor_type.name}, which the gguf package cannot "
                           "dequantize") from None
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dim first
     return torch.from_numpy(values.astype("float32", copy=True).reshape(shape))
 
 

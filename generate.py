@@ -47,6 +47,7 @@ from compression import (
     METHODS,
     add_method_options,
     build_caches,
+    check_budget,
     check_options,
     given_options,
     help_epilog,
@@ -283,7 +284,8 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
              warmup_steps: int = WARMUP_STEPS, reserve_tokens: int = 0,
              continue_conversation: bool = False,
              prefilled: PrefilledPrompt | None = None, on_token=None,
-             stop_check_every: int = 1, compile_dynamic: bool | None = None) -> dict[str, Any]:
+             stop_check_every: int = 1, compile_dynamic: bool | None = None,
+             on_prefill_layer=None) -> dict[str, Any]:
     """Prefill ``prompt``, then decode until a stop token, ``max_new_tokens`` or the context end.
 
     Args:
@@ -315,6 +317,8 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
             the prompt; the chunk attends to the cache as the method left it (``KVCache.append``:
             an evicting method's earlier prompt stays compressed), then decoding goes on.
             With ``method="full"`` this equals one prefill of the whole conversation.
+        on_prefill_layer: called with i after prefill layer i (progress; not called when
+            the caches are built from ``prefilled``).
         on_token: called after every generated token with the tokens so far, (B, n) int64 on
             the model's device (a host sync per step: for streaming output, not for timing).
             Ctrl-C (KeyboardInterrupt) during decoding ends the run early: the result holds
@@ -351,13 +355,14 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     if continue_conversation:
         if prefilled is not None:
             raise ConfigError("prefilled applies to the first turn, not to a continuation")
-        turn = _next_turn(model, prompt, max_new_tokens)
+        turn = _next_turn(model, prompt, max_new_tokens, on_prefill_layer)
     else:
         spec = {"method": method, "budget": budget, "batch_size": prompt.shape[0],
                 "prompt_len": prompt.shape[1], "new_tokens": reserve_tokens,
                 "dtype": model.tok_embeddings.weight.dtype, "device": device,
                 "options": dict(method_options or {})}
-        turn = _first_turn(model, prompt, spec, max_new_tokens, prefilled, meter)
+        turn = _first_turn(model, prompt, spec, max_new_tokens, prefilled, meter,
+                           on_prefill_layer)
     peak_setup = meter.peak()
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
@@ -404,7 +409,7 @@ class _Turn:
 
 
 def _first_turn(model: Transformer, prompt: Tensor, spec: dict[str, Any], max_new_tokens: int,
-                prefilled: PrefilledPrompt | None, meter: MemoryMeter) -> _Turn:
+                prefilled: PrefilledPrompt | None, meter: MemoryMeter, on_layer=None) -> _Turn:
     """The caches of ``spec`` for ``prompt`` (``spec["new_tokens"]`` holds the reserve, to
     which the new tokens are added), prefilled by the model or from ``prefilled``."""
     T, context = prompt.shape[1], model.args.max_seq_len
@@ -421,10 +426,12 @@ def _first_turn(model: Transformer, prompt: Tensor, spec: dict[str, Any], max_ne
     if prefilled is not None:
         return _Turn(state, prompt, 0, new_tokens, lambda: store_prefilled(model, prefilled),
                      "context_length", shared=True)
-    return _Turn(state, prompt, 0, new_tokens, lambda: model.prefill(prompt), "context_length")
+    return _Turn(state, prompt, 0, new_tokens, lambda: model.prefill(prompt, on_layer=on_layer),
+                 "context_length")
 
 
-def _next_turn(model: Transformer, prompt: Tensor, max_new_tokens: int) -> _Turn:
+def _next_turn(model: Transformer, prompt: Tensor, max_new_tokens: int,
+               on_layer=None) -> _Turn:
     """The next turn of the conversation the previous ``generate`` call left in the caches:
     its pending token, then ``prompt``, fed at the conversation's position."""
     state = _cache_state(model)
@@ -444,8 +451,8 @@ def _next_turn(model: Transformer, prompt: Tensor, max_new_tokens: int) -> _Turn
                           f"token) exceeds the conversation's room ({room} tokens); pass "
                           "a larger reserve_tokens to the first call")
     new_tokens = min(max_new_tokens, room - chunk.shape[1] + 1)
-    return _Turn(state, chunk, start, new_tokens, lambda: model.prefill(chunk, start=start),
-                 "reserve")
+    return _Turn(state, chunk, start, new_tokens,
+                 lambda: model.prefill(chunk, start=start, on_layer=on_layer), "reserve")
 
 
 def _report(model: Transformer, spec: dict[str, Any], prompt: Tensor, run: dict[str, Any],
@@ -577,7 +584,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the text as it is decoded (default; batch 1 with a tokenizer). "
                         "A host sync per token: --no-stream for timing runs")
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no prefill progress bar (shown on stderr when it is a terminal and "
+                        f"the prompt has at least {PROGRESS_TOKENS} tokens)")
     return p
+
+
+PROGRESS_TOKENS = 512  # prompts from this many tokens show a prefill progress bar
+
+
+def prefill_bar(n_layers: int, tokens: int, disabled: bool):
+    """A tqdm bar over the prefill's layers on stderr, or None: with ``disabled``
+    (``--no-progress``), a prompt under ``PROGRESS_TOKENS`` tokens, a stderr that is not a
+    terminal, or no tqdm installed."""
+    if disabled or tokens < PROGRESS_TOKENS or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=n_layers, desc=f"prefill {tokens} tokens", unit="layer", leave=False,
+                file=sys.stderr)
+
+
+def _bar_step(bar):
+    return lambda i: bar.update()
 
 
 class TextStreamer:
@@ -681,8 +712,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     try:
-        if args.budget is not None and args.budget <= 0:
-            raise ConfigError(f"--budget must be a positive number of tokens, got {args.budget}")
         check_positive(args, "max_new_tokens", "batch_size", "prompt_tokens", "top_k",
                        "threads")
         if args.threads:
@@ -693,9 +722,7 @@ def _main(args: argparse.Namespace) -> int:
             raise ConfigError(f"--temperature must be a finite number >= 0, got "
                               f"{args.temperature}")
         method = METHODS[args.method]
-        if args.budget is not None and not method.budgeted:
-            raise ConfigError(f"method {args.method} reads every cached token and takes no "
-                              "--budget")
+        check_budget(args.method, args.budget)
         options = given_options(args)
         if not method.budgeted and options:
             raise ConfigError(f"method {args.method} takes no method options "
@@ -759,11 +786,17 @@ def _main(args: argparse.Namespace) -> int:
             tok.chat_stop_ids if args.chat else tok.stop_ids)
         streamer = TextStreamer(tok, stop_ids) if (
             tok is not None and args.batch_size == 1 and args.stream) else None
-        result = generate(model, prompt, method=args.method, budget=args.budget,
-                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          stop_ids=stop_ids, compile=compile, method_options=options,
-                          on_token=streamer)
+        bar = prefill_bar(model.args.n_layers, len(ids), args.no_progress)
+        try:
+            result = generate(model, prompt, method=args.method, budget=args.budget,
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              stop_ids=stop_ids, compile=compile, method_options=options,
+                              on_token=streamer,
+                              on_prefill_layer=None if bar is None else _bar_step(bar))
+        finally:
+            if bar is not None:
+                bar.close()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

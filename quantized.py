@@ -57,7 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import ConfigError, ModelArgs, Transformer
+from model import ConfigError, ModelArgs, Transformer, meta_transformer
 
 MODES = ("int8", "int4")
 CLASSIFIER_CHOICES = ("int8", "same", "float")  # --classifier
@@ -404,8 +404,7 @@ def load_quantized(args: ModelArgs, tensors: dict[str, Tensor], config: dict[str
                           f"reads format_version {FORMAT_VERSION}, modes {', '.join(MODES)}")
     suffixes = {"int8": ("int8_weight", "int8_scales"),
                 "int4": ("int4_weight", "int4_scales_and_zeros")}
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = meta_transformer(args)
     linears = config.get("linears", {})
     for name, m in linears.items():
         if m not in MODES:

@@ -320,6 +320,17 @@ def smallest_budget(method: str, prompt_len: int, new_tokens: int, args: ModelAr
     return None
 
 
+def check_budget(method: str, budget: int | None) -> None:
+    """ConfigError when ``budget`` does not suit ``method`` whatever the prompt: not positive,
+    given to an unbudgeted method, or missing for a budgeted one."""
+    if budget is not None and budget <= 0:
+        raise ConfigError(f"--budget must be a positive number of tokens, got {budget}")
+    if not METHODS[method].budgeted and budget is not None:
+        raise ConfigError(f"method {method} reads every cached token and takes no --budget")
+    if METHODS[method].budgeted and budget is None:
+        raise ConfigError(f"method {method} needs --budget (tokens per decode step)")
+
+
 def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
          budget: int | None, **options) -> dict[str, Any] | None:
     """Every check of a run of ``method`` that needs no weights and no memory: the parameters
@@ -336,16 +347,11 @@ def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
         raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     m = METHODS[method]
     T, new = prompt_len, max_new_tokens
-    if budget is not None and budget <= 0:
-        raise ConfigError(f"--budget must be a positive number of tokens, got {budget}")
+    check_budget(method, budget)
     check_options(method, options)
     options = {k: v for k, v in options.items() if v is not None and v is not False}
     if not m.budgeted:
-        if budget is not None:
-            raise ConfigError(f"method {method} reads every cached token and takes no --budget")
         return None
-    if budget is None:
-        raise ConfigError(f"method {method} needs --budget (tokens per decode step)")
     skip = options.get("skip_layers") or 0
     if not 0 <= skip <= args.n_layers:
         raise ConfigError(f"--skip-layers must lie in [0, {args.n_layers}], got {skip}")

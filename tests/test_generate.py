@@ -81,7 +81,7 @@ def test_decode_step_compiles_once_without_graph_breaks(stories_model):
     eager = generate(stories_model, [1, 403, 407, 261], max_new_tokens=24)
     prefills = []
     real_prefill = stories_model.prefill
-    stories_model.prefill = lambda tokens: prefills.append(1) or real_prefill(tokens)
+    stories_model.prefill = lambda tokens, **kw: prefills.append(1) or real_prefill(tokens, **kw)
     try:
         for _ in range(2):
             r = generate(stories_model, [1, 403, 407, 261], max_new_tokens=24, compile=True,
@@ -573,3 +573,31 @@ def test_a_run_that_replaces_the_caches_resets_its_memory_peak_after_freeing_the
     assert all(a is not b for a, b in zip(old, model.caches))
     g._prepare_caches(model, dict(spec, method="streamingllm", budget=8), Meter())  # reused
     assert len(resets) == 2
+
+
+def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(stories_model,
+                                                                             monkeypatch):
+    import io
+
+    import generate as g
+
+    seen = []
+    generate(stories_model, list(range(1, 40)), max_new_tokens=2, reserve_tokens=8,
+             on_prefill_layer=seen.append)
+    assert seen == list(range(stories_model.args.n_layers))
+    seen.clear()  # a continuation's chunk is prefilled layer by layer too
+    generate(stories_model, [5, 6], continue_conversation=True, max_new_tokens=1,
+             on_prefill_layer=seen.append)
+    assert seen == list(range(stories_model.args.n_layers))
+    monkeypatch.setattr(g.sys, "stderr", io.StringIO())  # not a terminal
+    assert g.prefill_bar(5, 4096, disabled=False) is None
+    tty = io.StringIO()
+    tty.isatty = lambda: True
+    monkeypatch.setattr(g.sys, "stderr", tty)
+    assert g.prefill_bar(5, 4096, disabled=True) is None
+    assert g.prefill_bar(5, g.PROGRESS_TOKENS - 1, disabled=False) is None
+    bar = g.prefill_bar(5, 4096, disabled=False)
+    for i in range(5):
+        g._bar_step(bar)(i)
+    assert bar.n == 5 and "prefill 4096 tokens" in tty.getvalue()
+    bar.close()

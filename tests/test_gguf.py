@@ -169,6 +169,42 @@ def test_quantization_types_match_transformers(tmp_path, tiny_hf, qtype):
         assert (got - original).abs().max() < 0.2 * original.abs().max()
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_torch_dequantization_equals_the_gguf_package_bit_for_bit(kind):
+    """checkpoint.dequantize_blocks (torch, vectorized) against gguf.quants.dequantize (the
+    package's numpy reference) on random weights quantized by the package, odd row counts and
+    a 1-D tensor included."""
+    import numpy as np
+
+    from checkpoint import dequantize_blocks
+
+    rng = np.random.default_rng(0)
+    for shape in [(7, 96), (3, 32), (64,)]:
+        x = (rng.standard_normal(shape) * rng.uniform(0.01, 3)).astype(np.float32)
+        raw = gguf.quants.quantize(x, getattr(Q, kind))
+        expected = gguf.quants.dequantize(raw, getattr(Q, kind))
+        got = dequantize_blocks(raw, kind)
+        assert got.dtype == torch.float32 and tuple(got.shape) == expected.shape
+        assert np.array_equal(got.numpy(), expected), (kind, shape)
+
+
+def test_the_gguf_reader_parses_like_the_package(tmp_path, tiny_hf):
+    """gguf_reader.open_gguf (the package's reader over a plain view of the mapping) gives the
+    package's own fields and tensors."""
+    from gguf_reader import open_gguf
+
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_hf, Q.Q4_1)
+    ours, ref = open_gguf(path), gguf.GGUFReader(path)
+    assert type(ours) is not gguf.GGUFReader and isinstance(ours, gguf.GGUFReader)
+    assert list(ours.fields) == list(ref.fields)
+    for name, field in ref.fields.items():
+        assert ours.fields[name].contents() == field.contents(), name
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape)) for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.data.tobytes() == b.data.tobytes(), a.name
+
+
 def test_tied_classifier_when_the_file_has_no_output_weight(tmp_path, tiny_hf):
     path = write_gguf(tmp_path / "tied.gguf", tiny_hf, untie=False)
     m = load_model(str(path), "cpu", torch.float32)
