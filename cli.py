@@ -21,9 +21,25 @@ from typing import Any
 
 import torch
 
+import kernels
 from model import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_kernels_option(p: argparse.ArgumentParser) -> None:
+    """``--kernels {auto,off}``: the fused Triton kernels of the selecting methods' decode
+    step (``kernels/``) on CUDA (auto, the default) or the PyTorch path everywhere (off: the
+    comparison the kernels are measured against). ``ROCKETKV_KERNELS=0`` is the same as off."""
+    p.add_argument("--kernels", choices=["auto", "off"], default=None,
+                   help="fused Triton kernels for the sparse decode step on CUDA (auto, "
+                        "default) or the PyTorch path (off)")
+
+
+def apply_kernels_option(args: argparse.Namespace) -> None:
+    """Set the kernel mode ``--kernels`` names (nothing when it was not given)."""
+    if getattr(args, "kernels", None):
+        kernels.set_mode(args.kernels)
 
 
 class OneLineParser(argparse.ArgumentParser):

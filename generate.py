@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import kernels
 from checkpoint import (
     KNOWN_CHECKPOINTS,
     RANDOM_PREFIX,
@@ -37,6 +38,8 @@ from checkpoint import (
 from cli import (
     DTYPES,
     OneLineParser,
+    add_kernels_option,
+    apply_kernels_option,
     check_json_path,
     check_positive,
     read_prompt,
@@ -175,6 +178,14 @@ def _cache_state(model: Transformer) -> _CacheState | None:
     return state
 
 
+def release_caches(model: Transformer) -> None:
+    """Detach and drop the caches of ``model`` (the next ``generate`` builds new ones), so
+    their memory is free for something else (``scripts/bench.py``'s rows of other engines)."""
+    _STATES.pop(model, None)
+    for layer in model.layers:
+        layer.attention.kv_cache = None
+
+
 def _prepare_caches(model: Transformer, spec: dict[str, Any],
                     meter: MemoryMeter | None = None) -> _CacheState:
     """Attach caches for ``spec``; reuse the model's current ones when ``generate`` built them
@@ -187,9 +198,7 @@ def _prepare_caches(model: Transformer, spec: dict[str, Any],
     if state is not None and state.spec == spec:
         state.conversation = None
         return state
-    _STATES.pop(model, None)
-    for layer in model.layers:  # free the old buffers before allocating new ones
-        layer.attention.kv_cache = None
+    release_caches(model)  # free the old buffers before allocating new ones
     if meter is not None:
         if meter.cuda:
             torch.cuda.empty_cache()
@@ -390,6 +399,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     result["peak_memory_bytes"]["total"] = max(peak_setup, result["peak_memory_bytes"]["total"])
     result["peak_memory_kind"] = meter.kind
     result["compiled"] = bool(compile)
+    result["fused_kernels"] = kernels.in_use(device)
     return result
 
 
@@ -575,6 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
+    add_kernels_option(p)
     p.add_argument("--chat", action="store_true",
                    help="the prompt is the user message of the checkpoint's chat template; "
                         "generation stops at the template's end-of-turn token")
@@ -679,7 +690,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"KV cache {mb(r['kv_cache_bytes'])}  weights {mb(r['weight_bytes'])} "
         f"({r.get('weights', 'float')})",
         f"device {r['device']}  dtype {r['dtype']}  torch {r['torch_version']}  compiled "
-        f"{r['compiled']}" + (f" (compile {r['compile_s']:.1f} s)" if r["compile_s"] else ""),
+        f"{r['compiled']}" + (f" (compile {r['compile_s']:.1f} s)" if r["compile_s"] else "")
+        + f"  fused kernels {'on' if r.get('fused_kernels') else 'off'}",
     ]
     return "\n".join(lines)
 
@@ -732,6 +744,7 @@ def _main(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
+        apply_kernels_option(args)
         # default: compiled on CUDA where the method's caches allow (OmniKV's --offload not)
         compile = args.compile if args.compile is not None else \
             (None if device.type == "cuda" else False)

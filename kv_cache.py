@@ -43,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import kernels
 from model import ConfigError, ModelArgs
 
 _PREFILL_MEMO: ContextVar[dict | None] = ContextVar("prefill_memo", default=None)
@@ -181,15 +182,21 @@ FLEX_BLOCK = 128  # tokens per key block of the compiled decode attention (FlexA
 FLEX_DECODE = True  # False: compiled CUDA decode keeps the masked formula (for comparisons)
 
 
-def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
+def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor,
+                     last: Tensor | None = None) -> Tensor:
     """Decode attention of q over the written prefix of static K/V buffers.
 
     Args:
         q: (B, H, 1, D); k, v: (B, H_kv, S, D) static buffers; valid: (S,) bool device
             tensor, True on the written prefix (slots 0 .. last; shapes never depend on it:
-            one compiled graph).
+            one compiled graph); last: (1,) int64 device tensor, that last slot, when the
+            caller has it.
     Returns:
         (B, H, 1, D) in the dtype of v.
+
+    Where the fused kernels run (CUDA, ``kernels.enabled``) and ``last`` is given, this is
+    ``kernels.sparse.attend_prefix``: a split-K Triton kernel of ours that reads only slots
+    0..last, each KV head once for its group, with no separate last block. Otherwise:
 
     Eager, and on CPU, this is ``attend`` masked by ``valid``. Compiled on CUDA (the timed
     decode step), it is ``flex_prefix_attention``: FlexAttention's decoding kernel reads only
@@ -202,6 +209,8 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
     K/V at 1.40x its bandwidth floor, and one layer's step took 0.349 ms against the formula's
     0.456 ms (``results/NVIDIA-H200/``). ``FLEX_DECODE = False`` keeps the formula on CUDA.
     """
+    if last is not None and kernels.enabled(q):
+        return kernels.prefix_attention(q, k, v, last)
     if FLEX_DECODE and torch.compiler.is_compiling() and q.device.type == "cuda" and \
             q.shape[-1] >= 16:
         return flex_prefix_attention(q, k, v, valid.sum(dim=0, keepdim=True) - 1)
@@ -508,7 +517,7 @@ class FullKVCache(KVCache):
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
         valid = torch.arange(self.k_cache.shape[2], device=input_pos.device) <= input_pos
-        return prefix_attention(q, self.k_cache, self.v_cache, valid)
+        return prefix_attention(q, self.k_cache, self.v_cache, valid, input_pos)
 
     def bytes_read_per_step(self) -> int:
         # compiled, the step reads the written blocks; at the last step that is the whole
@@ -598,12 +607,21 @@ class Selector(nn.Module):
         chunk appended to the cache), leaving the state ``n`` ``update`` calls in order would.
         A selector that keeps per-slot state overrides both."""
 
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+    def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write a decoded token's k, v (B, H_kv, 1, D) at ``slot`` (1,) int64 and ``update``.
+        Selectors with a fused kernel for both (``kernels.sparse.write_token``) override it."""
+        cache.k_cache.index_copy_(2, slot, k)
+        cache.v_cache.index_copy_(2, slot, v)
+        self.update(cache, slot, k)
+
+    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
+               slot: Tensor | None = None) -> Tensor:
         """Attention output (B, H, 1, D) for q over the slots marked ``valid`` (S,) bool, a
-        prefix of the buffer (slots 0 .. the one just written)."""
+        prefix of the buffer (slots 0 .. the one just written, ``slot`` (1,) int64 when the
+        caller has it: the fused kernels read it instead of ``valid``)."""
         if cache.head_mask is not None:  # per-query-head token sets (original SnapKV)
             return attend(q, cache.k_cache, cache.v_cache, valid & cache.head_mask)
-        return prefix_attention(q, cache.k_cache, cache.v_cache, valid)
+        return prefix_attention(q, cache.k_cache, cache.v_cache, valid, slot)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
         """Bytes one decode step's kernels read at this layout: every slot's key and value."""
@@ -717,11 +735,9 @@ class CompressedKVCache(KVCache):
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         slot = input_pos - self.slot_offset  # (1,)
-        self.k_cache.index_copy_(2, slot, k)
-        self.v_cache.index_copy_(2, slot, v)
-        self.selector.update(self, slot, k)
+        self.selector.store_token(self, slot, k, v)
         valid = torch.arange(self.length, device=slot.device) <= slot  # (S,)
-        return self.selector.attend(self, q, valid)
+        return self.selector.attend(self, q, valid, slot=slot)
 
     def bytes_read_per_step(self) -> int:
         return self.selector.bytes_read(self)

@@ -166,6 +166,9 @@ def kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if device.type == "cpu" and dtype == torch.float32 else dtype
 
 
+CPU_KERNEL_ALIGN = 64  # bytes: torch's CPU int8 kernel segfaults on a weight not so aligned
+
+
 class Int8Linear(nn.Module):
     """``y = x W^T`` with ``W = q * scales[:, None]``: int8 ``weight`` (out, in) and ``scales``
     (out,) in ``kernel_dtype``. ``x`` (..., in) -> (..., out) in ``x``'s dtype."""
@@ -175,7 +178,10 @@ class Int8Linear(nn.Module):
     def __init__(self, q: Tensor, scales: Tensor, dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.weight = _frozen(q.to(torch.int8).contiguous())
+        q = q.to(torch.int8).contiguous()
+        if q.device.type == "cpu" and q.data_ptr() % CPU_KERNEL_ALIGN:  # memory-mapped from
+            q = q.clone()  # a file at an odd offset: a fresh allocation is aligned
+        self.weight = _frozen(q)
         self.scales = _frozen(scales.to(device=q.device, dtype=kernel_dtype(q.device, dtype))
                               .contiguous())
 
@@ -189,8 +195,11 @@ class Int8Linear(nn.Module):
     @staticmethod
     def _mm(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
         x2, lead = _flat(x)
-        if x.device.type == "cpu" and x2.shape[0] <= KERNEL_ROWS and q.shape[1] % 16 == 0:
-            # (torch 2.13's kernel returns garbage for input widths not a multiple of 16)
+        if x.device.type == "cpu" and x2.shape[0] <= KERNEL_ROWS and q.shape[1] % 16 == 0 \
+                and (torch.compiler.is_compiling() or q.data_ptr() % CPU_KERNEL_ALIGN == 0):
+            # (torch 2.13's kernel returns garbage for input widths not a multiple of 16, and
+            # crashes on a weight not 64-byte aligned: __init__ aligns the whole weight, this
+            # checks a row slice eagerly; compiled graphs see whole, aligned weights)
             y = torch.ops.aten._weight_int8pack_mm(x2.to(scales.dtype).contiguous(), q, scales)
         else:  # CUDA (fused by torch.compile), CPU prefill: dequantize, dense matmul
             y = F.linear(x2, q.to(x.dtype)) * scales

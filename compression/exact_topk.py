@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import kernels
 from compression.registry import CompressedMethod, register
 from kv_cache import CompressedKVCache, Selector, attend_selected
 
@@ -38,7 +39,13 @@ class ExactTopK(Selector):
         super().__init__()
         self.k = k
 
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
+               slot: Tensor | None = None) -> Tensor:
+        if slot is not None and kernels.enabled(q):  # r = D on K^T: the exact scores, fused
+            return kernels.sparse_attention(
+                q, cache.k_cache, cache.v_cache, cache.k_cache.transpose(-1, -2), slot,
+                mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=cache.head_dim,
+                k=min(self.k, cache.length), page_size=1)
         scores = exact_scores(q, cache.k_cache, valid)
         idx = scores.topk(min(self.k, cache.length), dim=-1, sorted=False).indices
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import kernels
 from compression.registry import BudgetError, CompressedMethod, register, report_overshoot
 from compression.selection import PagedSelector, query_dims, sparq_temperature, top_r_dims
 from kv_cache import CompressedKVCache, Selector, attend_selected, gather_tokens, token_bytes
@@ -98,7 +99,13 @@ class Hybrid(PagedSelector):
         return self.select_tokens(cache, hybrid_page_scores(q, self.rows(cache), dims, counts),
                                   counts)
 
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
+               slot: Tensor | None = None) -> Tensor:
+        if slot is not None and kernels.enabled(q):  # the same selection, fused (Triton)
+            return kernels.sparse_attention(
+                q, cache.k_cache, cache.v_cache, self.rows(cache), slot,
+                mode=kernels.ops().MODE_SOFTMAX, two_bounds=self.page_size > 1, r=self.r,
+                k=min(self.k, cache.length), page_size=self.page_size)
         idx = self.select(cache, q, valid)
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import kernels
 from compression.registry import (
     BudgetError,
     CompressedMethod,
@@ -81,7 +82,13 @@ class Quest(PagedSelector):
         return self.select_tokens(cache, bounds.masked_fill(pages == newest, float("inf")),
                                   counts)
 
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
+               slot: Tensor | None = None) -> Tensor:
+        if slot is not None and kernels.enabled(q):  # the same selection, fused (Triton)
+            return kernels.sparse_attention(
+                q, cache.k_cache, cache.v_cache, self.rows(cache), slot,
+                mode=kernels.ops().MODE_BOUND, two_bounds=self.page_size > 1,
+                r=cache.head_dim, k=min(self.k, cache.length), page_size=self.page_size)
         idx = self.select(cache, q, valid)
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 

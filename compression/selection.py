@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import kernels
 from kv_cache import CompressedKVCache, Selector, sector_bytes, strided_bytes
 
 
@@ -144,6 +145,15 @@ class PagedSelector(Selector):
         kt = k.transpose(-1, -2)  # (B, H_kv, D, 1)
         new = torch.cat([torch.maximum(old[:, :, :D], kt), torch.minimum(old[:, :, D:], kt)], 2)
         self.summary.index_copy_(3, page, torch.where(first, torch.cat([kt, kt], 2), new))
+
+    def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:
+        """The token's K/V and its page's min/max in one kernel where the kernels run
+        (``kernels.sparse.write_token``), else ``index_copy_`` and ``update``."""
+        if self.page_size > 1 and kernels.enabled(k):
+            torch.ops.rocketkv.write_token(cache.k_cache, cache.v_cache, self.summary, k, v,
+                                           slot, kernels.ops().AUX_SUMMARY, self.page_size)
+        else:
+            super().store_token(cache, slot, k, v)
 
     def extend(self, cache: CompressedKVCache, first: int, n: int) -> None:
         """Recompute the summary of the pages that slots ``first .. first + n - 1`` touch from

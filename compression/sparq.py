@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import kernels
 from compression.registry import BudgetError, CompressedMethod, Option, register, report_overshoot
 from compression.selection import query_dims, sparq_temperature, top_r_dims
 from kv_cache import (
@@ -106,9 +107,25 @@ class SparQ(Selector):
             chunk = cache.k_cache[:, :, first:first + n]  # (B, H_kv, n, D)
             self.k_dims[..., first:first + n] = chunk.transpose(-1, -2)
 
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
-        dims = top_r_dims(q, cache.n_kv_heads, self.r)
+    def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:
+        """K/V and the dim-major key column in one kernel where the kernels run (without
+        ``reallocate``), else ``index_copy_`` and ``update``."""
+        if self.dim_major and not self.reallocate and kernels.enabled(k):
+            torch.ops.rocketkv.write_token(cache.k_cache, cache.v_cache, self.k_dims, k, v,
+                                           slot, kernels.ops().AUX_DIM_MAJOR, 1)
+        else:
+            super().store_token(cache, slot, k, v)
+
+    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
+               slot: Tensor | None = None) -> Tensor:
         keys = self.k_dims if self.dim_major else cache.k_cache
+        if slot is not None and not self.reallocate and kernels.enabled(q):  # fused (Triton)
+            return kernels.sparse_attention(
+                q, cache.k_cache, cache.v_cache,
+                keys if self.dim_major else keys.transpose(-1, -2), slot,
+                mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=self.r,
+                k=min(self.k, cache.length), page_size=1)
+        dims = top_r_dims(q, cache.n_kv_heads, self.r)
         probs = sparq_scores(q, keys, dims, valid, self.dim_major)  # (B, H_kv, G, S)
         scores = probs.sum(dim=2).masked_fill(~valid, float("-inf"))
         idx = scores.topk(min(self.k, cache.length), dim=-1, sorted=False).indices

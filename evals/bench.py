@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from cli import DTYPES, resolve_device
+from cli import DTYPES, apply_kernels_option, resolve_device
 from measure import device_name
 from model import ConfigError
 
@@ -57,6 +57,7 @@ def resolve_run(args) -> tuple[torch.device, torch.dtype]:
             raise ConfigError(f"--threads must be positive, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    apply_kernels_option(args)
     args.compile = device.type == "cuda" if args.compile is None else args.compile
     return device, DTYPES[args.dtype] if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -121,9 +121,9 @@ class RecallProbe:
         k_prompt, v_prompt = self.pre.k[layer], self.pre.v[layer]
         T = k_prompt.shape[2]
 
-        def attend(cache_: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        def attend(cache_: CompressedKVCache, q: Tensor, valid: Tensor, **kw) -> Tensor:
             sel = selected_slots(selector, cache_, q, valid)
-            out = original(cache_, q, valid)
+            out = original(cache_, q, valid, **kw)
             if sel is None:
                 self.unknown.append(type(selector).__name__)
                 return out

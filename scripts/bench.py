@@ -34,6 +34,10 @@ Rows carry ``weights``; charts (a)-(d) use the first mode's rows and (e) compare
 per-step latency.
 
 ``gptfast_dense`` is the paper's Full-KV baseline as gpt-fast ran it; ``full`` is our Full-KV.
+``transformers`` (``evals/peers.py``) is Hugging Face transformers at the same shape with its
+static cache, decoding as its documentation recommends (``generate`` with
+``cache_implementation="static"``, compiled on CUDA): the engine a user would otherwise pick,
+in the same run, timing window and memory meter; its rows record ``transformers_version``.
 Results go to ``results/<device>/bench-<timestamp>.json`` (a list of rows, rewritten after
 every configuration so a run cut short keeps what it measured; ``--time-limit`` stops starting
 new configurations after that many seconds) with four charts:
@@ -53,7 +57,15 @@ from pathlib import Path
 import torch
 
 from checkpoint import RANDOM_PREFIX, load_model
-from cli import DTYPES, OneLineParser, command_line, deprecated_alias, rows_exit_status, write_json
+from cli import (
+    DTYPES,
+    OneLineParser,
+    add_kernels_option,
+    command_line,
+    deprecated_alias,
+    rows_exit_status,
+    write_json,
+)
 from compression import METHODS, add_method_options, check_methods, options_for
 from evals.bench import (
     DEFAULT_BUDGETS,
@@ -64,8 +76,9 @@ from evals.bench import (
     results_dir,
 )
 from evals.harness import configurations
-from generate import generate
-from measure import check_run_memory, device_name
+from evals.peers import PEERS, run_transformers, static_cache_bytes
+from generate import generate, release_caches
+from measure import available_bytes, check_run_memory, device_name, float_weight_bytes
 from model import CONFIGS, ConfigError
 from quantized import GROUPSIZES, quantize_model
 
@@ -93,6 +106,8 @@ def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype)
 
 def run_one(model, batch: int, context: int, method: str, budget, args, bandwidth: float,
             device: torch.device) -> dict:
+    if method in PEERS:
+        return run_peer(model, batch, context, method, args, bandwidth, device)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.args.vocab_size, (batch, context), generator=gen)
     best = None
@@ -122,12 +137,47 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         "achieved_gbps": best["bandwidth_gbps"],
         "roofline_ms": step_bytes / (bandwidth * 1e9) * 1e3,
         "method_params": best["method_params"], "compiled": best["compiled"],
+        "fused_kernels": best["fused_kernels"],
         "compile_regime": args.compile_regime if best["compiled"] else "eager",
         "kv_ideal_bytes_per_step": best["kv_ideal_bytes_per_step"],
         "ideal_roofline_ms": (best["weight_bytes_per_step"] + best["kv_ideal_bytes_per_step"])
         / (bandwidth * 1e9) * 1e3,
         "warmup_steps": best["warmup_steps"], "decode_steps": best["decode_steps"],
     }
+
+
+def run_peer(model, batch: int, context: int, method: str, args, bandwidth: float,
+             device: torch.device) -> dict:
+    """A row of another engine (``evals.peers``) at ``model``'s shape, dtype and device, with
+    the fields of ``run_one``'s rows (best of ``--repeats``)."""
+    dtype = next(model.parameters()).dtype
+    if model.quantization is not None:
+        raise ConfigError(f"{method}: rows run float weights only (drop --weights "
+                          f"{model.quantization})")
+    release_caches(model)  # our last row's caches: their memory is the peer's now
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    need = float_weight_bytes(model.args, dtype) + static_cache_bytes(
+        model.args, batch, context + args.new_tokens, dtype)
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise ConfigError(f"{method} at {context} tokens, batch {batch} needs about "
+                          f"{need / 2**30:.1f} GiB for its weights and static cache, but "
+                          f"{device.type} has {free / 2**30:.1f} GiB free")
+    best = None
+    for _ in range(args.repeats):
+        r = run_transformers(model.args, batch, context, args.new_tokens, device=device,
+                             dtype=dtype, seed=args.seed, compile=args.compile)
+        if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
+            best = r
+    step_bytes = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]
+    roofline = step_bytes / (bandwidth * 1e9) * 1e3
+    return {**best, "torch_version": torch.__version__, "model": model.args.name,
+            "method": method, "budget": None, "context": context, "batch_size": batch,
+            "new_tokens": args.new_tokens, "bandwidth_gbps": bandwidth,
+            "achieved_gbps": step_bytes / (best["decode_ms_median"] * 1e-3) / 1e9,
+            "roofline_ms": roofline, "ideal_roofline_ms": roofline,
+            "compile_regime": args.compile_regime if best["compiled"] else "eager"}
 
 
 def _find(rows, **kw):
@@ -168,7 +218,7 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
     ok = [r for r in ok if r["batch_size"] == batch]
     contexts = sorted({r["context"] for r in ok})
     budgets = sorted({r["budget"] for r in ok if r["budget"] is not None})
-    methods = sorted({r["method"] for r in ok if METHODS[r["method"]].budgeted})
+    methods = sorted({r["method"] for r in ok if r["budget"] is not None})
     title = f"{ok[0]['model']} {ok[0]['dtype']} batch {batch} on {ok[0]['device']}"
     # charts (a)-(c) draw a series only where it has a line (chart (d) shows one context)
     min_points = 2 if len(contexts) > 1 else 1
@@ -222,7 +272,7 @@ def plot(rows: list[dict], out_prefix: Path, compare_context: int) -> list[Path]
 
     fig, ax = plt.subplots(figsize=(10, 4.5))  # (c)
     for r_method in sorted({r["method"] for r in ok}):
-        for t in (budgets if METHODS[r_method].budgeted else [None]):
+        for t in (budgets if r_method in METHODS and METHODS[r_method].budgeted else [None]):
             pts = [(c, _find(ok, method=r_method, budget=t, context=c)) for c in contexts]
             pts = [(c, r) for c, r in pts if r]
             if len(pts) < min_points:
@@ -312,7 +362,8 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default="llama-3.1-8b",
                    help="named config (random weights) or a checkpoint directory")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                   help="methods, or 'all'")
+                   help="methods, or 'all'; also 'transformers' (Hugging Face transformers "
+                        "with its static cache at the same shape)")
     p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS))
     p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
@@ -326,6 +377,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=list(DTYPES))
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
+    add_kernels_option(p)
     p.add_argument("--compile-regime", choices=["static", "dynamic"], default="static",
                    help="static (default): every row compiles its own static-shape graph "
                         "(compile cache reset per row); dynamic: one symbolic-shape graph per "
@@ -345,7 +397,7 @@ def main(argv=None) -> int:
         device, dtype = resolve_run(args)
         if args.methods == ["all"]:
             args.methods = list(METHODS)
-        check_methods(args.methods)
+        check_methods([m for m in args.methods if m not in PEERS])
         for name in ("budgets", "context", "batch_sizes"):
             if min(getattr(args, name)) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
@@ -372,9 +424,11 @@ def main(argv=None) -> int:
     command = command_line("bench.py", argv)
     rows = []
     start = time.perf_counter()
+    ours = configurations([m for m in args.methods if m not in PEERS], args.budgets)
+    pairs = ours + [(m, None) for m in args.methods if m in PEERS]
     configs = [(w, batch, context, method, budget) for w in args.weights
                for batch in args.batch_sizes for context in args.context
-               for method, budget in configurations(args.methods, args.budgets)]
+               for method, budget in pairs if method not in PEERS or w == "float"]
     for weights, batch, context, method, budget in tqdm(configs, desc="bench", unit="config",
                                                          disable=args.no_progress):
         if getattr(model, "_bench_weights", args.weights[0]) != weights:
@@ -394,9 +448,10 @@ def main(argv=None) -> int:
                    "error": f"skipped: --time-limit {args.time_limit:g} s reached"}
         else:
             try:
-                check_run_memory(model, method, batch=batch, prompt_len=context,
-                                 new_tokens=args.new_tokens, budget=budget,
-                                 options=options_for(method, args))
+                if method not in PEERS:  # (a peer's row checks its own memory)
+                    check_run_memory(model, method, batch=batch, prompt_len=context,
+                                     new_tokens=args.new_tokens, budget=budget,
+                                     options=options_for(method, args))
                 row = run_one(model, batch, context, method, budget, args, bandwidth, device)
             except (ConfigError, torch.OutOfMemoryError) as e:
                 row = {"device": device_name(device), "model": model.args.name,

@@ -3,6 +3,13 @@
 #
 #   bash scripts/gpu_checklist.sh PART OUTDIR      (on the GPU machine; OUTDIR defaults to $OUT)
 #
+# k: the fused Triton kernels of the sparse decode step (kernels/sparse.py): their CUDA tests
+#    at real shapes (item 1), then kernels per step and layer of rocketkv@256 at 32K and 128K
+#    with the kernels (default) and with the PyTorch path (--kernels off: the count before),
+#    and the selecting methods at 32K with the kernels (item 2). Run it first.
+# p: peers side by side (item 4): transformers' static cache beside our full and rocketkv@256
+#    at 32K and 128K in one bench call (check_targets compares rows of one run), then int8 and
+#    int4 weights with full and rocketkv@256 at 32K and 128K (item 5)
 # a: nvidia-smi, versions, the CUDA-only tests, the smoke runs (item 1), the kernel profile of
 #    full and rocketkv@256 at 128K (item 5)
 # b: the targets' rows: full, rocketkv@256 and gptfast_dense at 96K and 128K (item 2)
@@ -15,7 +22,7 @@
 # device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
 # `pip install -e .`): PYTHONPATH puts the repository root on the path for scripts/ and evals/.
 set -o pipefail
-part=${1:?part a, b, c, d, e or f}
+part=${1:?part k, p, a, b, c, d, e or f}
 out=${2:-${OUT:?no OUTDIR and no \$OUT}}
 py=${PYTHON:-python3}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -26,11 +33,33 @@ M="--checkpoint llama-3.1-8b --no-plots --out $out"
 step() { echo "=== $(date +%T) $*"; }
 {
 case $part in
+k)
+    step env; nvidia-smi
+    $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
+    step kernel tests on CUDA
+    timeout 200 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py -k cuda
+    step kernels per step: rocketkv@256, fused and PyTorch path
+    timeout 150 $py scripts/profile_step.py --context 32768 --methods rocketkv hybrid --budgets 256 \
+        --out "$out" | grep -v "^|" | head -20
+    timeout 100 $py scripts/profile_step.py --context 32768 --methods rocketkv --budgets 256 \
+        --kernels off --out "$out/pytorch" | grep -v "^|" | head -12
+    step selecting methods at 32K with the kernels
+    timeout 280 $py scripts/bench.py $M --context 32768 --methods full rocketkv hybrid quest \
+        sparq exact_topk --budgets 256 --time-limit 220
+    ;;
+p)
+    step peers: transformers beside full and rocketkv@256
+    timeout 330 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
+        transformers --budgets 256 --time-limit 260
+    step quantized weights
+    timeout 250 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
+        --budgets 256 --weights int8 int4-g128 --time-limit 190
+    ;;
 a)
     step env; nvidia-smi
     $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
     step cuda tests
-    timeout 150 $py -m pytest -q -p no:cacheprovider tests/test_kv_cache.py tests/test_keydiff_omnikv.py -k cuda
+    timeout 150 $py -m pytest -q -p no:cacheprovider tests/test_kv_cache.py tests/test_keydiff_omnikv.py tests/test_kernels.py -k cuda
     for m in "full" "rocketkv --budget 256"; do
         step smoke $m
         timeout 150 $py generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 \

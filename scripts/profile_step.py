@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import RANDOM_PREFIX, load_model
-from cli import OneLineParser, command_line, deprecated_alias, write_json
+from cli import OneLineParser, add_kernels_option, command_line, deprecated_alias, write_json
 from compression import check_methods, options_for
 from evals.bench import resolve_run
 from evals.harness import configurations
@@ -79,12 +79,14 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
             k["calls_per_step"] += e.count / steps
     rows = sorted(kernels.values(), key=lambda k: -k["us_per_step"])
     total = sum(k["us_per_step"] for k in rows)
+    launches = sum(k["calls_per_step"] for k in rows)  # kernels (operators on CPU) per step
     for k in rows:
         k["share"] = k["us_per_step"] / total if total else 0.0
     return {"method": method, "budget": budget, "context": context, "steps": steps,
             "activity": "cuda" if cuda else "cpu", "total_us_per_step": total,
             "decode_ms_median": r["decode_ms_median"], "compiled": r["compiled"],
-            "kernels": rows}
+            "fused_kernels": r["fused_kernels"], "kernels_per_step": launches,
+            "kernels_per_layer": launches / model.args.n_layers, "kernels": rows}
 
 
 def markdown(results: list[dict], top: int, header: str) -> str:
@@ -92,8 +94,11 @@ def markdown(results: list[dict], top: int, header: str) -> str:
     for res in results:
         label = res["method"] + (f" @{res['budget']}" if res["budget"] is not None else "")
         unit = "kernel" if res["activity"] == "cuda" else "CPU operator"
+        fused = "fused kernels" if res.get("fused_kernels") else "PyTorch path"
         lines += [f"### {label}, context {res['context']}: {res['total_us_per_step']:.0f} us of "
                   f"{unit} time per step (decode median {res['decode_ms_median']:.3f} ms)", "",
+                  f"{res['kernels_per_step']:.0f} {unit}s per step, "
+                  f"{res['kernels_per_layer']:.1f} per layer ({fused}).", "",
                   f"| {unit} | us / step | calls / step | share |", "|---|---|---|---|"]
         for k in res["kernels"][:top]:
             name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
@@ -119,6 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
+    add_kernels_option(p)
     p.add_argument("--out", default="results", help="directory for profile-<context>.{json,md}")
     deprecated_alias(p, "--model", "--checkpoint")
     args = p.parse_args(argv)

@@ -169,3 +169,46 @@ def test_charts_draw_a_line_only_for_series_at_several_contexts(tmp_path, monkey
     assert "rocketkv t=8" in legends["c_latency"] and "full" in legends["c_latency"]
     bench.plot([r for r in rows if r["context"] == 32], tmp_path / "b", 32)
     assert legends["a_speedup"] == ["rocketkv t=8 vs full", "snapkv t=8 vs full"]
+
+
+def test_transformers_peer_rows_beside_ours(tmp_path):
+    """``--methods transformers``: Hugging Face transformers at the model's shape with its
+    static cache, in the same run, with the fields of our rows and its version; its static
+    cache holds context + new tokens for every layer."""
+    import transformers
+
+    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64", "--methods",
+               "full", "transformers", "--new-tokens", "6", "--out", str(tmp_path),
+               "--no-plots", "--no-progress"])
+    assert rc == 0
+    (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    peer, ours = rows["transformers"], rows["full"]
+    for key in KEYS:
+        assert key in peer, key
+    assert peer["transformers_version"] == transformers.__version__
+    assert peer["decode_steps"] == 5 and peer["decode_ms_median"] > 0  # 6 tokens: 5 steps
+    assert peer["kv_cache_bytes"] == 2 * 5 * 4 * (64 + 6) * 8 * 4  # layers, heads, slots, D, fp32
+    assert peer["weight_bytes"] == ours["weight_bytes"]  # the same shape
+    assert peer["compiled"] is False  # CPU: generate compiles on CUDA only
+
+
+def test_transformers_peer_config_matches_our_shapes():
+    """The peer's config gives transformers models of exactly our parameter count, Llama 3.1's
+    scaled RoPE frequencies and Qwen2's q/k/v biases."""
+    import torch
+
+    from evals.peers import hf_model
+    from measure import float_weight_bytes
+    from model import ModelArgs, rope_inv_freq
+
+    small = dict(n_layers=1, vocab_size=300, dim=256, n_heads=4, n_kv_heads=2,
+                 intermediate_size=320, name="small")
+    for name in ("llama-3.1-8b", "qwen2.5-0.5b", "longchat-7b-v1.5-32k"):
+        args = ModelArgs(**{**ModelArgs.from_name(name).to_dict(), **small})
+        hf = hf_model(args, torch.device("cpu"), torch.float32)
+        n = sum(p.numel() for p in hf.parameters())
+        assert n * 4 == float_weight_bytes(args, torch.float32), name
+        inv = hf.model.rotary_emb.inv_freq.float()
+        assert torch.allclose(inv, rope_inv_freq(args).float(), rtol=1e-6), name
+        assert (type(hf).__name__ == "Qwen2ForCausalLM") == args.qkv_bias

@@ -24,16 +24,62 @@ def passing_rows():
         rows += [row("rocketkv", b, c, 4.4, 4.0, peak=19 * GB) for b in (256, 512, 1024, 2048,
                                                                            4096)]
     rows += [row("full", None, 32768, 30.0, 25.0, batch=16),
-             row("rocketkv", 256, 32768, 9.0, 8.0, batch=16)]
+             row("rocketkv", 256, 32768, 7.0, 6.0, batch=16)]
+    rows += [row(m, 256, 32768, 4.3, 4.0) for m in ("hybrid", "quest", "sparq", "exact_topk")]
+    rows += [row("transformers", None, c, 13.0 if c == 32768 else 14.0, 7.0, compiled=True,
+                 compile_s=30.0) for c in (32768, 131008)]
     for r in rows:
         r.update(date="20261121-000000", elapsed_s=500.0)
+        if r["method"] != "transformers":
+            r.update(compiled=True, compile_s=15.0)
     return rows
+
+
+def profile(kernels_per_layer, fused=True):
+    return {"device": "NVIDIA H200", "model": "llama-3.1-8b", "dtype": "bfloat16",
+            "results": [{"method": "rocketkv", "budget": 256, "context": 131008,
+                         "kernels_per_layer": kernels_per_layer,
+                         "kernels_per_step": 32 * kernels_per_layer, "fused_kernels": fused}]}
+
+
+N_TARGETS = 15
 
 
 
 def test_all_targets_pass():
     results = evaluate(passing_rows())
-    assert [t["status"] for t in results] == ["pass"] * 6 + ["not measured", "pass"], results
+    assert len(results) == N_TARGETS
+    assert [t["status"] for t in results] == ["pass"] * 6 + ["not measured", "pass"] + \
+        ["pass"] * 4 + ["not measured", "FAIL", "not measured"], results
+    assert results[13]["measured"].startswith("30.0 s (transformers")  # its compile counts
+
+
+def test_issue_27_and_28_targets_each_fail(tmp_path):
+    rows = [dict(r, compile_s=10.0) for r in passing_rows()]
+    assert evaluate(rows)[13]["status"] == "pass"
+    slow_quest = [dict(r, decode_ms_median=10.0) if r["method"] == "quest" else r for r in rows]
+    assert evaluate(slow_quest)[8]["status"] == "FAIL"
+    assert evaluate(slow_quest)[9]["status"] == "pass"  # rocketkv alone is still 1.2x
+    close = [dict(r, decode_ms_median=8.5) if r["method"] == "rocketkv" and r["context"] == 32768
+             and r["batch_size"] == 1 else r for r in rows]
+    assert evaluate(close)[9]["status"] == "FAIL"
+    fast_hf = [dict(r, decode_ms_median=9.0) if r["method"] == "transformers" else r
+               for r in rows]
+    assert [t["status"] for t in evaluate(fast_hf)[10:12]] == ["FAIL", "FAIL"]
+    other_run = [dict(r, date="20261122-000000") if r["method"] == "transformers" else r
+                 for r in rows]
+    assert evaluate(other_run)[10]["status"] == "not measured"  # the same run only
+    q = row("full", None, 32768, 4.0, 3.5, weights="int4-g128")
+    assert evaluate(rows + [q])[12]["status"] == "pass"
+    assert evaluate(rows + [dict(q, decode_ms_median=5.0)])[12]["status"] == "FAIL"
+    for n, status in ((5.0, "pass"), (14.5, "FAIL")):
+        path = tmp_path / f"profile-{n}.json"
+        path.write_text(json.dumps(profile(n)))
+        bench = tmp_path / "bench.json"
+        bench.write_text(json.dumps(rows))
+        from scripts.check_targets import load_rows
+
+        assert evaluate(load_rows([str(bench), str(path)]))[14]["status"] == status
 
 
 def test_each_target_can_fail():
@@ -90,10 +136,10 @@ def test_missing_or_errored_configurations_are_not_measured():
 
 def test_cli(tmp_path, capsys):
     good = tmp_path / "good.json"
-    good.write_text(json.dumps(passing_rows()))
+    good.write_text(json.dumps([dict(r, compile_s=10.0) for r in passing_rows()]))
     assert main([str(good), "--json", str(tmp_path / "t.json")]) == 0
     assert "| pass |" in capsys.readouterr().out
-    assert len(json.loads((tmp_path / "t.json").read_text())) == 8
+    assert len(json.loads((tmp_path / "t.json").read_text())) == N_TARGETS
     # a later file's row replaces the earlier one of the same configuration
     worse = tmp_path / "worse.json"
     worse.write_text(json.dumps([row("rocketkv", 256, 98304, 40.0, 4.0, peak=19 * GB)]))

@@ -145,6 +145,22 @@ def test_int8_linear_matches_dequantized_matmul(dtype, rows, width):
     torch.testing.assert_close(layer.forward_rows(x, 32, 80), y[..., 32:80])
 
 
+def test_int8_weight_off_64_byte_alignment_takes_the_dense_path():
+    """An int8 weight whose storage is not 64-byte aligned (memory-mapped from a checkpoint
+    file) must not reach torch's CPU int8 kernel, which segfaults on it (torch 2.13): the
+    layer gives the dequantized product instead."""
+    q, s = quantize_int8(_weights(64, 64))
+    layer = Int8Linear(q, s, torch.bfloat16)
+    buf = torch.empty(q.numel() + 64, dtype=torch.int8)
+    off = (60 - buf.data_ptr()) % 64  # 60 bytes past a 64-byte boundary
+    layer.weight = torch.nn.Parameter(buf[off:off + q.numel()].view_as(q).copy_(q),
+                                      requires_grad=False)
+    assert layer.weight.data_ptr() % 64 == 60
+    x = torch.randn(1, 16, 64).to(torch.bfloat16)
+    ref = _reference(x, dequantize_int8(q, layer.scales.float()), torch.bfloat16)
+    _close(layer(x), ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groupsize", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 40])

@@ -1,0 +1,559 @@
+"""Triton kernels of the sparse decode step: token write, selection and sparse attention.
+
+Four kernels replace the about 30 small PyTorch kernels per layer of a selecting method's
+decode step (RocketKV @256 on the H200: ``results/NVIDIA-H200/profile-131008.md``) and the
+dense decode attention:
+
+``write_token`` (``torch.ops.rocketkv.write_token``)
+    The new token's key and value into the static cache at its slot, and in the same pass
+    the auxiliary keys a selector keeps: the min/max summary of the token's page (Quest,
+    hybrid, RocketKV; a new page restarts from the token) or its column of the dim-major key
+    copy (SparQ). One program per (sequence, KV head).
+
+``paged_select`` (``torch.ops.rocketkv.paged_select``)
+    Scores every page (or token: pages of one slot) of one (sequence, KV head) and picks the
+    budget's ``k`` tokens, page-first, in one program:
+
+    * ``MODE_SOFTMAX`` (hybrid attention, RocketKV Alg. 2 steps 1-3; SparQ; Exact-TopK): the
+      top-``r`` dims of the group-summed |q| (ranked in the kernel, ties to the lower dim),
+      the summary row each reads (the max row where the group-summed q is >= 0, else the min
+      row), logits s_gp = q_g[dims] . row[dims, p] / T_g with SparQ's temperature T_g =
+      sqrt(D sum_dims |q_g| / sum |q_g|), a softmax over the valid tokens (each page counted
+      once per written slot: log(count) in the normalizer, two passes with an online
+      log-sum-exp), summed over the query group. With r = D on K^T this is the exact
+      group-summed attention of Exact-TopK (T_g = sqrt(D)).
+    * ``MODE_BOUND`` (Quest): sum_i max(q_i kmax_i, q_i kmin_i) summed over the group, one
+      GEMV over the summary; the newest page always ranks first.
+
+    Then the k tokens: the largest threshold tau of the page scores whose pages hold at least
+    k valid tokens (a 32-step bisection on the scores' order-preserving int32 keys, each page
+    weighted by its written slots); pages above tau give all their written slots, pages at
+    tau their first slots in page order until k are taken. That is the set of the reference's
+    page-first top-k (``compression.selection.top_pages_to_tokens``), ties aside, without a
+    sort. The chosen pages are written compacted, with how many of their first slots to read:
+    at most M = min(P, ceil(k / page_size) + 1) pages.
+
+``attend_pages`` (``torch.ops.rocketkv.attend_pages``)
+    Exact attention of a query group over the chosen pages' slots, an online softmax in
+    float32, the query group's G heads padded to 16 rows for ``tl.dot``; split over the page
+    list into ``splits`` programs per KV head with a log-sum-exp merge (flash-decoding) when
+    the selection is large, one program writing the output directly when it is not.
+
+``attend_prefix`` (``torch.ops.rocketkv.attend_prefix``)
+    The dense decode attention (Full-KV, and the methods that attend to everything they
+    keep): the written prefix of the static buffers, the slot written last read on the
+    device, each KV head once for its query group, split over the sequence with the same
+    merge; splits past the written prefix read nothing.
+
+Each kernel is a ``torch.library.triton_op``, so ``torch.compile`` traces it into the decode
+graph and CUDA graphs capture it. The PyTorch functions in ``compression/`` stay as the CPU
+path and as the reference the tests compare every kernel with (on CPU under
+``TRITON_INTERPRET=1``, which must be set before this module is imported; on CUDA at real
+shapes with ``pytest -m cuda``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MODE_SOFTMAX = 0  # hybrid / SparQ / Exact-TopK scores
+MODE_BOUND = 1  # Quest page bounds
+
+AUX_NONE = 0  # write_token: no auxiliary keys
+AUX_SUMMARY = 1  # page min/max summary (B, H_kv, 2 D, pages)
+AUX_DIM_MAJOR = 2  # transposed key copy (B, H_kv, D, S)
+
+SCORE_BLOCK = 64  # pages scored per loop iteration of paged_select
+NUM_WARPS = 8  # per program of paged_select and attend_pages: their (D x 64) float32 tiles
+# stay in registers (untuned: the GPU checklist measures the kernels)
+ATTEND_TOKENS = 64  # slots attend_pages loads per loop iteration
+SPLIT_TOKENS = 512  # selections up to this many tokens attend in one program per KV head;
+# larger ones split the page list over programs of about this many tokens each (untuned:
+# the GPU checklist measures it)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def _precision(x: Tensor) -> str:
+    """``tl.dot``'s input precision for operands loaded from ``x`` and widened to float32:
+    tf32 holds every bfloat16/float16 value exactly (the tensor cores' fast path), float32
+    inputs keep full precision ("ieee"). The dots accumulate in float32 either way (the
+    interpreter computes them in float32 whatever this says)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _write_token_kernel(k_cache, v_cache, aux, k_new, v_new, slot_ptr,
+                        s_cb, s_ch, s_cs, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_ar, s_ac,
+                        H_kv, D, PAGE_SIZE,
+                        AUX: tl.constexpr, D_BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // H_kv
+    h = pid % H_kv
+    d = tl.arange(0, D_BLOCK)
+    dm = d < D
+    slot = tl.load(slot_ptr).to(tl.int64)
+    kv = tl.load(k_new + b * s_kb + h * s_kh + d, mask=dm)
+    vv = tl.load(v_new + b * s_vb + h * s_vh + d, mask=dm)
+    base = b * s_cb + h * s_ch + slot * s_cs
+    tl.store(k_cache + base + d, kv, mask=dm)
+    tl.store(v_cache + base + d, vv, mask=dm)
+    a = aux + b * s_ab + h * s_ah
+    if AUX == 1:  # page summary: rows 0..D-1 max, D..2D-1 min, column = page
+        page = slot // PAGE_SIZE
+        first = (slot % PAGE_SIZE) == 0
+        kf = kv.to(tl.float32)  # min/max in float32: exact, and the interpreter compares
+        # bfloat16 by its raw bits
+        mx = tl.load(a + d * s_ar + page * s_ac, mask=dm).to(tl.float32)
+        mn = tl.load(a + (d + D) * s_ar + page * s_ac, mask=dm).to(tl.float32)
+        mx = tl.where(first, kf, tl.maximum(mx, kf))
+        mn = tl.where(first, kf, tl.minimum(mn, kf))
+        tl.store(a + d * s_ar + page * s_ac, mx.to(kv.dtype), mask=dm)
+        tl.store(a + (d + D) * s_ar + page * s_ac, mn.to(kv.dtype), mask=dm)
+    if AUX == 2:  # dim-major copy: column = slot
+        tl.store(a + d * s_ar + slot * s_ac, kv, mask=dm)
+
+
+@torch.library.triton_op("rocketkv::write_token", mutates_args={"k_cache", "v_cache", "aux"})
+def write_token(k_cache: Tensor, v_cache: Tensor, aux: Tensor, k: Tensor, v: Tensor,
+                slot: Tensor, aux_kind: int, page_size: int) -> None:
+    """Write one decoded token and update the selector's auxiliary keys, in one kernel.
+
+    Args:
+        k_cache, v_cache: (B, H_kv, S, D) static buffers (last dim contiguous), written at
+            ``slot``.
+        aux: ``AUX_SUMMARY``: the page summary (B, H_kv, 2 D, P) (``page_summary`` layout),
+            its column ``slot // page_size`` updated (max/min, restarted on a page's first
+            slot); ``AUX_DIM_MAJOR``: the transposed keys (B, H_kv, D, S), column ``slot``
+            written; ``AUX_NONE``: not touched (any tensor that aliases neither cache).
+        k, v: (B, H_kv, 1, D) the new token's key (rotated) and value in the cache's dtype,
+            last dim contiguous.
+        slot: (1,) int64 device tensor.
+    """
+    B, Hkv, _, D = k_cache.shape
+    sa = aux.stride() if aux_kind != AUX_NONE else (0, 0, 0, 0)
+    torch.library.wrap_triton(_write_token_kernel)[(B * Hkv,)](
+        k_cache, v_cache, aux, k, v, slot,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), sa[0], sa[1], sa[2], sa[3], Hkv, D, page_size,
+        AUX=aux_kind, D_BLOCK=_pow2(D))
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> int32 whose signed order is the floats' order (NaN above +inf)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _paged_select_kernel(q_ptr, rows_ptr, last_ptr, scores_ptr, pages_ptr, take_ptr,
+                         s_qb, s_qh, s_rb, s_rh, s_rr, s_rp,
+                         H_kv, G, D, P, R, K, M, PAGE_SIZE,
+                         MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr, PREC: tl.constexpr,
+                         G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // H_kv
+    h = pid % H_kv
+    g = tl.arange(0, G_BLOCK)
+    d = tl.arange(0, D_BLOCK)
+    gm = g < G
+    dm = d < D
+    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :],
+                mask=gm[:, None] & dm[None, :], other=0.0)  # (G_BLOCK, D_BLOCK)
+    qf = q.to(tl.float32)
+    rows = rows_ptr + b * s_rb + h * s_rh
+    last = tl.load(last_ptr).to(tl.int32)
+    out = pid.to(tl.int64) * P
+    offs = tl.arange(0, BLOCK)
+
+    if MODE == 0:
+        # top-R dims of the group-summed |q|: rank = dims ahead of it (ties: lower dim first)
+        a = tl.sum(tl.abs(qf), axis=0)  # (D_BLOCK,)
+        a_i = tl.where(dm, a, -1.0)
+        ahead = (a_i[None, :] > a_i[:, None]) | ((a_i[None, :] == a_i[:, None])
+                                                 & (d[None, :] < d[:, None]))
+        rank = tl.sum(ahead.to(tl.int32), axis=1)
+        sel = (rank < R) & dm
+        row = d
+        if TWO_BOUNDS:  # the min row where the group-summed q is negative
+            row = tl.where(tl.sum(qf, axis=0) < 0, d + D, d)
+        qs = tl.where(sel[None, :], qf, 0.0)  # (G_BLOCK, D_BLOCK), zero outside the dims
+        qsum = tl.sum(tl.abs(qf), axis=1)
+        qsel = tl.sum(tl.where(sel[None, :], tl.abs(qf), 0.0), axis=1)
+        qsum = tl.where(gm, qsum, 1.0)  # padding rows: no 0 / 0
+        inv_t = tl.where(gm, 1.0 / tl.sqrt(D * qsel / qsum), 0.0)  # SparQ temperature
+        # pass 1: online log-sum-exp over the valid tokens (each page n_p times)
+        m_run = tl.full((G_BLOCK,), -1.0e30, tl.float32)
+        l_run = tl.zeros((G_BLOCK,), tl.float32)
+        for p0 in range(0, P, BLOCK):
+            p = p0 + offs
+            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
+            ok = (p < P) & (cnt > 0)
+            kr = tl.load(rows + row[:, None] * s_rr + p[None, :] * s_rp,
+                         mask=sel[:, None] & ok[None, :], other=0.0)  # (D_BLOCK, BLOCK)
+            s = tl.dot(qs, kr.to(tl.float32), input_precision=PREC) * inv_t[:, None]
+            logn = tl.log(tl.maximum(cnt, 1).to(tl.float32))
+            s = tl.where(ok[None, :], s + logn[None, :], float("-inf"))
+            m_new = tl.maximum(m_run, tl.max(s, axis=1))
+            l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+            m_run = m_new
+        lse = m_run + tl.log(l_run)
+        # pass 2: token probabilities of each page, summed over the group
+        for p0 in range(0, P, BLOCK):
+            p = p0 + offs
+            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
+            ok = (p < P) & (cnt > 0)
+            kr = tl.load(rows + row[:, None] * s_rr + p[None, :] * s_rp,
+                         mask=sel[:, None] & ok[None, :], other=0.0)
+            s = tl.dot(qs, kr.to(tl.float32), input_precision=PREC) * inv_t[:, None]
+            prob = tl.where(gm[:, None], tl.exp(s - lse[:, None]), 0.0)
+            score = tl.where(ok, tl.sum(prob, axis=0), float("-inf"))
+            tl.store(scores_ptr + out + p, score, mask=p < P)
+    else:
+        # Quest bounds: max(q_i, 0) kmax_i + min(q_i, 0) kmin_i, summed over the group first
+        if TWO_BOUNDS:
+            qpos = tl.sum(tl.maximum(qf, 0.0), axis=0)
+            qneg = tl.sum(tl.minimum(qf, 0.0), axis=0)
+        else:
+            qpos = tl.sum(qf, axis=0)
+            qneg = tl.zeros((D_BLOCK,), tl.float32)
+        newest = last // PAGE_SIZE
+        for p0 in range(0, P, BLOCK):
+            p = p0 + offs
+            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
+            ok = (p < P) & (cnt > 0)
+            lm = dm[:, None] & ok[None, :]
+            kmax = tl.load(rows + d[:, None] * s_rr + p[None, :] * s_rp, mask=lm, other=0.0)
+            qp = qpos.to(kmax.dtype).to(tl.float32)
+            bound = tl.sum(qp[:, None] * kmax.to(tl.float32), axis=0)
+            if TWO_BOUNDS:
+                kmin = tl.load(rows + (d + D)[:, None] * s_rr + p[None, :] * s_rp, mask=lm,
+                               other=0.0)
+                qn = qneg.to(kmin.dtype).to(tl.float32)
+                bound += tl.sum(qn[:, None] * kmin.to(tl.float32), axis=0)
+            bound = tl.where(p == newest, float("inf"), bound)
+            score = tl.where(ok, bound, float("-inf"))
+            tl.store(scores_ptr + out + p, score, mask=p < P)
+
+    tl.debug_barrier()  # the scores this program wrote are read back below
+    # k tokens: the largest tau with at least k valid tokens in pages scoring >= tau
+    k_eff = tl.minimum(K, last + 1)
+    lo = tl.full((), -2147483648, tl.int64)
+    hi = tl.full((), 2147483647, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi + 1) // 2
+        w = tl.zeros((), tl.int32)
+        for p0 in range(0, P, BLOCK):
+            p = p0 + offs
+            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
+            key = _order_key(tl.load(scores_ptr + out + p, mask=p < P, other=float("-inf")))
+            w += tl.sum(tl.where((key.to(tl.int64) >= mid) & (p < P), cnt, 0))
+        big = w >= k_eff
+        lo = tl.where(big, mid, lo)
+        hi = tl.where(big, hi, mid - 1)
+    tau = lo
+    # pages above tau: all their slots; at tau: their first slots in page order, up to k
+    above = tl.zeros((), tl.int32)
+    for p0 in range(0, P, BLOCK):
+        p = p0 + offs
+        cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
+        key = _order_key(tl.load(scores_ptr + out + p, mask=p < P, other=float("-inf")))
+        above += tl.sum(tl.where((key.to(tl.int64) > tau) & (p < P), cnt, 0))
+    tied = tl.zeros((), tl.int32)
+    n_sel = tl.zeros((), tl.int32)
+    dst = pid.to(tl.int64) * M
+    for p0 in range(0, P, BLOCK):
+        p = p0 + offs
+        cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
+        key = _order_key(tl.load(scores_ptr + out + p, mask=p < P, other=float("-inf")))
+        k64 = key.to(tl.int64)
+        eq_cnt = tl.where((k64 == tau) & (p < P), cnt, 0)
+        before = tied + tl.cumsum(eq_cnt, axis=0) - eq_cnt
+        take_eq = tl.minimum(tl.maximum(k_eff - above - before, 0), eq_cnt)
+        take = tl.where((k64 > tau) & (p < P), cnt, take_eq)
+        chosen = (take > 0).to(tl.int32)
+        pos = n_sel + tl.cumsum(chosen, axis=0) - chosen
+        tl.store(pages_ptr + dst + pos, p, mask=chosen > 0)
+        tl.store(take_ptr + dst + pos, take, mask=chosen > 0)
+        tied += tl.sum(eq_cnt)
+        n_sel += tl.sum(chosen)
+    for j0 in range(0, M, BLOCK):  # unused entries read nothing
+        j = j0 + offs
+        tl.store(pages_ptr + dst + j, tl.zeros((BLOCK,), tl.int32), mask=(j >= n_sel) & (j < M))
+        tl.store(take_ptr + dst + j, tl.zeros((BLOCK,), tl.int32), mask=(j >= n_sel) & (j < M))
+
+
+def selected_pages(k: int, page_size: int, n_pages: int) -> int:
+    """M: entries of ``paged_select``'s page list, min(P, ceil(k / page_size) + 1)."""
+    return min(n_pages, -(-k // page_size) + 1)
+
+
+@torch.library.triton_op("rocketkv::paged_select", mutates_args=())
+def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: bool, r: int,
+                 k: int, page_size: int) -> tuple[Tensor, Tensor]:
+    """Score the pages of every (sequence, KV head) and choose k tokens, page-first.
+
+    Args:
+        q: (B, H, 1, D) queries (last dim contiguous).
+        rows: the per-dim rows scored, (B, H_kv, 2 D, P) page summary (max rows, then min
+            rows) with ``two_bounds``, else (B, H_kv, D, P): K^T (pages of one slot, any
+            strides) or SparQ's dim-major key copy.
+        last: (1,) int64 device tensor, the slot written last: slots 0..last are valid, so
+            page p holds clamp(last + 1 - p * page_size, 0, page_size) written slots.
+        mode: ``MODE_SOFTMAX`` (hybrid, SparQ, Exact-TopK with r = D) or ``MODE_BOUND``
+            (Quest).
+        r: dims read (``MODE_SOFTMAX``); k: tokens to choose (at most the valid ones).
+    Returns:
+        pages (B, H_kv, M) int32 and take (B, H_kv, M) int32, M = ``selected_pages``: the
+        chosen pages in ascending order, each with the count of its first slots to attend
+        (entries past the chosen ones have take 0). The page scores are written to a
+        (B, H_kv, P) float32 scratch buffer allocated here.
+    """
+    B, H, _, D = q.shape
+    Hkv, P = rows.shape[1], rows.shape[3]
+    G = H // Hkv
+    M = selected_pages(k, page_size, P)
+    scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
+    pages = torch.empty(B, Hkv, M, dtype=torch.int32, device=q.device)
+    take = torch.empty(B, Hkv, M, dtype=torch.int32, device=q.device)
+    torch.library.wrap_triton(_paged_select_kernel)[(B * Hkv,)](
+        q, rows, last, scores, pages, take,
+        q.stride(0), q.stride(1), rows.stride(0), rows.stride(1), rows.stride(2),
+        rows.stride(3), Hkv, G, D, P, r, k, M, page_size,
+        MODE=mode, TWO_BOUNDS=two_bounds, PREC=_precision(rows), G_BLOCK=max(16, _pow2(G)),
+        D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, num_warps=NUM_WARPS)
+    return pages, take
+
+
+@triton.jit
+def _program_group(pid, q_ptr, k_cache, v_cache, s_qb, s_qh, s_cb, s_ch, H_kv, G, D,
+                   G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    """What program ``pid`` of an attention kernel serves: its sequence b and KV head h, the
+    query group (G_BLOCK, D_BLOCK) float32 zero-padded, and the head's K and V rows."""
+    b = pid // H_kv
+    h = pid % H_kv
+    g = tl.arange(0, G_BLOCK)
+    d = tl.arange(0, D_BLOCK)
+    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :],
+                mask=(g < G)[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    return b, h, q, k_cache + b * s_cb + h * s_ch, v_cache + b * s_cb + h * s_ch
+
+
+@triton.jit
+def _attend_block(q, kb, vb, slot, ok, s_cs, D, scale, m_run, l_run, acc,
+                  PREC: tl.constexpr, D_BLOCK: tl.constexpr):
+    """One online-softmax step of a query group over the slots ``slot`` (where ``ok``):
+    returns the updated running max, normalizer and unnormalized output (float32)."""
+    d = tl.arange(0, D_BLOCK)
+    km = ok[:, None] & (d < D)[None, :]
+    kt = tl.load(kb + slot[:, None] * s_cs + d[None, :], mask=km, other=0.0)
+    vt = tl.load(vb + slot[:, None] * s_cs + d[None, :], mask=km, other=0.0)
+    s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision=PREC) * scale
+    s = tl.where(ok[None, :], s, float("-inf"))  # (G_BLOCK, slots)
+    m_new = tl.maximum(m_run, tl.max(s, axis=1))
+    alpha = tl.exp(m_run - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_run = l_run * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision=PREC)
+    return m_new, l_run, acc
+
+
+@triton.jit
+def _finish(m_run, l_run, acc, out_ptr, o_ptr, lse_ptr, pid, split, b, h, s_ob, s_oh, G, D,
+            SPLITS: tl.constexpr, G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    """One split's result: the normalized output when it is the only split, else its partial
+    output and log-sum-exp for ``_merge_splits_kernel`` (-inf: it held no slot)."""
+    g = tl.arange(0, G_BLOCK)
+    d = tl.arange(0, D_BLOCK)
+    if SPLITS == 1:
+        o = acc / l_run[:, None]
+        tl.store(out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
+    else:
+        part = (pid.to(tl.int64) * SPLITS + split) * G_BLOCK
+        empty = l_run == 0
+        tl.store(lse_ptr + part + g, tl.where(empty, float("-inf"), m_run + tl.log(l_run)))
+        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_run)[:, None])
+        tl.store(o_ptr + (part + g)[:, None] * D_BLOCK + d[None, :], o)
+
+
+@triton.jit
+def _attend_pages_kernel(q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_ptr, lse_ptr, out_ptr,
+                         s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh,
+                         H_kv, G, D, M, PAGE_SIZE, PAGES_PER_SPLIT, scale,
+                         SPLITS: tl.constexpr, PREC: tl.constexpr, G_BLOCK: tl.constexpr,
+                         D_BLOCK: tl.constexpr, CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b, h, q, kb, vb = _program_group(pid, q_ptr, k_cache, v_cache, s_qb, s_qh, s_cb, s_ch,
+                                     H_kv, G, D, G_BLOCK, D_BLOCK)
+    lst = pid.to(tl.int64) * M
+    TOK: tl.constexpr = PAGES_BLOCK * CHUNK
+    t = tl.arange(0, TOK)
+    j_in = t // CHUNK  # page of the block's slot, within the block's pages
+    m_run = tl.full((G_BLOCK,), -1.0e30, tl.float32)
+    l_run = tl.zeros((G_BLOCK,), tl.float32)
+    acc = tl.zeros((G_BLOCK, D_BLOCK), tl.float32)
+    j_first = split * PAGES_PER_SPLIT
+    j_end = tl.minimum(j_first + PAGES_PER_SPLIT, M)
+    for j0 in range(j_first, j_end, PAGES_BLOCK):
+        j = j0 + j_in
+        jm = j < j_end
+        page = tl.load(pages_ptr + lst + j, mask=jm, other=0).to(tl.int64)
+        n = tl.load(take_ptr + lst + j, mask=jm, other=0)
+        for c0 in range(0, PAGE_SIZE, CHUNK):  # once unless a page exceeds CHUNK slots
+            off = c0 + t % CHUNK  # slot within its page
+            m_run, l_run, acc = _attend_block(q, kb, vb, page * PAGE_SIZE + off, jm & (off < n),
+                                              s_cs, D, scale, m_run, l_run, acc, PREC, D_BLOCK)
+    _finish(m_run, l_run, acc, out_ptr, o_ptr, lse_ptr, pid, split, b, h, s_ob, s_oh, G, D,
+            SPLITS, G_BLOCK, D_BLOCK)
+
+
+@triton.jit
+def _attend_prefix_kernel(q_ptr, k_cache, v_cache, last_ptr, o_ptr, lse_ptr, out_ptr,
+                          s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh,
+                          H_kv, G, D, SPLIT_LEN, scale,
+                          SPLITS: tl.constexpr, PREC: tl.constexpr, G_BLOCK: tl.constexpr,
+                          D_BLOCK: tl.constexpr, TOK: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b, h, q, kb, vb = _program_group(pid, q_ptr, k_cache, v_cache, s_qb, s_qh, s_cb, s_ch,
+                                     H_kv, G, D, G_BLOCK, D_BLOCK)
+    n = tl.load(last_ptr).to(tl.int64) + 1  # slots 0..last are written
+    t = tl.arange(0, TOK)
+    m_run = tl.full((G_BLOCK,), -1.0e30, tl.float32)
+    l_run = tl.zeros((G_BLOCK,), tl.float32)
+    acc = tl.zeros((G_BLOCK, D_BLOCK), tl.float32)
+    first = split.to(tl.int64) * SPLIT_LEN
+    end = tl.minimum(first + SPLIT_LEN, n)  # a split past the written prefix reads nothing
+    for s0 in range(first, end, TOK):
+        slot = s0 + t
+        m_run, l_run, acc = _attend_block(q, kb, vb, slot, slot < end, s_cs, D, scale, m_run,
+                                          l_run, acc, PREC, D_BLOCK)
+    _finish(m_run, l_run, acc, out_ptr, o_ptr, lse_ptr, pid, split, b, h, s_ob, s_oh, G, D,
+            SPLITS, G_BLOCK, D_BLOCK)
+
+
+@triton.jit
+def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, s_ob, s_oh, H_kv, G, D,
+                         SPLITS: tl.constexpr, G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // H_kv
+    h = pid % H_kv
+    g = tl.arange(0, G_BLOCK)
+    d = tl.arange(0, D_BLOCK)
+    sp = tl.arange(0, SPLITS)
+    part = (pid.to(tl.int64) * SPLITS + sp)[:, None] * G_BLOCK + g[None, :]  # (SPLITS, G)
+    lse = tl.load(lse_ptr + part)
+    top = tl.max(lse, axis=0)  # finite: some split holds a token
+    w = tl.exp(lse - top[None, :])  # (SPLITS, G_BLOCK)
+    o = tl.load(o_ptr + part[:, :, None] * D_BLOCK + d[None, None, :])  # (SPLITS, G, D)
+    res = tl.sum(o * w[:, :, None], axis=0) / tl.sum(w, axis=0)[:, None]
+    tl.store(out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
+
+
+def _partials(programs: int, splits: int, g_block: int, d_block: int,
+              device: torch.device) -> tuple[Tensor, Tensor]:
+    """float32 scratch for the splits' partial outputs and log-sum-exps (1 element each when
+    there is one split: its program writes the output itself)."""
+    n = programs * splits * g_block if splits > 1 else 1
+    return (torch.empty(n * (d_block if splits > 1 else 1), dtype=torch.float32, device=device),
+            torch.empty(n, dtype=torch.float32, device=device))
+
+
+def attention_splits(k: int) -> int:
+    """Programs per KV head ``attend_pages`` uses for a selection of ``k`` tokens."""
+    return 1 if k <= SPLIT_TOKENS else min(64, _pow2(-(-k // SPLIT_TOKENS)))
+
+
+@torch.library.triton_op("rocketkv::attend_pages", mutates_args=())
+def attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, pages: Tensor, take: Tensor,
+                 page_size: int, k: int) -> Tensor:
+    """Exact attention of each query group over the slots ``paged_select`` chose.
+
+    Args:
+        q: (B, H, 1, D); k_cache, v_cache: (B, H_kv, S, D) (last dim contiguous).
+        pages, take: (B, H_kv, M) int32 from ``paged_select`` (slots page * page_size + i,
+            i < take, are attended).
+        k: tokens chosen (sets the split over programs, ``attention_splits``).
+    Returns:
+        (B, H, 1, D) in v_cache's dtype: softmax(q K_sel^T / sqrt(D)) V_sel, float32 inside.
+    """
+    B, H, _, D = q.shape
+    Hkv = k_cache.shape[1]
+    G, M = H // Hkv, pages.shape[2]
+    G_BLOCK, D_BLOCK = max(16, _pow2(G)), _pow2(D)
+    chunk = min(_pow2(page_size), ATTEND_TOKENS)  # slots of one page per iteration
+    pages_block = ATTEND_TOKENS // chunk  # ATTEND_TOKENS slots per loop iteration
+    splits = min(attention_splits(k), _pow2(-(-M // pages_block)))
+    per_split = -(-M // splits)
+    out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device)
+    o, lse = _partials(B * Hkv, splits, G_BLOCK, D_BLOCK, q.device)
+    torch.library.wrap_triton(_attend_pages_kernel)[(B * Hkv, splits)](
+        q, k_cache, v_cache, pages, take, o, lse, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), Hkv, G, D, M, page_size, per_split,
+        1.0 / math.sqrt(D), SPLITS=splits, PREC=_precision(k_cache), G_BLOCK=G_BLOCK,
+        D_BLOCK=D_BLOCK,
+        CHUNK=chunk, PAGES_BLOCK=pages_block, num_warps=NUM_WARPS)
+    if splits > 1:
+        torch.library.wrap_triton(_merge_splits_kernel)[(B * Hkv,)](
+            o, lse, out, out.stride(0), out.stride(1), Hkv, G, D, SPLITS=splits,
+            G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK)
+    return out
+
+
+PREFIX_SPLIT = 1024  # slots per program of attend_prefix, at least (untuned)
+PREFIX_PROGRAMS = 512  # programs (sequences x KV heads x splits) attend_prefix aims at
+
+
+def prefix_splits(batch_kv_heads: int, slots: int) -> int:
+    """Programs per KV head ``attend_prefix`` uses over a buffer of ``slots`` slots: enough
+    for about ``PREFIX_PROGRAMS`` programs in all, none shorter than ``PREFIX_SPLIT`` slots
+    (a power of two, 1 to 256)."""
+    by_length = max(1, slots // PREFIX_SPLIT)
+    want = max(1, PREFIX_PROGRAMS // max(1, batch_kv_heads))
+    return min(256, _pow2(min(by_length, want)))
+
+
+@torch.library.triton_op("rocketkv::attend_prefix", mutates_args=())
+def attend_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor) -> Tensor:
+    """Decode attention of each query group over the written prefix of static K/V buffers,
+    split over the sequence (flash-decoding), each KV head read once for its group.
+
+    Args:
+        q: (B, H, 1, D); k_cache, v_cache: (B, H_kv, S, D) (last dim contiguous).
+        last: (1,) int64 device tensor, the slot written last: slots 0..last are attended,
+            the rest never read (the static shapes stay, so one graph serves every step).
+    Returns:
+        (B, H, 1, D) in v_cache's dtype: softmax(q K^T / sqrt(D)) V over slots 0..last,
+        float32 inside; the splits (``prefix_splits``) merged by their log-sum-exps.
+    """
+    B, H, _, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = H // Hkv
+    G_BLOCK, D_BLOCK = max(16, _pow2(G)), _pow2(D)
+    splits = prefix_splits(B * Hkv, S)
+    split_len = -(-S // splits)
+    out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device)
+    o, lse = _partials(B * Hkv, splits, G_BLOCK, D_BLOCK, q.device)
+    torch.library.wrap_triton(_attend_prefix_kernel)[(B * Hkv, splits)](
+        q, k_cache, v_cache, last, o, lse, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), Hkv, G, D, split_len, 1.0 / math.sqrt(D),
+        SPLITS=splits, PREC=_precision(k_cache), G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK,
+        TOK=ATTEND_TOKENS, num_warps=NUM_WARPS)
+    if splits > 1:
+        torch.library.wrap_triton(_merge_splits_kernel)[(B * Hkv,)](
+            o, lse, out, out.stride(0), out.stride(1), Hkv, G, D, SPLITS=splits,
+            G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK)
+    return out

@@ -1,0 +1,397 @@
+"""The fused Triton kernels (kernels/sparse.py) against the PyTorch code they replace
+(compression/: the selectors' writes, selections and attention).
+
+On CPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py before the
+kernels are imported) at small shapes; the ``cuda`` tests run the same checks at real shapes on
+the GPU machine (``pytest -m cuda``). Unwritten slots and pages of the kernels' cache are
+poisoned with NaN: a kernel that reads one fails. Selections must equal the reference's as
+sets, ties aside: in float32 exactly; in bfloat16 a token may differ only where the
+reference's own scores of the two tokens are within bfloat16 rounding.
+"""
+
+import pytest
+import torch
+
+import kernels
+from compression.exact_topk import ExactTopK, exact_scores
+from compression.hybrid import Hybrid, hybrid_page_scores
+from compression.quest import Quest, page_bounds
+from compression.selection import PagedSelector, top_r_dims
+from compression.sparq import SparQ, sparq_scores
+from kv_cache import CompressedKVCache, FullKVCache, Selector
+from model import ModelArgs
+
+OPS = kernels.ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason=f"triton: {kernels.missing()}")
+CUDA = torch.cuda.is_available()
+
+SELECTORS = {  # name -> (selector for k tokens)
+    "hybrid": lambda k: Hybrid(4, 5, k),
+    "hybrid_page3": lambda k: Hybrid(3, 9, k),
+    "hybrid_page1": lambda k: Hybrid(1, 5, k),
+    "quest": lambda k: Quest(4, k),
+    "quest_page1": lambda k: Quest(1, k),
+    "quest_page100": lambda k: Quest(100, k),  # a page over one loop iteration's 64 slots
+    "sparq": lambda k: SparQ(5, k),
+    "sparq_strided": lambda k: SparQ(5, k, dim_major=False),
+    "exact_topk": lambda k: ExactTopK(k),
+}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_forced():
+    previous = kernels.set_mode("force")
+    yield
+    kernels.set_mode(previous)
+
+
+def model_args(heads, kv_heads, head_dim):
+    return ModelArgs(dim=heads * head_dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads,
+                     intermediate_size=8, vocab_size=10, max_seq_len=1 << 18)
+
+
+def aux_of(selector):
+    """The selector's auxiliary buffer (page summary or dim-major keys), or None."""
+    return getattr(selector, "summary", None) if isinstance(selector, PagedSelector) else \
+        getattr(selector, "k_dims", None)
+
+
+def twin_caches(name, k, args, T, steps, dtype, device, seed=0, B=1):
+    """Two caches of one method holding the same prefilled prompt: the reference (PyTorch
+    path) and the kernels' (every unwritten slot and page poisoned with NaN); the decode
+    inputs of ``steps`` more tokens."""
+    g = torch.Generator().manual_seed(seed)
+    n = T + steps
+    q, kk, v = (torch.randn(B, h, n, args.head_dim, generator=g).to(device, dtype)
+                for h in (args.n_heads, args.n_kv_heads, args.n_kv_heads))
+    caches = []
+    for _ in range(2):
+        cache = CompressedKVCache(0, args, B, dtype, device, prompt_len=T, prompt_capacity=T,
+                                  max_new_tokens=steps, selector=SELECTORS[name](k))
+        with torch.no_grad():
+            cache.prefill(q[:, :, :T], kk[:, :, :T], v[:, :, :T])
+        caches.append(cache)
+    ref, ker = caches
+    ker.k_cache[:, :, T:] = float("nan")
+    ker.v_cache[:, :, T:] = float("nan")
+    aux = aux_of(ker.selector)
+    if aux is not None:
+        ps = ker.selector.page_size if isinstance(ker.selector, PagedSelector) else 1
+        aux[..., -(-T // ps):] = float("nan")  # pages (columns) no token reached yet
+    return ref, ker, (q, kk, v)
+
+
+def decode(cache, mode, q, k, v, t):
+    previous = kernels.set_mode(mode)
+    try:
+        with torch.no_grad():
+            return cache.decode(q, k, v, torch.tensor([t], device=q.device))
+    finally:
+        kernels.set_mode(previous)
+
+
+def reference_scores(cache, q, valid):
+    """The reference's token scores (B, H_kv, S) float32 of the cache's selector: page-constant
+    for paged selectors, -inf at unwritten slots."""
+    sel = cache.selector
+    if isinstance(sel, ExactTopK):
+        return exact_scores(q, cache.k_cache, valid)
+    if isinstance(sel, SparQ):
+        keys = sel.k_dims if sel.dim_major else cache.k_cache
+        s = sparq_scores(q, keys, top_r_dims(q, cache.n_kv_heads, sel.r), valid, sel.dim_major)
+        return s.sum(dim=2).masked_fill(~valid, float("-inf"))
+    counts = sel.page_counts(valid)
+    if isinstance(sel, Quest):
+        pages = page_bounds(q, sel.rows(cache))
+        newest = torch.arange(pages.shape[-1], device=q.device) == (counts > 0).sum() - 1
+        pages = pages.masked_fill(newest, float("inf"))
+    else:
+        pages = hybrid_page_scores(q, sel.rows(cache), top_r_dims(q, cache.n_kv_heads, sel.r),
+                                   counts)
+    s = pages.repeat_interleave(sel.page_size, dim=-1)
+    return s.masked_fill(~valid, float("-inf"))
+
+
+def chosen_slots(pages, take, page_size, S):
+    """(B, H_kv, S) bool of the slots ``paged_select`` chose."""
+    B, Hkv, M = pages.shape
+    out = torch.zeros(B, Hkv, S, dtype=torch.bool)
+    for b in range(B):
+        for h in range(Hkv):
+            for p, n in zip(pages[b, h].tolist(), take[b, h].tolist()):
+                out[b, h, p * page_size:p * page_size + n] = True
+    return out
+
+
+def check_selection(ref_cache, ker_cache, q, t, k, exact):
+    """paged_select on the kernels' cache chooses the reference's top-k token set."""
+    sel = ker_cache.selector
+    S = ker_cache.length
+    valid = torch.arange(S, device=q.device) <= t
+    scores = reference_scores(ref_cache, q, valid).float().cpu()
+    if isinstance(sel, Quest):
+        mode, two, r, rows = OPS.MODE_BOUND, sel.page_size > 1, q.shape[-1], sel.rows(ker_cache)
+    elif isinstance(sel, SparQ):
+        mode, two, r = OPS.MODE_SOFTMAX, False, sel.r
+        rows = sel.k_dims if sel.dim_major else ker_cache.k_cache.transpose(-1, -2)
+    elif isinstance(sel, ExactTopK):
+        mode, two, r, rows = OPS.MODE_SOFTMAX, False, q.shape[-1], \
+            ker_cache.k_cache.transpose(-1, -2)
+    else:
+        mode, two, r, rows = OPS.MODE_SOFTMAX, sel.page_size > 1, sel.r, sel.rows(ker_cache)
+    ps = sel.page_size
+    pages, take = torch.ops.rocketkv.paged_select(
+        q, rows, torch.tensor([t], device=q.device), mode, two, r, min(k, S), ps)
+    assert pages.shape[-1] == OPS.selected_pages(min(k, S), ps, rows.shape[-1])
+    got = chosen_slots(pages.cpu(), take.cpu(), ps, S)
+    n_valid = t + 1
+    assert (got.sum(-1) == min(k, n_valid)).all()
+    assert not (got & ~valid.cpu()).any()
+    for b in range(got.shape[0]):
+        for h in range(got.shape[1]):
+            s = scores[b, h]
+            ref = set(s.topk(min(k, n_valid)).indices.tolist())
+            mine = set(got[b, h].nonzero().flatten().tolist())
+            if exact:
+                if mine != ref:  # ties aside: equal scores may go either way
+                    kth = s[list(ref)].min()
+                    assert (s[list(mine ^ ref)] == kth).all(), (b, h, mine ^ ref)
+            else:  # bfloat16: differences only among near-ties of the reference's scores
+                kth = s[list(ref)].min()
+                finite = s[s.isfinite()]
+                tol = 2e-2 * float(finite.abs().max()) + 1e-6
+                assert all(float(s[j]) >= float(kth) - tol for j in mine - ref), (b, h)
+
+
+CASES = [  # (selector, k, heads, kv heads, head dim, prompt, steps)
+    ("hybrid", 6, 8, 2, 32, 41, 7),
+    ("hybrid", 1, 8, 2, 32, 29, 3),  # k = 1
+    ("hybrid", 8, 2, 2, 16, 30, 4),  # MHA, k two whole pages
+    ("hybrid", 500, 8, 2, 32, 37, 3),  # k above the written tokens: every one of them
+    ("hybrid_page3", 13, 8, 2, 32, 50, 5),
+    ("hybrid_page1", 9, 8, 2, 32, 40, 4),
+    ("quest", 3, 8, 2, 32, 33, 6),  # k below one page
+    ("quest", 12, 8, 2, 32, 45, 4),
+    ("quest_page1", 7, 8, 2, 32, 30, 3),
+    ("quest_page100", 150, 8, 2, 32, 230, 3),
+    ("sparq", 10, 8, 2, 32, 45, 4),
+    ("sparq_strided", 10, 8, 2, 32, 45, 3),
+    ("exact_topk", 12, 8, 2, 32, 40, 4),
+    ("exact_topk", 12, 4, 4, 32, 40, 3),  # MHA
+]
+
+
+def _case_id(c):
+    return f"{c[0]}-k{c[1]}-h{c[2]}x{c[3]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_decode_steps_equal_the_pytorch_path(case):
+    """Each decode step through the kernels (token write, selection, attention) on a cache
+    poisoned past its written slots gives the reference's output, and leaves the same K/V and
+    auxiliary keys (page min/max, dim-major copy) on the written slots and pages."""
+    name, k, H, Hkv, D, T, steps = case
+    ref, ker, (q, kk, v) = twin_caches(name, k, model_args(H, Hkv, D), T, steps,
+                                       torch.float32, "cpu")
+    for t in range(T, T + steps):
+        ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+        want = decode(ref, "off", *ins, t)
+        got = decode(ker, "force", *ins, t)
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (t, (got - want).abs().max())
+        assert torch.equal(ker.k_cache[:, :, :t + 1], ref.k_cache[:, :, :t + 1])
+        assert torch.equal(ker.v_cache[:, :, :t + 1], ref.v_cache[:, :, :t + 1])
+        aux = aux_of(ref.selector)
+        if aux is not None:
+            ps = ref.selector.page_size if isinstance(ref.selector, PagedSelector) else 1
+            n = t // ps + 1
+            assert torch.equal(aux_of(ker.selector)[..., :n], aux[..., :n]), t
+        check_selection(ref, ker, q[:, :, t:t + 1], t, k, exact=True)
+
+
+@pytest.mark.parametrize("name,k", [("hybrid", 10), ("quest", 6), ("sparq", 9),
+                                    ("exact_topk", 9), ("hybrid_page3", 20)])
+def test_bfloat16_selection_and_output(name, k):
+    """bfloat16 caches: the chosen tokens differ from the reference's only among near-ties,
+    and the attention output is within bfloat16 tolerance of the reference's."""
+    T, steps = 48, 3
+    ref, ker, (q, kk, v) = twin_caches(name, k, model_args(8, 2, 32), T, steps,
+                                       torch.bfloat16, "cpu", seed=3, B=2)
+    for t in range(T, T + steps):
+        ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+        want = decode(ref, "off", *ins, t).float()
+        got = decode(ker, "force", *ins, t).float()
+        check_selection(ref, ker, q[:, :, t:t + 1], t, k, exact=False)
+        assert (got - want).abs().max() < 0.1, t
+
+
+def test_split_attention_merges_like_one_program(monkeypatch):
+    """A selection attended by several programs per KV head (log-sum-exp merge) equals one
+    program's result and the reference."""
+    monkeypatch.setattr(OPS, "SPLIT_TOKENS", 8)
+    assert OPS.attention_splits(40) > 1
+    ref, ker, (q, kk, v) = twin_caches("hybrid", 40, model_args(8, 2, 32), 90, 2,
+                                       torch.float32, "cpu")
+    for t in range(90, 92):
+        ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+        want = decode(ref, "off", *ins, t)
+        got = decode(ker, "force", *ins, t)
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,split", [(8, 2, 16), (4, 4, 16), (8, 2, 4096)],
+                         ids=["gqa-split", "mha-split", "one-program"])
+def test_prefix_attention_equals_the_masked_formula(heads, kv_heads, split, monkeypatch):
+    """attend_prefix (Full-KV decode): each step over slots 0..t of a static buffer whose
+    unwritten slots are NaN, split over the sequence or in one program per KV head, equals
+    the masked formula of the PyTorch path."""
+    monkeypatch.setattr(OPS, "PREFIX_SPLIT", split)
+    args = model_args(heads, kv_heads, 32)
+    T, steps, S = 70, 4, 100
+    g = torch.Generator().manual_seed(5)
+    q, kk, v = (torch.randn(2, h, T + steps, 32, generator=g) for h in (heads, kv_heads,
+                                                                         kv_heads))
+    ref, ker = (FullKVCache(0, args, 2, torch.float32, "cpu", S) for _ in range(2))
+    with torch.no_grad():
+        for c in (ref, ker):
+            c.prefill(q[:, :, :T], kk[:, :, :T], v[:, :, :T])
+    ker.k_cache[:, :, T:] = float("nan")
+    ker.v_cache[:, :, T:] = float("nan")
+    if split == 16:
+        assert OPS.prefix_splits(2 * kv_heads, S) > 1
+    for t in range(T, T + steps):
+        ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+        want = decode(ref, "off", *ins, t)
+        got = decode(ker, "force", *ins, t)
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), t
+
+
+def test_dense_selector_uses_the_prefix_kernel(monkeypatch):
+    """A compressed cache that attends to everything it keeps (SnapKV's decode) goes
+    through attend_prefix with the slot it wrote, and matches the PyTorch path."""
+    args = model_args(8, 2, 32)
+    T, steps = 40, 3
+    g = torch.Generator().manual_seed(9)
+    q, kk, v = (torch.randn(1, h, T + steps, 32, generator=g) for h in (8, 2, 2))
+    caches = [CompressedKVCache(0, args, 1, torch.float32, "cpu", prompt_len=T,
+                                prompt_capacity=T, max_new_tokens=steps, selector=Selector())
+              for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            c.prefill(q[:, :, :T], kk[:, :, :T], v[:, :, :T])
+    caches[1].v_cache[:, :, T:] = float("nan")
+    calls = []
+    spy = kernels.prefix_attention
+
+    def counting(*a):
+        calls.append(a[-1])
+        return spy(*a)
+
+    monkeypatch.setattr(kernels, "prefix_attention", counting)
+    for t in range(T, T + steps):
+        ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+        want = decode(caches[0], "off", *ins, t)
+        got = decode(caches[1], "force", *ins, t)
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-4)
+    assert [int(c) for c in calls] == list(range(T, T + steps))
+
+
+def test_write_token_restarts_a_page_and_writes_a_column():
+    """write_token: on a page's first slot the summary column is the token itself (the stale
+    NaN there is ignored), later slots take max / min; the dim-major copy gets one column."""
+    B, Hkv, S, D, ps = 1, 2, 12, 16, 4
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.zeros(B, Hkv, S, D), torch.zeros(B, Hkv, S, D)
+    summary = torch.full((B, Hkv, 2 * D, S // ps), float("nan"))
+    toks = [torch.randn(B, Hkv, 1, D, generator=g) for _ in range(3)]
+    for slot, tok in zip((4, 5, 6), toks):
+        torch.ops.rocketkv.write_token(kc, vc, summary, tok, -tok, torch.tensor([slot]),
+                                       OPS.AUX_SUMMARY, ps)
+    stack = torch.cat(toks, dim=2)
+    assert torch.equal(summary[..., :D, 1], stack.amax(2))
+    assert torch.equal(summary[..., D:, 1], stack.amin(2))
+    assert summary[..., 0].isnan().all() and summary[..., 2].isnan().all()
+    assert torch.equal(vc[:, :, 4:7], -stack)
+    dims = torch.zeros(B, Hkv, D, S)
+    torch.ops.rocketkv.write_token(kc, vc, dims, toks[0], toks[0], torch.tensor([9]),
+                                   OPS.AUX_DIM_MAJOR, 1)
+    assert torch.equal(dims[..., 9], toks[0][:, :, 0])
+    assert dims[..., :9].eq(0).all() and dims[..., 10:].eq(0).all()
+
+
+def test_kernels_stay_off_on_cpu_by_default():
+    """``auto`` runs the kernels on CUDA only; a head dim under 16 never."""
+    kernels.set_mode("auto")
+    assert not kernels.enabled(torch.zeros(1, 1, 1, 64))
+    kernels.set_mode("force")
+    assert kernels.enabled(torch.zeros(1, 1, 1, 64))
+    assert not kernels.enabled(torch.zeros(1, 1, 1, 8))
+    with pytest.raises(ValueError, match="kernel mode"):
+        kernels.set_mode("always")
+
+
+CUDA_CASES = [  # llama-3.1-8b heads (32 query, 8 KV, head dim 128); RocketKV @256 at 32K
+    # keeps 2896 tokens (page 5, r 28, k 128); hybrid @256 on 32K (page 12, r 12)
+    ("hybrid", 128, 2896, "hybrid_p5r28"),
+    ("hybrid", 128, 32768, "hybrid_p12r12"),
+    ("quest", 128, 32768, "quest"),
+    ("sparq", 128, 32768, "sparq"),
+    ("exact_topk", 256, 32768, "exact_topk"),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="CUDA only (the GPU machine)")
+@pytest.mark.parametrize("name,k,T,label", CUDA_CASES, ids=[c[3] for c in CUDA_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_real_shapes(name, k, T, label, dtype, monkeypatch):
+    """The same checks on the GPU at llama-3.1-8b's heads and real contexts."""
+    make = {"hybrid_p5r28": lambda n: Hybrid(5, 28, n), "hybrid_p12r12": lambda n: Hybrid(
+        12, 12, n), "quest": lambda n: Quest(128, n), "sparq": lambda n: SparQ(1, n),
+        "exact_topk": lambda n: ExactTopK(n)}[label]
+    monkeypatch.setitem(SELECTORS, name, make)
+    ref, ker, (q, kk, v) = twin_caches(name, k, model_args(32, 8, 128), T, 2, dtype, "cuda")
+    for t in range(T, T + 2):
+        ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+        want = decode(ref, "off", *ins, t).float()
+        got = decode(ker, "force", *ins, t).float()
+        check_selection(ref, ker, q[:, :, t:t + 1], t, k, exact=dtype == torch.float32)
+        assert (got - want).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="CUDA only (the GPU machine)")
+@pytest.mark.parametrize("T", [32768, 131072 - 64])
+def test_cuda_prefix_attention_real_shapes(T):
+    """attend_prefix at llama-3.1-8b's heads, 32K and 128K, bfloat16, against the formula."""
+    args = model_args(32, 8, 128)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ref, ker = (FullKVCache(0, args, 1, torch.bfloat16, "cuda", T + 2) for _ in range(2))
+    for buf in ("k_cache", "v_cache"):
+        x = torch.randn(1, 8, T, 128, generator=g, device="cuda")
+        getattr(ref, buf)[:, :, :T] = x
+        getattr(ker, buf)[:, :, :T] = x
+    ker.k_cache[:, :, T:] = float("nan")
+    ker.v_cache[:, :, T:] = float("nan")
+    q, kk, v = (torch.randn(1, h, 1, 128, generator=g, device="cuda").to(torch.bfloat16)
+                for h in (32, 8, 8))
+    want = decode(ref, "off", q, kk, v, T).float()
+    got = decode(ker, "force", q, kk, v, T).float()
+    assert (got - want).abs().max() < 0.02
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="CUDA only (the GPU machine)")
+def test_cuda_graph_captures_the_kernels():
+    """The decode step with the kernels compiles (fullgraph) and replays in a CUDA graph with
+    the output of the eager kernels."""
+    ref, ker, (q, kk, v) = twin_caches("hybrid", 64, model_args(32, 8, 128), 4096, 3,
+                                       torch.bfloat16, "cuda")
+    t = 4096
+    ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+    want = decode(ref, "off", *ins, t).float()
+    step = torch.compile(ker.decode, mode="reduce-overhead", fullgraph=True)
+    pos = torch.tensor([t], device="cuda")
+    with torch.no_grad():
+        for _ in range(3):  # warm-up and capture; the same token rewritten each time
+            got = step(*ins, pos).float()
+    assert (got - want).abs().max() < 0.05
