@@ -380,6 +380,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     if compile and not all(c.compilable for c in model.caches):
         raise ConfigError("this method's decode step synchronizes with the host and runs "
                           "eagerly: use --no-compile")
+    fused = kernels.in_use(device)  # imports the kernels now, outside the graph being traced
     step_fn = compiled_decode(device, compile_backend, compile_dynamic) if compile \
         else decode_one_token
     if seed is not None:
@@ -399,7 +400,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     result["peak_memory_bytes"]["total"] = max(peak_setup, result["peak_memory_bytes"]["total"])
     result["peak_memory_kind"] = meter.kind
     result["compiled"] = bool(compile)
-    result["fused_kernels"] = kernels.in_use(device)
+    result["fused_kernels"] = fused
     return result
 
 

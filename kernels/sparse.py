@@ -81,12 +81,15 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
-def _precision(x: Tensor) -> str:
-    """``tl.dot``'s input precision for operands loaded from ``x`` and widened to float32:
-    tf32 holds every bfloat16/float16 value exactly (the tensor cores' fast path), float32
-    inputs keep full precision ("ieee"). The dots accumulate in float32 either way (the
-    interpreter computes them in float32 whatever this says)."""
-    return "ieee" if x.dtype == torch.float32 else "tf32"
+def _dot_mode(x: Tensor) -> str:
+    """How the kernels' ``tl.dot`` reads operands loaded from ``x`` (``_dot``): "native" for
+    bfloat16/float16 on a GPU (the tensor cores' bf16 path with float32 accumulation, as the
+    PyTorch reference's bf16 matmuls), "ieee" for float32 (full precision), "tf32" for
+    16-bit data in Triton's interpreter, whose bf16 dots are not to be trusted: there both
+    operands are widened to float32 (tf32 would hold every bf16 value exactly)."""
+    if x.dtype == torch.float32:
+        return "ieee"
+    return "tf32" if triton.knobs.runtime.interpret else "native"
 
 
 @triton.jit
@@ -147,6 +150,16 @@ def write_token(k_cache: Tensor, v_cache: Tensor, aux: Tensor, k: Tensor, v: Ten
 
 
 @triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """a @ b, float32 result: ``a`` float32 (queries, probabilities), ``b`` as loaded from
+    the cache (``_dot_mode``: "native" casts ``a`` to b's 16-bit dtype)."""
+    if DOT == "native":
+        return tl.dot(a.to(b.dtype), b)
+    else:
+        return tl.dot(a, b.to(tl.float32), input_precision=DOT)
+
+
+@triton.jit
 def _order_key(x):
     """fp32 -> int32 whose signed order is the floats' order (NaN above +inf)."""
     bits = x.to(tl.int32, bitcast=True)
@@ -157,7 +170,7 @@ def _order_key(x):
 def _paged_select_kernel(q_ptr, rows_ptr, last_ptr, scores_ptr, pages_ptr, take_ptr,
                          s_qb, s_qh, s_rb, s_rh, s_rr, s_rp,
                          H_kv, G, D, P, R, K, M, PAGE_SIZE,
-                         MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr, PREC: tl.constexpr,
+                         MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr, DOT: tl.constexpr,
                          G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H_kv
@@ -199,7 +212,7 @@ def _paged_select_kernel(q_ptr, rows_ptr, last_ptr, scores_ptr, pages_ptr, take_
             ok = (p < P) & (cnt > 0)
             kr = tl.load(rows + row[:, None] * s_rr + p[None, :] * s_rp,
                          mask=sel[:, None] & ok[None, :], other=0.0)  # (D_BLOCK, BLOCK)
-            s = tl.dot(qs, kr.to(tl.float32), input_precision=PREC) * inv_t[:, None]
+            s = _dot(qs, kr, DOT) * inv_t[:, None]
             logn = tl.log(tl.maximum(cnt, 1).to(tl.float32))
             s = tl.where(ok[None, :], s + logn[None, :], float("-inf"))
             m_new = tl.maximum(m_run, tl.max(s, axis=1))
@@ -213,7 +226,7 @@ def _paged_select_kernel(q_ptr, rows_ptr, last_ptr, scores_ptr, pages_ptr, take_
             ok = (p < P) & (cnt > 0)
             kr = tl.load(rows + row[:, None] * s_rr + p[None, :] * s_rp,
                          mask=sel[:, None] & ok[None, :], other=0.0)
-            s = tl.dot(qs, kr.to(tl.float32), input_precision=PREC) * inv_t[:, None]
+            s = _dot(qs, kr, DOT) * inv_t[:, None]
             prob = tl.where(gm[:, None], tl.exp(s - lse[:, None]), 0.0)
             score = tl.where(ok, tl.sum(prob, axis=0), float("-inf"))
             tl.store(scores_ptr + out + p, score, mask=p < P)
@@ -328,7 +341,7 @@ def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: b
         q, rows, last, scores, pages, take,
         q.stride(0), q.stride(1), rows.stride(0), rows.stride(1), rows.stride(2),
         rows.stride(3), Hkv, G, D, P, r, k, M, page_size,
-        MODE=mode, TWO_BOUNDS=two_bounds, PREC=_precision(rows), G_BLOCK=max(16, _pow2(G)),
+        MODE=mode, TWO_BOUNDS=two_bounds, DOT=_dot_mode(rows), G_BLOCK=max(16, _pow2(G)),
         D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, num_warps=NUM_WARPS)
     return pages, take
 
@@ -349,20 +362,20 @@ def _program_group(pid, q_ptr, k_cache, v_cache, s_qb, s_qh, s_cb, s_ch, H_kv, G
 
 @triton.jit
 def _attend_block(q, kb, vb, slot, ok, s_cs, D, scale, m_run, l_run, acc,
-                  PREC: tl.constexpr, D_BLOCK: tl.constexpr):
+                  DOT: tl.constexpr, D_BLOCK: tl.constexpr):
     """One online-softmax step of a query group over the slots ``slot`` (where ``ok``):
     returns the updated running max, normalizer and unnormalized output (float32)."""
     d = tl.arange(0, D_BLOCK)
     km = ok[:, None] & (d < D)[None, :]
     kt = tl.load(kb + slot[:, None] * s_cs + d[None, :], mask=km, other=0.0)
     vt = tl.load(vb + slot[:, None] * s_cs + d[None, :], mask=km, other=0.0)
-    s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision=PREC) * scale
+    s = _dot(q, tl.trans(kt), DOT) * scale
     s = tl.where(ok[None, :], s, float("-inf"))  # (G_BLOCK, slots)
     m_new = tl.maximum(m_run, tl.max(s, axis=1))
     alpha = tl.exp(m_run - m_new)
     p = tl.exp(s - m_new[:, None])
     l_run = l_run * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision=PREC)
+    acc = acc * alpha[:, None] + _dot(p, vt, DOT)
     return m_new, l_run, acc
 
 
@@ -389,7 +402,7 @@ def _finish(m_run, l_run, acc, out_ptr, o_ptr, lse_ptr, pid, split, b, h, s_ob, 
 def _attend_pages_kernel(q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_ptr, lse_ptr, out_ptr,
                          s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh,
                          H_kv, G, D, M, PAGE_SIZE, PAGES_PER_SPLIT, scale,
-                         SPLITS: tl.constexpr, PREC: tl.constexpr, G_BLOCK: tl.constexpr,
+                         SPLITS: tl.constexpr, DOT: tl.constexpr, G_BLOCK: tl.constexpr,
                          D_BLOCK: tl.constexpr, CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -412,7 +425,7 @@ def _attend_pages_kernel(q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_ptr, ls
         for c0 in range(0, PAGE_SIZE, CHUNK):  # once unless a page exceeds CHUNK slots
             off = c0 + t % CHUNK  # slot within its page
             m_run, l_run, acc = _attend_block(q, kb, vb, page * PAGE_SIZE + off, jm & (off < n),
-                                              s_cs, D, scale, m_run, l_run, acc, PREC, D_BLOCK)
+                                              s_cs, D, scale, m_run, l_run, acc, DOT, D_BLOCK)
     _finish(m_run, l_run, acc, out_ptr, o_ptr, lse_ptr, pid, split, b, h, s_ob, s_oh, G, D,
             SPLITS, G_BLOCK, D_BLOCK)
 
@@ -421,7 +434,7 @@ def _attend_pages_kernel(q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_ptr, ls
 def _attend_prefix_kernel(q_ptr, k_cache, v_cache, last_ptr, o_ptr, lse_ptr, out_ptr,
                           s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh,
                           H_kv, G, D, SPLIT_LEN, scale,
-                          SPLITS: tl.constexpr, PREC: tl.constexpr, G_BLOCK: tl.constexpr,
+                          SPLITS: tl.constexpr, DOT: tl.constexpr, G_BLOCK: tl.constexpr,
                           D_BLOCK: tl.constexpr, TOK: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -437,7 +450,7 @@ def _attend_prefix_kernel(q_ptr, k_cache, v_cache, last_ptr, o_ptr, lse_ptr, out
     for s0 in range(first, end, TOK):
         slot = s0 + t
         m_run, l_run, acc = _attend_block(q, kb, vb, slot, slot < end, s_cs, D, scale, m_run,
-                                          l_run, acc, PREC, D_BLOCK)
+                                          l_run, acc, DOT, D_BLOCK)
     _finish(m_run, l_run, acc, out_ptr, o_ptr, lse_ptr, pid, split, b, h, s_ob, s_oh, G, D,
             SPLITS, G_BLOCK, D_BLOCK)
 
@@ -445,20 +458,26 @@ def _attend_prefix_kernel(q_ptr, k_cache, v_cache, last_ptr, o_ptr, lse_ptr, out
 @triton.jit
 def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, s_ob, s_oh, H_kv, G, D,
                          SPLITS: tl.constexpr, G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    """Combine the splits' partial softmaxes by their log-sum-exps (one split at a time: the
+    register tile stays (G_BLOCK, D_BLOCK) whatever SPLITS is)."""
     pid = tl.program_id(0)
     b = pid // H_kv
     h = pid % H_kv
     g = tl.arange(0, G_BLOCK)
     d = tl.arange(0, D_BLOCK)
-    sp = tl.arange(0, SPLITS)
-    part = (pid.to(tl.int64) * SPLITS + sp)[:, None] * G_BLOCK + g[None, :]  # (SPLITS, G)
-    lse = tl.load(lse_ptr + part)
-    top = tl.max(lse, axis=0)  # finite: some split holds a token
-    w = tl.exp(lse - top[None, :])  # (SPLITS, G_BLOCK)
-    o = tl.load(o_ptr + part[:, :, None] * D_BLOCK + d[None, None, :])  # (SPLITS, G, D)
-    res = tl.sum(o * w[:, :, None], axis=0) / tl.sum(w, axis=0)[:, None]
+    top = tl.full((G_BLOCK,), float("-inf"), tl.float32)
+    for sp in range(SPLITS):  # the largest log-sum-exp: finite, some split holds a slot
+        top = tl.maximum(top, tl.load(lse_ptr + (pid.to(tl.int64) * SPLITS + sp) * G_BLOCK + g))
+    num = tl.zeros((G_BLOCK, D_BLOCK), tl.float32)
+    den = tl.zeros((G_BLOCK,), tl.float32)
+    for sp in range(SPLITS):
+        part = (pid.to(tl.int64) * SPLITS + sp) * G_BLOCK
+        w = tl.exp(tl.load(lse_ptr + part + g) - top)  # 0 for an empty split
+        num += tl.load(o_ptr + (part + g)[:, None] * D_BLOCK + d[None, :]) * w[:, None]
+        den += w
     tl.store(out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :],
-             res.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
+             (num / den[:, None]).to(out_ptr.dtype.element_ty),
+             mask=(g < G)[:, None] & (d < D)[None, :])
 
 
 def _partials(programs: int, splits: int, g_block: int, d_block: int,
@@ -502,7 +521,7 @@ def attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, pages: Tensor, tak
         q, k_cache, v_cache, pages, take, o, lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), Hkv, G, D, M, page_size, per_split,
-        1.0 / math.sqrt(D), SPLITS=splits, PREC=_precision(k_cache), G_BLOCK=G_BLOCK,
+        1.0 / math.sqrt(D), SPLITS=splits, DOT=_dot_mode(k_cache), G_BLOCK=G_BLOCK,
         D_BLOCK=D_BLOCK,
         CHUNK=chunk, PAGES_BLOCK=pages_block, num_warps=NUM_WARPS)
     if splits > 1:
@@ -550,7 +569,7 @@ def attend_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor) -> 
         q, k_cache, v_cache, last, o, lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), Hkv, G, D, split_len, 1.0 / math.sqrt(D),
-        SPLITS=splits, PREC=_precision(k_cache), G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK,
+        SPLITS=splits, DOT=_dot_mode(k_cache), G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK,
         TOK=ATTEND_TOKENS, num_warps=NUM_WARPS)
     if splits > 1:
         torch.library.wrap_triton(_merge_splits_kernel)[(B * Hkv,)](

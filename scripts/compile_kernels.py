@@ -1,0 +1,128 @@
+"""Compile every fused kernel (kernels/sparse.py) for a GPU architecture without a GPU.
+
+    python scripts/compile_kernels.py                  # sm_90 (H100/H200), bfloat16
+    python scripts/compile_kernels.py --arch 100 --json /tmp/regs.json
+
+Triton's front end and the ``ptxas`` its wheel bundles turn each kernel, at the configurations
+the engine launches (llama-3.1-8b's head dim 128 and query group of 4, padded to 16), into GPU
+code, and ``ptxas -v`` reports registers and spills per thread. This catches what Triton's
+interpreter (the CPU tests) does not check: code that only the GPU compiler rejects, and
+register spills. It says nothing about speed. Exit status 1 when a kernel fails to compile,
+2 when triton or its ptxas is missing or ``TRITON_INTERPRET`` is set (the kernels are then
+interpreted, not compiled).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from cli import OneLineParser, write_json
+
+BF16 = "*bf16"
+
+
+def configurations(sparse) -> list[tuple]:
+    """(kernel, pointer dtypes, constexprs, num_warps) for every launch shape the engine uses
+    on a 16-bit cache of head dim 128."""
+    S = sparse
+    out = []
+    for aux in (S.AUX_SUMMARY, S.AUX_DIM_MAJOR):
+        out.append((S._write_token_kernel, dict(k_cache=BF16, v_cache=BF16, aux=BF16,
+                                                k_new=BF16, v_new=BF16, slot_ptr="*i64"),
+                    {"AUX": aux, "D_BLOCK": 128}, 4))
+    for mode, two in ((S.MODE_SOFTMAX, True), (S.MODE_SOFTMAX, False), (S.MODE_BOUND, True),
+                      (S.MODE_BOUND, False)):
+        out.append((S._paged_select_kernel, dict(q_ptr=BF16, rows_ptr=BF16, last_ptr="*i64",
+                                                 scores_ptr="*fp32", pages_ptr="*i32",
+                                                 take_ptr="*i32"),
+                    {"MODE": mode, "TWO_BOUNDS": two, "DOT": "native", "G_BLOCK": 16,
+                     "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK}, S.NUM_WARPS))
+    for splits, page in ((1, 5), (1, 1), (4, 23), (1, 1024)):
+        chunk = min(S._pow2(page), S.ATTEND_TOKENS)
+        out.append((S._attend_pages_kernel, dict(q_ptr=BF16, k_cache=BF16, v_cache=BF16,
+                                                 pages_ptr="*i32", take_ptr="*i32",
+                                                 o_ptr="*fp32", lse_ptr="*fp32", out_ptr=BF16,
+                                                 scale="fp32"),
+                    {"SPLITS": splits, "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128,
+                     "CHUNK": chunk, "PAGES_BLOCK": S.ATTEND_TOKENS // chunk}, S.NUM_WARPS))
+    for splits in (1, 64):
+        out.append((S._attend_prefix_kernel, dict(q_ptr=BF16, k_cache=BF16, v_cache=BF16,
+                                                  last_ptr="*i64", o_ptr="*fp32",
+                                                  lse_ptr="*fp32", out_ptr=BF16, scale="fp32"),
+                    {"SPLITS": splits, "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128,
+                     "TOK": S.ATTEND_TOKENS}, S.NUM_WARPS))
+    out.append((S._merge_splits_kernel, dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr=BF16),
+                {"SPLITS": 64, "G_BLOCK": 16, "D_BLOCK": 128}, 4))
+    return out
+
+
+def compile_one(kernel, pointers: dict, constexprs: dict, num_warps: int, arch: int,
+                ptxas: Path) -> dict:
+    """Compile one configuration; registers and spill bytes from ``ptxas -v``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: "i32" for n in kernel.arg_names}
+    sig.update(pointers)
+    sig.update({c: "constexpr" for c in constexprs})
+    name = f"{kernel.__name__} {constexprs}"
+    try:
+        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": num_warps})
+    except Exception as e:  # noqa: BLE001 (any compiler error is the finding)
+        return {"kernel": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    r = subprocess.run([str(ptxas), "-v", "--gpu-name", gpu, f.name, "-o", os.devnull],
+                       capture_output=True, text=True)
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return {"kernel": name, "num_warps": num_warps,
+            "registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spills.group(1)) if spills else None,
+            "shared_bytes": compiled.metadata.shared}
+
+
+def main(argv=None) -> int:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90)")
+    p.add_argument("--json", metavar="PATH", help="write the rows here")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("error: TRITON_INTERPRET=1 is set: the kernels would be interpreted, not "
+              "compiled", file=sys.stderr)
+        return 2
+    try:
+        import triton
+
+        from kernels import sparse
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        print(f"error: no ptxas at {ptxas}", file=sys.stderr)
+        return 2
+    rows = [compile_one(*c, arch=args.arch, ptxas=ptxas) for c in configurations(sparse)]
+    for r in rows:
+        if "error" in r:
+            print(f"FAIL {r['kernel']}: {r['error']}")
+        else:
+            print(f"ok   {r['kernel']}: {r['registers']} registers, {r['spill_bytes']} bytes "
+                  f"spilled, {r['shared_bytes']} bytes shared, {r['num_warps']} warps")
+    if args.json:
+        write_json(args.json, rows)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
