@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 import kernels
+import tp
 from checkpoint import (
     KNOWN_CHECKPOINTS,
     RANDOM_PREFIX,
@@ -203,9 +204,13 @@ def _prepare_caches(model: Transformer, spec: dict[str, Any],
         if meter.cuda:
             torch.cuda.empty_cache()
         meter.reset()
-    caches = build_caches(spec["method"], model.args, batch_size=spec["batch_size"],
-                          prompt_len=spec["prompt_len"], max_new_tokens=spec["new_tokens"],
-                          budget=spec["budget"], dtype=spec["dtype"], device=spec["device"],
+    shard = getattr(model, "tp", None)  # tensor parallelism (tp.py): this rank's KV heads,
+    # the method's parameters of the whole model
+    caches = build_caches(spec["method"], shard["args"] if shard else model.args,
+                          batch_size=spec["batch_size"], prompt_len=spec["prompt_len"],
+                          max_new_tokens=spec["new_tokens"], budget=spec["budget"],
+                          dtype=spec["dtype"], device=spec["device"],
+                          shard=(shard["rank"], shard["world_size"]) if shard else (0, 1),
                           **spec["options"])
     model.setup_caches(caches, spec["prompt_len"] + spec["new_tokens"])
     state = _STATES[model] = _CacheState(spec, [weakref.ref(c) for c in caches])
@@ -498,7 +503,8 @@ def _report(model: Transformer, spec: dict[str, Any], prompt: Tensor, run: dict[
     kv_per_step = sum(c.bytes_read_per_step() for c in caches)
     kv_ideal = sum(c.ideal_bytes_per_step() for c in caches)
     kv_host = sum(c.host_bytes() for c in caches)
-    # what the full cache would store, and read whole at every step, for this run
+    # what the full cache would store, and read whole at every step, for this run (this
+    # rank's KV heads under tensor parallelism)
     a = model.args
     full_kv_bytes = 2 * a.n_layers * B * a.n_kv_heads * a.head_dim * end * dtype.itemsize
     kept = [getattr(c, "kept", spec["prompt_len"]) for c in caches]  # prompt tokens kept
@@ -694,6 +700,15 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['compiled']}" + (f" (compile {r['compile_s']:.1f} s)" if r["compile_s"] else "")
         + f"  fused kernels {'on' if r.get('fused_kernels') else 'off'}",
     ]
+    if r.get("world_size", 1) > 1:
+        per = r["per_rank"]
+        lines.append(
+            f"tensor parallel: {r['world_size']} ranks (figures above are rank 0's); KV cache "
+            f"{' + '.join(mb(s['kv_cache_bytes']) for s in per)} = "
+            f"{mb(r['kv_cache_bytes_all_ranks'])}; KV read per step "
+            f"{mb(r['kv_bytes_per_step_all_ranks'])}; weights "
+            f"{mb(r['weight_bytes_all_ranks'])}; peak per rank "
+            f"{', '.join(mb(s['peak_memory_bytes']['total']) for s in per)}")
     return "\n".join(lines)
 
 
@@ -703,7 +718,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit status: 0; 2 for bad input (one ``error:`` line, before any slow work where it can
     be checked); 1 out of memory or an unwritable JSON; 130 after Ctrl-C and 143 after SIGTERM
-    (what was generated, the report and the JSON are kept)."""
+    (what was generated, the report and the JSON are kept). Under ``torchrun`` (``tp.py``)
+    only rank 0 prints and writes; a collective that fails (another rank stopped) or times
+    out ends each rank with one ``error:`` line and status 1."""
     args = build_parser().parse_args(argv)
     signals: list[int] = []
 
@@ -724,6 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    rank, world = 0, 1  # (0, 1) until torchrun's process group is joined
     try:
         check_positive(args, "max_new_tokens", "batch_size", "prompt_tokens", "top_k",
                        "threads")
@@ -743,6 +761,7 @@ def _main(args: argparse.Namespace) -> int:
         check_options(args.method, options)
         check_json_path(args.json)
         device = resolve_device(args.device)
+        rank, world = tp.init(device.type)  # torchrun: this process is one rank of world
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         apply_kernels_option(args)
@@ -779,6 +798,7 @@ def _main(args: argparse.Namespace) -> int:
             gen = torch.Generator().manual_seed(args.seed)
             ids = torch.randint(0, margs.vocab_size, (args.prompt_tokens,),
                                 generator=gen).tolist()
+        tp.check_world(margs, world)
         room = margs.max_seq_len - len(ids)
         if room <= 0:
             raise ConfigError(f"the prompt ({len(ids)} tokens) leaves no room in the model's "
@@ -787,9 +807,9 @@ def _main(args: argparse.Namespace) -> int:
         plan(args.method, margs, prompt_len=len(ids),
              max_new_tokens=min(args.max_new_tokens, room), budget=args.budget, **options)
         if not is_quantized(checkpoint):
-            check_memory(margs, dtype, device, args.batch_size,
+            check_memory(tp.local_args(margs, world), dtype, device, args.batch_size,
                          len(ids) + args.max_new_tokens)
-        model = load_model(checkpoint, device, dtype)
+        model = tp.shard_model(load_model(checkpoint, device, dtype), rank, world)
         load_s = time.perf_counter() - t_load
         prompt = torch.tensor([ids] * args.batch_size)
         if room < args.max_new_tokens:
@@ -799,8 +819,8 @@ def _main(args: argparse.Namespace) -> int:
         stop_ids = () if (tok is None or args.ignore_eos) else (
             tok.chat_stop_ids if args.chat else tok.stop_ids)
         streamer = TextStreamer(tok, stop_ids) if (
-            tok is not None and args.batch_size == 1 and args.stream) else None
-        bar = prefill_bar(model.args.n_layers, len(ids), args.no_progress)
+            tok is not None and args.batch_size == 1 and args.stream and rank == 0) else None
+        bar = prefill_bar(model.args.n_layers, len(ids), args.no_progress or rank != 0)
         try:
             result = generate(model, prompt, method=args.method, budget=args.budget,
                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -812,8 +832,14 @@ def _main(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if rank == 0:  # every rank runs the same checks: one line, not one per rank
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # gloo and NCCL report a peer that stopped this way
+        if world == 1:
+            raise
+        print(f"error: rank {rank} of {world}: {tp.failure(e)}", file=sys.stderr)
+        tp.exit_now(1)  # a broken process group aborts the interpreter's exit: skip it
     except KeyboardInterrupt:  # before decoding started: nothing generated yet
         print("error: interrupted before any token was generated", file=sys.stderr)
         return 130
@@ -821,6 +847,17 @@ def _main(args: argparse.Namespace) -> int:
         print(f"error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
 
+    if world > 1:  # every rank's share (a collective: all ranks take part); rank 0 reports
+        shares = tp.gather({k: result[k] for k in ("kv_cache_bytes", "kv_bytes_per_step",
+                                                   "weight_bytes", "peak_memory_bytes")})
+        result["world_size"] = world
+        result["per_rank"] = shares
+        for k in ("kv_cache_bytes", "kv_bytes_per_step", "weight_bytes"):
+            result[f"{k}_all_ranks"] = sum(s[k] for s in shares)
+        tp.shutdown()
+        if rank != 0:
+            return 0
+    result["world_size"] = world
     stop_set = set(stop_ids)
     result["text"] = ([tok.decode([t for t in row if t not in stop_set])
                        for row in result["token_ids"]] if tok is not None else None)

@@ -168,6 +168,14 @@ class DuoAttention(Method):
         params["_heads"] = self.retrieval_heads(params, args, capacity, params["budget"],
                                                 options)
 
+    def shard_params(self, params, rank, world, args):
+        """The retrieval heads were chosen over every KV head (the gates rank them all);
+        rank ``rank`` keeps its own H_kv / world heads, numbered from 0."""
+        n = args.n_kv_heads // world
+        lo = rank * n
+        heads = [[h - lo for h in layer if lo <= h < lo + n] for layer in params["_heads"]]
+        return {**params, "_heads": heads}
+
     def build_layer(self, layer, args, params, *, batch_size, prompt_len, max_new_tokens,
                     dtype, device):
         heads = params["_heads"][layer]

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import tp
 from cli import layer_list
 from compression.registry import BudgetError, Method, Option, register, report_overshoot
 from kv_cache import (
@@ -180,7 +181,7 @@ class OmniKVFilterCache(FullKVCache):
         probs = attention_probs(q, self.k_cache, keys <= input_pos)  # (B, H_kv, G, S)
         out = torch.matmul(probs.to(self.v_cache.dtype), self.v_cache).reshape(B, H, 1, D)
         if self.q_window is None:  # last: the step's own attention, max over every head
-            scores = probs.amax(dim=(1, 2))  # (B, S)
+            scores = tp.all_reduce_max(probs.amax(dim=(1, 2)))  # (B, S): every head
         else:
             slot = input_pos % self.window
             self.q_window.index_copy_(2, slot, q)
@@ -190,7 +191,7 @@ class OmniKVFilterCache(FullKVCache):
             visible = (keys <= pos[:, None]) | (pos[:, None] < 0)  # empty rows: weight 0
             Hkv = self.n_kv_heads
             pw = attention_probs(self.q_window, self.k_cache, visible.repeat(H // Hkv, 1))
-            pw = pw.view(B, Hkv, H // Hkv, w, S).amax(dim=(1, 2))  # (B, w, S)
+            pw = tp.all_reduce_max(pw.view(B, Hkv, H // Hkv, w, S).amax(dim=(1, 2)))  # (B,w,S)
             alpha = selector_weights(self.selector, pos, input_pos)  # (w,)
             scores = (alpha[None, :, None] * pw).sum(dim=1)  # (B, S)
         scores = scores.masked_fill(keys >= input_pos, float("-inf"))  # earlier tokens only

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+import tp
 from kv_cache import CompressedKVCache, FullKVCache, KVCache, Selector
 from model import ConfigError, ModelArgs
 
@@ -161,6 +162,14 @@ class Method:
         Raises:
             ConfigError: what the run cannot use.
         """
+
+    def shard_params(self, params: dict[str, Any], rank: int, world: int,
+                     args: ModelArgs) -> dict[str, Any]:
+        """``params`` (derived for the whole model ``args``) as rank ``rank`` of ``world``
+        uses them for its H_kv / world KV heads (``tp.py``). Budgets are per KV-head group,
+        so most methods' parameters hold as they are; a method that names heads (DuoAttention)
+        keeps the rank's own, renumbered from 0."""
+        return params
 
     def reported(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` without ``internal_params``: what a cache reports."""
@@ -373,11 +382,14 @@ def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
 
 def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
                  max_new_tokens: int, budget: int | None, dtype: torch.dtype, device,
-                 **options) -> list[KVCache]:
+                 shard: tuple[int, int] = (0, 1), **options) -> list[KVCache]:
     """One cache per layer for ``method`` (after the checks of ``plan``).
 
     Args:
         method: a key of ``METHODS``.
+        args: the whole model's config (the method's parameters are derived from it).
+        shard: (rank, world size) under tensor parallelism (``tp.py``): the caches hold the
+            rank's H_kv / world KV heads, with the parameters of the whole model.
         prompt_len, max_new_tokens: tokens; static buffers are sized from them.
         budget: token budget (KV pairs read per decode step per layer per KV group), or None
             for an unbudgeted method.
@@ -389,14 +401,17 @@ def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
     params = plan(method, args, prompt_len=T, max_new_tokens=new, budget=budget, **options)
     options = {k: v for k, v in options.items() if v is not None and v is not False}
     m = METHODS[method]
+    rank, world = shard
+    local = tp.local_args(args, world)
     if params is not None:
-        return m.build(args, params, batch_size=batch_size, prompt_len=T, max_new_tokens=new,
-                       dtype=dtype, device=device, options=options)
+        return m.build(local, m.shard_params(params, rank, world, args), batch_size=batch_size,
+                       prompt_len=T, max_new_tokens=new, dtype=dtype, device=device,
+                       options=options)
     if not m.budgeted:
-        return m.build(args, {}, batch_size=batch_size, prompt_len=T, max_new_tokens=new,
+        return m.build(local, {}, batch_size=batch_size, prompt_len=T, max_new_tokens=new,
                        dtype=dtype, device=device, options=options)
     note = f"budget {budget} >= the whole sequence ({T} prompt + {new} new tokens): no compression"
-    return [full_cache(i, args, batch_size, T, new, dtype, device, note)
+    return [full_cache(i, local, batch_size, T, new, dtype, device, note)
             for i in range(args.n_layers)]
 
 

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+import tp
 from checkpoint import RANDOM_PREFIX, load_model
 from cli import (
     DTYPES,
@@ -93,7 +94,8 @@ def parse_weights(spec: str) -> tuple[str, int | None]:
 
 
 def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype):
-    """The model of ``ckpt`` with ``spec``'s weights (``parse_weights``)."""
+    """The model of ``ckpt`` with ``spec``'s weights (``parse_weights``), this rank's share
+    of it under ``torchrun`` (``tp.py``)."""
     mode, groupsize = parse_weights(spec)
     model = load_model(ckpt, device, dtype)
     if mode != "float":
@@ -101,7 +103,7 @@ def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype)
             raise ConfigError(f"--weights {spec}: {ckpt} is already quantized; pass --weights "
                               "float (its own weights) or a float checkpoint")
         quantize_model(model, mode, groupsize)
-    return model
+    return tp.shard_model(model, tp.rank(), tp.world_size())
 
 
 def run_one(model, batch: int, context: int, method: str, budget, args, bandwidth: float,
@@ -395,6 +397,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         device, dtype = resolve_run(args)
+        rank, world = tp.init(device.type)  # under torchrun: one rank of the model
         if args.methods == ["all"]:
             args.methods = list(METHODS)
         check_methods([m for m in args.methods if m not in PEERS])
@@ -402,6 +405,8 @@ def main(argv=None) -> int:
             if min(getattr(args, name)) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         ckpt = RANDOM_PREFIX + args.checkpoint if args.checkpoint in CONFIGS else args.checkpoint
+        if world > 1 and any(m in PEERS for m in args.methods):
+            raise ConfigError("transformers rows run on one GPU: drop them under torchrun")
         args.weights = list(dict.fromkeys(args.weights))
         for spec in args.weights:
             parse_weights(spec)
@@ -461,9 +466,16 @@ def main(argv=None) -> int:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         row.update(date=stamp, command=command,
-                   elapsed_s=round(time.perf_counter() - start, 1))
+                   elapsed_s=round(time.perf_counter() - start, 1), world_size=world)
+        if world > 1:  # every rank's share of the row (all ranks take part); rank 0 writes
+            keys = ("kv_cache_bytes", "kv_bytes_per_step", "weight_bytes", "peak_memory_bytes")
+            row["per_rank"] = tp.gather({k: row.get(k) for k in keys})
         rows.append(row)
-        write_json(prefix.with_suffix(".json"), rows)
+        if rank == 0:
+            write_json(prefix.with_suffix(".json"), rows)
+    if rank != 0:
+        tp.shutdown()
+        return rows_exit_status(rows)
 
     first = [r for r in rows if r["weights"] == args.weights[0]]
     pngs = [] if args.no_plots or not any("error" not in r for r in first) else \
@@ -473,6 +485,7 @@ def main(argv=None) -> int:
     print(summary(rows))
     print(f"measured copy bandwidth {bandwidth:.1f} GB/s")
     print(f"wrote {prefix.with_suffix('.json')}" + "".join(f"\n      {p}" for p in pngs))
+    tp.shutdown()
     return rows_exit_status(rows)
 
 

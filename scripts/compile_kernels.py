@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import kernels
 from cli import OneLineParser, write_json
 
 BF16 = "*bf16"
@@ -101,13 +102,12 @@ def main(argv=None) -> int:
         print("error: TRITON_INTERPRET=1 is set: the kernels would be interpreted, not "
               "compiled", file=sys.stderr)
         return 2
-    try:
-        import triton
-
-        from kernels import sparse
-    except ImportError as e:
-        print(f"error: {e}", file=sys.stderr)
+    sparse = kernels.ops()  # imported now: TRITON_INTERPRET was checked above
+    if sparse is None:
+        print(f"error: {kernels.missing()}", file=sys.stderr)
         return 2
+    import triton
+
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         print(f"error: no ptxas at {ptxas}", file=sys.stderr)

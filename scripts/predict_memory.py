@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+import tp
 from cli import DTYPES, OneLineParser, command_line, deprecated_alias, rows_exit_status, write_json
 from compression import build_caches, check_methods
 from evals.harness import configurations
@@ -114,21 +115,24 @@ def storage_ids(tensors) -> dict[int, int]:
 @torch.no_grad()
 def predict(args: ModelArgs, method: str, budget: int | None, context: int, new_tokens: int,
             batch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
-            options: dict[str, Any] | None = None) -> dict[str, Any]:
+            options: dict[str, Any] | None = None, world: int = 1) -> dict[str, Any]:
     """Predicted peak bytes of prefill, of one decode step and of the whole run.
 
     Builds ``args`` on the meta device with ``method``'s caches for a prompt of ``context``
     tokens and ``new_tokens`` new ones, runs ``Transformer.prefill`` and one eager decode
     step under ``AllocationTracker``, and returns a row with ``peak_memory_bytes``
     {prefill, decode, total}, ``resident_bytes``, ``weight_bytes``, ``kv_cache_bytes`` and the
-    activation peaks (bytes). Raises ``ConfigError`` as ``build_caches`` does.
+    activation peaks (bytes). With ``world`` > 1 the figures are one rank's under tensor
+    parallelism over ``world`` ranks (``tp.shard_model``: its share of the weights and KV
+    heads, the replicated embedding and classifier; every rank holds the same). Raises
+    ``ConfigError`` as ``build_caches`` and ``tp.check_world`` do.
     """
     with torch.device("meta"):
         model = Transformer(args)
-    model = model.to(dtype).eval()
+    model = tp.shard_model(model.to(dtype).eval(), 0, world, reduce=False)
     caches = build_caches(method, args, batch_size=batch_size, prompt_len=context,
                           max_new_tokens=new_tokens, budget=budget, dtype=dtype, device="meta",
-                          **(options or {}))
+                          shard=(0, world), **(options or {}))
     model.setup_caches(caches, context + new_tokens)
     # weights, RoPE table, cache buffers, and tensors caches hold outside their buffers (the
     # gptfast_dense baseline's shared max_seq x max_seq mask)
@@ -150,7 +154,7 @@ def predict(args: ModelArgs, method: str, budget: int | None, context: int, new_
         "device": "meta", "predicted": True, "torch_version": torch.__version__,
         "model": args.name, "dtype": str(dtype).removeprefix("torch."), "method": method,
         "budget": budget, "context": context, "batch_size": batch_size,
-        "new_tokens": new_tokens,
+        "new_tokens": new_tokens, "world_size": world,
         "peak_memory_bytes": {"prefill": prefill, "decode": decode,
                               "total": max(prefill, decode)},
         "resident_bytes": resident_bytes,
@@ -163,26 +167,40 @@ def predict(args: ModelArgs, method: str, budget: int | None, context: int, new_
     }
 
 
+H100_BYTES = 78 * 2**30  # what an H100 80GB leaves a program (the GPU machine's 78 GiB)
+
+
 def summary(rows: list[dict]) -> str:
-    lines = ["| method | budget | context | weights GB | KV cache GB | prefill act. GB | "
-             "peak prefill GB | peak decode GB | peak total GB | saving vs full |",
-             "|" + "---|" * 10]
-    full = {(r["context"], r["batch_size"]): r for r in rows
+    """The rows as a Markdown table; with tensor-parallel rows (``world_size`` > 1) the
+    figures are per rank, with a column saying whether that fits on H100s."""
+    tp_rows = any(r.get("world_size", 1) > 1 for r in rows)
+    head = ["method", "budget", "context", "weights GB", "KV cache GB", "prefill act. GB",
+            "peak prefill GB", "peak decode GB", "peak total GB", "saving vs full"]
+    if tp_rows:
+        head[1:1] = ["ranks"]
+        head.append("fits on H100s (78 GiB each)")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    full = {(r["context"], r["batch_size"], r.get("world_size", 1)): r for r in rows
             if r["method"] == "full" and "error" not in r}
     for r in rows:
+        ranks = [str(r.get("world_size", 1))] if tp_rows else []
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['budget']} | {r['context']} | error: "
-                         f"{r['error']} | | | | | | |")
+            lines.append("| " + " | ".join([r["method"], *ranks, str(r["budget"]),
+                                            str(r["context"]), f"error: {r['error']}"])
+                         + " |" * (len(head) - 3 - len(ranks)))
             continue
         pk = r["peak_memory_bytes"]
-        base = full.get((r["context"], r["batch_size"]))
+        base = full.get((r["context"], r["batch_size"], r.get("world_size", 1)))
         saving = f"{100 * (1 - pk['total'] / base['peak_memory_bytes']['total']):.1f}%" \
             if base and r is not base else "-"
-        lines.append(
-            f"| {r['method']} | {r['budget'] or '-'} | {r['context']} | "
-            f"{r['weight_bytes'] / GB:.2f} | {r['kv_cache_bytes'] / GB:.2f} | "
-            f"{r['prefill_activation_peak_bytes'] / GB:.2f} | {pk['prefill'] / GB:.2f} | "
-            f"{pk['decode'] / GB:.2f} | {pk['total'] / GB:.2f} | {saving} |")
+        cells = [r["method"], *ranks, str(r["budget"] or "-"), str(r["context"]),
+                 f"{r['weight_bytes'] / GB:.2f}", f"{r['kv_cache_bytes'] / GB:.2f}",
+                 f"{r['prefill_activation_peak_bytes'] / GB:.2f}", f"{pk['prefill'] / GB:.2f}",
+                 f"{pk['decode'] / GB:.2f}", f"{pk['total'] / GB:.2f}", saving]
+        if tp_rows:
+            n = r.get("world_size", 1)
+            cells.append(f"yes, {n}" if pk["total"] <= H100_BYTES else f"no ({n})")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -196,6 +214,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--tp", nargs="+", type=int, default=[1], metavar="N",
+                   help="tensor-parallel ranks (tp.py): the figures are per rank, and the table "
+                        "says whether they fit on N H100s")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     deprecated_alias(p, "--model", "--checkpoint")
     a = p.parse_args(argv)
@@ -209,19 +230,25 @@ def main(argv=None) -> int:
         if a.json and not Path(a.json).resolve().parent.is_dir():
             raise ConfigError(f"--json: directory {Path(a.json).resolve().parent} does not exist")
         args = ModelArgs.from_name(a.checkpoint)
+        for n in a.tp:
+            if n <= 0:
+                raise ConfigError("--tp must be positive")
+            tp.check_world(args, n)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = []
-    for context in a.context:
-        for method, budget in configurations(a.methods, a.budgets):
-            try:
-                rows.append(predict(args, method, budget, context, a.new_tokens, a.batch_size,
-                                    DTYPES[a.dtype]))
-            except ConfigError as e:
-                rows.append({"device": "meta", "predicted": True, "model": args.name,
-                             "method": method, "budget": budget, "context": context,
-                             "batch_size": a.batch_size, "error": str(e)})
+    for world in a.tp:
+        for context in a.context:
+            for method, budget in configurations(a.methods, a.budgets):
+                try:
+                    rows.append(predict(args, method, budget, context, a.new_tokens,
+                                        a.batch_size, DTYPES[a.dtype], world=world))
+                except ConfigError as e:
+                    rows.append({"device": "meta", "predicted": True, "model": args.name,
+                                 "method": method, "budget": budget, "context": context,
+                                 "batch_size": a.batch_size, "world_size": world,
+                                 "error": str(e)})
     command = command_line("predict_memory.py", argv)
     for r in rows:
         r["command"] = command

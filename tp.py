@@ -1,0 +1,230 @@
+"""Tensor parallelism over ``torch.distributed`` (gpt-fast's scheme), methods sharded by KV head.
+
+Launched with ``torchrun --nproc-per-node N generate.py ...`` (or ``scripts/bench.py``): each
+process is one rank; NCCL on GPUs (one GPU a rank, ``LOCAL_RANK``), gloo on CPU.
+
+* **Weights** (``shard_model``): the fused q/k/v projection is column-parallel (each rank keeps
+  the rows of its query heads, then of its KV heads, then their values, and their biases), so
+  a rank holds H / N query heads and H_kv / N KV heads whole, with their query groups; the
+  output projection ``wo`` is row-parallel (its columns of those heads). The MLP's ``w1`` and
+  ``w3`` are column-parallel, ``w2`` row-parallel. The row-parallel outputs are summed over
+  the ranks by a forward hook (two all-reduces per layer, functional collectives, so
+  ``torch.compile`` traces them into the decode graph and CUDA graphs capture them). The
+  embedding, norms and classifier are replicated, as gpt-fast keeps them: every rank
+  computes the same logits and samples the same token. Float and int8 weights shard in place
+  after loading (int8 rows keep their per-row scales); int4's packed tiles are refused.
+* **Caches**: every rank builds its method's caches for its own KV heads (``build_caches``
+  with the global config for the method's parameters, ``local_args`` for the shapes). Every
+  method selects per KV head (a query group never spans ranks), so a rank compresses its
+  heads exactly as one process would; the exceptions take one collective: OmniKV's token
+  selection, the max over every head (``all_reduce_max``, once per filter layer and step),
+  and DuoAttention's retrieval heads, chosen over all heads before each rank keeps its own.
+* **Errors**: a world size that does not divide the query heads, the KV heads and the MLP
+  width is refused before any weight loads, naming the sizes that work (``check_world``);
+  collectives time out after ``ROCKETKV_TP_TIMEOUT`` seconds (default 120), so a rank that
+  died does not hang the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed import _functional_collectives as funcol
+
+from model import ConfigError, ModelArgs, Transformer
+from quantized import Int8Linear
+
+DEFAULT_TIMEOUT_S = 120
+
+
+def world_size() -> int:
+    """Ranks of the process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def launched() -> bool:
+    """Whether ``torchrun`` (or any launcher setting ``WORLD_SIZE`` > 1) started us."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init(device_type: str) -> tuple[int, int]:
+    """Join the process group ``torchrun`` describes (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``...): NCCL for ``cuda`` (this rank's GPU is ``LOCAL_RANK``), gloo
+    otherwise; collectives time out after ``ROCKETKV_TP_TIMEOUT`` seconds. Returns (rank,
+    world size); (0, 1) when not launched that way.
+
+    Raises:
+        ConfigError: the backend is missing or the group cannot be formed.
+    """
+    if not launched():
+        return 0, 1
+    if dist.is_initialized():
+        return rank(), world_size()
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if not dist.is_available() or (backend == "nccl" and not dist.is_nccl_available()) or \
+            (backend == "gloo" and not dist.is_gloo_available()):
+        raise ConfigError(f"tensor parallelism on {device_type} needs torch.distributed's "
+                          f"{backend} backend, which this torch build lacks")
+    timeout = float(os.environ.get("ROCKETKV_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"cannot form the process group ({backend}): "
+                          f"{str(e).splitlines()[0]}") from None
+    return rank(), world_size()
+
+
+def valid_world_sizes(args: ModelArgs) -> list[int]:
+    """World sizes that split ``args``'s query heads, KV heads and MLP width evenly."""
+    g = math.gcd(math.gcd(args.n_heads, args.n_kv_heads), args.intermediate_size)
+    return [n for n in range(1, g + 1) if g % n == 0]
+
+
+def check_world(args: ModelArgs, world: int) -> None:
+    """Raises ConfigError, naming the sizes that work, when ``world`` ranks cannot share the
+    model ``args`` by KV head."""
+    if world > 1 and world not in valid_world_sizes(args):
+        sizes = ", ".join(map(str, valid_world_sizes(args)))
+        raise ConfigError(f"{world} ranks cannot split {args.n_heads} query heads, "
+                          f"{args.n_kv_heads} KV heads and an MLP of {args.intermediate_size} "
+                          f"evenly; world sizes that work: {sizes}")
+
+
+def local_args(args: ModelArgs, world: int) -> ModelArgs:
+    """The shapes one of ``world`` ranks holds: H / N query heads, H_kv / N KV heads, an MLP
+    of width / N (the hidden size and head dim unchanged)."""
+    if world == 1:
+        return args
+    return dataclasses.replace(args, n_heads=args.n_heads // world,
+                               n_kv_heads=args.n_kv_heads // world,
+                               intermediate_size=args.intermediate_size // world,
+                               head_dim=args.head_dim)
+
+
+def _all_reduce_output(_module: nn.Module, _inputs: Any, output: Tensor) -> Tensor:
+    """Forward hook of a row-parallel layer: its partial output summed over the ranks."""
+    return funcol.all_reduce(output, "sum", dist.group.WORLD)
+
+
+def all_reduce_max(x: Tensor) -> Tensor:
+    """``x`` maxed element-wise over the ranks (itself with one rank): OmniKV's token scores
+    across every KV head. A functional collective, traced by ``torch.compile``."""
+    if world_size() == 1:
+        return x
+    return funcol.all_reduce(x, "max", dist.group.WORLD)
+
+
+def _rows(w: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+    return torch.cat([w[a:b] for a, b in spans]).contiguous()
+
+
+def _shard_linear(layer: nn.Module, rows: list[tuple[int, int]] | None = None,
+                  cols: tuple[int, int] | None = None) -> None:
+    """Keep ``rows`` (output features) or ``cols`` (input features) of a float or int8
+    linear layer, in place."""
+    if isinstance(layer, nn.Linear):
+        w = _rows(layer.weight, rows) if rows else layer.weight[:, cols[0]:cols[1]].contiguous()
+        layer.weight = nn.Parameter(w, requires_grad=False)
+        layer.out_features, layer.in_features = w.shape
+    elif isinstance(layer, Int8Linear):
+        if rows:
+            layer.weight = nn.Parameter(_rows(layer.weight, rows), requires_grad=False)
+            layer.scales = nn.Parameter(_rows(layer.scales, rows), requires_grad=False)
+        else:  # per-row scales hold for any column slice of the row
+            layer.weight = nn.Parameter(layer.weight[:, cols[0]:cols[1]].contiguous(),
+                                        requires_grad=False)
+        layer.out_features, layer.in_features = layer.weight.shape
+    else:
+        raise ConfigError(f"tensor parallelism shards float and int8 layers; this checkpoint "
+                          f"has {type(layer).__name__} ({getattr(layer, 'mode', '?')}): use "
+                          "the float or int8 checkpoint")
+
+
+def shard_model(model: Transformer, rank_: int, world: int,
+                 reduce: bool = True) -> Transformer:
+    """Keep rank ``rank_``'s share of ``model``'s weights (see the module docstring) and hook
+    the all-reduces (``reduce``; False for a model on the meta device that only predicts
+    memory, ``scripts/predict_memory.py --tp``); ``model.args`` becomes the rank's shapes
+    (``local_args``) and ``model.tp`` records (rank, world size, the global config). Nothing
+    changes for one rank.
+
+    Raises:
+        ConfigError: ``world`` does not split the model (``check_world``), or int4 layers.
+    """
+    args = model.args
+    check_world(args, world)
+    model.tp = {"rank": rank_, "world_size": world, "args": args}
+    if world == 1:
+        return model
+    loc = local_args(args, world)
+    D, H, Hkv, Hl, Hkvl = args.head_dim, args.n_heads, args.n_kv_heads, loc.n_heads, \
+        loc.n_kv_heads
+    q = (rank_ * Hl * D, (rank_ + 1) * Hl * D)
+    k = (H * D + rank_ * Hkvl * D, H * D + (rank_ + 1) * Hkvl * D)
+    v = ((H + Hkv) * D + rank_ * Hkvl * D, (H + Hkv) * D + (rank_ + 1) * Hkvl * D)
+    inter = (rank_ * loc.intermediate_size, (rank_ + 1) * loc.intermediate_size)
+    with torch.no_grad():
+        for layer in model.layers:
+            attn, ffn = layer.attention, layer.feed_forward
+            _shard_linear(attn.wqkv, rows=[q, k, v])
+            if attn.wqkv_bias is not None:
+                attn.wqkv_bias = nn.Parameter(_rows(attn.wqkv_bias, [q, k, v]),
+                                              requires_grad=False)
+            _shard_linear(attn.wo, cols=q)
+            attn.n_heads, attn.n_kv_heads = Hl, Hkvl
+            _shard_linear(ffn.w1, rows=[inter])
+            _shard_linear(ffn.w3, rows=[inter])
+            _shard_linear(ffn.w2, cols=inter)
+            if reduce:
+                attn.wo.register_forward_hook(_all_reduce_output)
+                ffn.w2.register_forward_hook(_all_reduce_output)
+    model.args = loc
+    return model
+
+
+def failure(e: BaseException) -> str:
+    """One line for a failed collective (gloo and NCCL raise RuntimeError or its subclass
+    ``DistBackendError``)."""
+    return (f"a collective across the ranks failed (did another rank stop, or time out after "
+            f"ROCKETKV_TP_TIMEOUT?): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
+
+def exit_now(code: int) -> None:
+    """End the process with ``code`` at once, streams flushed: after a failed collective the
+    process group cannot be torn down (gloo aborts the interpreter's exit)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def gather(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (a list of one without a process group)."""
+    if world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def shutdown() -> None:
+    """Leave the process group, if one was formed, once every rank is done with it (a rank
+    that tears its connections down while another still uses them aborts at exit)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
