@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import tp
 from gguf_reader import MISSING, gguf_field, is_gguf, open_gguf
 from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, meta_transformer, rope_inv_freq
 from quantized import QUANT_CONFIG, load_quantized
@@ -346,11 +347,16 @@ def _materialize(args: ModelArgs, state_dict: dict[str, Tensor], device, dtype,
     return model.eval().requires_grad_(False)
 
 
-def random_model(args: ModelArgs, device, dtype, seed: int = 0) -> Transformer:
+def random_model(args: ModelArgs, device, dtype, seed: int = 0,
+                 shard: tuple[int, int] = (0, 1)) -> Transformer:
     """Model of shape ``args`` with random weights (N(0, 0.02); norms 1), built on ``device``
     directly in ``dtype`` (no float32 copy first). Models over 1 GiB show a progress bar on
-    stderr while their weights are drawn (minutes for an 8B model on a CPU)."""
-    model = meta_transformer(args)
+    stderr while their weights are drawn (minutes for an 8B model on a CPU). ``shard`` (rank,
+    world size): that rank's share under tensor parallelism (``tp.py``), the same values as
+    sharding the whole model: each tensor is drawn whole, one at a time, and sliced."""
+    rank, world = shard
+    whole = dict(meta_transformer(args).named_parameters()) if world > 1 else None
+    model = meta_transformer(tp.local_args(args, world))
     model = model.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     params = list(model.named_parameters())
@@ -365,13 +371,19 @@ def random_model(args: ModelArgs, device, dtype, seed: int = 0) -> Transformer:
             print(f"drawing {total / 2**30:.1f} GiB of random weights...", file=sys.stderr)
     with torch.no_grad():
         for name, p in params:
+            t = p if whole is None else torch.empty(whole[name].shape, dtype=dtype,
+                                                    device=device)
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                t.fill_(1.0)
             else:
-                p.normal_(0.0, 0.02, generator=gen)
+                t.normal_(0.0, 0.02, generator=gen)
+            if whole is not None:
+                p.copy_(tp.shard_tensor(name, t, args, rank, world))
+                del t
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    return tp.attach(model, rank, world, args) if world > 1 else model
 
 
 # --------------------------------------------------------------------------------------------
@@ -712,23 +724,35 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
     return args, sd, quant
 
 
-def load_model(checkpoint: str, device, dtype) -> Transformer:
+def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1)) -> Transformer:
     """Load ``checkpoint`` (a directory, a GGUF file, ``random:NAME`` or a short name of
     ``KNOWN_CHECKPOINTS``) onto ``device`` in ``dtype`` (the activation dtype; a quantized
     checkpoint from ``quantize.py`` keeps its int8/int4 layers, laid out for ``device``).
+    ``shard`` (rank, world size): only that rank's share under tensor parallelism
+    (``tp.shard_state_dict``; float, int8 and int4 alike) reaches the device, and the model
+    is that rank's (``tp.attach``).
 
     Raises:
         ConfigError: missing or unreadable checkpoint, config without weights, unsupported
             architecture or quantization type, truncated file, weights that do not match
-            the config, or a quantized layout with no kernel for ``device``/``dtype``.
+            the config, a quantized layout with no kernel for ``device``/``dtype``, or a world
+            size that does not split the model.
     """
+    rank, world = shard
     if checkpoint.startswith(RANDOM_PREFIX):
-        return random_model(ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):]), device, dtype)
+        return random_model(ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):]), device, dtype,
+                            shard=shard)
     args, sd, quant = read_checkpoint(checkpoint, dtype=dtype if _is_gguf_path(checkpoint)
                                       else None)
+    local = args
+    if world > 1:
+        sd = tp.shard_state_dict(sd, args, rank, world, (quant or {}).get("groupsize"))
+        local = tp.local_args(args, world)
     if quant is not None:
-        return load_quantized(args, sd, quant, device, dtype, _materialize)
-    return _materialize(args, sd, device, dtype)
+        model = load_quantized(local, sd, quant, device, dtype, _materialize)
+    else:
+        model = _materialize(local, sd, device, dtype)
+    return tp.attach(model, rank, world, args) if world > 1 else model
 
 
 def _is_gguf_path(checkpoint: str) -> bool:

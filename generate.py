@@ -809,7 +809,7 @@ def _main(args: argparse.Namespace) -> int:
         if not is_quantized(checkpoint):
             check_memory(tp.local_args(margs, world), dtype, device, args.batch_size,
                          len(ids) + args.max_new_tokens)
-        model = tp.shard_model(load_model(checkpoint, device, dtype), rank, world)
+        model = load_model(checkpoint, device, dtype, shard=(rank, world))
         load_s = time.perf_counter() - t_load
         prompt = torch.tensor([ids] * args.batch_size)
         if room < args.max_new_tokens:

@@ -11,8 +11,12 @@ process is one rank; NCCL on GPUs (one GPU a rank, ``LOCAL_RANK``), gloo on CPU.
   the ranks by a forward hook (two all-reduces per layer, functional collectives, so
   ``torch.compile`` traces them into the decode graph and CUDA graphs capture them). The
   embedding, norms and classifier are replicated, as gpt-fast keeps them: every rank
-  computes the same logits and samples the same token. Float and int8 weights shard in place
-  after loading (int8 rows keep their per-row scales); int4's packed tiles are refused.
+  computes the same logits and samples the same token. ``checkpoint.load_model(shard=...)``
+  slices every checkpoint form before it reaches the device (``shard_state_dict``: float
+  tensors; int8 rows with their scales; int4's packed rows and, for the row-parallel layers,
+  whole groups of inputs with their scales and zeros; random weights drawn whole one tensor
+  at a time and sliced), so a rank never holds the whole model; ``shard_model`` slices an
+  already loaded float or int8 model in place.
 * **Caches**: every rank builds its method's caches for its own KV heads (``build_caches``
   with the global config for the method's parameters, ``local_args`` for the shapes). Every
   method selects per KV head (a query group never spans ranks), so a rank compresses its
@@ -130,8 +134,78 @@ def all_reduce_max(x: Tensor) -> Tensor:
     return funcol.all_reduce(x, "max", dist.group.WORLD)
 
 
-def _rows(w: Tensor, spans: list[tuple[int, int]]) -> Tensor:
-    return torch.cat([w[a:b] for a, b in spans]).contiguous()
+def _rows(w: Tensor, spans: list[tuple[int, int]], dim: int = 0) -> Tensor:
+    return torch.cat([w.narrow(dim, a, b - a) for a, b in spans], dim=dim).contiguous()
+
+
+def _spans(args: ModelArgs, rank_: int, world: int) -> dict[str, Any]:
+    """Rank ``rank_``'s rows of the fused q/k/v projection (its query heads, KV heads and
+    their values) and its span of the MLP width."""
+    loc = local_args(args, world)
+    D, H, Hkv, Hl, Hkvl = args.head_dim, args.n_heads, args.n_kv_heads, loc.n_heads, \
+        loc.n_kv_heads
+    q = (rank_ * Hl * D, (rank_ + 1) * Hl * D)
+    k = (H * D + rank_ * Hkvl * D, H * D + (rank_ + 1) * Hkvl * D)
+    v = ((H + Hkv) * D + rank_ * Hkvl * D, (H + Hkv) * D + (rank_ + 1) * Hkvl * D)
+    inter = (rank_ * loc.intermediate_size, (rank_ + 1) * loc.intermediate_size)
+    return {"qkv": [q, k, v], "q": q, "mlp": inter}
+
+
+def _role(name: str, spans: dict[str, Any]) -> tuple[list | None, tuple | None]:
+    """(row spans, column span) rank keeps of the tensor ``name`` of the whole model (a
+    parameter, or a stored tensor of a quantized checkpoint: ``X.int8_weight``...); (None,
+    None): replicated."""
+    parts = name.split(".")
+    if parts[0] != "layers" or len(parts) < 4:
+        return None, None
+    module = ".".join(parts[2:4])
+    if module in ("attention.wqkv", "attention.wqkv_bias"):
+        return spans["qkv"], None
+    if module in ("feed_forward.w1", "feed_forward.w3"):
+        return [spans["mlp"]], None
+    if module == "attention.wo":
+        return None, spans["q"]
+    if module == "feed_forward.w2":
+        return None, spans["mlp"]
+    return None, None
+
+
+def shard_tensor(name: str, t: Tensor, args: ModelArgs, rank_: int, world: int,
+                 groupsize: int | None = None) -> Tensor:
+    """Rank ``rank_``'s share of the tensor ``name`` of the whole model ``args``: a float
+    weight or bias, or a quantized layer's stored tensor (int8 weight (out, in) and per-row
+    scales (out,); int4 packed weight (out, in / 2) and scales_and_zeros (in / groupsize,
+    out, 2)). Replicated tensors come back as they are.
+
+    Raises:
+        ConfigError: an int4 column span that splits a group of ``groupsize`` inputs.
+    """
+    if world == 1:
+        return t
+    rows, cols = _role(name, _spans(args, rank_, world))
+    leaf = name.rsplit(".", 1)[-1]
+    if rows is not None:
+        return _rows(t, rows, dim=1 if leaf == "int4_scales_and_zeros" else 0)
+    if cols is None or leaf == "int8_scales":  # per-row scales hold for any column slice
+        return t
+    a, b = cols
+    if leaf == "int4_weight":  # two inputs a byte
+        return t[:, a // 2:b // 2].contiguous()
+    if leaf == "int4_scales_and_zeros":
+        if a % groupsize or b % groupsize:
+            raise ConfigError(f"{name}: a rank's {b - a} input features split the int4 "
+                              f"groups of {groupsize}; use fewer ranks or int8")
+        return t[a // groupsize:b // groupsize].contiguous()
+    return t[:, a:b].contiguous()
+
+
+def shard_state_dict(sd: dict[str, Tensor], args: ModelArgs, rank_: int, world: int,
+                     groupsize: int | None = None) -> dict[str, Tensor]:
+    """``shard_tensor`` of every tensor of a state dict (float, or a quantized checkpoint's
+    stored tensors): what ``checkpoint.load_model(shard=...)`` materializes, so a rank reads
+    only its share of a memory-mapped checkpoint onto its device."""
+    check_world(args, world)
+    return {n: shard_tensor(n, t, args, rank_, world, groupsize) for n, t in sd.items()}
 
 
 def _shard_linear(layer: nn.Module, rows: list[tuple[int, int]] | None = None,
@@ -151,51 +225,56 @@ def _shard_linear(layer: nn.Module, rows: list[tuple[int, int]] | None = None,
                                         requires_grad=False)
         layer.out_features, layer.in_features = layer.weight.shape
     else:
-        raise ConfigError(f"tensor parallelism shards float and int8 layers; this checkpoint "
-                          f"has {type(layer).__name__} ({getattr(layer, 'mode', '?')}): use "
-                          "the float or int8 checkpoint")
+        raise ConfigError(f"a loaded {type(layer).__name__} ({getattr(layer, 'mode', '?')}) "
+                          "cannot be sharded in place (its packed tiles): load the checkpoint "
+                          "with its shard (checkpoint.load_model(shard=...)), or quantize "
+                          "after sharding")
+
+
+def attach(model: Transformer, rank_: int, world: int, args: ModelArgs,
+           reduce: bool = True) -> Transformer:
+    """Mark ``model``, built at rank ``rank_``'s shapes (``local_args``), as that rank of the
+    whole model ``args``: ``model.tp`` = (rank, world size, the global config), and the
+    all-reduce hooks on ``wo`` and ``w2`` (``reduce``)."""
+    model.tp = {"rank": rank_, "world_size": world, "args": args}
+    if world > 1 and reduce:
+        for layer in model.layers:
+            layer.attention.wo.register_forward_hook(_all_reduce_output)
+            layer.feed_forward.w2.register_forward_hook(_all_reduce_output)
+    return model
 
 
 def shard_model(model: Transformer, rank_: int, world: int,
-                 reduce: bool = True) -> Transformer:
-    """Keep rank ``rank_``'s share of ``model``'s weights (see the module docstring) and hook
-    the all-reduces (``reduce``; False for a model on the meta device that only predicts
-    memory, ``scripts/predict_memory.py --tp``); ``model.args`` becomes the rank's shapes
-    (``local_args``) and ``model.tp`` records (rank, world size, the global config). Nothing
-    changes for one rank.
+                reduce: bool = True) -> Transformer:
+    """Keep rank ``rank_``'s share of a loaded ``model``'s weights in place (see the module
+    docstring; float and int8 layers) and hook the all-reduces (``reduce``; False for a
+    model on the meta device that only predicts memory, ``scripts/predict_memory.py --tp``);
+    ``model.args`` becomes the rank's shapes (``local_args``). Nothing changes for one rank.
+    ``checkpoint.load_model(shard=...)`` loads a rank's share directly instead.
 
     Raises:
         ConfigError: ``world`` does not split the model (``check_world``), or int4 layers.
     """
     args = model.args
     check_world(args, world)
-    model.tp = {"rank": rank_, "world_size": world, "args": args}
     if world == 1:
-        return model
+        return attach(model, rank_, world, args)
     loc = local_args(args, world)
-    D, H, Hkv, Hl, Hkvl = args.head_dim, args.n_heads, args.n_kv_heads, loc.n_heads, \
-        loc.n_kv_heads
-    q = (rank_ * Hl * D, (rank_ + 1) * Hl * D)
-    k = (H * D + rank_ * Hkvl * D, H * D + (rank_ + 1) * Hkvl * D)
-    v = ((H + Hkv) * D + rank_ * Hkvl * D, (H + Hkv) * D + (rank_ + 1) * Hkvl * D)
-    inter = (rank_ * loc.intermediate_size, (rank_ + 1) * loc.intermediate_size)
+    sp = _spans(args, rank_, world)
     with torch.no_grad():
         for layer in model.layers:
             attn, ffn = layer.attention, layer.feed_forward
-            _shard_linear(attn.wqkv, rows=[q, k, v])
+            _shard_linear(attn.wqkv, rows=sp["qkv"])
             if attn.wqkv_bias is not None:
-                attn.wqkv_bias = nn.Parameter(_rows(attn.wqkv_bias, [q, k, v]),
+                attn.wqkv_bias = nn.Parameter(_rows(attn.wqkv_bias, sp["qkv"]),
                                               requires_grad=False)
-            _shard_linear(attn.wo, cols=q)
-            attn.n_heads, attn.n_kv_heads = Hl, Hkvl
-            _shard_linear(ffn.w1, rows=[inter])
-            _shard_linear(ffn.w3, rows=[inter])
-            _shard_linear(ffn.w2, cols=inter)
-            if reduce:
-                attn.wo.register_forward_hook(_all_reduce_output)
-                ffn.w2.register_forward_hook(_all_reduce_output)
+            _shard_linear(attn.wo, cols=sp["q"])
+            attn.n_heads, attn.n_kv_heads = loc.n_heads, loc.n_kv_heads
+            _shard_linear(ffn.w1, rows=[sp["mlp"]])
+            _shard_linear(ffn.w3, rows=[sp["mlp"]])
+            _shard_linear(ffn.w2, cols=sp["mlp"])
     model.args = loc
-    return model
+    return attach(model, rank_, world, args, reduce)
 
 
 def failure(e: BaseException) -> str:

@@ -97,13 +97,14 @@ def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype)
     """The model of ``ckpt`` with ``spec``'s weights (``parse_weights``), this rank's share
     of it under ``torchrun`` (``tp.py``)."""
     mode, groupsize = parse_weights(spec)
-    model = load_model(ckpt, device, dtype)
-    if mode != "float":
-        if model.quantization is not None:
-            raise ConfigError(f"--weights {spec}: {ckpt} is already quantized; pass --weights "
-                              "float (its own weights) or a float checkpoint")
+    model = load_model(ckpt, device, dtype, shard=(tp.rank(), tp.world_size()))
+    if mode != "float" and model.quantization is not None:
+        raise ConfigError(f"--weights {spec}: {ckpt} is already quantized; pass --weights "
+                          "float (its own weights) or a float checkpoint")
+    if mode != "float":  # the rank's share, quantized: int4's groups run along the inputs
+        # and a shard keeps whole groups, so this equals sharding the quantized whole
         quantize_model(model, mode, groupsize)
-    return tp.shard_model(model, tp.rank(), tp.world_size())
+    return model
 
 
 def run_one(model, batch: int, context: int, method: str, budget, args, bandwidth: float,

@@ -170,3 +170,70 @@ def test_duoattention_keeps_each_ranks_own_retrieval_heads():
     assert duo.shard_params(params, 1, 2, args)["_heads"] == [[0, 3], [], [1]]
     assert duo.shard_params(params, 3, 4, args)["_heads"] == [[1], [], []]
     assert params["_heads"] == [[0, 3, 4, 7], [], [5]]  # the whole model's, unchanged
+
+
+def test_every_checkpoint_form_loads_a_ranks_share(tmp_path):
+    """``load_model(shard=(r, 2))`` of a float, an int8 and an int4 (groups of 32)
+    checkpoint, and of random weights, holds rank r's share: each column-parallel layer gives
+    the rank's rows of the whole layer's output, the row-parallel layers' outputs over the
+    ranks' input slices add up to the whole layer's, and random weights are the slices of the
+    whole model's."""
+    from checkpoint import load_model, random_model, save_native
+    from quantize import quantize_checkpoint
+
+    args = ModelArgs(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=256,
+                     vocab_size=64, max_seq_len=64, qkv_bias=True, name="t")
+    whole = random_model(args, "cpu", torch.float32, seed=3)
+    save_native(tmp_path / "f", args, whole.state_dict())
+    quantize_checkpoint(str(tmp_path / "f"), "int8", None, tmp_path / "q8", progress=False)
+    quantize_checkpoint(str(tmp_path / "f"), "int4", 32, tmp_path / "q4", progress=False)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    D = 32
+    qkv = [list(range(r * 64, (r + 1) * 64)) + list(range(128 + r * D, 128 + (r + 1) * D)) +
+           list(range(192 + r * D, 192 + (r + 1) * D)) for r in range(2)]
+    for form in ("f", "q8", "q4"):
+        full = load_model(str(tmp_path / form), "cpu", torch.float32).layers[0]
+        parts = [load_model(str(tmp_path / form), "cpu", torch.float32, shard=(r, 2))
+                 for r in range(2)]
+        assert all(p.tp["world_size"] == 2 and p.args.n_kv_heads == 1 for p in parts)
+        layers = [p.layers[0] for p in parts]
+        for layer in layers:  # the all-reduce hooks need a process group: off here
+            layer.attention.wo._forward_hooks.clear()
+            layer.feed_forward.w2._forward_hooks.clear()
+        a, f = full.attention, full.feed_forward
+        for r, layer in enumerate(layers):
+            got = layer.attention.wqkv(x[:, :128]) + layer.attention.wqkv_bias
+            want = (a.wqkv(x[:, :128]) + a.wqkv_bias)[:, qkv[r]]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(layer.feed_forward.w1(x[:, :128]),
+                                       f.w1(x[:, :128])[:, r * 128:(r + 1) * 128])
+        wo = sum(layer.attention.wo(x[:, r * 64:(r + 1) * 64]) for r, layer in enumerate(layers))
+        w2 = sum(layer.feed_forward.w2(x[:, r * 128:(r + 1) * 128])
+                 for r, layer in enumerate(layers))
+        for got, want in ((wo, a.wo(x[:, :128])), (w2, f.w2(x))):
+            # the quantized kernels round their bf16 output: a sum of two roundings
+            tol = 1e-5 if form == "f" else 1e-2 * float(want.abs().max())
+            torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    sd = whole.state_dict()
+    for r in range(2):
+        part = random_model(args, "cpu", torch.float32, seed=3, shard=(r, 2))
+        for name, t in part.state_dict().items():
+            assert torch.equal(t, tp.shard_tensor(name, sd[name], args, r, 2)), name
+
+
+def test_the_compiled_decode_step_traces_the_collectives(stories_dir, tmp_path):
+    """``--compile`` under torchrun: the all-reduces inside the compiled step (functional
+    collectives; gloo on CPU), the same tokens as one eager process."""
+    text = tmp_path / "p.txt"
+    text.write_text("Once upon a time there was a little girl named Lily. She loved to play")
+    common = ["--checkpoint", str(stories_dir), "--prompt", str(text), "--max-new-tokens", "10",
+              "--method", "rocketkv", "--budget", "32"]
+    one = subprocess.run([sys.executable, "generate.py", *common, "--json",
+                          str(tmp_path / "one.json")], capture_output=True, text=True, env=ENV,
+                         cwd=ROOT, timeout=240)
+    assert one.returncode == 0, one.stderr[-2000:]
+    r = torchrun(2, "generate.py", *common, "--compile", "--json", str(tmp_path / "two.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    assert b["compiled"] and b["world_size"] == 2 and not a["compiled"]
+    assert a["token_ids"] == b["token_ids"]

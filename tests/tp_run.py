@@ -28,7 +28,7 @@ BUDGETS = {"omnikv": 8}  # few enough picks that a rank's own heads would choose
 def main(ckpt: str, out: str) -> int:
     torch.set_num_threads(1)
     rank, world = tp.init("cpu")
-    model = tp.shard_model(load_model(ckpt, "cpu", torch.float32), rank, world)
+    model = load_model(ckpt, "cpu", torch.float32, shard=(rank, world))
     ids = load_tokenizer(ckpt).encode(TEXT)
     results = {}
     for name, m in METHODS.items():
