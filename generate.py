@@ -885,4 +885,4 @@ def _main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    tp.exit_now(main()) if tp.launched() else sys.exit(main())

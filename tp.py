@@ -285,8 +285,9 @@ def failure(e: BaseException) -> str:
 
 
 def exit_now(code: int) -> None:
-    """End the process with ``code`` at once, streams flushed: after a failed collective the
-    process group cannot be torn down (gloo aborts the interpreter's exit)."""
+    """End the process with ``code`` at once, streams flushed, skipping the interpreter's
+    teardown: a rank's last step under ``torchrun`` (gloo's threads can abort that teardown
+    with "terminate called without an active exception", after a failed collective always)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -43,7 +43,7 @@ class ExactTopK(Selector):
                slot: Tensor | None = None) -> Tensor:
         if slot is not None and kernels.enabled(q):  # r = D on K^T: the exact scores, fused
             return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache, cache.k_cache.transpose(-1, -2), slot,
+                q, cache.k_cache, cache.v_cache, None, slot,
                 mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=cache.head_dim,
                 k=min(self.k, cache.length), page_size=1)
         scores = exact_scores(q, cache.k_cache, valid)

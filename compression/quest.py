@@ -86,7 +86,7 @@ class Quest(PagedSelector):
                slot: Tensor | None = None) -> Tensor:
         if slot is not None and kernels.enabled(q):  # the same selection, fused (Triton)
             return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache, self.rows(cache), slot,
+                q, cache.k_cache, cache.v_cache, self.summary_rows(), slot,
                 mode=kernels.ops().MODE_BOUND, two_bounds=self.page_size > 1,
                 r=cache.head_dim, k=min(self.k, cache.length), page_size=self.page_size)
         idx = self.select(cache, q, valid)

@@ -102,6 +102,11 @@ class PagedSelector(Selector):
                                                     dtype=cache.dtype, device=cache.device),
                              persistent=False)
 
+    def summary_rows(self) -> Tensor | None:
+        """The summary for the fused kernels, or None for pages of one token (the kernels
+        read the keys as K^T themselves, ``kernels.sparse_attention``)."""
+        return None if self.page_size == 1 else self.summary
+
     def rows(self, cache: CompressedKVCache) -> Tensor:
         """The summary (B, H_kv, 2 D, pages), or K^T (B, H_kv, D, S) for pages of one token."""
         if self.page_size == 1:

@@ -121,8 +121,7 @@ class SparQ(Selector):
         keys = self.k_dims if self.dim_major else cache.k_cache
         if slot is not None and not self.reallocate and kernels.enabled(q):  # fused (Triton)
             return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache,
-                keys if self.dim_major else keys.transpose(-1, -2), slot,
+                q, cache.k_cache, cache.v_cache, keys if self.dim_major else None, slot,
                 mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=self.r,
                 k=min(self.k, cache.length), page_size=1)
         dims = top_r_dims(q, cache.n_kv_heads, self.r)

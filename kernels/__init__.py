@@ -75,14 +75,16 @@ def in_use(device: torch.device) -> bool:
     return _mode != "off" and (_mode == "force" or device.type == "cuda") and ops() is not None
 
 
-def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, last: Tensor,
-                     *, mode: int, two_bounds: bool, r: int, k: int,
+def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None,
+                     last: Tensor, *, mode: int, two_bounds: bool, r: int, k: int,
                      page_size: int) -> Tensor:
     """Selection and exact attention over the chosen slots: ``paged_select`` then
-    ``attend_pages`` (arguments as there; ``last`` (1,) int64 the slot written last).
-    Returns (B, H, 1, D) in the cache's dtype."""
-    pages, take = torch.ops.rocketkv.paged_select(q, rows, last, mode, two_bounds, r, k,
-                                                  page_size)
+    ``attend_pages`` (arguments as there; ``last`` (1,) int64 the slot written last; ``rows``
+    None: the keys themselves, read as K^T, for pages of one slot). Returns (B, H, 1, D) in
+    the cache's dtype."""
+    by_token = rows is None
+    pages, take = torch.ops.rocketkv.paged_select(q, k_cache if by_token else rows, last, mode,
+                                                  two_bounds, r, k, page_size, by_token)
     return torch.ops.rocketkv.attend_pages(q, k_cache, v_cache, pages, take, page_size, k)
 
 

@@ -311,14 +311,16 @@ def selected_pages(k: int, page_size: int, n_pages: int) -> int:
 
 @torch.library.triton_op("rocketkv::paged_select", mutates_args=())
 def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: bool, r: int,
-                 k: int, page_size: int) -> tuple[Tensor, Tensor]:
+                 k: int, page_size: int, by_token: bool = False) -> tuple[Tensor, Tensor]:
     """Score the pages of every (sequence, KV head) and choose k tokens, page-first.
 
     Args:
         q: (B, H, 1, D) queries (last dim contiguous).
         rows: the per-dim rows scored, (B, H_kv, 2 D, P) page summary (max rows, then min
-            rows) with ``two_bounds``, else (B, H_kv, D, P): K^T (pages of one slot, any
-            strides) or SparQ's dim-major key copy.
+            rows) with ``two_bounds``, else (B, H_kv, D, P): SparQ's dim-major key copy; with
+            ``by_token`` the keys themselves, (B, H_kv, S, D), read as K^T (pages of one
+            slot: Exact-TopK, SparQ without its copy, hybrid at page size 1), so no
+            transposed view reaches the compiled graph (which might copy it).
         last: (1,) int64 device tensor, the slot written last: slots 0..last are valid, so
             page p holds clamp(last + 1 - p * page_size, 0, page_size) written slots.
         mode: ``MODE_SOFTMAX`` (hybrid, SparQ, Exact-TopK with r = D) or ``MODE_BOUND``
@@ -331,7 +333,9 @@ def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: b
         (B, H_kv, P) float32 scratch buffer allocated here.
     """
     B, H, _, D = q.shape
-    Hkv, P = rows.shape[1], rows.shape[3]
+    Hkv, P = rows.shape[1], rows.shape[2 if by_token else 3]
+    s_row, s_page = (rows.stride(3), rows.stride(2)) if by_token else \
+        (rows.stride(2), rows.stride(3))
     G = H // Hkv
     M = selected_pages(k, page_size, P)
     scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
@@ -339,8 +343,8 @@ def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: b
     take = torch.empty(B, Hkv, M, dtype=torch.int32, device=q.device)
     torch.library.wrap_triton(_paged_select_kernel)[(B * Hkv,)](
         q, rows, last, scores, pages, take,
-        q.stride(0), q.stride(1), rows.stride(0), rows.stride(1), rows.stride(2),
-        rows.stride(3), Hkv, G, D, P, r, k, M, page_size,
+        q.stride(0), q.stride(1), rows.stride(0), rows.stride(1), s_row, s_page,
+        Hkv, G, D, P, r, k, M, page_size,
         MODE=mode, TWO_BOUNDS=two_bounds, DOT=_dot_mode(rows), G_BLOCK=max(16, _pow2(G)),
         D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, num_warps=NUM_WARPS)
     return pages, take
@@ -513,7 +517,8 @@ def attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, pages: Tensor, tak
     G_BLOCK, D_BLOCK = max(16, _pow2(G)), _pow2(D)
     chunk = min(_pow2(page_size), ATTEND_TOKENS)  # slots of one page per iteration
     pages_block = ATTEND_TOKENS // chunk  # ATTEND_TOKENS slots per loop iteration
-    splits = min(attention_splits(k), _pow2(-(-M // pages_block)))
+    # int(): under a dynamic-shape compile the split count (a constexpr) is specialized
+    splits = min(attention_splits(k), _pow2(-(-int(M) // pages_block)))
     per_split = -(-M // splits)
     out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device)
     o, lse = _partials(B * Hkv, splits, G_BLOCK, D_BLOCK, q.device)
@@ -561,7 +566,7 @@ def attend_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor) -> 
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
     G_BLOCK, D_BLOCK = max(16, _pow2(G)), _pow2(D)
-    splits = prefix_splits(B * Hkv, S)
+    splits = prefix_splits(B * Hkv, int(S))  # a constexpr: specialized under dynamic shapes
     split_len = -(-S // splits)
     out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device)
     o, lse = _partials(B * Hkv, splits, G_BLOCK, D_BLOCK, q.device)

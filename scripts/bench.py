@@ -491,4 +491,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    tp.exit_now(main()) if tp.launched() else sys.exit(main())

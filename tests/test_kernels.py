@@ -129,20 +129,20 @@ def check_selection(ref_cache, ker_cache, q, t, k, exact):
     S = ker_cache.length
     valid = torch.arange(S, device=q.device) <= t
     scores = reference_scores(ref_cache, q, valid).float().cpu()
+    keys = ker_cache.k_cache  # read as K^T by the kernel (by_token)
     if isinstance(sel, Quest):
-        mode, two, r, rows = OPS.MODE_BOUND, sel.page_size > 1, q.shape[-1], sel.rows(ker_cache)
+        mode, two, r, rows = OPS.MODE_BOUND, sel.page_size > 1, q.shape[-1], sel.summary_rows()
     elif isinstance(sel, SparQ):
-        mode, two, r = OPS.MODE_SOFTMAX, False, sel.r
-        rows = sel.k_dims if sel.dim_major else ker_cache.k_cache.transpose(-1, -2)
+        mode, two, r, rows = OPS.MODE_SOFTMAX, False, sel.r, sel.k_dims if sel.dim_major else None
     elif isinstance(sel, ExactTopK):
-        mode, two, r, rows = OPS.MODE_SOFTMAX, False, q.shape[-1], \
-            ker_cache.k_cache.transpose(-1, -2)
+        mode, two, r, rows = OPS.MODE_SOFTMAX, False, q.shape[-1], None
     else:
-        mode, two, r, rows = OPS.MODE_SOFTMAX, sel.page_size > 1, sel.r, sel.rows(ker_cache)
+        mode, two, r, rows = OPS.MODE_SOFTMAX, sel.page_size > 1, sel.r, sel.summary_rows()
     ps = sel.page_size
     pages, take = torch.ops.rocketkv.paged_select(
-        q, rows, torch.tensor([t], device=q.device), mode, two, r, min(k, S), ps)
-    assert pages.shape[-1] == OPS.selected_pages(min(k, S), ps, rows.shape[-1])
+        q, keys if rows is None else rows, torch.tensor([t], device=q.device), mode, two, r,
+        min(k, S), ps, rows is None)
+    assert pages.shape[-1] == OPS.selected_pages(min(k, S), ps, S // ps)
     got = chosen_slots(pages.cpu(), take.cpu(), ps, S)
     n_valid = t + 1
     assert (got.sum(-1) == min(k, n_valid)).all()
@@ -337,6 +337,30 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
     rows = json.loads(out.read_text())
     assert len(rows) == 13 and all(row["registers"] for row in rows)
     assert max(row["spill_bytes"] for row in rows) <= 512, rows
+
+
+def test_the_compiled_decode_step_holds_the_kernels_whole():
+    """Each method's decode step traces as the GPU compiles it (fullgraph, AOT
+    functionalization; Triton not interpreted, nothing run): no graph break, and the graph
+    calls the fused kernels: the write (for the caches with auxiliary keys), the selection and
+    the sparse attention, or the prefix attention for the full cache (tests/trace_decode.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(tests / "trace_decode.py")], capture_output=True,
+                       text=True, env=env, cwd=tests.parent, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    sel = ["_paged_select_kernel", "_attend_pages_kernel"]
+    assert got == {"full": ["_attend_prefix_kernel"], "hybrid": ["_write_token_kernel", *sel],
+                   "hybrid_page1": sel, "quest": ["_write_token_kernel", *sel],
+                   "sparq": ["_write_token_kernel", *sel], "sparq_strided": sel,
+                   "exact_topk": sel}, got
 
 
 def test_kernels_stay_off_on_cpu_by_default():

@@ -56,4 +56,4 @@ def main(ckpt: str, out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    tp.exit_now(main(*sys.argv[1:]))  # gloo's threads can abort the interpreter's teardown
