@@ -9,6 +9,8 @@ sets, ties aside: in float32 exactly; in bfloat16 a token may differ only where 
 reference's own scores of the two tokens are within bfloat16 rounding.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -24,6 +26,11 @@ from model import ModelArgs
 OPS = kernels.ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"triton: {kernels.missing()}")
 CUDA = torch.cuda.is_available()
+# the CPU tests run the kernels in Triton's interpreter (conftest.py sets it without a GPU);
+# on the GPU machine, where the kernels are compiled, the cuda tests run instead
+interpreted = pytest.mark.skipif(CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU tensors need Triton's interpreter; the GPU "
+                                        "machine runs the cuda tests")
 
 SELECTORS = {  # name -> (selector for k tokens)
     "hybrid": lambda k: Hybrid(4, 5, k),
@@ -185,6 +192,7 @@ def _case_id(c):
     return f"{c[0]}-k{c[1]}-h{c[2]}x{c[3]}"
 
 
+@interpreted
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_decode_steps_equal_the_pytorch_path(case):
     """Each decode step through the kernels (token write, selection, attention) on a cache
@@ -208,6 +216,7 @@ def test_decode_steps_equal_the_pytorch_path(case):
         check_selection(ref, ker, q[:, :, t:t + 1], t, k, exact=True)
 
 
+@interpreted
 @pytest.mark.parametrize("name,k", [("hybrid", 10), ("quest", 6), ("sparq", 9),
                                     ("exact_topk", 9), ("hybrid_page3", 20)])
 def test_bfloat16_selection_and_output(name, k):
@@ -224,6 +233,7 @@ def test_bfloat16_selection_and_output(name, k):
         assert (got - want).abs().max() < 0.1, t
 
 
+@interpreted
 def test_split_attention_merges_like_one_program(monkeypatch):
     """A selection attended by several programs per KV head (log-sum-exp merge) equals one
     program's result and the reference."""
@@ -238,6 +248,7 @@ def test_split_attention_merges_like_one_program(monkeypatch):
         assert torch.allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
+@interpreted
 @pytest.mark.parametrize("heads,kv_heads,split", [(8, 2, 16), (4, 4, 16), (8, 2, 4096)],
                          ids=["gqa-split", "mha-split", "one-program"])
 def test_prefix_attention_equals_the_masked_formula(heads, kv_heads, split, monkeypatch):
@@ -265,6 +276,7 @@ def test_prefix_attention_equals_the_masked_formula(heads, kv_heads, split, monk
         assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), t
 
 
+@interpreted
 def test_dense_selector_uses_the_prefix_kernel(monkeypatch):
     """A compressed cache that attends to everything it keeps (SnapKV's decode) goes
     through attend_prefix with the slot it wrote, and matches the PyTorch path."""
@@ -295,6 +307,7 @@ def test_dense_selector_uses_the_prefix_kernel(monkeypatch):
     assert [int(c) for c in calls] == list(range(T, T + steps))
 
 
+@interpreted
 def test_write_token_restarts_a_page_and_writes_a_column():
     """write_token: on a page's first slot the summary column is the token itself (the stale
     NaN there is ignored), later slots take max / min; the dim-major copy gets one column."""
