@@ -118,9 +118,11 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         opts = options_for(method, args)
         if args.compile and args.compile_regime == "static":
             torch._dynamo.reset()  # this row compiles its own static-shape graph
+        graphs = args.compile_regime == "graphs" and args.compile
         r = generate(model, prompt, method=method, budget=budget,
                      max_new_tokens=args.new_tokens,
-                     compile=None if args.compile else False, method_options=opts,
+                     compile=None if args.compile and not graphs else False,
+                     method_options=opts, cuda_graphs=graphs,
                      compile_dynamic=args.compile_regime == "dynamic" or None)
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
@@ -141,7 +143,8 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         "roofline_ms": step_bytes / (bandwidth * 1e9) * 1e3,
         "method_params": best["method_params"], "compiled": best["compiled"],
         "fused_kernels": best["fused_kernels"],
-        "compile_regime": args.compile_regime if best["compiled"] else "eager",
+        "compile_regime": args.compile_regime if best["compiled"] or best["cuda_graphs"]
+        else "eager",
         "kv_ideal_bytes_per_step": best["kv_ideal_bytes_per_step"],
         "ideal_roofline_ms": (best["weight_bytes_per_step"] + best["kv_ideal_bytes_per_step"])
         / (bandwidth * 1e9) * 1e3,
@@ -381,10 +384,12 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
     add_kernels_option(p)
-    p.add_argument("--compile-regime", choices=["static", "dynamic"], default="static",
+    p.add_argument("--compile-regime", choices=["static", "dynamic", "graphs"],
+                   default="static",
                    help="static (default): every row compiles its own static-shape graph "
                         "(compile cache reset per row); dynamic: one symbolic-shape graph per "
-                        "method structure serves every row")
+                        "method structure serves every row; graphs: no torch.compile, the "
+                        "eager step captured in a CUDA graph per row (seconds, unfused)")
     p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
     p.add_argument("--out", default="results", help="results root (default results/)")
     p.add_argument("--no-plots", action="store_true")
@@ -398,6 +403,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         device, dtype = resolve_run(args)
+        if args.compile_regime == "graphs" and device.type != "cuda":
+            raise ConfigError(f"--compile-regime graphs needs a CUDA device, not {device.type}")
         rank, world = tp.init(device.type)  # under torchrun: one rank of the model
         if args.methods == ["all"]:
             args.methods = list(METHODS)

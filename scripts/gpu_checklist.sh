@@ -10,6 +10,10 @@
 # p: peers side by side (item 4): transformers' static cache beside our full and rocketkv@256
 #    at 32K and 128K in one bench call (check_targets compares rows of one run), then int8 and
 #    int4 weights with full and rocketkv@256 at 32K and 128K (item 5)
+# g1, g2: the paper's grid (full, gptfast_dense, rocketkv @256-4096; 16K-64K, then 96K and
+#    128K) with --compile-regime graphs: each row's eager step captured in a CUDA graph (about
+#    a second) instead of compiled (47-88 s), so the grid fits two calls; the static-regime rows
+#    of parts b and c say what compiling adds
 # a: nvidia-smi, versions, the CUDA-only tests, the smoke runs (item 1), the kernel profile of
 #    full and rocketkv@256 at 128K (item 5)
 # b: the targets' rows: full, rocketkv@256 and gptfast_dense at 96K and 128K (item 2)
@@ -22,7 +26,7 @@
 # device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
 # `pip install -e .`): PYTHONPATH puts the repository root on the path for scripts/ and evals/.
 set -o pipefail
-part=${1:?part k, p, a, b, c, d, e or f}
+part=${1:?part k, p, g1, g2, a, b, c, d, e or f}
 out=${2:-${OUT:?no OUTDIR and no \$OUT}}
 py=${PYTHON:-python3}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -54,6 +58,12 @@ p)
     step quantized weights
     timeout 250 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
         --budgets 256 --weights int8 int4-g128 --time-limit 190
+    ;;
+g1|g2)
+    if [ "$part" = g1 ]; then ctx="16384 32768 65536"; else ctx="98304 131008"; fi
+    step "the paper's grid, CUDA graphs of the eager step, contexts $ctx"
+    timeout 570 $py scripts/bench.py $M --context $ctx --methods full gptfast_dense rocketkv \
+        --budgets 256 512 1024 2048 4096 --compile-regime graphs --time-limit 500
     ;;
 a)
     step env; nvidia-smi

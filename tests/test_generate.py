@@ -352,11 +352,14 @@ BAD = [
      "not allowed with"),
     ("chat on random ids", ["--checkpoint", "{s}", "--prompt-tokens", "8", "--chat"],
      "--chat needs a text"),
+    ("cuda graphs on cpu", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--device", "cpu",
+                            "--cuda-graphs"], "--cuda-graphs needs a CUDA device"),
 ]
 
 # the errors that need the prompt's length but no weights: reported before the weights load
 BEFORE_LOADING = ("budget below a method's minimum", "page size 0", "another method's option",
-                  "budget with full", "prompt too long", "empty prompt text")
+                  "budget with full", "prompt too long", "empty prompt text",
+                  "cuda graphs on cpu")
 
 
 # run as a real process (exit status, and everything on stderr, warnings included); the
@@ -601,3 +604,20 @@ def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(sto
         g._bar_step(bar)(i)
     assert bar.n == 5 and "prefill 4096 tokens" in tty.getvalue()
     bar.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the GPU machine)")
+@pytest.mark.parametrize("method,budget", [("full", None), ("rocketkv", 64)])
+def test_cuda_graph_of_the_eager_step_gives_the_eager_tokens(method, budget):
+    """--cuda-graphs (GraphStep): the eager step captured once and replayed gives the tokens of
+    the eager loop, with 2 warm-up steps apart."""
+    from checkpoint import load_model
+    from generate import generate
+
+    model = load_model("random:stories260K", "cuda", torch.float32)
+    prompt = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(0))
+    runs = [generate(model, prompt, method=method, budget=budget, max_new_tokens=12,
+                     compile=False, cuda_graphs=g) for g in (False, True)]
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert runs[1]["cuda_graphs"] and runs[1]["warmup_steps"] == 2
