@@ -907,17 +907,16 @@ def _main(args: argparse.Namespace) -> int:
         print(f"error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
 
+    result["world_size"] = world
     if world > 1:  # every rank's share (a collective: all ranks take part); rank 0 reports
         shares = tp.gather({k: result[k] for k in ("kv_cache_bytes", "kv_bytes_per_step",
                                                    "weight_bytes", "peak_memory_bytes")})
-        result["world_size"] = world
         result["per_rank"] = shares
         for k in ("kv_cache_bytes", "kv_bytes_per_step", "weight_bytes"):
             result[f"{k}_all_ranks"] = sum(s[k] for s in shares)
         tp.shutdown()
         if rank != 0:
             return 0
-    result["world_size"] = world
     stop_set = set(stop_ids)
     result["text"] = ([tok.decode([t for t in row if t not in stop_set])
                        for row in result["token_ids"]] if tok is not None else None)

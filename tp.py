@@ -15,8 +15,7 @@ process is one rank; NCCL on GPUs (one GPU a rank, ``LOCAL_RANK``), gloo on CPU.
   slices every checkpoint form before it reaches the device (``shard_state_dict``: float
   tensors; int8 rows with their scales; int4's packed rows and, for the row-parallel layers,
   whole groups of inputs with their scales and zeros; random weights drawn whole one tensor
-  at a time and sliced), so a rank never holds the whole model; ``shard_model`` slices an
-  already loaded float or int8 model in place.
+  at a time and sliced), so a rank never holds the whole model.
 * **Caches**: every rank builds its method's caches for its own KV heads (``build_caches``
   with the global config for the method's parameters, ``local_args`` for the shapes). Every
   method selects per KV head (a query group never spans ranks), so a rank compresses its
@@ -45,7 +44,6 @@ from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 
 from model import ConfigError, ModelArgs, Transformer
-from quantized import Int8Linear
 
 DEFAULT_TIMEOUT_S = 120
 
@@ -208,73 +206,18 @@ def shard_state_dict(sd: dict[str, Tensor], args: ModelArgs, rank_: int, world: 
     return {n: shard_tensor(n, t, args, rank_, world, groupsize) for n, t in sd.items()}
 
 
-def _shard_linear(layer: nn.Module, rows: list[tuple[int, int]] | None = None,
-                  cols: tuple[int, int] | None = None) -> None:
-    """Keep ``rows`` (output features) or ``cols`` (input features) of a float or int8
-    linear layer, in place."""
-    if isinstance(layer, nn.Linear):
-        w = _rows(layer.weight, rows) if rows else layer.weight[:, cols[0]:cols[1]].contiguous()
-        layer.weight = nn.Parameter(w, requires_grad=False)
-        layer.out_features, layer.in_features = w.shape
-    elif isinstance(layer, Int8Linear):
-        if rows:
-            layer.weight = nn.Parameter(_rows(layer.weight, rows), requires_grad=False)
-            layer.scales = nn.Parameter(_rows(layer.scales, rows), requires_grad=False)
-        else:  # per-row scales hold for any column slice of the row
-            layer.weight = nn.Parameter(layer.weight[:, cols[0]:cols[1]].contiguous(),
-                                        requires_grad=False)
-        layer.out_features, layer.in_features = layer.weight.shape
-    else:
-        raise ConfigError(f"a loaded {type(layer).__name__} ({getattr(layer, 'mode', '?')}) "
-                          "cannot be sharded in place (its packed tiles): load the checkpoint "
-                          "with its shard (checkpoint.load_model(shard=...)), or quantize "
-                          "after sharding")
-
-
 def attach(model: Transformer, rank_: int, world: int, args: ModelArgs,
            reduce: bool = True) -> Transformer:
     """Mark ``model``, built at rank ``rank_``'s shapes (``local_args``), as that rank of the
     whole model ``args``: ``model.tp`` = (rank, world size, the global config), and the
-    all-reduce hooks on ``wo`` and ``w2`` (``reduce``)."""
+    all-reduce hooks on ``wo`` and ``w2`` (``reduce``; False for a model on the meta device
+    that only predicts memory, ``scripts/predict_memory.py --tp``)."""
     model.tp = {"rank": rank_, "world_size": world, "args": args}
     if world > 1 and reduce:
         for layer in model.layers:
             layer.attention.wo.register_forward_hook(_all_reduce_output)
             layer.feed_forward.w2.register_forward_hook(_all_reduce_output)
     return model
-
-
-def shard_model(model: Transformer, rank_: int, world: int,
-                reduce: bool = True) -> Transformer:
-    """Keep rank ``rank_``'s share of a loaded ``model``'s weights in place (see the module
-    docstring; float and int8 layers) and hook the all-reduces (``reduce``; False for a
-    model on the meta device that only predicts memory, ``scripts/predict_memory.py --tp``);
-    ``model.args`` becomes the rank's shapes (``local_args``). Nothing changes for one rank.
-    ``checkpoint.load_model(shard=...)`` loads a rank's share directly instead.
-
-    Raises:
-        ConfigError: ``world`` does not split the model (``check_world``), or int4 layers.
-    """
-    args = model.args
-    check_world(args, world)
-    if world == 1:
-        return attach(model, rank_, world, args)
-    loc = local_args(args, world)
-    sp = _spans(args, rank_, world)
-    with torch.no_grad():
-        for layer in model.layers:
-            attn, ffn = layer.attention, layer.feed_forward
-            _shard_linear(attn.wqkv, rows=sp["qkv"])
-            if attn.wqkv_bias is not None:
-                attn.wqkv_bias = nn.Parameter(_rows(attn.wqkv_bias, sp["qkv"]),
-                                              requires_grad=False)
-            _shard_linear(attn.wo, cols=sp["q"])
-            attn.n_heads, attn.n_kv_heads = loc.n_heads, loc.n_kv_heads
-            _shard_linear(ffn.w1, rows=[sp["mlp"]])
-            _shard_linear(ffn.w3, rows=[sp["mlp"]])
-            _shard_linear(ffn.w2, cols=sp["mlp"])
-    model.args = loc
-    return attach(model, rank_, world, args, reduce)
 
 
 def failure(e: BaseException) -> str:

@@ -77,9 +77,9 @@ from evals.bench import (
     results_dir,
 )
 from evals.harness import configurations
-from evals.peers import PEERS, run_transformers, static_cache_bytes
+from evals.peers import PEERS, run_transformers
 from generate import generate, release_caches
-from measure import available_bytes, check_run_memory, device_name, float_weight_bytes
+from measure import check_memory, check_run_memory, device_name
 from model import CONFIGS, ConfigError
 from quantized import GROUPSIZES, quantize_model
 
@@ -163,13 +163,8 @@ def run_peer(model, batch: int, context: int, method: str, args, bandwidth: floa
     release_caches(model)  # our last row's caches: their memory is the peer's now
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    need = float_weight_bytes(model.args, dtype) + static_cache_bytes(
-        model.args, batch, context + args.new_tokens, dtype)
-    free = available_bytes(device)
-    if free is not None and need > free:
-        raise ConfigError(f"{method} at {context} tokens, batch {batch} needs about "
-                          f"{need / 2**30:.1f} GiB for its weights and static cache, but "
-                          f"{device.type} has {free / 2**30:.1f} GiB free")
+    # its float weights and a full-size static cache
+    check_memory(model.args, dtype, device, batch, context + args.new_tokens)
     best = None
     for _ in range(args.repeats):
         r = run_transformers(model.args, batch, context, args.new_tokens, device=device,

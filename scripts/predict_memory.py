@@ -123,13 +123,14 @@ def predict(args: ModelArgs, method: str, budget: int | None, context: int, new_
     step under ``AllocationTracker``, and returns a row with ``peak_memory_bytes``
     {prefill, decode, total}, ``resident_bytes``, ``weight_bytes``, ``kv_cache_bytes`` and the
     activation peaks (bytes). With ``world`` > 1 the figures are one rank's under tensor
-    parallelism over ``world`` ranks (``tp.shard_model``: its share of the weights and KV
+    parallelism over ``world`` ranks (``tp.local_args``: its share of the weights and KV
     heads, the replicated embedding and classifier; every rank holds the same). Raises
     ``ConfigError`` as ``build_caches`` and ``tp.check_world`` do.
     """
+    tp.check_world(args, world)
     with torch.device("meta"):
-        model = Transformer(args)
-    model = tp.shard_model(model.to(dtype).eval(), 0, world, reduce=False)
+        model = Transformer(tp.local_args(args, world))
+    model = tp.attach(model.to(dtype).eval(), 0, world, args, reduce=False)
     caches = build_caches(method, args, batch_size=batch_size, prompt_len=context,
                           max_new_tokens=new_tokens, budget=budget, dtype=dtype, device="meta",
                           shard=(0, world), **(options or {}))

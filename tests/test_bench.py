@@ -2,6 +2,12 @@
 
 import json
 
+import torch
+import transformers
+
+from evals.peers import hf_model
+from measure import float_weight_bytes
+from model import ModelArgs, rope_inv_freq
 from scripts.bench import main
 
 KEYS = ("device", "torch_version", "model", "dtype", "method", "budget", "context",
@@ -175,8 +181,6 @@ def test_transformers_peer_rows_beside_ours(tmp_path):
     """``--methods transformers``: Hugging Face transformers at the model's shape with its
     static cache, in the same run, with the fields of our rows and its version; its static
     cache holds context + new tokens for every layer."""
-    import transformers
-
     rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64", "--methods",
                "full", "transformers", "--new-tokens", "6", "--out", str(tmp_path),
                "--no-plots", "--no-progress"])
@@ -196,12 +200,6 @@ def test_transformers_peer_rows_beside_ours(tmp_path):
 def test_transformers_peer_config_matches_our_shapes():
     """The peer's config gives transformers models of exactly our parameter count, Llama 3.1's
     scaled RoPE frequencies and Qwen2's q/k/v biases."""
-    import torch
-
-    from evals.peers import hf_model
-    from measure import float_weight_bytes
-    from model import ModelArgs, rope_inv_freq
-
     small = dict(n_layers=1, vocab_size=300, dim=256, n_heads=4, n_kv_heads=2,
                  intermediate_size=320, name="small")
     for name in ("llama-3.1-8b", "qwen2.5-0.5b", "longchat-7b-v1.5-32k"):

@@ -2,7 +2,7 @@
 
 import json
 
-from scripts.check_targets import evaluate, main
+from scripts.check_targets import evaluate, load_rows, main
 
 GB = 1e9
 
@@ -77,8 +77,6 @@ def test_issue_27_and_28_targets_each_fail(tmp_path):
         path.write_text(json.dumps(profile(n)))
         bench = tmp_path / "bench.json"
         bench.write_text(json.dumps(rows))
-        from scripts.check_targets import load_rows
-
         assert evaluate(load_rows([str(bench), str(path)]))[14]["status"] == status
 
 

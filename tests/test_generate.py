@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import ROOT, SHARED
 
-from checkpoint import random_model
+from checkpoint import load_model, random_model
 from compression import build_caches
 from generate import generate, sample
 from measure import percentile
@@ -612,9 +612,6 @@ def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(sto
 def test_cuda_graph_of_the_eager_step_gives_the_eager_tokens(method, budget):
     """--cuda-graphs (GraphStep): the eager step captured once and replayed gives the tokens of
     the eager loop, with 2 warm-up steps apart."""
-    from checkpoint import load_model
-    from generate import generate
-
     model = load_model("random:stories260K", "cuda", torch.float32)
     prompt = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(0))
     runs = [generate(model, prompt, method=method, budget=budget, max_new_tokens=12,

@@ -9,7 +9,11 @@ sets, ties aside: in float32 exactly; in bfloat16 a token may differ only where 
 reference's own scores of the two tokens are within bfloat16 rounding.
 """
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ from compression.sparq import SparQ, sparq_scores
 from kv_cache import CompressedKVCache, FullKVCache, Selector
 from model import ModelArgs
 
+ROOT = Path(__file__).resolve().parents[1]
 OPS = kernels.ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"triton: {kernels.missing()}")
 CUDA = torch.cuda.is_available()
@@ -331,21 +336,19 @@ def test_write_token_restarts_a_page_and_writes_a_column():
     assert dims[..., :9].eq(0).all() and dims[..., 10:].eq(0).all()
 
 
+def compiled_triton(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run ``script`` in a process where Triton compiles rather than interprets."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+
+
 def test_every_kernel_compiles_for_hopper(tmp_path):
     """The GPU path (bf16 dots on the tensor cores, which the interpreter never runs) compiles
     for sm_90 at every launch configuration, through triton's own ptxas, without a GPU;
     register spills stay small (scripts/compile_kernels.py)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "regs.json"
-    r = subprocess.run([sys.executable, str(root / "scripts" / "compile_kernels.py"), "--json",
-                        str(out)], capture_output=True, text=True, env=env, cwd=root)
+    r = compiled_triton(ROOT / "scripts" / "compile_kernels.py", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
     assert len(rows) == 13 and all(row["registers"] for row in rows)
@@ -357,16 +360,7 @@ def test_the_compiled_decode_step_holds_the_kernels_whole():
     functionalization; Triton not interpreted, nothing run): no graph break, and the graph
     calls the fused kernels: the write (for the caches with auxiliary keys), the selection and
     the sparse attention, or the prefix attention for the full cache (tests/trace_decode.py)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = Path(__file__).resolve().parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(tests / "trace_decode.py")], capture_output=True,
-                       text=True, env=env, cwd=tests.parent, timeout=300)
+    r = compiled_triton(ROOT / "tests" / "trace_decode.py")
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     sel = ["_paged_select_kernel", "_attend_pages_kernel"]

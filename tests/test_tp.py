@@ -15,7 +15,10 @@ import pytest
 import torch
 
 import tp
+from checkpoint import load_model, random_model, save_native
+from compression import METHODS
 from model import ConfigError, ModelArgs
+from quantize import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "tests" / "tp_run.py"
@@ -122,23 +125,19 @@ def test_world_sizes_and_shapes():
         (16, 2, 7168, 128, 8192)
 
 
-def test_sharded_weights_are_the_slices_of_the_whole():
+def test_sharded_weights_are_the_slices_of_the_whole(tmp_path):
     """Rank r of 2: the q, k, v rows of its heads (biases too), wo's columns of its query
     heads, w1/w3 rows and w2 columns of its half of the MLP; int8 rows keep their scales."""
-    from checkpoint import random_model
-    from quantized import quantize_model
-
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=96,
                      vocab_size=50, max_seq_len=64, qkv_bias=True, name="t")
+    save_native(tmp_path / "float", args, random_model(args, "cpu", torch.float32,
+                                                         seed=1).state_dict())
+    quantize_checkpoint(str(tmp_path / "float"), "int8", None, tmp_path / "int8",
+                        progress=False)
     for mode in ("float", "int8"):
-        whole = random_model(args, "cpu", torch.float32, seed=1)
-        if mode == "int8":
-            quantize_model(whole, "int8")
+        whole = load_model(str(tmp_path / mode), "cpu", torch.float32)
         for rank in range(2):
-            part = random_model(args, "cpu", torch.float32, seed=1)
-            if mode == "int8":
-                quantize_model(part, "int8")
-            tp.shard_model(part, rank, 2, reduce=False)
+            part = load_model(str(tmp_path / mode), "cpu", torch.float32, shard=(rank, 2))
             a, b = whole.layers[0].attention, part.layers[0].attention
             D = 16
             rows = list(range(rank * 2 * D, (rank + 1) * 2 * D)) + \
@@ -161,8 +160,6 @@ def test_duoattention_keeps_each_ranks_own_retrieval_heads():
     """Retrieval heads are chosen over every KV head, then each rank keeps its own,
     renumbered from 0 (stories260K cannot reach DuoAttention's retrieval budgets, above 640
     tokens, so this is checked on the parameters)."""
-    from compression import METHODS
-
     duo = METHODS["duoattention"]
     args = ModelArgs.from_name("llama-3.1-8b")  # 8 KV heads
     params = {"_heads": [[0, 3, 4, 7], [], [5]], "sink": 128}
@@ -178,9 +175,6 @@ def test_every_checkpoint_form_loads_a_ranks_share(tmp_path):
     the rank's rows of the whole layer's output, the row-parallel layers' outputs over the
     ranks' input slices add up to the whole layer's, and random weights are the slices of the
     whole model's."""
-    from checkpoint import load_model, random_model, save_native
-    from quantize import quantize_checkpoint
-
     args = ModelArgs(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=256,
                      vocab_size=64, max_seq_len=64, qkv_bias=True, name="t")
     whole = random_model(args, "cpu", torch.float32, seed=3)

@@ -13,6 +13,7 @@ import sys
 import test_kernels as tk
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
 import kernels
 from kv_cache import FullKVCache
@@ -53,8 +54,6 @@ def trace(name: str, k: int) -> list[str]:
     names = []
     for node in graphs[0].graph.nodes:
         if "triton_kernel_wrapper" in str(node.target):
-            from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-
             names.append(kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__)
     return names
 
