@@ -209,6 +209,45 @@ def _load_tensors(files: list[Path], device) -> dict[str, Tensor]:
     return tensors
 
 
+GATE_UP = ("w1", "w3")  # the MLP's gate and up projections as checkpoints store them
+
+
+def fuse_gate_up(sd: dict[str, Tensor], n_layers: int,
+                 quant: dict[str, Any] | None = None) -> dict[str, Tensor]:
+    """Join each layer's MLP gate (``feed_forward.w1``) and up (``feed_forward.w3``)
+    projections, as HF, GGUF and older converted or quantized checkpoints store them, into
+    ``model.py``'s one ``feed_forward.w13`` (the gate's rows first), in place; layers already
+    fused are left alone. Float weights (I, dim) twice -> (2 I, dim); a quantized layer's
+    stored tensors alike along their output rows (int8 weight and per-row scales, int4 packed
+    weight, int4 ``scales_and_zeros`` (dim / G, I, 2) along its dim 1), and ``quant``'s
+    ``linears`` (``quantization.json``) renamed to match.
+
+    Raises:
+        ConfigError: a layer with one of the two projections and not the other, or with
+            the two in different quantization modes.
+    """
+    linears = (quant or {}).get("linears", {})
+    for i in range(n_layers):
+        p = f"layers.{i}.feed_forward."
+        gate, up = (f"{p}{n}" for n in GATE_UP)
+        leaves = sorted({n.rsplit(".", 1)[1] for n in sd if n.startswith((gate + ".", up + "."))})
+        for leaf in leaves:
+            lone = [f"{n}.{leaf}" for n in (gate, up) if f"{n}.{leaf}" not in sd]
+            if lone:
+                raise ConfigError(f"checkpoint lacks tensor {lone[0]!r} (the MLP's gate and up "
+                                  "projections come in pairs)")
+            a, b = sd.pop(f"{gate}.{leaf}"), sd.pop(f"{up}.{leaf}")
+            sd[f"{p}w13.{leaf}"] = torch.cat([a, b], dim=1 if leaf == "int4_scales_and_zeros"
+                                             else 0)
+        if gate in linears or up in linears:
+            modes = {linears.pop(gate, None), linears.pop(up, None)}
+            if len(modes) != 1:
+                raise ConfigError(f"{QUANT_CONFIG}: {gate} and {up} are quantized differently "
+                                  f"({', '.join(sorted(map(str, modes)))})")
+            linears[f"{p}w13"] = modes.pop()
+    return sd
+
+
 def qkv_names(args: ModelArgs) -> dict[str, str]:
     """``model.py``'s names (under ``layers.N.``) of the fused q/k/v weight and, for models
     with q/k/v biases (Qwen2), of their bias, keyed ``weight`` and ``bias``."""
@@ -243,13 +282,14 @@ def hf_state_dict(tensors: dict[str, Tensor], args: ModelArgs) -> dict[str, Tens
     extra = [n for n in tensors if not re.search(r"rotary_emb\.inv_freq$", n)]
     if extra:
         raise ConfigError(f"unexpected tensors in checkpoint: {', '.join(extra[:5])}")
-    return sd
+    return fuse_gate_up(sd, args.n_layers)
 
 
 def meta_to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
     """Inverse of ``hf_state_dict``: ``model.py`` names to Hugging Face Llama (Qwen2 with
-    q/k/v biases) names, q/k/v split and q/k rows permuted back to HF's rotate-half order. A
-    tied classifier is left out (HF ties it on load)."""
+    q/k/v biases) names, q/k/v split and q/k rows permuted back to HF's rotate-half order,
+    the MLP's ``w13`` split into gate and up. A tied classifier is left out (HF ties it on
+    load)."""
     top = {new: name for name, new in _HF_TOP_NAMES.items()}
     layer = {new: name for name, new in _HF_LAYER_NAMES.items()}
     qkv = {name: kind for kind, name in qkv_names(args).items()}
@@ -267,6 +307,9 @@ def meta_to_hf_state_dict(sd: dict[str, Tensor], args: ModelArgs) -> dict[str, T
             out[f"{p}self_attn.q_proj.{qkv[rest]}"] = meta_to_hf_rope_rows(q, args.n_heads)
             out[f"{p}self_attn.k_proj.{qkv[rest]}"] = meta_to_hf_rope_rows(k, args.n_kv_heads)
             out[f"{p}self_attn.v_proj.{qkv[rest]}"] = v
+        elif rest == "feed_forward.w13.weight":
+            gate, up = t.chunk(2)
+            out[f"{p}mlp.gate_proj.weight"], out[f"{p}mlp.up_proj.weight"] = gate, up
         else:
             out[p + layer[rest]] = t
     return {n: t.contiguous() for n, t in out.items()}
@@ -563,7 +606,7 @@ def gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype | None = None
             sd[f"layers.{i}.{new}"] = take(p + name)
     if tensors:
         raise ConfigError(f"unexpected tensors in GGUF file: {', '.join(list(tensors)[:5])}")
-    return sd
+    return fuse_gate_up(sd, args.n_layers)
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype | None = None
@@ -715,6 +758,7 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
             raise ConfigError(f"no {NATIVE_WEIGHTS} in {ckpt} (config without weights)")
         sd = _load_tensors([weights], "cpu")
         quant = _read_json(ckpt / QUANT_CONFIG) if (ckpt / QUANT_CONFIG).is_file() else None
+        fuse_gate_up(sd, args.n_layers, quant)  # files written before w1/w3 were fused
     else:
         args = args_from_hf_config(_read_json(ckpt / "config.json"), name=ckpt.name)
         sd = hf_state_dict(_load_tensors(_safetensors_files(ckpt), "cpu"), args)

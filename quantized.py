@@ -16,7 +16,7 @@ What is quantized (round to nearest, no calibration data):
   two 4-bit values per byte (``(q[:, 2j] << 4) | q[:, 2j + 1]``, (out, in / 2) uint8) and
   ``scales_and_zeros`` (in / G, out, 2) float32. ``G`` must divide every quantized layer's input
   width (SmolLM2's 576 takes 32 or 64, not 128 or 256).
-* Quantized: every linear layer of every block (``wqkv``, ``wo``, ``w1``, ``w2``, ``w3``) in the
+* Quantized: every linear layer of every block (``wqkv``, ``wo``, ``w13``, ``w2``) in the
   chosen mode, and the classifier (``output``) in int8 by default, under int4 too
   (``--classifier same``: the layers' mode; ``float``: kept in float). The default was chosen on
   a development set (``scripts/eval_quantized.py --split dev``, SmolLM2, 4 essay windows of 2048
@@ -64,8 +64,7 @@ CLASSIFIER_CHOICES = ("int8", "same", "float")  # --classifier
 GROUPSIZES = (32, 64, 128, 256)
 QUANT_CONFIG = "quantization.json"
 FORMAT_VERSION = 1
-LAYER_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
-                 "feed_forward.w3")
+LAYER_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
 KERNEL_ROWS = 16  # int8 on CPU: inputs with at most this many rows use the int8 kernel
 _CPU_INT4_BLOCK = 64  # rows per block of the CPU int4 layout (slicable at block boundaries)
 _CUDA_INT4_BLOCK = 8  # rows per tile of the CUDA int4 layout
@@ -341,8 +340,7 @@ def check_quantizable(args: ModelArgs, mode: str, groupsize: int | None,
     if groupsize is None:
         raise ConfigError(f"--mode int4 needs --groupsize ({', '.join(map(str, GROUPSIZES))})")
     widths = {"attention.wqkv": args.dim, "attention.wo": args.n_heads * args.head_dim,
-              "feed_forward.w1": args.dim, "feed_forward.w2": args.intermediate_size,
-              "feed_forward.w3": args.dim}
+              "feed_forward.w13": args.dim, "feed_forward.w2": args.intermediate_size}
     for name, width in widths.items():
         check_groupsize(width, groupsize, f"layers.*.{name}")
     if classifier_mode(mode, classifier) == "int4":

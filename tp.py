@@ -3,13 +3,14 @@
 Launched with ``torchrun --nproc-per-node N generate.py ...`` (or ``scripts/bench.py``): each
 process is one rank; NCCL on GPUs (one GPU a rank, ``LOCAL_RANK``), gloo on CPU.
 
-* **Weights** (``shard_model``): the fused q/k/v projection is column-parallel (each rank keeps
+* **Weights** (``shard_tensor``): the fused q/k/v projection is column-parallel (each rank keeps
   the rows of its query heads, then of its KV heads, then their values, and their biases), so
   a rank holds H / N query heads and H_kv / N KV heads whole, with their query groups; the
-  output projection ``wo`` is row-parallel (its columns of those heads). The MLP's ``w1`` and
-  ``w3`` are column-parallel, ``w2`` row-parallel. The row-parallel outputs are summed over
-  the ranks by a forward hook (two all-reduces per layer, functional collectives, so
-  ``torch.compile`` traces them into the decode graph and CUDA graphs capture them). The
+  output projection ``wo`` is row-parallel (its columns of those heads). The MLP's fused gate
+  and up projection ``w13`` is column-parallel (a rank keeps its span of the gate's rows and
+  the same span of the up projection's), ``w2`` row-parallel. The row-parallel outputs are
+  summed over the ranks by a forward hook (two all-reduces per layer, functional collectives,
+  so ``torch.compile`` traces them into the decode graph and CUDA graphs capture them). The
   embedding, norms and classifier are replicated, as gpt-fast keeps them: every rank
   computes the same logits and samples the same token. ``checkpoint.load_model(shard=...)``
   slices every checkpoint form before it reaches the device (``shard_state_dict``: float
@@ -146,7 +147,9 @@ def _spans(args: ModelArgs, rank_: int, world: int) -> dict[str, Any]:
     k = (H * D + rank_ * Hkvl * D, H * D + (rank_ + 1) * Hkvl * D)
     v = ((H + Hkv) * D + rank_ * Hkvl * D, (H + Hkv) * D + (rank_ + 1) * Hkvl * D)
     inter = (rank_ * loc.intermediate_size, (rank_ + 1) * loc.intermediate_size)
-    return {"qkv": [q, k, v], "q": q, "mlp": inter}
+    width = args.intermediate_size  # the up projection's rows follow the gate's in w13
+    return {"qkv": [q, k, v], "q": q, "mlp": inter,
+            "gate_up": [inter, (width + inter[0], width + inter[1])]}
 
 
 def _role(name: str, spans: dict[str, Any]) -> tuple[list | None, tuple | None]:
@@ -159,8 +162,8 @@ def _role(name: str, spans: dict[str, Any]) -> tuple[list | None, tuple | None]:
     module = ".".join(parts[2:4])
     if module in ("attention.wqkv", "attention.wqkv_bias"):
         return spans["qkv"], None
-    if module in ("feed_forward.w1", "feed_forward.w3"):
-        return [spans["mlp"]], None
+    if module == "feed_forward.w13":  # the gate's rows, then the up projection's
+        return spans["gate_up"], None
     if module == "attention.wo":
         return None, spans["q"]
     if module == "feed_forward.w2":

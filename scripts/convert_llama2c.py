@@ -77,9 +77,8 @@ def read_llama2c(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         p = f"layers.{i}."
         sd[p + "attention.wqkv.weight"] = torch.cat([w["wq"][i], w["wk"][i], w["wv"][i]])
         sd[p + "attention.wo.weight"] = w["wo"][i]
-        sd[p + "feed_forward.w1.weight"] = w["w1"][i]
+        sd[p + "feed_forward.w13.weight"] = torch.cat([w["w1"][i], w["w3"][i]])
         sd[p + "feed_forward.w2.weight"] = w["w2"][i]
-        sd[p + "feed_forward.w3.weight"] = w["w3"][i]
         sd[p + "attention_norm.weight"] = w["attention_norm"][i]
         sd[p + "ffn_norm.weight"] = w["ffn_norm"][i]
     return args, sd

@@ -73,3 +73,54 @@ def test_download_offline_fails_clearly(tmp_path):
     assert p.returncode == 2
     assert p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
     assert "Traceback" not in p.stderr
+
+
+def _split_gate_up(directory):
+    """Rewrite a converted or quantized checkpoint in the layout written before the MLP's
+    gate and up projections were fused: ``feed_forward.w1``/``w3`` tensors (and linears)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(directory / "model.safetensors")
+    for name in [n for n in sd if ".feed_forward.w13." in n]:
+        t = sd.pop(name)
+        gate, up = t.chunk(2, dim=1 if name.endswith("int4_scales_and_zeros") else 0)
+        sd[name.replace("w13", "w1")], sd[name.replace("w13", "w3")] = gate, up
+    save_file({n: t.contiguous() for n, t in sd.items()}, directory / "model.safetensors")
+    config = directory / "quantization.json"
+    if config.is_file():
+        q = json.loads(config.read_text())
+        for name in [n for n in q["linears"] if n.endswith("feed_forward.w13")]:
+            mode = q["linears"].pop(name)
+            q["linears"][name[:-3] + "w1"] = q["linears"][name[:-3] + "w3"] = mode
+        config.write_text(json.dumps(q))
+    return sd
+
+
+def test_checkpoints_with_separate_gate_and_up_load_fused(tmp_path):
+    """Float, int8 and int4 checkpoints that store w1 and w3 apart (HF, GGUF, older converted
+    and quantized files) load into model.py's w13 = [w1; w3] with the same logits as the
+    fused files (every parameter equal); a lone half is refused in one line."""
+    from checkpoint import fuse_gate_up, random_model, save_native
+    from model import ConfigError, ModelArgs
+    from quantize import quantize_checkpoint
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
+                     vocab_size=40, max_seq_len=32, name="t")
+    model = random_model(args, "cpu", torch.float32, seed=2)
+    save_native(tmp_path / "f", args, model.state_dict())
+    quantize_checkpoint(str(tmp_path / "f"), "int8", None, tmp_path / "q8", progress=False)
+    quantize_checkpoint(str(tmp_path / "f"), "int4", 32, tmp_path / "q4", progress=False)
+    for form in ("f", "q8", "q4"):
+        fused = load_model(str(tmp_path / form), "cpu", torch.float32)
+        split = _split_gate_up(tmp_path / form)
+        assert "layers.1.feed_forward.w3." + ("weight" if form == "f" else
+                                              "int8_weight" if form == "q8" else
+                                              "int4_weight") in split
+        old = load_model(str(tmp_path / form), "cpu", torch.float32)
+        for a, b in zip(fused.state_dict().items(), old.state_dict().items()):
+            assert a[0] == b[0] and torch.equal(a[1], b[1]), (form, a[0])
+    gate = model.layers[0].feed_forward.w13.weight[:96]
+    with pytest.raises(ConfigError, match="lacks tensor 'layers.0.feed_forward.w3.weight'"):
+        fuse_gate_up({"layers.0.feed_forward.w1.weight": gate}, 1)

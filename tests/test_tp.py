@@ -127,7 +127,8 @@ def test_world_sizes_and_shapes():
 
 def test_sharded_weights_are_the_slices_of_the_whole(tmp_path):
     """Rank r of 2: the q, k, v rows of its heads (biases too), wo's columns of its query
-    heads, w1/w3 rows and w2 columns of its half of the MLP; int8 rows keep their scales."""
+    heads, w13's rows of its half of the gate and of the up projection and w2's columns of its
+    half of the MLP; int8 rows keep their scales."""
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=96,
                      vocab_size=50, max_seq_len=64, qkv_bias=True, name="t")
     save_native(tmp_path / "float", args, random_model(args, "cpu", torch.float32,
@@ -147,7 +148,8 @@ def test_sharded_weights_are_the_slices_of_the_whole(tmp_path):
             assert torch.equal(b.wqkv_bias, a.wqkv_bias[rows])
             assert torch.equal(b.wo.weight, a.wo.weight[:, rank * 32:(rank + 1) * 32])
             f, g = whole.layers[0].feed_forward, part.layers[0].feed_forward
-            assert torch.equal(g.w1.weight, f.w1.weight[rank * 48:(rank + 1) * 48])
+            mlp = list(range(rank * 48, (rank + 1) * 48))
+            assert torch.equal(g.w13.weight, f.w13.weight[mlp + [96 + i for i in mlp]])
             assert torch.equal(g.w2.weight, f.w2.weight[:, rank * 48:(rank + 1) * 48])
             if mode == "int8":
                 assert torch.equal(b.wqkv.scales, a.wqkv.scales[rows])
@@ -199,8 +201,9 @@ def test_every_checkpoint_form_loads_a_ranks_share(tmp_path):
             got = layer.attention.wqkv(x[:, :128]) + layer.attention.wqkv_bias
             want = (a.wqkv(x[:, :128]) + a.wqkv_bias)[:, qkv[r]]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(layer.feed_forward.w1(x[:, :128]),
-                                       f.w1(x[:, :128])[:, r * 128:(r + 1) * 128])
+            mlp = list(range(r * 128, (r + 1) * 128))
+            torch.testing.assert_close(layer.feed_forward.w13(x[:, :128]),
+                                       f.w13(x[:, :128])[:, mlp + [256 + i for i in mlp]])
         wo = sum(layer.attention.wo(x[:, r * 64:(r + 1) * 64]) for r, layer in enumerate(layers))
         w2 = sum(layer.feed_forward.w2(x[:, r * 128:(r + 1) * 128])
                  for r, layer in enumerate(layers))
