@@ -117,19 +117,40 @@ def test_append_sees_a_sliding_window_then_decodes_on(retrieval):
 
 # ---- H2O ---------------------------------------------------------------------------------------
 
-def test_attention_column_sums_against_the_whole_matrix(monkeypatch):
-    B, H, Hkv, D, S, start = 2, 6, 2, 8, 23, 9
+@pytest.mark.parametrize("path", ["lse", "blocks"])
+@pytest.mark.parametrize("start", [0, 9])
+def test_attention_column_sums_against_the_whole_matrix(monkeypatch, path, start):
+    """Both implementations (the CPU's two flash passes; row blocks, as on other devices)
+    against the whole causal softmax matrix, for a prompt and for a later block of queries,
+    summed over the group and per query head."""
+    B, H, Hkv, D, S = 2, 6, 2, 8, 23
     q, k, _ = qkv(B, H, Hkv, S, D, seed=1)
     G = H // Hkv
     s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(G, 1)) / math.sqrt(D)
     s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
     p = s.softmax(-1)[:, :, start:]  # the block's queries
-    want = p.sum(2).view(B, Hkv, G, S).sum(2)
-    monkeypatch.setattr(kv_cache, "MASK_ELEMENTS", 50)  # many small row blocks
+    want = p.sum(2)  # (B, H, S)
+    if path == "blocks":
+        monkeypatch.setattr(kv_cache, "_CPU_FLASH", "no such kernel")
+        monkeypatch.setattr(kv_cache, "MASK_ELEMENTS", 50)  # many small row blocks
     got = attention_column_sums(q[:, :, start:], k, start)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want.view(B, Hkv, G, S).sum(2), rtol=1e-5, atol=1e-5)
+    per_head = attention_column_sums(q[:, :, start:], k, start, per_query_head=True)
+    torch.testing.assert_close(per_head, want, rtol=1e-5, atol=1e-5)
     # each query's weights sum to one: the sums add up to the queries x group size
     assert float(got.sum()) == pytest.approx(B * Hkv * G * (S - start), rel=1e-5)
+
+
+def test_attention_column_sums_in_bfloat16_keep_float32_scores():
+    """In bfloat16 the CPU path's sums stay within 1e-3 (relative) of the float32 sums of the
+    same inputs: the flash kernel keeps the scores in float32, and the log-sum-exp bias
+    travels as a high and a low bfloat16 part (one part alone errs by about 1%)."""
+    B, H, Hkv, D, S = 1, 4, 2, 64, 700
+    q, k, _ = qkv(B, H, Hkv, S, D, seed=2)
+    q, k = q.to(torch.bfloat16), (2 * k).to(torch.bfloat16)
+    want = attention_column_sums(q.float(), k.float())
+    got = attention_column_sums(q, k)
+    assert ((got - want).abs() / want.clamp(min=1e-2)).max() < 1e-3
 
 
 class H2OReference:
