@@ -52,12 +52,14 @@ k)
         sparq exact_topk --budgets 256 --time-limit 220
     ;;
 p)
+    step int8 and int4 CUDA kernels against dequantized matmuls
+    timeout 90 $py -m pytest -q -p no:cacheprovider tests/test_quantize.py -k cuda_kernels
     step peers: transformers beside full and rocketkv@256
-    timeout 330 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
-        transformers --budgets 256 --time-limit 260
+    timeout 290 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
+        transformers --budgets 256 --time-limit 230
     step quantized weights
-    timeout 250 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
-        --budgets 256 --weights int8 int4-g128 --time-limit 190
+    timeout 210 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
+        --budgets 256 --weights int8 int4-g128 --time-limit 160
     ;;
 g1|g2)
     if [ "$part" = g1 ]; then ctx="16384 32768 65536"; else ctx="98304 131008"; fi

@@ -110,7 +110,7 @@ def test_classifier_storage_choices():
     assert int8["output"] == "int8" and int8["layers.1.feed_forward.w2"] == "int4"
     assert quantized_linears(a, "int4", "same")["output"] == "int4"
     assert "output" not in quantized_linears(a, "int4", "float")
-    assert len(quantized_linears(a, "int8", "float")) == 5 * a.n_layers
+    assert len(quantized_linears(a, "int8", "float")) == 4 * a.n_layers  # wqkv wo w13 w2
 
 
 # ---- quantized linears against dequantize-then-matmul -------------------------------------
@@ -178,6 +178,42 @@ def test_int4_linear_matches_dequantized_matmul(dtype, groupsize, rows):
     # rows: whole 64-row blocks are sliced, anything else computed whole and sliced
     for start, stop in [(0, 128), (128, 192), (64, 192), (0, 100), (70, 130)]:
         torch.testing.assert_close(layer.forward_rows(x, start, stop), y[:, start:stop])
+
+
+# llama-3.1-8b's linear shapes (out, in): wqkv, wo, w13 (gate and up fused), w2
+LLAMA8B_LINEARS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the GPU machine)")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("shape", LLAMA8B_LINEARS)
+@pytest.mark.parametrize("rows", [1, 300])  # a decode step, a prefill chunk
+def test_cuda_kernels_match_dequantized_matmul(mode, shape, rows):
+    """The CUDA paths at the real shapes, eager (and compiled for a decode step): int8
+    (``F.linear`` on the int8 weight cast to bfloat16, times the scales; compiled, one kernel
+    reading int8) and int4 (tinygemm ``_weight_int4pack_mm``, groups of 128 and 32) against
+    a float32 matmul of the dequantized weights."""
+    w = _weights(*shape, seed=rows)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
+    x = x.to("cuda", torch.bfloat16)
+    for groupsize in ((None,) if mode == "int8" else (128, 32)):
+        if mode == "int8":
+            q, s = quantize_int8(w)
+            layer = Int8Linear(q.cuda(), s, torch.bfloat16)
+            deq = dequantize_int8(q, layer.scales.float().cpu())
+        else:
+            packed, sz = quantize_int4(w, groupsize)
+            layer = Int4Linear(packed, sz, groupsize, "cuda", torch.bfloat16)
+            assert layer.layout == "cuda"
+            deq = dequantize_int4(packed, sz, groupsize, torch.bfloat16)
+        ref = F.linear(x.float(), deq.float().cuda())
+        compiled = (torch.compile(layer, fullgraph=True),) if rows == 1 else ()
+        for f in (layer, *compiled):
+            y = f(x)
+            assert y.shape == (rows, shape[0]) and y.dtype == torch.bfloat16
+            _close(y, ref)
+        assert (ref - F.linear(x.float(), w.cuda())).abs().max() > 0  # it is quantized
+        torch.testing.assert_close(layer.forward_rows(x, 0, 1024), layer(x)[:, :1024])
 
 
 def test_int4_layer_the_cpu_kernel_cannot_take_is_dequantized():
