@@ -124,3 +124,7 @@ def test_checkpoints_with_separate_gate_and_up_load_fused(tmp_path):
     gate = model.layers[0].feed_forward.w13.weight[:96]
     with pytest.raises(ConfigError, match="lacks tensor 'layers.0.feed_forward.w3.weight'"):
         fuse_gate_up({"layers.0.feed_forward.w1.weight": gate}, 1)
+    pair = {"layers.0.feed_forward.w1.weight": gate, "layers.0.feed_forward.w3.weight": gate}
+    mixed = {"linears": {"layers.0.feed_forward.w1": "int8", "layers.0.feed_forward.w3": "int4"}}
+    with pytest.raises(ConfigError, match="quantized differently"):
+        fuse_gate_up(pair, 1, mixed)
