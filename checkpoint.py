@@ -42,7 +42,7 @@ from torch import Tensor
 import tp
 from gguf_reader import MISSING, gguf_field, is_gguf, open_gguf
 from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, meta_transformer, rope_inv_freq
-from quantized import QUANT_CONFIG, load_quantized
+from quantized import QUANT_CONFIG, load_quantized, output_dim
 
 NATIVE_CONFIG = "model_args.json"
 NATIVE_WEIGHTS = "model.safetensors"
@@ -237,8 +237,7 @@ def fuse_gate_up(sd: dict[str, Tensor], n_layers: int,
                 raise ConfigError(f"checkpoint lacks tensor {lone[0]!r} (the MLP's gate and up "
                                   "projections come in pairs)")
             a, b = sd.pop(f"{gate}.{leaf}"), sd.pop(f"{up}.{leaf}")
-            sd[f"{p}w13.{leaf}"] = torch.cat([a, b], dim=1 if leaf == "int4_scales_and_zeros"
-                                             else 0)
+            sd[f"{p}w13.{leaf}"] = torch.cat([a, b], dim=output_dim(leaf))
         if gate in linears or up in linears:
             modes = {linears.pop(gate, None), linears.pop(up, None)}
             if len(modes) != 1:

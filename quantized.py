@@ -347,6 +347,13 @@ def check_quantizable(args: ModelArgs, mode: str, groupsize: int | None,
         check_groupsize(args.dim, groupsize, "output")
 
 
+def output_dim(name: str) -> int:
+    """The dim along which the output features (rows) of the stored tensor ``name`` lie: 1 for
+    int4's ``scales_and_zeros`` (in / groupsize, out, 2), 0 for every other weight, bias or
+    quantized tensor (``quantize_tensor``)."""
+    return 1 if name.endswith("int4_scales_and_zeros") else 0
+
+
 def quantize_tensor(w: Tensor, mode: str, groupsize: int | None) -> dict[str, Tensor]:
     """The stored tensors of one linear weight (out, in), by suffix: ``int8_weight`` and
     ``int8_scales``, or ``int4_weight`` and ``int4_scales_and_zeros``."""

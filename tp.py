@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 
 from model import ConfigError, ModelArgs, Transformer
+from quantized import output_dim
 
 DEFAULT_TIMEOUT_S = 120
 
@@ -186,7 +187,7 @@ def shard_tensor(name: str, t: Tensor, args: ModelArgs, rank_: int, world: int,
     rows, cols = _role(name, _spans(args, rank_, world))
     leaf = name.rsplit(".", 1)[-1]
     if rows is not None:
-        return _rows(t, rows, dim=1 if leaf == "int4_scales_and_zeros" else 0)
+        return _rows(t, rows, dim=output_dim(leaf))
     if cols is None or leaf == "int8_scales":  # per-row scales hold for any column slice
         return t
     a, b = cols

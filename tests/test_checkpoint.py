@@ -1,5 +1,6 @@
 """Loaders and the convert/download scripts."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,8 +8,18 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, STORIES_BIN, TOK512, shared_file
+from safetensors.torch import load_file, save_file
 
-from checkpoint import hf_to_meta_rope_rows, load_model, meta_to_hf_rope_rows
+from checkpoint import (
+    fuse_gate_up,
+    hf_to_meta_rope_rows,
+    load_model,
+    meta_to_hf_rope_rows,
+    random_model,
+    save_native,
+)
+from model import ConfigError, ModelArgs
+from quantize import quantize_checkpoint
 from scripts.convert_llama2c import read_llama2c
 
 
@@ -31,8 +42,6 @@ def test_llama2c_reader_matches_the_file_layout():
 
 
 def test_llama2c_reader_rejects_truncated_file(tmp_path):
-    from model import ConfigError
-
     bad = tmp_path / "bad.bin"
     bad.write_bytes(shared_file(STORIES_BIN).read_bytes()[:5000])
     with pytest.raises(ConfigError, match="header implies"):
@@ -78,10 +87,6 @@ def test_download_offline_fails_clearly(tmp_path):
 def _split_gate_up(directory):
     """Rewrite a converted or quantized checkpoint in the layout written before the MLP's
     gate and up projections were fused: ``feed_forward.w1``/``w3`` tensors (and linears)."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
     sd = load_file(directory / "model.safetensors")
     for name in [n for n in sd if ".feed_forward.w13." in n]:
         t = sd.pop(name)
@@ -100,12 +105,8 @@ def _split_gate_up(directory):
 
 def test_checkpoints_with_separate_gate_and_up_load_fused(tmp_path):
     """Float, int8 and int4 checkpoints that store w1 and w3 apart (HF, GGUF, older converted
-    and quantized files) load into model.py's w13 = [w1; w3] with the same logits as the
-    fused files (every parameter equal); a lone half is refused in one line."""
-    from checkpoint import fuse_gate_up, random_model, save_native
-    from model import ConfigError, ModelArgs
-    from quantize import quantize_checkpoint
-
+    and quantized files) load into model.py's w13 = [w1; w3]: every parameter equal to the
+    fused files'; a lone half, or halves in two modes, is refused in one line."""
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
                      vocab_size=40, max_seq_len=32, name="t")
     model = random_model(args, "cpu", torch.float32, seed=2)
