@@ -100,7 +100,7 @@ def collect(results: list[dict[str, Any]]):
 
 def _mean(cell: dict[str, float | None], prompts: set[str]) -> tuple[float | None, int, bool]:
     """(mean score, prompts run, any rejected) of one method/budget/mode over ``prompts``."""
-    got = [cell[p] for p in prompts if p in cell]
+    got = [cell[p] for p in sorted(prompts) if p in cell]  # sorted: the same sum every run
     if any(s is None for s in got):
         return None, len(got), True
     return (sum(got) / len(got) if got else None), len(got), False
@@ -163,7 +163,9 @@ def claim_line(means, methods: list[str], budget: int, n: int) -> str:
     top = means[("exact_topk", False, budget)][0]
     parts = [f"rocketkv {100 * rk:.1f}"]
     for name, v in (("full", full), ("exact_topk", top)):
-        parts.append(f"{name} {100 * v:.1f} ({100 * (rk - v):+.1f})" if v is not None
+        # rounded, plus 0.0: equal scores summed in another order print +0.0, not -0.0
+        parts.append(f"{name} {100 * v:.1f} ({round(100 * (rk - v), 1) + 0.0:+.1f})"
+                     if v is not None
                      else f"{name} n/a")
     at_least = [f"{m} {100 * means[(m, False, budget)][0]:.1f}" for m in methods
                 if m not in ORACLES and m != "rocketkv" and means[(m, False, budget)][0]
