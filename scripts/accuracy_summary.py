@@ -106,17 +106,15 @@ def _mean(cell: dict[str, float | None], prompts: set[str]) -> tuple[float | Non
     return (sum(got) / len(got) if got else None), len(got), False
 
 
-def table(scores, bench: str, length: int, prompts: set[str], budgets: list[int]) -> str:
-    """One Markdown table and the claim lines for ``bench`` at ``length`` tokens."""
+def table(scores, bench: str, prompts: set[str], budgets: list[int]) -> str:
+    """One Markdown table and the claim lines for ``bench`` over one length's ``prompts``."""
     methods = [m for m in METHODS if any(k[0] == bench and k[2] == m and
                                          any(p in scores[k] for p in prompts) for k in scores)]
     n = len(prompts)
-    means: dict[tuple, tuple[float | None, int, bool]] = {}
-    for m in methods:
-        for qa in MODES:
-            for b in budgets:
-                key = (bench, qa, m, None if not METHODS[m].budgeted else b)
-                means[(m, qa, b)] = _mean(scores.get(key, {}), prompts)
+
+    def cell(m: str, qa: bool, b: int) -> dict[str, float | None]:
+        return scores.get((bench, qa, m, b if METHODS[m].budgeted else None), {})
+
     head = ("| method | " + " | ".join(str(b) for b in budgets) + " | "
             + " | ".join(f"q-agnostic {b}" if i == 0 else str(b) for i, b in enumerate(budgets))
             + " |")
@@ -125,7 +123,7 @@ def table(scores, bench: str, length: int, prompts: set[str], budgets: list[int]
         cells = []
         for qa in MODES:
             for b in budgets:
-                mean, k, rejected = means[(m, qa, b)]
+                mean, k, rejected = _mean(cell(m, qa, b), prompts)
                 if rejected:
                     cells.append("n/a")
                 elif mean is None:
@@ -134,16 +132,13 @@ def table(scores, bench: str, length: int, prompts: set[str], budgets: list[int]
                     cells.append(f"{100 * mean:.1f}" + (f" ({k}/{n})" if k < n else ""))
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
-    for b in budgets:
-        cells = {m: scores.get((bench, False, m, None if not METHODS[m].budgeted else b), {})
-                 for m in methods}
-        common = set.intersection(*(set(p for p in prompts if p in c) for c in cells.values()))
-        if len(common) < n:  # compare every method on the same prompts
-            line = claim_line({(m, False, b): _mean(c, common) for m, c in cells.items()},
-                              methods, b, len(common))
+    for b in budgets:  # every method compared on the same prompts: those all of them ran
+        common = set.intersection(*({p for p in prompts if p in cell(m, False, b)}
+                                    for m in methods))
+        line = claim_line({(m, False, b): _mean(cell(m, False, b), common) for m in methods},
+                          methods, b, len(common))
+        if len(common) < n:
             line += f" (over the {len(common)} of {n} prompts every method ran)"
-        else:
-            line = claim_line(means, methods, b, n)
         lines.append(line)
     return "\n".join(lines)
 
@@ -182,7 +177,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
             prompts = lengths[bench][length]
             name = "Needle" if bench == "needle" else "RULER-style tasks"
             out.append(f"## {name}, {length} tokens ({len(prompts)} prompts)\n")
-            out.append(table(scores, bench, length, prompts, budgets) + "\n")
+            out.append(table(scores, bench, prompts, budgets) + "\n")
     return "\n".join(out)
 
 
