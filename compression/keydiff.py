@@ -242,6 +242,7 @@ class KeyDiff(Method):
     budget_rule = ("capacity t - 1 per KV head (a step reads them + the new token); blocks of 128 "
                    "(`--block-size`): t - 1 + block slots")
     options = (BLOCK_SIZE,)
+    shared_prefill = False  # KeyDiffCache prefills in blocks of its own
     source = "KeyDiff (Park et al. 2025) Sec. 3.2, Eq. 6, 8"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):

@@ -99,6 +99,9 @@ class Method:
         skip_layers: whether ``--skip-layers`` applies (True), or why not (a string).
         needs_attention_sums: a shared prefill must record the column sums of every prompt
             query's attention for this method's caches (``prefill.prefill_once``).
+        shared_prefill: False for a method whose caches prefill the prompt their own way
+            (their ``KVCache.shared_prefill``; KeyDiff's blocks), so an evaluation does not
+            prefill a prompt once for it (``evals.harness.run_batch``).
         source: paper and section the budget rule comes from (docs table).
         budget_rule: how the budget t becomes the parameters (T prompt tokens, m new tokens,
             d head_dim, G query heads per KV head), one line of Markdown (docs table).
@@ -110,6 +113,7 @@ class Method:
     budgeted: bool = True
     skip_layers: bool | str = True  # a string: why not (the error says it)
     needs_attention_sums: bool = False
+    shared_prefill: bool = True
     source: str = ""
     budget_rule: str = ""  # how t becomes the parameters, one line of Markdown (docs table)
     internal_params: tuple[str, ...] = ()  # derive's keys that steer build, not reported

@@ -153,7 +153,9 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
 
     The documents are prefilled once (``prefill_once``); the question is then recorded after
     them (``extend_prefilled``) for the standard mode, so both modes share the document's
-    prefill, and each configuration's caches are built from those K/V. Question-agnostic runs
+    prefill, and each configuration's caches are built from those K/V. A method that prefills
+    its own way (``Method.shared_prefill`` False: KeyDiff) prefills the prompt itself, and a
+    batch of such methods alone skips the shared prefill. Question-agnostic runs
     store and compress the document alone, then append the question as the conversation's next
     chunk. Returns {mode: {(method, budget): answers (one string per item) or "error
     message" for a budget the method rejects}}.
@@ -163,25 +165,28 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     question = torch.tensor([it.question_ids for it in items])
     stop = tuple(sorted(set(tok.chat_stop_ids)))
     model.prefill_chunk_size = max(model.prefill_chunk_size, doc.shape[1] + question.shape[1])
-    pre_doc = prefill_once(model, doc, obs_window=max(64, options.get("window") or 0),
-                           attention_sums=any(METHODS[m].needs_attention_sums
-                                              for m, _ in configs))
+    pre_doc = None  # no shared prefill where no method uses one (KeyDiff alone)
+    if any(METHODS[m].shared_prefill for m, _ in configs):
+        pre_doc = prefill_once(model, doc, obs_window=max(64, options.get("window") or 0),
+                               attention_sums=any(METHODS[m].needs_attention_sums
+                                                  for m, _ in configs))
     out: dict[str, dict[tuple[str, Any], Any]] = {}
     for mode in modes:
         qa = mode == "question_agnostic"
-        pre = pre_doc if qa else extend_prefilled(model, pre_doc, question)
+        pre = pre_doc if qa or pre_doc is None else extend_prefilled(model, pre_doc, question)
+        prompt = doc if qa else torch.cat([doc, question], dim=1)
         out[mode] = {}
         for method, budget in configs:
             opts = options_for(method, options)  # each method gets the options it takes
             try:
                 if qa:
-                    generate(model, pre.tokens, method=method, budget=budget, max_new_tokens=0,
+                    generate(model, prompt, method=method, budget=budget, max_new_tokens=0,
                              reserve_tokens=question.shape[1] + max_new_tokens,
                              method_options=opts, prefilled=pre)
                     r = generate(model, question, continue_conversation=True,
                                  max_new_tokens=max_new_tokens, stop_ids=stop)
                 else:
-                    r = generate(model, pre.tokens, method=method, budget=budget,
+                    r = generate(model, prompt, method=method, budget=budget,
                                  max_new_tokens=max_new_tokens, stop_ids=stop,
                                  method_options=opts, prefilled=pre)
                 out[mode][(method, budget)] = _texts(tok, r["token_ids"], set(stop))

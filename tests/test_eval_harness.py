@@ -120,6 +120,25 @@ def test_question_agnostic_full_answers_like_one_prefill(smollm2_model, tok, hay
     assert len(std[1]["answers"]) == len(qa[1]["answers"]) == 2
 
 
+def test_methods_that_prefill_their_own_way_alone_skip_the_shared_prefill(smollm2_model, tok,
+                                                                         hay, monkeypatch):
+    """A batch of KeyDiff alone does not prefill the prompt once for nothing, and answers
+    as it does beside a method that shares the prefill, in both modes."""
+    items = build_items(tok, hay, [600], [0.5], 1, seed=0)
+    modes = ("standard", "question_agnostic")
+    both = ec.run_batch(smollm2_model, tok, items, configurations(["keydiff", "full"], [128]),
+                        8, modes=modes)
+    calls = []
+    real = ec.prefill_once
+    monkeypatch.setattr(ec, "prefill_once", lambda *a, **k: calls.append(1) or real(*a, **k))
+    alone = ec.run_batch(smollm2_model, tok, items, configurations(["keydiff"], [128]), 8,
+                         modes=modes)
+    assert calls == []
+    for mode in modes:
+        assert alone[mode][("keydiff", 128)] == both[mode][("keydiff", 128)], mode
+        assert isinstance(both[mode][("keydiff", 128)], list)
+
+
 def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
     rc = needle_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
                       "--lengths", "512", "--depths", "2", "--needles", "1", "--methods",

@@ -39,6 +39,19 @@ def test_every_method_is_registered():
         assert m.description and m.budget_rule and m.source, m.name
 
 
+def test_a_methods_shared_prefill_is_what_its_caches_do():
+    """The harness prefills a batch once only for methods whose ``shared_prefill`` says so
+    (``evals.harness.run_batch``), so the method's flag must be its caches'."""
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=8,
+                     vocab_size=10, max_seq_len=8192)
+    for name, m in METHODS.items():
+        caches = build_caches(name, args, batch_size=1, prompt_len=4096, max_new_tokens=8,
+                              budget=256 if m.budgeted else None, dtype=torch.bfloat16,
+                              device="meta")
+        assert {c.shared_prefill for c in caches} == {m.shared_prefill}, name
+    assert [n for n, m in METHODS.items() if not m.shared_prefill] == ["keydiff"]
+
+
 def test_the_docs_tables_are_the_registrys():
     """README.md's and docs/methods.md's method and option tables are generated from the
     registry (``python -m compression --update-docs``); a stale one fails here."""
