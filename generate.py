@@ -901,7 +901,8 @@ def _main(args: argparse.Namespace) -> int:
         print(f"error: rank {rank} of {world}: {tp.failure(e)}", file=sys.stderr)
         tp.exit_now(1)  # a broken process group aborts the interpreter's exit: skip it
     except KeyboardInterrupt:  # before decoding started: nothing generated yet
-        print("error: interrupted before any token was generated", file=sys.stderr)
+        if rank == 0:  # torchrun signals every rank, and ends the rest once one has stopped
+            print("error: interrupted before any token was generated", file=sys.stderr)
         return 130
     except torch.OutOfMemoryError as e:
         print(f"error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
