@@ -76,7 +76,10 @@ def collect(results: list[dict[str, Any]]):
     """``scores[(bench, question_agnostic, method, budget)][prompt] = score or None`` (None:
     the method rejected the budget for that prompt), ``lengths[bench][length] = set of
     prompts`` that some method ran or rejected one by one (a prompt of an unfinished batch
-    that nothing ran is left out) and ``budgets``, the budgets seen."""
+    that nothing ran is left out) and ``budgets``, the budgets seen. A score beats a rejection
+    of the same prompt whatever the order of ``results``: a later run that could serve a
+    budget (e.g. DuoAttention once a head pattern exists) fills the cells an earlier run
+    left n/a."""
     scores: dict[tuple, dict[str, float | None]] = defaultdict(dict)
     lengths: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
     budgets: set[int] = set()
@@ -88,12 +91,14 @@ def collect(results: list[dict[str, Any]]):
                 budgets.add(int(row["budget"]))
             cell = scores[(bench, qa, row["method"], row.get("budget"))]
             if "error" in row:  # rejected before any prompt ran
-                cell.update({k: None for k in keys})
+                for k in keys:
+                    cell.setdefault(k, None)
                 continue
             for i, (key, s) in enumerate(zip(keys, row["scores"])):
                 if s is None and str(i) not in row.get("item_errors", {}):
                     continue  # not run (an unfinished batch)
-                cell[key] = s
+                if s is not None or cell.get(key) is None:
+                    cell[key] = s
                 lengths[bench][int(res["items"][i]["length"])].add(key)  # a prompt that ran
     return scores, lengths, sorted(budgets)
 

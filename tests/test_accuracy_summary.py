@@ -74,6 +74,26 @@ def test_unfinished_rejected_and_partial_rows(tmp_path, capsys):
             " method ran)") in out
 
 
+def test_a_score_beats_an_earlier_or_later_rejection_of_the_same_prompt(tmp_path, capsys):
+    full = _result([{"method": "full", "budget": None, "scores": [1.0, 0.0, 1.0]}])
+    rejected = _result([
+        {"method": "duoattention", "budget": 128, "error": "no head pattern"},
+        {"method": "quest", "budget": 128, "scores": [None, None, None], "items_run": 0,
+         "item_errors": {"0": "too small", "1": "too small", "2": "too small"}}])
+    # a later run served the budget for the 100-token prompts only
+    served = _result([{"method": "duoattention", "budget": 128, "scores": [1.0, 0.0, None],
+                       "items_run": 2},
+                      {"method": "quest", "budget": 128, "scores": [0.0, 1.0, None],
+                       "items_run": 2}])
+    for order in ((full, rejected, served), (full, served, rejected)):
+        out = _run(tmp_path, *order, capsys=capsys)
+        assert _line(out, 100, "duoattention") == "| duoattention | 50.0 |  |"
+        assert _line(out, 100, "quest") == "| quest | 50.0 |  |"
+        # the 200-token prompt was only ever rejected
+        assert _line(out, 200, "duoattention") == "| duoattention | n/a |  |"
+        assert _line(out, 200, "quest") == "| quest | n/a |  |"
+
+
 def test_bad_input_is_one_line_and_status_2(tmp_path, capsys):
     assert main([str(tmp_path / "missing.json")]) == 2
     assert capsys.readouterr().err.count("\n") == 1

@@ -309,6 +309,10 @@ def test_duo_pattern_file_and_head_split(tmp_path):
     assert gates.tolist() == rows
     assert duo_retrieval_heads(gates, threshold=0.5) == [[0], [1], [0, 1]]
     assert duo_retrieval_heads(gates, n_ret=2) == [[0], [], [1]]  # 0.95, then 0.9
+    # gates clipped at 1.0 tie: the lower layer, then the lower KV head, goes first
+    tied = torch.tensor([[0.5, 1.0], [1.0, 1.0], [1.0, 0.2]])
+    assert duo_retrieval_heads(tied, n_ret=2) == [[1], [0], []]
+    assert duo_retrieval_heads(tied, n_ret=3) == [[1], [0, 1], []]
     for bad, match in (([[1, 2]] * 2, "3 rows"), ([[1, 2], [1], [1, 2]], "3 rows"),
                        ([["a", 1]] * 3, "non-numeric")):
         write_tsv(tmp_path / "bad.tsv", bad)
@@ -340,6 +344,13 @@ def test_duo_finds_the_pattern_shipped_for_its_model(tmp_path):
         build_caches("duoattention", other, batch_size=1, prompt_len=900, max_new_tokens=4,
                      budget=700, dtype=torch.float32, device="meta", duo_threshold=0.5)
     assert shipped_pattern(smollm2, root=tmp_path) is None
+    # the Qwen2.5-Coder-0.5B-Instruct pattern is found for the model its config.json names
+    qwen_dir = ROOT / "patterns" / "Qwen2.5-Coder-0.5B-Instruct"
+    qwen = ModelArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, intermediate_size=4864,
+                     vocab_size=151936, name=json.loads((qwen_dir / "config.json").read_text())
+                     ["model"])
+    assert shipped_pattern(qwen) == qwen_dir
+    assert shipped_pattern(ModelArgs(**{**qwen.__dict__, "n_layers": 23})) is None
 
 
 def test_duo_caches_have_per_head_capacities_and_attend_like_the_references(tmp_path):
