@@ -60,6 +60,16 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def launch_rank() -> int:
+    """The rank ``torchrun`` gave this process (``RANK``; 0 when not launched), known before
+    the process group is joined: a rank stopped while still joining it (``torchrun`` ends
+    the rest once one rank exits) must not speak as rank 0."""
+    if not launched():
+        return 0
+    value = os.environ.get("RANK", "0")
+    return int(value) if value.isdigit() else 0
+
+
 def launched() -> bool:
     """Whether ``torchrun`` (or any launcher setting ``WORLD_SIZE`` > 1) started us."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -84,6 +84,30 @@ def test_a_world_size_that_does_not_split_the_heads_is_refused(stories_dir):
     # of its own when a rank exits non-zero)
 
 
+@pytest.mark.parametrize("rank,says", [("0", True), ("2", False)])
+def test_a_rank_stopped_while_joining_the_group_speaks_only_as_rank_0(
+        stories_dir, monkeypatch, capsys, rank, says):
+    """torchrun SIGTERMs the other ranks once one exits; a rank still joining the process
+    group (the race behind the refused-world-size test's rare extra line) prints the interrupt
+    line only if torchrun made it rank 0, and exits 143 either way."""
+    import generate
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", rank)
+
+    def sigterm_while_joining(device_type):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM was not delivered")
+
+    monkeypatch.setattr(tp, "init", sigterm_while_joining)
+    code = generate.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
+                          "--max-new-tokens", "4"])
+    assert code == 143
+    err = capsys.readouterr().err
+    assert ("error: interrupted before any token was generated" in err) == says
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
