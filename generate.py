@@ -894,6 +894,8 @@ def _main(args: argparse.Namespace) -> int:
     except ConfigError as e:
         if rank == 0:  # every rank runs the same checks: one line, not one per rank
             print(f"error: {e}", file=sys.stderr)
+        elif tp.launched():  # let rank 0 print before torchrun ends the ranks
+            tp.wait_for_rank_0()
         return 2
     except RuntimeError as e:  # gloo and NCCL report a peer that stopped this way
         if world == 1:

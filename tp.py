@@ -36,6 +36,7 @@ import datetime
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -68,6 +69,21 @@ def launch_rank() -> int:
         return 0
     value = os.environ.get("RANK", "0")
     return int(value) if value.isdigit() else 0
+
+
+RANK0_WAIT_S = 30.0  # how long another rank that refused the run waits for torchrun to end it
+
+
+def wait_for_rank_0() -> None:
+    """On a rank other than 0 that refused the run (every rank runs the same checks, and only
+    rank 0 prints the error line): wait up to ``RANK0_WAIT_S`` for ``torchrun`` to end this
+    rank. ``torchrun`` ends every rank once one exits, so a rank that exited first could end
+    rank 0 before it printed. Returns on ``KeyboardInterrupt`` (``generate``'s SIGTERM
+    handler raises it) or after the wait."""
+    try:
+        time.sleep(RANK0_WAIT_S)
+    except KeyboardInterrupt:
+        pass
 
 
 def launched() -> bool:

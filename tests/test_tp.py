@@ -108,6 +108,45 @@ def test_a_rank_stopped_while_joining_the_group_speaks_only_as_rank_0(
     assert ("error: interrupted before any token was generated" in err) == says
 
 
+@pytest.mark.parametrize("rank", ["0", "2"])
+def test_a_rank_other_than_0_that_refuses_the_run_waits_for_torchrun(
+        stories_dir, monkeypatch, capsys, rank):
+    """Every rank refuses 3 ranks for stories260K; rank 0 prints the line and returns at once,
+    another rank prints nothing and waits (so that it cannot end rank 0 before it speaks)
+    until torchrun's SIGTERM, then returns 2 as well."""
+    import threading
+
+    import generate
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(tp, "init", lambda device_type: (int(rank), 3))
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    start = time.monotonic()
+    if rank != "0":
+        timer.start()
+    try:
+        code = generate.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
+                              "--max-new-tokens", "4"])
+    finally:
+        timer.cancel()
+    elapsed = time.monotonic() - start
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert code == 2
+    if rank == "0":
+        assert err == ["error: 3 ranks cannot split 8 query heads, 4 KV heads and an MLP of 172 "
+                       "evenly; world sizes that work: 1, 2, 4"] and elapsed < 10
+    else:
+        assert err == [] and 1.0 <= elapsed < tp.RANK0_WAIT_S
+    # without the signal the wait is bounded
+    monkeypatch.setattr(tp, "RANK0_WAIT_S", 0.2)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(tp, "init", lambda device_type: (1, 3))
+    start = time.monotonic()
+    assert generate.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time"]) == 2
+    assert 0.2 <= time.monotonic() - start < 5
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
