@@ -798,7 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    rank, world = tp.launch_rank(), 1  # world 1 until torchrun's process group is joined
+    rank, world = tp.rank(), 1  # world 1 until torchrun's process group is joined
     try:
         check_positive(args, "max_new_tokens", "batch_size", "prompt_tokens", "top_k",
                        "threads")

@@ -57,18 +57,14 @@ def world_size() -> int:
 
 
 def rank() -> int:
-    """This process's rank (0 without a process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def launch_rank() -> int:
-    """The rank ``torchrun`` gave this process (``RANK``; 0 when not launched), known before
-    the process group is joined: a rank stopped while still joining it (``torchrun`` ends
-    the rest once one rank exits) must not speak as rank 0."""
-    if not launched():
-        return 0
+    """This process's rank: the process group's; before the group is joined, the ``RANK``
+    ``torchrun`` gave it (a rank stopped while still joining, as ``torchrun`` ends the rest
+    once one rank exits, must not speak as rank 0); 0 when not launched. ``world_size()``
+    stays 1 until the group is joined, so shard nothing by this pair before ``init``."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     value = os.environ.get("RANK", "0")
-    return int(value) if value.isdigit() else 0
+    return int(value) if launched() and value.isdigit() else 0
 
 
 RANK0_WAIT_S = 30.0  # how long another rank that refused the run waits for torchrun to end it

@@ -346,9 +346,8 @@ def test_duo_finds_the_pattern_shipped_for_its_model(tmp_path):
     assert shipped_pattern(smollm2, root=tmp_path) is None
     # the Qwen2.5-Coder-0.5B-Instruct pattern is found for the model its config.json names
     qwen_dir = ROOT / "patterns" / "Qwen2.5-Coder-0.5B-Instruct"
-    qwen = ModelArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, intermediate_size=4864,
-                     vocab_size=151936, name=json.loads((qwen_dir / "config.json").read_text())
-                     ["model"])
+    qwen = ModelArgs(**{**ModelArgs.from_name("qwen2.5-0.5b").__dict__,
+                        "name": json.loads((qwen_dir / "config.json").read_text())["model"]})
     assert shipped_pattern(qwen) == qwen_dir
     assert shipped_pattern(ModelArgs(**{**qwen.__dict__, "n_layers": 23})) is None
 

@@ -8,12 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import generate
 import tp
 from checkpoint import load_model, random_model, save_native
 from compression import METHODS
@@ -90,8 +92,6 @@ def test_a_rank_stopped_while_joining_the_group_speaks_only_as_rank_0(
     """torchrun SIGTERMs the other ranks once one exits; a rank still joining the process
     group (the race behind the refused-world-size test's rare extra line) prints the interrupt
     line only if torchrun made it rank 0, and exits 143 either way."""
-    import generate
-
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", rank)
 
@@ -114,10 +114,6 @@ def test_a_rank_other_than_0_that_refuses_the_run_waits_for_torchrun(
     """Every rank refuses 3 ranks for stories260K; rank 0 prints the line and returns at once,
     another rank prints nothing and waits (so that it cannot end rank 0 before it speaks)
     until torchrun's SIGTERM, then returns 2 as well."""
-    import threading
-
-    import generate
-
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setattr(tp, "init", lambda device_type: (int(rank), 3))
