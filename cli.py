@@ -28,18 +28,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def add_kernels_option(p: argparse.ArgumentParser) -> None:
-    """``--kernels {auto,off}``: the fused Triton kernels of the selecting methods' decode
-    step (``kernels/``) on CUDA (auto, the default) or the PyTorch path everywhere (off: the
-    comparison the kernels are measured against). ``ROCKETKV_KERNELS=0`` is the same as off."""
-    p.add_argument("--kernels", choices=["auto", "off"], default=None,
-                   help="fused Triton kernels for the sparse decode step on CUDA (auto, "
-                        "default) or the PyTorch path (off)")
+    """``--kernels {auto,sparse,off}``: the fused Triton kernels of the decode step
+    (``kernels/``) on CUDA: all of them (auto, the default), the sparse ones only (sparse: the
+    projections through PyTorch and cuBLAS), or none (off: the PyTorch path everywhere, the
+    comparison the kernels are measured against). ``ROCKETKV_KERNELS=0`` is the same as off,
+    ``ROCKETKV_KERNELS=sparse`` as sparse."""
+    p.add_argument("--kernels", choices=["auto", "sparse", "off"], default=None,
+                   help="fused Triton kernels of the decode step on CUDA: all (auto, "
+                        "default), the attention and selection only (sparse), or none (off)")
 
 
 def apply_kernels_option(args: argparse.Namespace) -> None:
     """Set the kernel mode ``--kernels`` names (nothing when it was not given)."""
-    if getattr(args, "kernels", None):
-        kernels.set_mode(args.kernels)
+    choice = getattr(args, "kernels", None)
+    if choice:
+        kernels.set_mode("off" if choice == "off" else "auto")
+        kernels.set_dense(choice == "auto")
 
 
 class OneLineParser(argparse.ArgumentParser):

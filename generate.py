@@ -434,6 +434,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         raise ConfigError("this method's decode step synchronizes with the host and runs "
                           "eagerly: use --no-compile")
     fused = kernels.in_use(device)  # imports the kernels now, outside the graph being traced
+    dense = kernels.dense_in_use(device)
     if cuda_graphs:
         step_fn, warmup_steps = GraphStep(device), 2  # an eager step, then the capture
     else:
@@ -459,6 +460,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     result["compiled"] = bool(compile)
     result["cuda_graphs"] = cuda_graphs
     result["fused_kernels"] = fused
+    result["dense_kernels"] = dense and any(layer.fusable() for layer in model.layers)
     return result
 
 
@@ -755,7 +757,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"device {r['device']}  dtype {r['dtype']}  torch {r['torch_version']}  compiled "
         f"{r['compiled']}" + ("  CUDA graph of the eager step" if r.get("cuda_graphs") else "")
         + (f" (compile {r['compile_s']:.1f} s)" if r["compile_s"] else "")
-        + f"  fused kernels {'on' if r.get('fused_kernels') else 'off'}",
+        + "  fused kernels " + ("all" if r.get("dense_kernels") else "sparse" if
+                                r.get("fused_kernels") else "off"),
     ]
     if r.get("world_size", 1) > 1:
         per = r["per_rank"]

@@ -18,7 +18,11 @@ The interface carries what the methods need without bending:
   K/V beside the weights and caches.
 * ``decode(q, k, v, input_pos)`` gets the new token at ``input_pos``, a device tensor, so the
   step has static shapes and compiles once; a cache may evict inside it within a fixed
-  capacity (H2O, StreamingLLM) or update page summaries on write (Quest, RocketKV).
+  capacity (H2O, StreamingLLM) or update page summaries on write (Quest, RocketKV). A cache
+  whose step is "write the token, then attend" also offers ``token_store(input_pos)`` (where
+  the token goes, with a selector's auxiliary keys: ``Selector.token_aux``) and
+  ``attend_stored(q, input_pos)``: with the dense kernels the q/k/v projection kernel writes
+  the token there and the model calls ``attend_stored`` (``TransformerBlock.forward_fused``).
 * Buffers are per-cache ``register_buffer`` tensors of any shape and device: different
   capacities per KV head (DuoAttention) or CPU-resident storage (OmniKV offload) are the
   subclass's choice. Caches are built together by a method's factory (``build_caches``), so
@@ -36,7 +40,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -228,14 +232,15 @@ FLEX_DECODE = True  # False: compiled CUDA decode keeps the masked formula (for 
 
 
 def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor,
-                     last: Tensor | None = None) -> Tensor:
+                     last: Tensor | None = None, offset: Tensor | None = None) -> Tensor:
     """Decode attention of q over the written prefix of static K/V buffers.
 
     Args:
         q: (B, H, 1, D); k, v: (B, H_kv, S, D) static buffers; valid: (S,) bool device
             tensor, True on the written prefix (slots 0 .. last; shapes never depend on it:
             one compiled graph); last: (1,) int64 device tensor, that last slot, when the
-            caller has it.
+            caller has it (with ``offset``, (1,) int64: the slot is last - offset, which the
+            kernel subtracts).
     Returns:
         (B, H, 1, D) in the dtype of v.
 
@@ -255,7 +260,7 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor,
     0.456 ms (``results/NVIDIA-H200/``). ``FLEX_DECODE = False`` keeps the formula on CUDA.
     """
     if last is not None and kernels.enabled(q):
-        return kernels.prefix_attention(q, k, v, last)
+        return kernels.prefix_attention(q, k, v, last, offset)
     if FLEX_DECODE and torch.compiler.is_compiling() and q.device.type == "cuda" and \
             q.shape[-1] >= 16:
         return flex_prefix_attention(q, k, v, valid.sum(dim=0, keepdim=True) - 1)
@@ -334,8 +339,34 @@ def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:
     return torch.softmax(scores, dim=-1)
 
 
+class TokenStore(NamedTuple):
+    """Where a decode step's fused projection kernel (``kernels.dense.qkv_store``) writes the
+    new token's key and value, and which auxiliary keys it updates in the same pass
+    (``kernels.sparse.write_token``'s formats).
+
+    Attributes:
+        k_cache, v_cache: (B, H_kv, S, D) buffers, last dim contiguous.
+        pos, offset: (1,) int64 device tensors: the slot written is pos - offset (the
+            token's position less a compressed cache's ``slot_offset``, subtracted in the
+            kernel); offset None: the slot is pos.
+        aux: the auxiliary keys (a page summary or a dim-major key copy), or an empty tensor.
+        aux_kind: ``kernels.AUX_NONE``, ``AUX_SUMMARY`` or ``AUX_DIM_MAJOR``.
+        page_size: tokens per page of ``AUX_SUMMARY``.
+    """
+
+    k_cache: Tensor
+    v_cache: Tensor
+    pos: Tensor
+    offset: Tensor | None
+    aux: Tensor
+    aux_kind: int
+    page_size: int
+
+
 class KVCache(nn.Module):
-    """One layer's cache. Subclasses implement ``prefill`` and ``decode``.
+    """One layer's cache. Subclasses implement ``prefill`` and ``decode``; a cache whose
+    decode step is "write the token, then attend" also offers ``token_store`` and
+    ``attend_stored``, so the fused projection kernel writes the token for it.
 
     Args:
         layer_idx: index of the layer this cache serves.
@@ -353,6 +384,7 @@ class KVCache(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
 
     obs_window = 0  # last prompt queries ``store_prompt`` needs (observation window)
+    dense_kernels = True  # the decode step may run the dense kernels (``kernels/dense.py``)
 
     def _register_kv(self, slots: int, positions: bool = False) -> None:
         """Zeroed ``k_cache`` and ``v_cache`` buffers (B, H_kv, slots, D) in the cache's dtype
@@ -493,6 +525,18 @@ class KVCache(nn.Module):
         """
         raise NotImplementedError
 
+    def token_store(self, input_pos: Tensor) -> TokenStore | None:
+        """Where the token at ``input_pos`` (1,) int64 is to be written by a fused kernel,
+        which must then call ``attend_stored`` instead of ``decode``; None (the default):
+        ``decode`` must see the token's k and v (the cache does more than write them)."""
+        return None
+
+    def attend_stored(self, q: Tensor, input_pos: Tensor) -> Tensor:
+        """``decode`` after the token's k and v were written where ``token_store`` said:
+        q (B, H, 1, D) -> attention output (B, H, 1, D). Subclasses of a cache that offers
+        ``token_store`` change the attention here, not in ``decode``."""
+        raise NotImplementedError
+
     def allocated_bytes(self) -> int:
         """Bytes of every buffer this cache owns (K/V and auxiliary data)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
@@ -561,6 +605,13 @@ class FullKVCache(KVCache):
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
+        return self.attend_stored(q, input_pos)
+
+    def token_store(self, input_pos: Tensor) -> TokenStore:
+        return TokenStore(self.k_cache, self.v_cache, input_pos, None, no_aux(self.k_cache),
+                          kernels.AUX_NONE, 1)
+
+    def attend_stored(self, q: Tensor, input_pos: Tensor) -> Tensor:
         valid = torch.arange(self.k_cache.shape[2], device=input_pos.device) <= input_pos
         return prefix_attention(q, self.k_cache, self.v_cache, valid, input_pos)
 
@@ -571,6 +622,12 @@ class FullKVCache(KVCache):
 
     def method_params(self) -> dict[str, Any]:
         return {**self._params, "max_seq_len": self.max_seq_len}
+
+
+def no_aux(like: Tensor) -> Tensor:
+    """An empty tensor on ``like``'s device: a ``TokenStore``'s ``aux`` without auxiliary
+    keys (it aliases no cache buffer)."""
+    return like.new_empty(0)
 
 
 def same_view(a: Tensor, b: Tensor) -> bool:
@@ -652,6 +709,14 @@ class Selector(nn.Module):
         chunk appended to the cache), leaving the state ``n`` ``update`` calls in order would.
         A selector that keeps per-slot state overrides both."""
 
+    def token_aux(self, cache: CompressedKVCache) -> tuple[Tensor, int, int] | None:
+        """The auxiliary keys a fused kernel updates with the token's write, as
+        ``TokenStore``'s ``(aux, aux_kind, page_size)``, or None when ``update`` must run
+        (the default for a selector that overrides ``update`` and not this)."""
+        if type(self).update is not Selector.update:
+            return None
+        return no_aux(cache.k_cache), kernels.AUX_NONE, 1
+
     def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:
         """Write a decoded token's k, v (B, H_kv, 1, D) at ``slot`` (1,) int64 and ``update``.
         Selectors with a fused kernel for both (``kernels.sparse.write_token``) override it."""
@@ -660,13 +725,14 @@ class Selector(nn.Module):
         self.update(cache, slot, k)
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
-               slot: Tensor | None = None) -> Tensor:
+               pos: Tensor | None = None) -> Tensor:
         """Attention output (B, H, 1, D) for q over the slots marked ``valid`` (S,) bool, a
-        prefix of the buffer (slots 0 .. the one just written, ``slot`` (1,) int64 when the
-        caller has it: the fused kernels read it instead of ``valid``)."""
+        prefix of the buffer (slots 0 .. the one just written). ``pos`` (1,) int64, when the
+        caller has it, is the position of the token just written: the fused kernels read it
+        and ``cache.slot_offset`` instead of ``valid`` (its slot is pos - slot_offset)."""
         if cache.head_mask is not None:  # per-query-head token sets (original SnapKV)
             return attend(q, cache.k_cache, cache.v_cache, valid & cache.head_mask)
-        return prefix_attention(q, cache.k_cache, cache.v_cache, valid, slot)
+        return prefix_attention(q, cache.k_cache, cache.v_cache, valid, pos, cache.slot_offset)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
         """Bytes one decode step's kernels read at this layout: every slot's key and value."""
@@ -779,10 +845,18 @@ class CompressedKVCache(KVCache):
                       mask.reshape(B, Hkv, G * Tc, end))
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
-        slot = input_pos - self.slot_offset  # (1,)
-        self.selector.store_token(self, slot, k, v)
-        valid = torch.arange(self.length, device=slot.device) <= slot  # (S,)
-        return self.selector.attend(self, q, valid, slot=slot)
+        self.selector.store_token(self, input_pos - self.slot_offset, k, v)
+        return self.attend_stored(q, input_pos)
+
+    def token_store(self, input_pos: Tensor) -> TokenStore | None:
+        aux = self.selector.token_aux(self)
+        return None if aux is None else TokenStore(self.k_cache, self.v_cache, input_pos,
+                                                   self.slot_offset, *aux)
+
+    def attend_stored(self, q: Tensor, input_pos: Tensor) -> Tensor:
+        valid = torch.arange(self.length, device=input_pos.device) <= \
+            input_pos - self.slot_offset  # (S,): the PyTorch path's mask
+        return self.selector.attend(self, q, valid, pos=input_pos)
 
     def bytes_read_per_step(self) -> int:
         return self.selector.bytes_read(self)

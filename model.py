@@ -30,6 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import kernels
+
 
 class ConfigError(ValueError):
     """Bad user input (config, checkpoint, CLI value). The CLI prints it as one line, exit 2."""
@@ -236,6 +238,13 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
+def plain_linear(layer: nn.Module) -> bool:
+    """A float ``nn.Linear`` without bias or hooks (not quantized, not tensor-parallel): what
+    the dense decode kernels compute in its place."""
+    return (type(layer) is nn.Linear and layer.bias is None and layer.weight.is_floating_point()
+            and not layer._forward_hooks and not layer._forward_pre_hooks)
+
+
 def linear_rows(layer: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
     """Output features ``start:stop`` of the linear ``layer`` applied to ``x`` (..., in),
     computing only those: a float layer's weight rows are sliced; quantized layers
@@ -319,8 +328,36 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
         """Decode step. ``x`` (B, 1, dim), ``rope`` (1, D/2, 2), ``input_pos`` (1,) int64."""
+        if kernels.dense_enabled(x) and self.fusable():
+            return self.forward_fused(x, rope, input_pos)
         h = x + self.attention(self.attention_norm(x), rope, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def fusable(self) -> bool:
+        """Whether ``forward_fused`` computes this layer: plain float linears without hooks
+        (not quantized, not tensor-parallel) and a cache that allows it."""
+        a, f = self.attention, self.feed_forward
+        return getattr(a.kv_cache, "dense_kernels", False) and \
+            all(plain_linear(m) for m in (a.wqkv, a.wo, f.w13, f.w2))
+
+    def forward_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
+        """``forward`` in the dense kernels (``kernels/dense.py``), four launches around the
+        cache's: [norm, q/k/v, RoPE, the token's write], attention, [output projection,
+        residual], [norm, gate/up, SwiGLU], [down projection, residual]."""
+        a, cache = self.attention, self.attention.kv_cache
+        store = cache.token_store(input_pos)
+        if store is None:  # the cache must see k and v: the kernel writes them to a scratch
+            k = x.new_empty(x.shape[0], a.n_kv_heads, 1, a.head_dim)  # "cache" of one slot
+            v = torch.empty_like(k)
+            scratch = (k, v, torch.zeros_like(input_pos), None, k.new_empty(0), kernels.AUX_NONE,
+                       1)
+        q = kernels.qkv_store(x, self.attention_norm.weight, self.attention_norm.eps,
+                              a.wqkv.weight, a.wqkv_bias, rope, store or scratch, a.n_heads)
+        y = cache.attend_stored(q, input_pos) if store else cache.decode(q, k, v, input_pos)
+        h = kernels.linear(y.transpose(1, 2).flatten(2), a.wo.weight, residual=x)
+        g = kernels.linear(h, self.feed_forward.w13.weight, self.ffn_norm.weight,
+                           self.ffn_norm.eps, swiglu=True)
+        return kernels.linear(g, self.feed_forward.w2.weight, residual=h)
 
     def prefill(self, x: Tensor, rope: Tensor, chunk_size: int) -> Tensor:
         """Whole prompt through this block; updates and returns ``x`` (B, T, dim) in place.
@@ -420,6 +457,8 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, 1, dim)
         for layer in self.layers:
             x = layer(x, rope, input_pos)
+        if kernels.dense_enabled(x) and plain_linear(self.output):  # norm + LM head, one kernel
+            return kernels.linear(x, self.output.weight, self.norm.weight, self.norm.eps)[:, -1]
         return self.output(self.norm(x))[:, -1]
 
     @torch.no_grad()

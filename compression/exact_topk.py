@@ -40,12 +40,12 @@ class ExactTopK(Selector):
         self.k = k
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
-               slot: Tensor | None = None) -> Tensor:
-        if slot is not None and kernels.enabled(q):  # r = D on K^T: the exact scores, fused
+               pos: Tensor | None = None) -> Tensor:
+        if pos is not None and kernels.enabled(q):  # r = D on K^T: the exact scores, fused
             return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache, None, slot,
+                q, cache.k_cache, cache.v_cache, None, pos,
                 mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=cache.head_dim,
-                k=min(self.k, cache.length), page_size=1)
+                k=min(self.k, cache.length), page_size=1, offset=cache.slot_offset)
         scores = exact_scores(q, cache.k_cache, valid)
         idx = scores.topk(min(self.k, cache.length), dim=-1, sorted=False).indices
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)

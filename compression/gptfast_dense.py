@@ -29,9 +29,9 @@ class GptFastDenseCache(FullKVCache):
                          params={"baseline": "gpt-fast dense decode"})
         self.causal_mask = causal_mask  # shared by every layer, as gpt-fast's model buffer
 
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
-        self.k_cache.index_copy_(2, input_pos, k)
-        self.v_cache.index_copy_(2, input_pos, v)
+    dense_kernels = False  # the baseline keeps gpt-fast's projections (PyTorch, cuBLAS)
+
+    def attend_stored(self, q: Tensor, input_pos: Tensor) -> Tensor:
         G = self.n_heads // self.n_kv_heads
         keys = self.k_cache.repeat_interleave(G, dim=1)  # (B, H, S, D) copies, as gpt-fast
         values = self.v_cache.repeat_interleave(G, dim=1)

@@ -100,12 +100,13 @@ class Hybrid(PagedSelector):
                                   counts)
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
-               slot: Tensor | None = None) -> Tensor:
-        if slot is not None and kernels.enabled(q):  # the same selection, fused (Triton)
+               pos: Tensor | None = None) -> Tensor:
+        if pos is not None and kernels.enabled(q):  # the same selection, fused (Triton)
             return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache, self.summary_rows(), slot,
+                q, cache.k_cache, cache.v_cache, self.summary_rows(), pos,
                 mode=kernels.ops().MODE_SOFTMAX, two_bounds=self.page_size > 1, r=self.r,
-                k=min(self.k, cache.length), page_size=self.page_size)
+                k=min(self.k, cache.length), page_size=self.page_size,
+                offset=cache.slot_offset)
         idx = self.select(cache, q, valid)
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 

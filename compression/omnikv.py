@@ -172,10 +172,10 @@ class OmniKVFilterCache(FullKVCache):
 
     # ---- decode
 
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+    def attend_stored(self, q: Tensor, input_pos: Tensor) -> Tensor:
+        """Attend densely (the token is written at ``input_pos``), then select the tokens
+        the served sparse layers read this step."""
         B, H, _, D = q.shape
-        self.k_cache.index_copy_(2, input_pos, k)
-        self.v_cache.index_copy_(2, input_pos, v)
         S = self.k_cache.shape[2]
         keys = torch.arange(S, device=input_pos.device)
         probs = attention_probs(q, self.k_cache, keys <= input_pos)  # (B, H_kv, G, S)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 import kernels
-from kv_cache import CompressedKVCache, Selector, sector_bytes, strided_bytes
+from kv_cache import CompressedKVCache, Selector, no_aux, sector_bytes, strided_bytes
 
 
 def group_sum(x: Tensor, n_kv_heads: int) -> Tensor:
@@ -151,12 +151,18 @@ class PagedSelector(Selector):
         new = torch.cat([torch.maximum(old[:, :, :D], kt), torch.minimum(old[:, :, D:], kt)], 2)
         self.summary.index_copy_(3, page, torch.where(first, torch.cat([kt, kt], 2), new))
 
+    def token_aux(self, cache: CompressedKVCache) -> tuple[Tensor, int, int]:
+        """The page summary, updated with the token's write (pages of one slot: none)."""
+        if self.page_size == 1:
+            return no_aux(cache.k_cache), kernels.AUX_NONE, 1
+        return self.summary, kernels.AUX_SUMMARY, self.page_size
+
     def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:
         """The token's K/V and its page's min/max in one kernel where the kernels run
         (``kernels.sparse.write_token``), else ``index_copy_`` and ``update``."""
         if self.page_size > 1 and kernels.enabled(k):
             torch.ops.rocketkv.write_token(cache.k_cache, cache.v_cache, self.summary, k, v,
-                                           slot, kernels.ops().AUX_SUMMARY, self.page_size)
+                                           slot, kernels.AUX_SUMMARY, self.page_size)
         else:
             super().store_token(cache, slot, k, v)
 

@@ -26,6 +26,7 @@ from kv_cache import (
     Selector,
     attend_selected,
     gather_tokens,
+    no_aux,
     sector_bytes,
     strided_bytes,
     token_bytes,
@@ -107,23 +108,32 @@ class SparQ(Selector):
             chunk = cache.k_cache[:, :, first:first + n]  # (B, H_kv, n, D)
             self.k_dims[..., first:first + n] = chunk.transpose(-1, -2)
 
+    def token_aux(self, cache: CompressedKVCache) -> tuple[Tensor, int, int] | None:
+        """The dim-major key copy's column, written with the token (None with ``reallocate``:
+        the running mean of values is ``update``'s)."""
+        if self.reallocate:
+            return None
+        if self.dim_major:
+            return self.k_dims, kernels.AUX_DIM_MAJOR, 1
+        return no_aux(cache.k_cache), kernels.AUX_NONE, 1
+
     def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:
         """K/V and the dim-major key column in one kernel where the kernels run (without
         ``reallocate``), else ``index_copy_`` and ``update``."""
         if self.dim_major and not self.reallocate and kernels.enabled(k):
             torch.ops.rocketkv.write_token(cache.k_cache, cache.v_cache, self.k_dims, k, v,
-                                           slot, kernels.ops().AUX_DIM_MAJOR, 1)
+                                           slot, kernels.AUX_DIM_MAJOR, 1)
         else:
             super().store_token(cache, slot, k, v)
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
-               slot: Tensor | None = None) -> Tensor:
+               pos: Tensor | None = None) -> Tensor:
         keys = self.k_dims if self.dim_major else cache.k_cache
-        if slot is not None and not self.reallocate and kernels.enabled(q):  # fused (Triton)
+        if pos is not None and not self.reallocate and kernels.enabled(q):  # fused (Triton)
             return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache, keys if self.dim_major else None, slot,
+                q, cache.k_cache, cache.v_cache, keys if self.dim_major else None, pos,
                 mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=self.r,
-                k=min(self.k, cache.length), page_size=1)
+                k=min(self.k, cache.length), page_size=1, offset=cache.slot_offset)
         dims = top_r_dims(q, cache.n_kv_heads, self.r)
         probs = sparq_scores(q, keys, dims, valid, self.dim_major)  # (B, H_kv, G, S)
         scores = probs.sum(dim=2).masked_fill(~valid, float("-inf"))

@@ -1,16 +1,21 @@
 """Fused Triton kernels of the decode step, and the rule for when the engine runs them.
 
-The kernels (``kernels/sparse.py``) replace a selecting method's PyTorch decode-step code
-(selection, sparse attention, the token write with its page-summary update) on CUDA; the
-PyTorch code stays the CPU path and the reference they are tested against. ``triton`` is an
-optional dependency (it ships with CUDA builds of torch; the CPU test requirements pin it to
-run the kernels in its interpreter), so the module is imported on first use: ``ops()``.
+The sparse kernels (``kernels/sparse.py``) replace a selecting method's PyTorch decode-step
+code (selection, sparse attention, the token write with its page-summary update) and the
+dense decode attention on CUDA; the dense kernels (``kernels/dense.py``) replace the
+projections with the norms, RoPE, the token's K/V write, SwiGLU and the residual adds fused
+into them. The PyTorch code stays the CPU path and the reference they are tested against.
+``triton`` is an optional dependency (it ships with CUDA builds of torch; the CPU test
+requirements pin it to run the kernels in its interpreter), so the modules are imported on
+first use: ``ops()``.
 
 Switches, read when a decode step is traced or run:
     * ``ROCKETKV_KERNELS=0`` in the environment, or ``set_mode("off")``: never.
     * ``set_mode("auto")`` (the default): on CUDA tensors when triton imports.
     * ``set_mode("force")``: on any device (tests on CPU, with ``TRITON_INTERPRET=1`` set
       before the first ``ops()`` call).
+    * ``ROCKETKV_KERNELS=sparse``, or ``set_dense(False)``: the sparse kernels only, the
+      projections through PyTorch (cuBLAS): what the dense kernels are measured against.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ from torch import Tensor
 
 MODES = ("auto", "off", "force")
 _mode = "off" if os.environ.get("ROCKETKV_KERNELS", "1") == "0" else "auto"
+_dense = os.environ.get("ROCKETKV_KERNELS", "1") != "sparse"
+_fuse_selection = True  # select_attend where it applies (tests compare the two-kernel path)
+AUX_NONE = 0  # a decoded token's write: no auxiliary keys
+AUX_SUMMARY = 1  # ... and its page's column of the min/max summary (B, H_kv, 2 D, pages)
+AUX_DIM_MAJOR = 2  # ... and its column of the transposed key copy (B, H_kv, D, S)
 _ops: ModuleType | None = None
 _missing: str | None = None
 
@@ -41,15 +51,25 @@ def set_mode(mode: str) -> str:
     return previous
 
 
+def set_dense(on: bool) -> bool:
+    """Whether the dense kernels run where the kernels run (``kernels/dense.py``); returns the
+    previous setting."""
+    global _dense
+    previous, _dense = _dense, bool(on)
+    return previous
+
+
 def ops() -> ModuleType | None:
-    """``kernels.sparse`` (registering the ``torch.ops.rocketkv`` kernels), or None when
-    triton cannot be imported (the reason is in ``missing()``)."""
+    """``kernels.sparse``, once it and ``kernels.dense`` are imported (registering the
+    ``torch.ops.rocketkv`` kernels), or None when triton cannot be imported (the reason is in
+    ``missing()``)."""
     global _ops, _missing
     if _ops is None and _missing is None:
         try:  # optional dependency, imported by name on first use (not an import cycle)
             _ops = importlib.import_module("kernels.sparse")
+            importlib.import_module("kernels.dense")
         except ImportError as e:
-            _missing = str(e)
+            _ops, _missing = None, str(e)
     return _ops
 
 
@@ -75,19 +95,52 @@ def in_use(device: torch.device) -> bool:
     return _mode != "off" and (_mode == "force" or device.type == "cuda") and ops() is not None
 
 
+def dense_enabled(x: Tensor) -> bool:
+    """Whether a decode step on ``x``'s device runs the dense kernels: where the kernels run
+    (``in_use``) unless ``set_dense(False)``."""
+    return _dense and in_use(x.device)
+
+
+def dense_in_use(device: torch.device) -> bool:
+    """Whether decode steps on ``device`` run the dense kernels."""
+    return _dense and in_use(device)
+
+
+def qkv_store(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+              rope: Tensor, store: tuple, n_heads: int) -> Tensor:
+    """RMSNorm, q/k/v projection, RoPE and the token's write into ``store`` (a
+    ``kv_cache.TokenStore``) in one kernel (``kernels.dense.qkv_store``); returns q
+    (B, H, 1, D)."""
+    return torch.ops.rocketkv.qkv_store(x, norm_weight, eps, weight, bias, rope, *store, n_heads)
+
+
+def linear(x: Tensor, weight: Tensor, norm_weight: Tensor | None = None, eps: float = 0.0,
+           residual: Tensor | None = None, swiglu: bool = False) -> Tensor:
+    """``[RMSNorm] x @ W^T`` with the residual added or SwiGLU, one kernel
+    (``kernels.dense.linear``)."""
+    return torch.ops.rocketkv.linear(x, weight, norm_weight, eps, residual, swiglu)
+
+
 def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None,
                      last: Tensor, *, mode: int, two_bounds: bool, r: int, k: int,
-                     page_size: int) -> Tensor:
-    """Selection and exact attention over the chosen slots: ``paged_select`` then
-    ``attend_pages`` (arguments as there; ``last`` (1,) int64 the slot written last; ``rows``
-    None: the keys themselves, read as K^T, for pages of one slot). Returns (B, H, 1, D) in
-    the cache's dtype."""
+                     page_size: int, offset: Tensor | None = None) -> Tensor:
+    """Selection and exact attention over the chosen slots: ``select_attend`` (one kernel)
+    when the selection attends in one program per KV head, else ``paged_select`` then
+    ``attend_pages`` (arguments as there; ``last`` (1,) int64 the slot written last, less
+    ``offset`` when given; ``rows`` None: the keys themselves, read as K^T, for pages of one
+    slot). Returns (B, H, 1, D) in the cache's dtype."""
     by_token = rows is None
-    pages, take = torch.ops.rocketkv.paged_select(q, k_cache if by_token else rows, last, mode,
-                                                  two_bounds, r, k, page_size, by_token)
+    rows = k_cache if by_token else rows
+    if _fuse_selection and ops().attention_splits(k) == 1:  # one kernel: select_attend
+        return torch.ops.rocketkv.select_attend(q, rows, k_cache, v_cache, last, mode,
+                                                two_bounds, r, k, page_size, by_token, offset)
+    pages, take = torch.ops.rocketkv.paged_select(q, rows, last, mode, two_bounds, r, k,
+                                                  page_size, by_token, offset)
     return torch.ops.rocketkv.attend_pages(q, k_cache, v_cache, pages, take, page_size, k)
 
 
-def prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor) -> Tensor:
-    """Decode attention over slots 0..last of static buffers (``attend_prefix``)."""
-    return torch.ops.rocketkv.attend_prefix(q, k_cache, v_cache, last)
+def prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor,
+                     offset: Tensor | None = None) -> Tensor:
+    """Decode attention over slots 0..last (less ``offset`` when given) of static buffers
+    (``attend_prefix``)."""
+    return torch.ops.rocketkv.attend_prefix(q, k_cache, v_cache, last, offset)

@@ -1,6 +1,6 @@
 """Triton kernels of the sparse decode step: token write, selection and sparse attention.
 
-Four kernels replace the about 30 small PyTorch kernels per layer of a selecting method's
+These kernels replace the about 30 small PyTorch kernels per layer of a selecting method's
 decode step (RocketKV @256 on the H200: ``results/NVIDIA-H200/profile-131008.md``) and the
 dense decode attention:
 
@@ -39,6 +39,11 @@ dense decode attention:
     list into ``splits`` programs per KV head with a log-sum-exp merge (flash-decoding) when
     the selection is large, one program writing the output directly when it is not.
 
+``select_attend`` (``torch.ops.rocketkv.select_attend``)
+    ``paged_select`` and ``attend_pages`` in one program per (sequence, KV head), the page
+    list passed between the two phases through memory behind a barrier: what runs when the
+    selection attends in one program (k <= ``SPLIT_TOKENS``, the paper's budgets).
+
 ``attend_prefix`` (``torch.ops.rocketkv.attend_prefix``)
     The dense decode attention (Full-KV, and the methods that attend to everything they
     keep): the written prefix of the static buffers, the slot written last read on the
@@ -61,12 +66,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels import AUX_NONE
+
 MODE_SOFTMAX = 0  # hybrid / SparQ / Exact-TopK scores
 MODE_BOUND = 1  # Quest page bounds
-
-AUX_NONE = 0  # write_token: no auxiliary keys
-AUX_SUMMARY = 1  # page min/max summary (B, H_kv, 2 D, pages)
-AUX_DIM_MAJOR = 2  # transposed key copy (B, H_kv, D, S)
 
 SCORE_BLOCK = 64  # pages scored per loop iteration of paged_select
 NUM_WARPS = 8  # per program of paged_select and attend_pages: their (D x 64) float32 tiles
@@ -93,6 +96,21 @@ def _dot_mode(x: Tensor) -> str:
 
 
 @triton.jit
+def _summary_update(a, d, k, mask, page, first, s_ar, s_ac, D):
+    """Column ``page`` of a page summary at rows ``d`` (max) and ``D + d`` (min) takes in the
+    stored keys ``k``, or restarts from them on the page's first slot (``first``); compared
+    in float32 (exact; the interpreter compares bfloat16 by raw bits). Used by
+    ``write_token`` and by ``kernels.dense.qkv_store``."""
+    kf = k.to(tl.float32)
+    mx = tl.load(a + d * s_ar + page * s_ac, mask=mask).to(tl.float32)
+    mn = tl.load(a + (d + D) * s_ar + page * s_ac, mask=mask).to(tl.float32)
+    mx = tl.where(first, kf, tl.maximum(mx, kf))
+    mn = tl.where(first, kf, tl.minimum(mn, kf))
+    tl.store(a + d * s_ar + page * s_ac, mx.to(k.dtype), mask=mask)
+    tl.store(a + (d + D) * s_ar + page * s_ac, mn.to(k.dtype), mask=mask)
+
+
+@triton.jit
 def _write_token_kernel(k_cache, v_cache, aux, k_new, v_new, slot_ptr,
                         s_cb, s_ch, s_cs, s_kb, s_kh, s_vb, s_vh, s_ab, s_ah, s_ar, s_ac,
                         H_kv, D, PAGE_SIZE,
@@ -110,16 +128,8 @@ def _write_token_kernel(k_cache, v_cache, aux, k_new, v_new, slot_ptr,
     tl.store(v_cache + base + d, vv, mask=dm)
     a = aux + b * s_ab + h * s_ah
     if AUX == 1:  # page summary: rows 0..D-1 max, D..2D-1 min, column = page
-        page = slot // PAGE_SIZE
-        first = (slot % PAGE_SIZE) == 0
-        kf = kv.to(tl.float32)  # min/max in float32: exact, and the interpreter compares
-        # bfloat16 by its raw bits
-        mx = tl.load(a + d * s_ar + page * s_ac, mask=dm).to(tl.float32)
-        mn = tl.load(a + (d + D) * s_ar + page * s_ac, mask=dm).to(tl.float32)
-        mx = tl.where(first, kf, tl.maximum(mx, kf))
-        mn = tl.where(first, kf, tl.minimum(mn, kf))
-        tl.store(a + d * s_ar + page * s_ac, mx.to(kv.dtype), mask=dm)
-        tl.store(a + (d + D) * s_ar + page * s_ac, mn.to(kv.dtype), mask=dm)
+        _summary_update(a, d, kv, dm, slot // PAGE_SIZE, (slot % PAGE_SIZE) == 0, s_ar, s_ac,
+                        D)
     if AUX == 2:  # dim-major copy: column = slot
         tl.store(a + d * s_ar + slot * s_ac, kv, mask=dm)
 
@@ -160,6 +170,16 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
+def _last_slot(last_ptr, off_ptr, HAS_OFFSET: tl.constexpr):
+    """The slot written last: ``*last_ptr``, less ``*off_ptr`` (a compressed cache's slot
+    offset, applied here rather than by a launch of its own) with ``HAS_OFFSET``; int64."""
+    last = tl.load(last_ptr).to(tl.int64)
+    if HAS_OFFSET:
+        last -= tl.load(off_ptr).to(tl.int64)
+    return last
+
+
+@triton.jit
 def _order_key(x):
     """fp32 -> int32 whose signed order is the floats' order (NaN above +inf)."""
     bits = x.to(tl.int32, bitcast=True)
@@ -167,12 +187,25 @@ def _order_key(x):
 
 
 @triton.jit
-def _paged_select_kernel(q_ptr, rows_ptr, last_ptr, scores_ptr, pages_ptr, take_ptr,
+def _paged_select_kernel(q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take_ptr,
                          s_qb, s_qh, s_rb, s_rh, s_rr, s_rp,
                          H_kv, G, D, P, R, K, M, PAGE_SIZE,
-                         MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr, DOT: tl.constexpr,
+                         MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                         DOT: tl.constexpr,
                          G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
+    _select(tl.program_id(0), q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr,
+            take_ptr, s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, K, M, PAGE_SIZE,
+            MODE, TWO_BOUNDS, HAS_OFFSET, DOT, G_BLOCK, D_BLOCK, BLOCK)
+
+
+@triton.jit
+def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take_ptr,
+            s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, K, M, PAGE_SIZE,
+            MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+            DOT: tl.constexpr, G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """``paged_select`` for program ``pid`` (one sequence and KV head): page scores to
+    ``scores_ptr``, the chosen pages and their slot counts to ``pages_ptr``/``take_ptr``."""
     b = pid // H_kv
     h = pid % H_kv
     g = tl.arange(0, G_BLOCK)
@@ -183,7 +216,7 @@ def _paged_select_kernel(q_ptr, rows_ptr, last_ptr, scores_ptr, pages_ptr, take_
                 mask=gm[:, None] & dm[None, :], other=0.0)  # (G_BLOCK, D_BLOCK)
     qf = q.to(tl.float32)
     rows = rows_ptr + b * s_rb + h * s_rh
-    last = tl.load(last_ptr).to(tl.int32)
+    last = _last_slot(last_ptr, off_ptr, HAS_OFFSET).to(tl.int32)
     out = pid.to(tl.int64) * P
     offs = tl.arange(0, BLOCK)
 
@@ -309,9 +342,26 @@ def selected_pages(k: int, page_size: int, n_pages: int) -> int:
     return min(n_pages, -(-k // page_size) + 1)
 
 
+def _selection_buffers(q: Tensor, rows: Tensor, k: int, page_size: int, by_token: bool
+                       ) -> tuple[int, int, int, int, int, Tensor, Tensor, Tensor]:
+    """(H_kv, P, row stride, page stride, M, scores, pages, take) of a selection over
+    ``rows`` (``paged_select``'s layouts): its shape, and scratch for the page scores
+    (B, H_kv, P) float32 and the page list (B, H_kv, M) int32."""
+    B = q.shape[0]
+    Hkv, P = rows.shape[1], rows.shape[2 if by_token else 3]
+    s_row, s_page = (rows.stride(3), rows.stride(2)) if by_token else \
+        (rows.stride(2), rows.stride(3))
+    M = selected_pages(k, page_size, P)
+    scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
+    pages = torch.empty(B, Hkv, M, dtype=torch.int32, device=q.device)
+    take = torch.empty(B, Hkv, M, dtype=torch.int32, device=q.device)
+    return Hkv, P, s_row, s_page, M, scores, pages, take
+
+
 @torch.library.triton_op("rocketkv::paged_select", mutates_args=())
 def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: bool, r: int,
-                 k: int, page_size: int, by_token: bool = False) -> tuple[Tensor, Tensor]:
+                 k: int, page_size: int, by_token: bool = False,
+                 offset: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Score the pages of every (sequence, KV head) and choose k tokens, page-first.
 
     Args:
@@ -322,7 +372,9 @@ def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: b
             slot: Exact-TopK, SparQ without its copy, hybrid at page size 1), so no
             transposed view reaches the compiled graph (which might copy it).
         last: (1,) int64 device tensor, the slot written last: slots 0..last are valid, so
-            page p holds clamp(last + 1 - p * page_size, 0, page_size) written slots.
+            page p holds clamp(last + 1 - p * page_size, 0, page_size) written slots. With
+            ``offset`` ((1,) int64 device tensor), ``last`` is the token's position and the
+            slot is last - offset (a compressed cache's slots), computed in the kernel.
         mode: ``MODE_SOFTMAX`` (hybrid, SparQ, Exact-TopK with r = D) or ``MODE_BOUND``
             (Quest).
         r: dims read (``MODE_SOFTMAX``); k: tokens to choose (at most the valid ones).
@@ -333,20 +385,15 @@ def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: b
         (B, H_kv, P) float32 scratch buffer allocated here.
     """
     B, H, _, D = q.shape
-    Hkv, P = rows.shape[1], rows.shape[2 if by_token else 3]
-    s_row, s_page = (rows.stride(3), rows.stride(2)) if by_token else \
-        (rows.stride(2), rows.stride(3))
+    Hkv, P, s_row, s_page, M, scores, pages, take = _selection_buffers(q, rows, k, page_size,
+                                                                       by_token)
     G = H // Hkv
-    M = selected_pages(k, page_size, P)
-    scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
-    pages = torch.empty(B, Hkv, M, dtype=torch.int32, device=q.device)
-    take = torch.empty(B, Hkv, M, dtype=torch.int32, device=q.device)
     torch.library.wrap_triton(_paged_select_kernel)[(B * Hkv,)](
-        q, rows, last, scores, pages, take,
+        q, rows, last, offset if offset is not None else last, scores, pages, take,
         q.stride(0), q.stride(1), rows.stride(0), rows.stride(1), s_row, s_page,
         Hkv, G, D, P, r, k, M, page_size,
-        MODE=mode, TWO_BOUNDS=two_bounds, DOT=_dot_mode(rows), G_BLOCK=max(16, _pow2(G)),
-        D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, num_warps=NUM_WARPS)
+        MODE=mode, TWO_BOUNDS=two_bounds, HAS_OFFSET=offset is not None, DOT=_dot_mode(rows),
+        G_BLOCK=max(16, _pow2(G)), D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, num_warps=NUM_WARPS)
     return pages, take
 
 
@@ -408,8 +455,20 @@ def _attend_pages_kernel(q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_ptr, ls
                          H_kv, G, D, M, PAGE_SIZE, PAGES_PER_SPLIT, scale,
                          SPLITS: tl.constexpr, DOT: tl.constexpr, G_BLOCK: tl.constexpr,
                          D_BLOCK: tl.constexpr, CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+    _attend_chosen(tl.program_id(0), tl.program_id(1), q_ptr, k_cache, v_cache, pages_ptr,
+                   take_ptr, o_ptr, lse_ptr, out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh,
+                   H_kv, G, D, M, PAGE_SIZE, PAGES_PER_SPLIT, scale, SPLITS, DOT, G_BLOCK,
+                   D_BLOCK, CHUNK, PAGES_BLOCK)
+
+
+@triton.jit
+def _attend_chosen(pid, split, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_ptr, lse_ptr,
+                   out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh,
+                   H_kv, G, D, M, PAGE_SIZE, PAGES_PER_SPLIT, scale,
+                   SPLITS: tl.constexpr, DOT: tl.constexpr, G_BLOCK: tl.constexpr,
+                   D_BLOCK: tl.constexpr, CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
+    """``attend_pages`` for program ``pid``, split ``split``: exact attention of its query
+    group over the slots of the page list at ``pages_ptr``/``take_ptr``."""
     b, h, q, kb, vb = _program_group(pid, q_ptr, k_cache, v_cache, s_qb, s_qh, s_cb, s_ch,
                                      H_kv, G, D, G_BLOCK, D_BLOCK)
     lst = pid.to(tl.int64) * M
@@ -435,16 +494,16 @@ def _attend_pages_kernel(q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_ptr, ls
 
 
 @triton.jit
-def _attend_prefix_kernel(q_ptr, k_cache, v_cache, last_ptr, o_ptr, lse_ptr, out_ptr,
+def _attend_prefix_kernel(q_ptr, k_cache, v_cache, last_ptr, off_ptr, o_ptr, lse_ptr, out_ptr,
                           s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh,
                           H_kv, G, D, SPLIT_LEN, scale,
-                          SPLITS: tl.constexpr, DOT: tl.constexpr, G_BLOCK: tl.constexpr,
-                          D_BLOCK: tl.constexpr, TOK: tl.constexpr):
+                          SPLITS: tl.constexpr, HAS_OFFSET: tl.constexpr, DOT: tl.constexpr,
+                          G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, TOK: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b, h, q, kb, vb = _program_group(pid, q_ptr, k_cache, v_cache, s_qb, s_qh, s_cb, s_ch,
                                      H_kv, G, D, G_BLOCK, D_BLOCK)
-    n = tl.load(last_ptr).to(tl.int64) + 1  # slots 0..last are written
+    n = _last_slot(last_ptr, off_ptr, HAS_OFFSET) + 1  # slots 0..last are written
     t = tl.arange(0, TOK)
     m_run = tl.full((G_BLOCK,), -1.0e30, tl.float32)
     l_run = tl.zeros((G_BLOCK,), tl.float32)
@@ -493,6 +552,13 @@ def _partials(programs: int, splits: int, g_block: int, d_block: int,
             torch.empty(n, dtype=torch.float32, device=device))
 
 
+def _attend_blocks(page_size: int) -> tuple[int, int]:
+    """(CHUNK, PAGES_BLOCK) of the attention over chosen pages: slots of one page per
+    iteration, and pages per iteration (``ATTEND_TOKENS`` slots in all)."""
+    chunk = min(_pow2(page_size), ATTEND_TOKENS)
+    return chunk, ATTEND_TOKENS // chunk
+
+
 def attention_splits(k: int) -> int:
     """Programs per KV head ``attend_pages`` uses for a selection of ``k`` tokens."""
     return 1 if k <= SPLIT_TOKENS else min(64, _pow2(-(-k // SPLIT_TOKENS)))
@@ -515,8 +581,7 @@ def attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, pages: Tensor, tak
     Hkv = k_cache.shape[1]
     G, M = H // Hkv, pages.shape[2]
     G_BLOCK, D_BLOCK = max(16, _pow2(G)), _pow2(D)
-    chunk = min(_pow2(page_size), ATTEND_TOKENS)  # slots of one page per iteration
-    pages_block = ATTEND_TOKENS // chunk  # ATTEND_TOKENS slots per loop iteration
+    chunk, pages_block = _attend_blocks(page_size)
     # int(): under a dynamic-shape compile the split count (a constexpr) is specialized
     splits = min(attention_splits(k), _pow2(-(-int(M) // pages_block)))
     per_split = -(-M // splits)
@@ -536,6 +601,52 @@ def attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, pages: Tensor, tak
     return out
 
 
+@triton.jit
+def _select_attend_kernel(q_ptr, rows_ptr, k_cache, v_cache, last_ptr, off_ptr, scores_ptr,
+                          pages_ptr, take_ptr, out_ptr,
+                          s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, s_cb, s_ch, s_cs, s_ob, s_oh,
+                          H_kv, G, D, P, R, K, M, PAGE_SIZE, scale,
+                          MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr,
+                          HAS_OFFSET: tl.constexpr, DOT_S: tl.constexpr, DOT_A: tl.constexpr,
+                          G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                          CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take_ptr,
+            s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, K, M, PAGE_SIZE,
+            MODE, TWO_BOUNDS, HAS_OFFSET, DOT_S, G_BLOCK, D_BLOCK, BLOCK)
+    tl.debug_barrier()  # the page list this program wrote is read back below
+    _attend_chosen(pid, 0, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, out_ptr, out_ptr,
+                   out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D, M,
+                   PAGE_SIZE, M, scale, 1, DOT_A, G_BLOCK, D_BLOCK, CHUNK, PAGES_BLOCK)
+
+
+@torch.library.triton_op("rocketkv::select_attend", mutates_args=())
+def select_attend(q: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor,
+                  mode: int, two_bounds: bool, r: int, k: int, page_size: int,
+                  by_token: bool = False, offset: Tensor | None = None) -> Tensor:
+    """``paged_select`` then ``attend_pages`` in one kernel, one program per (sequence, KV
+    head): for selections that attend in one program (``attention_splits(k) == 1``, the
+    budgets the paper runs), the page list goes through a scratch buffer between the two
+    phases of the same program. Arguments as there; returns (B, H, 1, D) in v_cache's dtype.
+    """
+    B, H, _, D = q.shape
+    Hkv, P, s_row, s_page, M, scores, pages, take = _selection_buffers(q, rows, k, page_size,
+                                                                       by_token)
+    G = H // Hkv
+    chunk, pages_block = _attend_blocks(page_size)
+    out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device)
+    torch.library.wrap_triton(_select_attend_kernel)[(B * Hkv,)](
+        q, rows, k_cache, v_cache, last, offset if offset is not None else last, scores, pages,
+        take, out, q.stride(0), q.stride(1), rows.stride(0), rows.stride(1), s_row, s_page,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
+        Hkv, G, D, P, r, k, M, page_size, 1.0 / math.sqrt(D),
+        MODE=mode, TWO_BOUNDS=two_bounds, HAS_OFFSET=offset is not None,
+        DOT_S=_dot_mode(rows), DOT_A=_dot_mode(k_cache), G_BLOCK=max(16, _pow2(G)),
+        D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, CHUNK=chunk, PAGES_BLOCK=pages_block,
+        num_warps=NUM_WARPS)
+    return out
+
+
 PREFIX_SPLIT = 1024  # slots per program of attend_prefix, at least (untuned)
 PREFIX_PROGRAMS = 512  # programs (sequences x KV heads x splits) attend_prefix aims at
 
@@ -550,14 +661,16 @@ def prefix_splits(batch_kv_heads: int, slots: int) -> int:
 
 
 @torch.library.triton_op("rocketkv::attend_prefix", mutates_args=())
-def attend_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor) -> Tensor:
+def attend_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor,
+                  offset: Tensor | None = None) -> Tensor:
     """Decode attention of each query group over the written prefix of static K/V buffers,
     split over the sequence (flash-decoding), each KV head read once for its group.
 
     Args:
         q: (B, H, 1, D); k_cache, v_cache: (B, H_kv, S, D) (last dim contiguous).
         last: (1,) int64 device tensor, the slot written last: slots 0..last are attended,
-            the rest never read (the static shapes stay, so one graph serves every step).
+            the rest never read (the static shapes stay, so one graph serves every step);
+            with ``offset`` ((1,) int64 device tensor) the slot is last - offset.
     Returns:
         (B, H, 1, D) in v_cache's dtype: softmax(q K^T / sqrt(D)) V over slots 0..last,
         float32 inside; the splits (``prefix_splits``) merged by their log-sum-exps.
@@ -571,11 +684,11 @@ def attend_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor) -> 
     out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device)
     o, lse = _partials(B * Hkv, splits, G_BLOCK, D_BLOCK, q.device)
     torch.library.wrap_triton(_attend_prefix_kernel)[(B * Hkv, splits)](
-        q, k_cache, v_cache, last, o, lse, out,
+        q, k_cache, v_cache, last, offset if offset is not None else last, o, lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), Hkv, G, D, split_len, 1.0 / math.sqrt(D),
-        SPLITS=splits, DOT=_dot_mode(k_cache), G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK,
-        TOK=ATTEND_TOKENS, num_warps=NUM_WARPS)
+        SPLITS=splits, HAS_OFFSET=offset is not None, DOT=_dot_mode(k_cache),
+        G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK, TOK=ATTEND_TOKENS, num_warps=NUM_WARPS)
     if splits > 1:
         torch.library.wrap_triton(_merge_splits_kernel)[(B * Hkv,)](
             o, lse, out, out.stride(0), out.stride(1), Hkv, G, D, SPLITS=splits,

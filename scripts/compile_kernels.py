@@ -1,10 +1,12 @@
-"""Compile every fused kernel (kernels/sparse.py) for a GPU architecture without a GPU.
+"""Compile every fused kernel (kernels/sparse.py, kernels/dense.py) for a GPU architecture
+without a GPU.
 
     python scripts/compile_kernels.py                  # sm_90 (H100/H200), bfloat16
     python scripts/compile_kernels.py --arch 100 --json /tmp/regs.json
 
 Triton's front end and the ``ptxas`` its wheel bundles turn each kernel, at the configurations
-the engine launches (llama-3.1-8b's head dim 128 and query group of 4, padded to 16), into GPU
+the engine launches (llama-3.1-8b's head dim 128 and query group of 4, padded to 16; its
+projections at batch 1 and 16), into GPU
 code, and ``ptxas -v`` reports registers and spills per thread. This catches what Triton's
 interpreter (the CPU tests) does not check: code that only the GPU compiler rejects, and
 register spills. It says nothing about speed. Exit status 1 when a kernel fails to compile,
@@ -14,6 +16,7 @@ interpreted, not compiled).
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -32,16 +35,18 @@ def configurations(sparse) -> list[tuple]:
     on a 16-bit cache of head dim 128."""
     S = sparse
     out = []
-    for aux in (S.AUX_SUMMARY, S.AUX_DIM_MAJOR):
+    for aux in (kernels.AUX_SUMMARY, kernels.AUX_DIM_MAJOR):
         out.append((S._write_token_kernel, dict(k_cache=BF16, v_cache=BF16, aux=BF16,
                                                 k_new=BF16, v_new=BF16, slot_ptr="*i64"),
                     {"AUX": aux, "D_BLOCK": 128}, 4))
     for mode, two in ((S.MODE_SOFTMAX, True), (S.MODE_SOFTMAX, False), (S.MODE_BOUND, True),
                       (S.MODE_BOUND, False)):
         out.append((S._paged_select_kernel, dict(q_ptr=BF16, rows_ptr=BF16, last_ptr="*i64",
+                                                 off_ptr="*i64",
                                                  scores_ptr="*fp32", pages_ptr="*i32",
                                                  take_ptr="*i32"),
-                    {"MODE": mode, "TWO_BOUNDS": two, "DOT": "native", "G_BLOCK": 16,
+                    {"MODE": mode, "TWO_BOUNDS": two, "HAS_OFFSET": True, "DOT": "native",
+                     "G_BLOCK": 16,
                      "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK}, S.NUM_WARPS))
     for splits, page in ((1, 5), (1, 1), (4, 23), (1, 1024)):
         chunk = min(S._pow2(page), S.ATTEND_TOKENS)
@@ -51,14 +56,51 @@ def configurations(sparse) -> list[tuple]:
                                                  scale="fp32"),
                     {"SPLITS": splits, "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128,
                      "CHUNK": chunk, "PAGES_BLOCK": S.ATTEND_TOKENS // chunk}, S.NUM_WARPS))
+    for mode, two, page in ((S.MODE_SOFTMAX, True, 16), (S.MODE_SOFTMAX, False, 1),
+                            (S.MODE_BOUND, True, 16), (S.MODE_BOUND, False, 1)):
+        chunk, pages_block = S._attend_blocks(page)
+        out.append((S._select_attend_kernel,
+                    dict(q_ptr=BF16, rows_ptr=BF16, k_cache=BF16, v_cache=BF16,
+                         last_ptr="*i64", off_ptr="*i64", scores_ptr="*fp32",
+                         pages_ptr="*i32", take_ptr="*i32", out_ptr=BF16, scale="fp32"),
+                    {"MODE": mode, "TWO_BOUNDS": two, "HAS_OFFSET": True, "DOT_S": "native",
+                     "DOT_A": "native", "G_BLOCK": 16, "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK,
+                     "CHUNK": chunk, "PAGES_BLOCK": pages_block}, S.NUM_WARPS))
     for splits in (1, 64):
         out.append((S._attend_prefix_kernel, dict(q_ptr=BF16, k_cache=BF16, v_cache=BF16,
-                                                  last_ptr="*i64", o_ptr="*fp32",
+                                                  last_ptr="*i64", off_ptr="*i64", o_ptr="*fp32",
                                                   lse_ptr="*fp32", out_ptr=BF16, scale="fp32"),
-                    {"SPLITS": splits, "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128,
-                     "TOK": S.ATTEND_TOKENS}, S.NUM_WARPS))
+                    {"SPLITS": splits, "HAS_OFFSET": splits == 1, "DOT": "native",
+                     "G_BLOCK": 16, "D_BLOCK": 128, "TOK": S.ATTEND_TOKENS}, S.NUM_WARPS))
     out.append((S._merge_splits_kernel, dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr=BF16),
                 {"SPLITS": 64, "G_BLOCK": 16, "D_BLOCK": 128}, 4))
+    return out
+
+
+def dense_configurations(dense) -> list[tuple]:
+    """The dense kernels' launches at the llama-3.1-8b shape (``launch_config``'s blocks), one
+    batch row (the GEMV) and 16 (``tl.dot``): q/k/v with each auxiliary-key format, the output
+    and down projections with the residual, gate/up with SwiGLU, the LM head after the norm."""
+    E = dense
+    D, dim, inter, vocab, qkv = 128, 4096, 14336, 128256, (32 + 2 * 8) * 128
+    pointers = {name: BF16 for name in ("x_ptr", "w_ptr", "out_ptr", "norm_ptr", "bias_ptr",
+                                        "res_ptr", "kc_ptr", "vc_ptr", "aux_ptr")}
+    pointers.update(rope_ptr="*fp32", pos_ptr="*i64", off_ptr="*i64", eps="fp32")
+    launches = [(E.EPI_QKV, dim, qkv, True, aux) for aux in (kernels.AUX_NONE,
+                                                             kernels.AUX_SUMMARY,
+                                                             kernels.AUX_DIM_MAJOR)]
+    launches += [(E.EPI_RESIDUAL, 32 * D, dim, False, 0), (E.EPI_SWIGLU, dim, inter, True, 0),
+                 (E.EPI_RESIDUAL, inter, dim, False, 0), (E.EPI_PLAIN, dim, vocab, True, 0)]
+    out = []
+    for M in (1, 16):
+        for epi, K, n, norm, aux in launches:
+            if M > 1 and aux:  # one format stands for the rest at batch 16
+                continue
+            bm, bn, bk, _ = E.launch_config(epi, M, K, n, D)
+            out.append((E._linear_kernel, pointers,
+                        {"NORM": norm, "BIAS": False, "EPI": epi, "AUX": aux,
+                         "HAS_OFFSET": aux > 0, "BLOCK_M": bm,
+                         "BLOCK_N": bn, "BLOCK_K": bk, "DOT": "native"}, 4))
     return out
 
 
@@ -112,7 +154,9 @@ def main(argv=None) -> int:
     if not ptxas.exists():
         print(f"error: no ptxas at {ptxas}", file=sys.stderr)
         return 2
-    rows = [compile_one(*c, arch=args.arch, ptxas=ptxas) for c in configurations(sparse)]
+    dense = importlib.import_module("kernels.dense")  # imported by kernels.ops() above
+    rows = [compile_one(*c, arch=args.arch, ptxas=ptxas)
+            for c in configurations(sparse) + dense_configurations(dense)]
     for r in rows:
         if "error" in r:
             print(f"FAIL {r['kernel']}: {r['error']}")

@@ -3,10 +3,13 @@
 #
 #   bash scripts/gpu_checklist.sh PART OUTDIR      (on the GPU machine; OUTDIR defaults to $OUT)
 #
-# k: the fused Triton kernels of the sparse decode step (kernels/sparse.py): their CUDA tests
-#    at real shapes (item 1), then kernels per step and layer of rocketkv@256 at 32K and 128K
-#    with the kernels (default) and with the PyTorch path (--kernels off: the count before),
-#    and the selecting methods at 32K with the kernels (item 2). Run it first.
+# k: the fused Triton kernels of the decode step (kernels/sparse.py, kernels/dense.py): their
+#    CUDA tests at real shapes (item 1), then kernels per step and layer of rocketkv@256 and
+#    hybrid@256 at 32K with every kernel (default), rocketkv with the sparse kernels only
+#    (--kernels sparse: cuBLAS projections) and with the PyTorch path (--kernels off: the
+#    count before). Run it first.
+# k2: the selecting methods and full at 32K with every kernel (item 2), then full and
+#    rocketkv@256 at 32K and 128K with --kernels sparse: our projection kernels against cuBLAS
 # p: peers side by side (item 4): transformers' static cache beside our full and rocketkv@256
 #    at 32K and 128K in one bench call (check_targets compares rows of one run), then int8 and
 #    int4 weights with full and rocketkv@256 at 32K and 128K (item 5)
@@ -26,7 +29,7 @@
 # device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
 # `pip install -e .`): PYTHONPATH puts the repository root on the path for scripts/ and evals/.
 set -o pipefail
-part=${1:?part k, p, g1, g2, a, b, c, d, e or f}
+part=${1:?part k, k2, p, g1, g2, a, b, c, d, e or f}
 out=${2:-${OUT:?no OUTDIR and no \$OUT}}
 py=${PYTHON:-python3}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -41,15 +44,23 @@ k)
     step env; nvidia-smi
     $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
     step kernel tests on CUDA
-    timeout 200 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py -k cuda
-    step kernels per step: rocketkv@256, fused and PyTorch path
+    timeout 170 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        tests/test_dense_kernels.py -k cuda
+    step kernels per step: rocketkv@256, every kernel, the sparse ones, the PyTorch path
     timeout 150 $py scripts/profile_step.py --context 32768 --methods rocketkv hybrid --budgets 256 \
         --out "$out" | grep -v "^|" | head -20
     timeout 100 $py scripts/profile_step.py --context 32768 --methods rocketkv --budgets 256 \
+        --kernels sparse --out "$out/sparse" | grep -v "^|" | head -12
+    timeout 100 $py scripts/profile_step.py --context 32768 --methods rocketkv --budgets 256 \
         --kernels off --out "$out/pytorch" | grep -v "^|" | head -12
-    step selecting methods at 32K with the kernels
-    timeout 280 $py scripts/bench.py $M --context 32768 --methods full rocketkv hybrid quest \
-        sparq exact_topk --budgets 256 --time-limit 220
+    ;;
+k2)
+    step selecting methods at 32K with every kernel
+    timeout 300 $py scripts/bench.py $M --context 32768 --methods full rocketkv hybrid quest \
+        sparq exact_topk --budgets 256 --time-limit 240
+    step "full and rocketkv@256 with the sparse kernels only (cuBLAS projections)"
+    timeout 250 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
+        --budgets 256 --kernels sparse --time-limit 190
     ;;
 p)
     step int8 and int4 CUDA kernels against dequantized matmuls
@@ -71,7 +82,7 @@ a)
     step env; nvidia-smi
     $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
     step cuda tests
-    timeout 150 $py -m pytest -q -p no:cacheprovider tests/test_kv_cache.py tests/test_keydiff_omnikv.py tests/test_kernels.py -k cuda
+    timeout 150 $py -m pytest -q -p no:cacheprovider tests/test_kv_cache.py tests/test_keydiff_omnikv.py tests/test_kernels.py tests/test_dense_kernels.py -k cuda
     for m in "full" "rocketkv --budget 256"; do
         step smoke $m
         timeout 150 $py generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 \

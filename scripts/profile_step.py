@@ -85,7 +85,8 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
     return {"method": method, "budget": budget, "context": context, "steps": steps,
             "activity": "cuda" if cuda else "cpu", "total_us_per_step": total,
             "decode_ms_median": r["decode_ms_median"], "compiled": r["compiled"],
-            "fused_kernels": r["fused_kernels"], "kernels_per_step": launches,
+            "fused_kernels": r["fused_kernels"], "dense_kernels": r.get("dense_kernels", False),
+            "kernels_per_step": launches,
             "kernels_per_layer": launches / model.args.n_layers, "kernels": rows}
 
 
@@ -94,7 +95,8 @@ def markdown(results: list[dict], top: int, header: str) -> str:
     for res in results:
         label = res["method"] + (f" @{res['budget']}" if res["budget"] is not None else "")
         unit = "kernel" if res["activity"] == "cuda" else "CPU operator"
-        fused = "fused kernels" if res.get("fused_kernels") else "PyTorch path"
+        fused = "all fused kernels" if res.get("dense_kernels") else \
+            "sparse fused kernels" if res.get("fused_kernels") else "PyTorch path"
         lines += [f"### {label}, context {res['context']}: {res['total_us_per_step']:.0f} us of "
                   f"{unit} time per step (decode median {res['decode_ms_median']:.3f} ms)", "",
                   f"{res['kernels_per_step']:.0f} {unit}s per step, "

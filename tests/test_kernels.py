@@ -151,9 +151,11 @@ def check_selection(ref_cache, ker_cache, q, t, k, exact):
     else:
         mode, two, r, rows = OPS.MODE_SOFTMAX, sel.page_size > 1, sel.r, sel.summary_rows()
     ps = sel.page_size
-    pages, take = torch.ops.rocketkv.paged_select(
-        q, keys if rows is None else rows, torch.tensor([t], device=q.device), mode, two, r,
-        min(k, S), ps, rows is None)
+    # odd steps give the slot as a compressed cache does: a position less the slot offset
+    last, offset = (torch.tensor([t + 9], device=q.device), torch.tensor([9], device=q.device)) \
+        if t % 2 else (torch.tensor([t], device=q.device), None)
+    pages, take = torch.ops.rocketkv.paged_select(q, keys if rows is None else rows, last, mode,
+                                                  two, r, min(k, S), ps, rows is None, offset)
     assert pages.shape[-1] == OPS.selected_pages(min(k, S), ps, S // ps)
     got = chosen_slots(pages.cpu(), take.cpu(), ps, S)
     n_valid = t + 1
@@ -239,6 +241,30 @@ def test_bfloat16_selection_and_output(name, k):
 
 
 @interpreted
+@pytest.mark.parametrize("name,k", [("hybrid", 9), ("quest_page100", 150), ("sparq", 7),
+                                    ("exact_topk", 40)])
+def test_select_attend_is_paged_select_then_attend_pages(name, k, monkeypatch):
+    """The one-kernel selection and attention (``select_attend``, what runs for k <= 512)
+    gives the two kernels' output, the page list passing between its two phases in one
+    program (NaN-poisoned unwritten slots, GQA, two steps)."""
+    ref, ker, (q, kk, v) = twin_caches(name, k, model_args(8, 2, 32), 70, 2, torch.float32,
+                                       "cpu", B=2)
+    ref.k_cache.copy_(ker.k_cache)  # both poisoned alike: the kernels read the same data
+    ref.v_cache.copy_(ker.v_cache)
+    aux_ref, aux_ker = aux_of(ref.selector), aux_of(ker.selector)
+    if aux_ker is not None:
+        aux_ref.copy_(aux_ker)
+    assert OPS.attention_splits(k) == 1  # the selection select_attend takes
+    for t in range(70, 72):
+        ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+        monkeypatch.setattr(kernels, "_fuse_selection", False)
+        two = decode(ref, "force", *ins, t)
+        monkeypatch.setattr(kernels, "_fuse_selection", True)
+        one = decode(ker, "force", *ins, t)
+        assert torch.isfinite(one).all() and torch.allclose(one, two, atol=1e-6, rtol=1e-5), t
+
+
+@interpreted
 def test_split_attention_merges_like_one_program(monkeypatch):
     """A selection attended by several programs per KV head (log-sum-exp merge) equals one
     program's result and the reference."""
@@ -299,9 +325,9 @@ def test_dense_selector_uses_the_prefix_kernel(monkeypatch):
     calls = []
     spy = kernels.prefix_attention
 
-    def counting(*a):
-        calls.append(a[-1])
-        return spy(*a)
+    def counting(q, k, v, last, offset):  # the slot: position less the slot offset
+        calls.append(last - offset)
+        return spy(q, k, v, last, offset)
 
     monkeypatch.setattr(kernels, "prefix_attention", counting)
     for t in range(T, T + steps):
@@ -323,7 +349,7 @@ def test_write_token_restarts_a_page_and_writes_a_column():
     toks = [torch.randn(B, Hkv, 1, D, generator=g) for _ in range(3)]
     for slot, tok in zip((4, 5, 6), toks):
         torch.ops.rocketkv.write_token(kc, vc, summary, tok, -tok, torch.tensor([slot]),
-                                       OPS.AUX_SUMMARY, ps)
+                                       kernels.AUX_SUMMARY, ps)
     stack = torch.cat(toks, dim=2)
     assert torch.equal(summary[..., :D, 1], stack.amax(2))
     assert torch.equal(summary[..., D:, 1], stack.amin(2))
@@ -331,7 +357,7 @@ def test_write_token_restarts_a_page_and_writes_a_column():
     assert torch.equal(vc[:, :, 4:7], -stack)
     dims = torch.zeros(B, Hkv, D, S)
     torch.ops.rocketkv.write_token(kc, vc, dims, toks[0], toks[0], torch.tensor([9]),
-                                   OPS.AUX_DIM_MAJOR, 1)
+                                   kernels.AUX_DIM_MAJOR, 1)
     assert torch.equal(dims[..., 9], toks[0][:, :, 0])
     assert dims[..., :9].eq(0).all() and dims[..., 10:].eq(0).all()
 
@@ -351,23 +377,31 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
     r = compiled_triton(ROOT / "scripts" / "compile_kernels.py", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
-    assert len(rows) == 13 and all(row["registers"] for row in rows)
+    assert len(rows) == 29 and all(row["registers"] for row in rows)
     assert max(row["spill_bytes"] for row in rows) <= 512, rows
 
 
 def test_the_compiled_decode_step_holds_the_kernels_whole():
     """Each method's decode step traces as the GPU compiles it (fullgraph, AOT
     functionalization; Triton not interpreted, nothing run): no graph break, and the graph
-    calls the fused kernels: the write (for the caches with auxiliary keys), the selection and
-    the sparse attention, or the prefix attention for the full cache (tests/trace_decode.py)."""
+    calls the fused kernels: the write (for the caches with auxiliary keys), the selection with
+    the sparse attention, or the prefix attention for the full cache (tests/trace_decode.py).
+    A whole decoder layer is the q/k/v kernel (which writes the token), the cache's kernel and
+    three projection kernels, and nothing else: five kernels for Full-KV and for a selecting
+    method (the compressed cache's slot offset is subtracted in the kernels)."""
     r = compiled_triton(ROOT / "tests" / "trace_decode.py")
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    sel = ["_paged_select_kernel", "_attend_pages_kernel"]
+    sel = ["_select_attend_kernel"]  # selection and attention in one program (k <= 512)
+    lin = "_linear_kernel"
+    layer_full, layer_hybrid = got.pop("layer_full"), got.pop("layer_hybrid")
     assert got == {"full": ["_attend_prefix_kernel"], "hybrid": ["_write_token_kernel", *sel],
                    "hybrid_page1": sel, "quest": ["_write_token_kernel", *sel],
                    "sparq": ["_write_token_kernel", *sel], "sparq_strided": sel,
                    "exact_topk": sel}, got
+    assert layer_full == {"triton": [lin, "_attend_prefix_kernel", lin, lin, lin],
+                          "other": []}, layer_full
+    assert layer_hybrid == {"triton": [lin, *sel, lin, lin, lin], "other": []}, layer_hybrid
 
 
 def test_kernels_stay_off_on_cpu_by_default():

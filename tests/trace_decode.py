@@ -1,6 +1,8 @@
 """Trace each selecting method's decode step with the fused kernels the way the GPU compiles
 it (``torch.compile(fullgraph=True)``, AOT functionalization), without a GPU and without
-running it: prints, per method, the Triton kernels the graph holds, or the error. Triton must
+running it: prints, per method, the Triton kernels the graph holds, or the error; and for
+whole decoder layers (``layer_full``, ``layer_hybrid``: the projections' dense kernels around
+the cache's) the Triton kernels and the other compute operators left to inductor. Triton must
 not be in interpreter mode (``TRITON_INTERPRET`` unset): ``tests/test_kernels.py`` runs this
 in a subprocess.
 
@@ -17,16 +19,22 @@ from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
 import kernels
 from kv_cache import FullKVCache
+from model import TransformerBlock, precompute_rope
 
 CASES = {"full": None, "hybrid": 6, "hybrid_page1": 9, "quest": 3, "sparq": 10,
-         "sparq_strided": 10, "exact_topk": 12}
+         "sparq_strided": 10, "exact_topk": 12, "layer_full": None, "layer_hybrid": 6}
 
 
 class Traced(Exception):
     pass
 
 
-def trace(name: str, k: int) -> list[str]:
+VIEWS = ("view", "reshape", "unsqueeze", "squeeze", "expand", "permute", "transpose", "t.",
+         "slice", "select", "alias", "_unsafe_view", "empty", "as_strided", "detach",
+         "clone", "lift_fresh", "getitem")  # no kernel of their own (or inductor drops them)
+
+
+def trace(name: str, k: int | None) -> list[str] | dict:
     graphs = []
 
     def forward_compiler(gm, example_inputs):
@@ -37,25 +45,37 @@ def trace(name: str, k: int) -> list[str]:
 
         return run
 
-    if name == "full":  # the dense decode (attend_prefix)
-        ker = FullKVCache(0, tk.model_args(8, 2, 32), 1, torch.float32, "cpu", 64)
+    args = tk.model_args(8, 2, 32)
+    if name in ("full", "layer_full"):  # the dense decode (attend_prefix)
+        ker = FullKVCache(0, args, 1, torch.float32, "cpu", 64)
         q, kk, v = (torch.randn(1, h, 42, 32) for h in (8, 2, 2))
     else:
-        _, ker, (q, kk, v) = tk.twin_caches(name, k, tk.model_args(8, 2, 32), 41, 1,
+        _, ker, (q, kk, v) = tk.twin_caches(name.removeprefix("layer_"), k, args, 41, 1,
                                             torch.float32, "cpu")
     torch._dynamo.reset()
-    step = torch.compile(ker.decode, backend=aot_autograd(fw_compiler=forward_compiler),
+    pos = torch.tensor([41])
+    if name.startswith("layer_"):  # a whole decoder layer, its projections' kernels included
+        args.intermediate_size = 96
+        layer = TransformerBlock(args)
+        layer.attention.kv_cache = ker
+        x, rope = torch.randn(1, 1, args.dim), precompute_rope(args, 64)[pos]
+        call, inputs = layer, (x, rope, pos)
+    else:
+        call, inputs = ker.decode, (q[:, :, 41:42], kk[:, :, 41:42], v[:, :, 41:42], pos)
+    step = torch.compile(call, backend=aot_autograd(fw_compiler=forward_compiler),
                          fullgraph=True)
     try:
         with torch.no_grad():
-            step(q[:, :, 41:42], kk[:, :, 41:42], v[:, :, 41:42], torch.tensor([41]))
+            step(*inputs)
     except Traced:
         pass
-    names = []
+    names, others = [], []
     for node in graphs[0].graph.nodes:
         if "triton_kernel_wrapper" in str(node.target):
             names.append(kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__)
-    return names
+        elif node.op == "call_function" and not any(v in str(node.target) for v in VIEWS):
+            others.append(str(node.target))
+    return {"triton": names, "other": others} if name.startswith("layer_") else names
 
 
 def main() -> int:

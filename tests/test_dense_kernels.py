@@ -1,0 +1,327 @@
+"""The dense decode kernels (kernels/dense.py) against the PyTorch modules they replace.
+
+On CPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py) at small
+shapes: each launch against the plain formula (``F.linear``, ``RMSNorm``, ``apply_rope``, the
+cache write and the selectors' ``update``), then whole decode steps of every method with the
+dense kernels on against the same steps with them off. Slots and pages the write must not
+touch are poisoned with NaN. The ``cuda`` tests run the checks at the llama-3.1-8b shape on
+the GPU machine (``pytest -m cuda``).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from compression import METHODS, build_caches, smallest_budget
+from compression.hybrid import Hybrid
+from compression.sparq import SparQ
+from kv_cache import CompressedKVCache, FullKVCache, no_aux
+from model import ModelArgs, RMSNorm, Transformer, apply_rope, precompute_rope
+
+OPS = kernels.ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason=f"triton: {kernels.missing()}")
+DENSE = __import__("kernels.dense").dense if OPS is not None else None
+CUDA = torch.cuda.is_available()
+interpreted = pytest.mark.skipif(CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU tensors need Triton's interpreter; the GPU "
+                                        "machine runs the cuda tests")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_forced():
+    previous, dense = kernels.set_mode("force"), kernels.set_dense(True)
+    yield
+    kernels.set_mode(previous)
+    kernels.set_dense(dense)
+
+
+def tolerance(dtype):
+    return dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+
+
+@pytest.fixture(params=[512, 3], ids=["rows-1", "rows-many"])
+def programs(request, monkeypatch):
+    """``TARGET_PROGRAMS``: 512 gives one weight row per program at these shapes, 3 the
+    largest blocks, with a partial last block."""
+    monkeypatch.setattr(DENSE, "TARGET_PROGRAMS", request.param)
+
+
+# ---- one launch against the formula ------------------------------------------------------
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_linear_equals_the_formula(batch, dtype, programs):
+    g = torch.Generator().manual_seed(batch)
+    K, N = 48, 40  # neither a multiple of the blocks
+    x = torch.randn(batch, 1, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / 7).to(dtype)
+    w13 = (torch.randn(2 * N, K, generator=g) / 7).to(dtype)
+    r = torch.randn(batch, 1, N, generator=g).to(dtype)
+    norm = RMSNorm(K, 1e-5).to(dtype)
+    norm.weight.data = (torch.rand(K, generator=g) + 0.5).to(dtype)
+    with torch.no_grad():
+        cases = {
+            "norm": (kernels.linear(x, w, norm.weight, norm.eps), F.linear(norm(x), w)),
+            "residual": (kernels.linear(x, w, residual=r), r + F.linear(x, w)),
+            "swiglu": (kernels.linear(x, w13, norm.weight, norm.eps, swiglu=True),
+                       F.silu(F.linear(norm(x), w13[:N])) * F.linear(norm(x), w13[N:])),
+        }
+    for name, (out, ref) in cases.items():
+        assert out.shape == ref.shape and out.dtype == dtype, name
+        assert torch.allclose(out.float(), ref.float(), **tolerance(dtype)), name
+
+
+def qkv_setup(H, Hkv, D, B, dtype, bias, g):
+    dim = 3 * D
+    w = (torch.randn((H + 2 * Hkv) * D, dim, generator=g) / 5).to(dtype)
+    b = torch.randn((H + 2 * Hkv) * D, generator=g).to(dtype) if bias else None
+    norm = RMSNorm(dim, 1e-6).to(dtype)
+    norm.weight.data = (torch.rand(dim, generator=g) + 0.5).to(dtype)
+    x = torch.randn(B, 1, dim, generator=g).to(dtype)
+    args = ModelArgs(dim=dim, n_layers=1, n_heads=H, n_kv_heads=Hkv, head_dim=D,
+                     intermediate_size=8, vocab_size=10, max_seq_len=64)
+    rope = precompute_rope(args, 64)
+    return x, norm, w, b, rope
+
+
+def qkv_formula(x, norm, w, b, rope, H, Hkv, D):
+    """The model's path: ``Attention.qkv`` on the normed hidden state."""
+    B = x.shape[0]
+    y = F.linear(norm(x), w) + (b if b is not None else 0)
+    q, k, v = y.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q = apply_rope(q.view(B, 1, H, D), rope).transpose(1, 2)
+    k = apply_rope(k.view(B, 1, Hkv, D), rope).transpose(1, 2)
+    return q, k, v.view(B, 1, Hkv, D).transpose(1, 2)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("aux", ["none", "summary", "dim_major"])
+@pytest.mark.parametrize("heads,bias,batch", [((4, 2), False, 1), ((2, 2), True, 2),
+                                              ((6, 1), True, 1)])
+def test_qkv_store_equals_the_projection_rope_and_write(heads, bias, batch, aux, dtype,
+                                                        programs):
+    """q returned, k and v written at the slot (and nowhere else), the page summary updated
+    (a page's first slot restarts it, a later one takes the max and min) or the dim-major
+    column written, as the PyTorch write and ``update``."""
+    H, Hkv = heads
+    D, S, P = 16, 12, 4
+    g = torch.Generator().manual_seed(H + batch)
+    x, norm, w, b, rope = qkv_setup(H, Hkv, D, batch, dtype, bias, g)
+    for slot in (8, 9):  # a page's first slot, then the next
+        pos = torch.tensor([slot + 5])
+        q_ref, k_ref, v_ref = qkv_formula(x, norm, w, b, rope[pos], H, Hkv, D)
+        kc = torch.full((batch, Hkv, S, D), float("nan"), dtype=dtype)
+        vc = kc.clone()
+        if aux == "summary":
+            buf = torch.randn(batch, Hkv, 2 * D, S // P, generator=g).to(dtype)
+            kind, ps = kernels.AUX_SUMMARY, P
+        elif aux == "dim_major":
+            buf = torch.full((batch, Hkv, D, S), float("nan"), dtype=dtype)
+            kind, ps = kernels.AUX_DIM_MAJOR, 1
+        else:
+            buf, kind, ps = no_aux(kc), kernels.AUX_NONE, 1
+        before = buf.clone()
+        # the slot as a compressed cache gives it (position less the slot offset), or as is
+        where = (torch.tensor([slot + 3]), torch.tensor([3])) if slot % 2 else \
+            (torch.tensor([slot]), None)
+        store = (kc, vc, *where, buf, kind, ps)
+        with torch.no_grad():
+            q = kernels.qkv_store(x, norm.weight, norm.eps, w, b, rope[pos], store, H)
+        tol = tolerance(dtype)
+        assert q.shape == (batch, H, 1, D) and torch.allclose(q.float(), q_ref.float(), **tol)
+        k_new, v_new = kc[:, :, slot], vc[:, :, slot]
+        assert torch.allclose(k_new.float(), k_ref[:, :, 0].float(), **tol)
+        assert torch.allclose(v_new.float(), v_ref[:, :, 0].float(), **tol)
+        others = torch.arange(S) != slot
+        assert kc[:, :, others].isnan().all() and vc[:, :, others].isnan().all()
+        if aux == "summary":  # the update of the stored (rounded) key, exactly
+            page = slot // P
+            kf = k_new.float()
+            old = before[..., page].float()
+            first = slot % P == 0
+            mx = kf if first else torch.maximum(old[:, :, :D], kf)
+            mn = kf if first else torch.minimum(old[:, :, D:], kf)
+            assert torch.equal(buf[..., page].float(), torch.cat([mx, mn], dim=2))
+            rest = torch.arange(S // P) != page
+            assert torch.equal(buf[..., rest], before[..., rest])
+        elif aux == "dim_major":
+            assert torch.equal(buf[..., slot], k_new)
+            assert buf[..., others].isnan().all()
+
+
+# ---- whole decode steps of every method ----------------------------------------------------
+
+ARGS = {
+    "gqa": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=80,
+                     vocab_size=40, max_seq_len=256),
+    "qwen-like": ModelArgs(dim=48, n_layers=2, n_heads=3, n_kv_heads=1, intermediate_size=64,
+                           vocab_size=40, max_seq_len=256, qkv_bias=True,
+                           tie_word_embeddings=True),
+}
+
+
+def decode_logits(model, method, fused, T=72, steps=2, batch=2):
+    """Logits (steps, B, vocab) of greedy decode steps after a prefill of ``T`` random
+    tokens, with every kernel (``fused``) or none: the PyTorch path."""
+    args = model.args
+    budget = None
+    if METHODS[method].budgeted:  # compressing: below prompt + new tokens
+        smallest = smallest_budget(method, T, steps + 1, args, {})
+        if smallest is None:
+            pytest.skip(f"{method} takes no budget below the sequence at this shape")
+        budget = max(40, smallest)
+    caches = build_caches(method, args, batch_size=batch, prompt_len=T,
+                          max_new_tokens=steps + 1, budget=budget, dtype=torch.float32,
+                          device="cpu")
+    model.setup_caches(caches, T + steps + 1)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab_size, (batch, T), generator=g)
+    previous = kernels.set_mode("force" if fused else "off")
+    try:
+        with torch.no_grad():
+            tok = model.prefill(tokens).argmax(-1, keepdim=True)
+            out = []
+            for t in range(T, T + steps):
+                logits = model(tok, torch.tensor([t]))
+                out.append(logits)
+                tok = logits.argmax(-1, keepdim=True)
+    finally:
+        kernels.set_mode(previous)
+    return torch.stack(out), caches
+
+
+def random_model(shape):
+    torch.manual_seed(0)
+    model = Transformer(ARGS[shape])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+        if model.args.qkv_bias:
+            for layer in model.layers:
+                layer.attention.wqkv_bias.normal_(0, 0.5)
+    return model.eval()
+
+
+@interpreted
+@pytest.mark.parametrize("method,shape", [(m, "gqa") for m in METHODS] +
+                         [(m, "qwen-like") for m in ("full", "rocketkv", "h2o")])
+def test_every_method_decodes_alike_with_the_kernels(method, shape):
+    """The model's decode steps with every kernel (dense and sparse) equal the PyTorch path's
+    (fp32): for a cache that offers ``token_store`` the q/k/v kernel writes the token where
+    its own write would (its buffers equal after the steps; the selectors' auxiliary keys
+    too); for the others ``decode`` gets the same k and v."""
+    model = random_model(shape)
+    ref, ref_caches = decode_logits(model, method, fused=False)
+    calls = []
+    spy = kernels.qkv_store
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return spy(*a, **kw)
+
+    kernels.qkv_store = counting
+    try:
+        out, caches = decode_logits(model, method, fused=True)
+    finally:
+        kernels.qkv_store = spy
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+    fused = all(c.dense_kernels for c in caches)
+    assert len(calls) == (out.shape[0] * model.args.n_layers if fused else 0)
+    for c, r in zip(caches, ref_caches):
+        if c.token_store(torch.tensor([0])) is not None:
+            for name, buf in c.named_buffers():
+                assert torch.allclose(buf.float(), dict(r.named_buffers())[name].float(),
+                                      atol=1e-4, equal_nan=True), name
+
+
+def test_what_the_dense_kernels_leave_to_pytorch():
+    """Quantized, biased or hooked linears (tensor parallelism's all-reduce) and the gpt-fast
+    baseline keep the PyTorch path; ``set_dense(False)`` keeps it everywhere."""
+    model = random_model("gqa")
+    layer = model.layers[0]
+    layer.attention.kv_cache = FullKVCache(0, model.args, 1, torch.float32, "cpu", 16)
+    assert layer.fusable()
+    handle = layer.attention.wo.register_forward_hook(lambda *a: None)
+    assert not layer.fusable()
+    handle.remove()
+    layer.feed_forward.w2 = nn.Linear(80, 64, bias=True)
+    assert not layer.fusable()
+    caches = build_caches("gptfast_dense", model.args, batch_size=1, prompt_len=8,
+                          max_new_tokens=2, budget=None, dtype=torch.float32, device="cpu")
+    assert not caches[0].dense_kernels
+    x = torch.zeros(1, 1, 64)
+    assert kernels.dense_enabled(x)
+    kernels.set_dense(False)
+    assert not kernels.dense_enabled(x) and kernels.enabled(torch.zeros(1, 1, 16))
+
+
+def test_token_stores_name_the_selectors_auxiliary_keys():
+    """A selector's write in the fused kernel: Hybrid's page summary, SparQ's dim-major copy,
+    none for SparQ's strided keys, and no fused write when ``update`` has more to do (SparQ's
+    mean-V reallocation)."""
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
+                     vocab_size=10, max_seq_len=64)
+    pos = torch.tensor([20])
+
+    def cache(sel):
+        return CompressedKVCache(0, args, 1, torch.float32, "cpu", prompt_len=16,
+                                 prompt_capacity=12, max_new_tokens=8, selector=sel)
+
+    c = cache(Hybrid(4, 5, 8))
+    s = c.token_store(pos)
+    assert s.aux is c.selector.summary and s.aux_kind == kernels.AUX_SUMMARY and \
+        s.page_size == 4 and int(s.pos - s.offset) == 20 - 4
+    s = cache(SparQ(5, 8)).token_store(pos)
+    assert s.aux_kind == kernels.AUX_DIM_MAJOR
+    assert cache(SparQ(5, 8, dim_major=False)).token_store(pos).aux_kind == kernels.AUX_NONE
+    assert cache(SparQ(5, 8, reallocate=True)).token_store(pos) is None
+
+
+# ---- CUDA, real shapes ---------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("batch", [1, 16])
+def test_cuda_real_shapes(batch):
+    """The llama-3.1-8b layer shapes in bf16: the q/k/v launch with its write, the output,
+    gate/up and down projections, and the LM head, against the formula."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    H, Hkv, D, dim, inter = 32, 8, 128, 4096, 14336
+    x = torch.randn(batch, 1, dim, generator=g, device=dev).to(dt)
+    norm = RMSNorm(dim, 1e-5).to(dev, dt)
+    for n_out, k_in, swiglu in ((dim, H * D, False), (inter, dim, True), (dim, inter, False),
+                                (128256, dim, False)):
+        w = (torch.randn((2 if swiglu else 1) * n_out, k_in, generator=g, device=dev)
+             / k_in ** 0.5).to(dt)
+        xi = torch.randn(batch, 1, k_in, generator=g, device=dev).to(dt)
+        n = RMSNorm(k_in, 1e-5).to(dev, dt)
+        if swiglu:
+            out = kernels.linear(xi, w, n.weight, n.eps, swiglu=True)
+            ref = F.silu(F.linear(n(xi), w[:n_out])) * F.linear(n(xi), w[n_out:])
+        else:
+            out, ref = kernels.linear(xi, w, n.weight, n.eps), F.linear(n(xi), w)
+        assert torch.allclose(out.float(), ref.float(), atol=5e-2, rtol=3e-2), (n_out, k_in)
+    w = (torch.randn((H + 2 * Hkv) * D, dim, generator=g, device=dev) / dim ** 0.5).to(dt)
+    args = ModelArgs.from_name("llama-3.1-8b")
+    rope = precompute_rope(args, 40000, dev)[torch.tensor([32768], device=dev)]
+    kc = torch.full((batch, Hkv, 40000, D), float("nan"), device=dev, dtype=dt)
+    vc = kc.clone()
+    summary = torch.randn(batch, Hkv, 2 * D, 40000 // 16, device=dev).to(dt)
+    pos, offset = torch.tensor([32768 + 100], device=dev), torch.tensor([100], device=dev)
+    q = kernels.qkv_store(x, norm.weight, norm.eps, w, None, rope,
+                          (kc, vc, pos, offset, summary, kernels.AUX_SUMMARY, 16), H)
+    q_ref, k_ref, v_ref = qkv_formula(x, norm, w, None, rope, H, Hkv, D)
+    assert torch.allclose(q.float(), q_ref.float(), atol=5e-2, rtol=3e-2)
+    assert torch.allclose(kc[:, :, 32768].float(), k_ref[:, :, 0].float(), atol=5e-2, rtol=3e-2)
+    assert torch.allclose(vc[:, :, 32768].float(), v_ref[:, :, 0].float(), atol=5e-2, rtol=3e-2)
+    for rows in (slice(0, D), slice(D, 2 * D)):  # the page's first slot: max = min = key
+        assert torch.equal(summary[:, :, rows, 2048], kc[:, :, 32768])
