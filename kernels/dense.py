@@ -28,8 +28,9 @@ sum_k (x_k g_k) W_nk over the same loads of x and scales by rsqrt(mean x^2 + eps
 by rounding once at the end: outputs agree within the dtype's tolerance, not bit for bit.
 
 One batch row uses a multiply-and-sum per block (a GEMV); several use ``tl.dot`` on blocks of
-16 rows. Block sizes are fixed by rule (``_block_n``), untuned: the GPU checklist measures the
-kernels against cuBLAS (``--kernels sparse`` keeps the PyTorch projections). Registered with
+16 rows. Block sizes are fixed by rule (``launch_config`` from the module's constants),
+untuned: ``scripts/bench_dense.py`` times a grid of them against cuBLAS on a GPU, and
+``--kernels sparse`` keeps the PyTorch projections for the whole-step comparison. Registered with
 ``torch.library.triton_op`` as the sparse kernels are; tested against the PyTorch modules in
 Triton's interpreter on CPU (``tests/test_dense_kernels.py``).
 """
@@ -53,6 +54,7 @@ TARGET_PROGRAMS = 512  # programs a launch aims at (about 4 per SM of an H100/H2
 MAX_BLOCK_N = 32  # weight rows per program and row set, at most
 K_BLOCK_GEMV = 256  # columns per loop iteration, one batch row
 K_BLOCK_DOT = 64  # columns per loop iteration, tl.dot over batch rows
+NUM_WARPS = 4  # per program (scripts/bench_dense.py times the alternatives on a GPU)
 
 
 @triton.jit
@@ -223,7 +225,7 @@ def _launch(x2: Tensor, weight: Tensor, out: Tensor, *, norm: Tensor | None, eps
         sc[0], sc[1], sc[2], sa[0], sa[1], sa[2], sa[3], qn, kn, head_dim, page_size,
         NORM=norm is not None, BIAS=bias is not None, EPI=epi, AUX=aux_kind,
         HAS_OFFSET=offset is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, DOT=_dot_mode(weight))
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT=_dot_mode(weight), num_warps=NUM_WARPS)
 
 
 def _rows(x: Tensor) -> Tensor:

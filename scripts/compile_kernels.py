@@ -100,7 +100,7 @@ def dense_configurations(dense) -> list[tuple]:
             out.append((E._linear_kernel, pointers,
                         {"NORM": norm, "BIAS": False, "EPI": epi, "AUX": aux,
                          "HAS_OFFSET": aux > 0, "BLOCK_M": bm,
-                         "BLOCK_N": bn, "BLOCK_K": bk, "DOT": "native"}, 4))
+                         "BLOCK_N": bn, "BLOCK_K": bk, "DOT": "native"}, E.NUM_WARPS))
     return out
 
 

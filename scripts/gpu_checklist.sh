@@ -10,6 +10,9 @@
 #    count before). Run it first.
 # k2: the selecting methods and full at 32K with every kernel (item 2), then full and
 #    rocketkv@256 at 32K and 128K with --kernels sparse: our projection kernels against cuBLAS
+# kd: the dense kernels alone against cuBLAS at the llama-3.1-8b projections over a grid of
+#    launch configurations (scripts/bench_dense.py): batch 1 over the full grid, batch 16 over
+#    the quick one; the best configuration is then set in kernels/dense.py
 # p: peers side by side (item 4): transformers' static cache beside our full and rocketkv@256
 #    at 32K and 128K in one bench call (check_targets compares rows of one run), then int8 and
 #    int4 weights with full and rocketkv@256 at 32K and 128K (item 5)
@@ -29,7 +32,7 @@
 # device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
 # `pip install -e .`): PYTHONPATH puts the repository root on the path for scripts/ and evals/.
 set -o pipefail
-part=${1:?part k, k2, p, g1, g2, a, b, c, d, e or f}
+part=${1:?part k, k2, kd, p, g1, g2, a, b, c, d, e or f}
 out=${2:-${OUT:?no OUTDIR and no \$OUT}}
 py=${PYTHON:-python3}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -61,6 +64,14 @@ k2)
     step "full and rocketkv@256 with the sparse kernels only (cuBLAS projections)"
     timeout 250 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
         --budgets 256 --kernels sparse --time-limit 190
+    ;;
+kd)
+    step "dense kernels against cuBLAS, batch 1, full grid"
+    timeout 380 $py scripts/bench_dense.py --batch-sizes 1 --grid full \
+        --json "$out/bench_dense-b1.json"
+    step "dense kernels against cuBLAS, batch 16, quick grid"
+    timeout 170 $py scripts/bench_dense.py --batch-sizes 16 --grid quick \
+        --json "$out/bench_dense-b16.json"
     ;;
 p)
     step int8 and int4 CUDA kernels against dequantized matmuls

@@ -1,0 +1,226 @@
+"""The dense decode kernels (kernels/dense.py) against cuBLAS at a model's projection shapes,
+over a grid of launch configurations: which one reads the weights fastest.
+
+    python scripts/bench_dense.py                        # CUDA: llama-3.1-8b, bf16, batch 1, 16
+    python scripts/bench_dense.py --grid full --json results/NVIDIA-H100/bench_dense.json
+    TRITON_INTERPRET=1 python scripts/bench_dense.py --device cpu --checkpoint stories260K \\
+        --grid none --iters 1                            # a smoke run (CPU times mean nothing)
+
+For each projection of one decoder layer (q/k/v with RoPE and the token's write, the output
+projection with the residual, gate/up with SwiGLU, down with the residual) and the LM head
+with the final norm, at each batch size, one row per launch configuration of ours
+(``kernels.dense``'s ``TARGET_PROGRAMS``, ``MAX_BLOCK_N``, ``K_BLOCK_GEMV`` or ``K_BLOCK_DOT``,
+``NUM_WARPS``) and one row for ``torch.nn.functional.linear`` of the same weight (cuBLAS on
+CUDA; the matmul alone, without the norm and epilogue our kernels include). Each row:
+``us_median`` per launch, ``weight_bytes`` read, ``gbps`` (weight bytes / time), its ratio to
+the copy bandwidth measured in the same run (``bandwidth_gbps``), and ``vs_reference`` (our
+time / the reference's). On CUDA a launch is timed inside a CUDA graph of ``--reps`` launches
+replayed ``--iters`` times (CUDA events), so launch overhead is not counted, as in the decode
+step's graph; on CPU by wall clock. Rows go to ``--json`` (default
+``results/<device>/bench_dense-<time>.json``), saved after every shape. The configuration the
+decode step launches is the module's current one (``default: true`` rows); a better one found
+here is set in ``kernels/dense.py`` by hand, with this file's rows committed beside the change.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from cli import OneLineParser, command_line, write_json
+from evals.bench import measure_bandwidth, resolve_run, results_dir
+from kv_cache import no_aux
+from measure import device_name, percentile, sync
+from model import CONFIGS, ConfigError, ModelArgs, precompute_rope
+
+GRIDS = {  # (TARGET_PROGRAMS, MAX_BLOCK_N, K block, NUM_WARPS) tried beside the default
+    "none": [],
+    "quick": [(p, 32, k, w) for p, k, w in itertools.product((256, 1024), (128, 512), (4, 8))],
+    "full": list(itertools.product((256, 512, 1024, 2048), (16, 32, 64), (256, 512, 1024),
+                                   (4, 8))),
+}
+KNOBS = ("TARGET_PROGRAMS", "MAX_BLOCK_N", "K_BLOCK", "NUM_WARPS")
+
+
+def shapes(args: ModelArgs, batch: int, device, dtype, seed: int) -> list[tuple]:
+    """(name, K, weight rows, call, reference) per projection: ``call()`` runs our kernel,
+    ``reference()`` the plain matmul of the same weight."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*size):
+        return (torch.randn(*size, generator=g, device=device) / size[-1] ** 0.5).to(dtype)
+
+    H, Hkv, D, dim, inter = (args.n_heads, args.n_kv_heads, args.head_dim, args.dim,
+                             args.intermediate_size)
+    x, res = rand(batch, 1, dim), rand(batch, 1, dim)
+    y, g_in = rand(batch, 1, H * D), rand(batch, 1, inter)
+    norm = torch.ones(dim, device=device, dtype=dtype)
+    wqkv, wo = rand((H + 2 * Hkv) * D, dim), rand(dim, H * D)
+    w13, w2, head = rand(2 * inter, dim), rand(dim, inter), rand(args.vocab_size, dim)
+    k_cache = torch.zeros(batch, Hkv, 64, D, device=device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    pos = torch.tensor([17], device=device)
+    rope = precompute_rope(args, 64, device)[pos]
+    store = (k_cache, v_cache, pos, None, no_aux(k_cache), kernels.AUX_NONE, 1)
+    eps = args.norm_eps
+    return [
+        ("qkv_store", dim, wqkv.shape[0], lambda: kernels.qkv_store(x, norm, eps, wqkv, None,
+                                                                     rope, store, H),
+         lambda: F.linear(x, wqkv)),
+        ("wo+residual", H * D, dim, lambda: kernels.linear(y, wo, residual=res),
+         lambda: F.linear(y, wo)),
+        ("w13+swiglu", dim, 2 * inter, lambda: kernels.linear(x, w13, norm, eps, swiglu=True),
+         lambda: F.linear(x, w13)),
+        ("w2+residual", inter, dim, lambda: kernels.linear(g_in, w2, residual=res),
+         lambda: F.linear(g_in, w2)),
+        ("lm_head", dim, args.vocab_size, lambda: kernels.linear(x, head, norm, eps),
+         lambda: F.linear(x, head)),
+    ]
+
+
+def time_us(fn, device: torch.device, iters: int, reps: int) -> float:
+    """Median microseconds per call of ``fn``: on CUDA from a graph of ``reps`` calls replayed
+    ``iters`` times (after a warm-up call that compiles the kernel), else wall clock."""
+    fn()
+    sync(device)
+    times = []
+    if device.type == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        graph.replay()
+        for _ in range(iters):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / reps)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return percentile(times, 50)
+
+
+def set_config(dense, config: tuple, batch: int) -> None:
+    """Point the launch rule at ``config`` (its K block is the GEMV's at one batch row, the
+    tl.dot path's at more)."""
+    programs, block_n, k_block, warps = config
+    dense.TARGET_PROGRAMS, dense.MAX_BLOCK_N, dense.NUM_WARPS = programs, block_n, warps
+    if batch == 1:
+        dense.K_BLOCK_GEMV = k_block
+    else:
+        dense.K_BLOCK_DOT = k_block
+
+
+def main(argv=None) -> int:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=list(CONFIGS),
+                   metavar="NAME", help="named config (random weights; default llama-3.1-8b)")
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--grid", choices=list(GRIDS), default="quick",
+                   help="launch configurations tried beside the default (quick: 8, full: 72)")
+    p.add_argument("--iters", type=int, default=20, help="timed replays per row")
+    p.add_argument("--reps", type=int, default=20, help="launches per CUDA graph")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", metavar="PATH", help="rows (default results/<device>/"
+                                                  "bench_dense-<time>.json)")
+    args = p.parse_args(argv)
+    args.compile, args.kernels = None, None  # resolve_run's other flags: not read here
+    try:
+        device, dtype = resolve_run(args)
+        for flag in ("iters", "reps"):
+            if getattr(args, flag) <= 0:
+                raise ConfigError(f"--{flag} must be positive")
+        if any(b <= 0 for b in args.batch_sizes):
+            raise ConfigError("--batch-sizes must be positive")
+        previous = kernels.set_mode("force")  # the kernels on this device, whatever it is
+        if kernels.ops() is None:
+            raise ConfigError(f"the kernels need triton: {kernels.missing()}")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("on CPU the kernels run only in Triton's interpreter: set "
+                              "TRITON_INTERPRET=1")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import kernels.dense as dense
+
+    default = (dense.TARGET_PROGRAMS, dense.MAX_BLOCK_N, dense.K_BLOCK_GEMV, dense.NUM_WARPS)
+    default_dot = dense.K_BLOCK_DOT
+    margs = ModelArgs.from_name(args.checkpoint)
+    bandwidth = measure_bandwidth(device)
+    rows = []
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = args.json or str(results_dir("results", device) / f"bench_dense-{stamp}.json")
+
+    def save() -> None:  # after every shape: a run cut off keeps the rows it has
+        write_json(path, {"device": device_name(device), "torch_version": torch.__version__,
+                          "model": args.checkpoint, "dtype": str(dtype).removeprefix("torch."),
+                          "command": command_line("bench_dense.py", argv), "results": rows})
+
+    with torch.no_grad():
+        for batch in args.batch_sizes:
+            configs = [dict(zip(KNOBS, default[:2] + ((default[2] if batch == 1 else
+                                                         default_dot),) + default[3:]))]
+            configs += [dict(zip(KNOBS, c)) for c in GRIDS[args.grid]]
+            for name, K, n_rows, call, reference in shapes(margs, batch, device, dtype,
+                                                           args.seed):
+                nbytes = n_rows * K * torch.finfo(dtype).bits // 8
+                ref_us = time_us(reference, device, args.iters, args.reps)
+                base = {"shape": name, "batch_size": batch, "K": K, "weight_rows": n_rows,
+                        "weight_bytes": nbytes, "bandwidth_gbps": bandwidth}
+                rows.append({**base, "kernel": "F.linear", "us_median": ref_us,
+                             "gbps": nbytes / ref_us / 1e3,
+                             "of_bandwidth": nbytes / ref_us / 1e3 / bandwidth})
+                for i, config in enumerate(configs):
+                    set_config(dense, tuple(config.values()), batch)
+                    try:
+                        us = time_us(call, device, args.iters, args.reps)
+                    except Exception as e:  # noqa: BLE001 (a configuration that fails is a row)
+                        rows.append({**base, "kernel": "ours", "config": config,
+                                     "default": i == 0, "error": f"{type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else ''}"})
+                        continue
+                    finally:
+                        set_config(dense, default, 1)
+                        dense.K_BLOCK_DOT = default_dot
+                    rows.append({**base, "kernel": "ours", "config": config, "default": i == 0,
+                                 "us_median": us, "gbps": nbytes / us / 1e3,
+                                 "of_bandwidth": nbytes / us / 1e3 / bandwidth,
+                                 "vs_reference": us / ref_us})
+                best = min((r for r in rows if r.get("shape") == name and
+                            r.get("batch_size") == batch and "us_median" in r and
+                            r["kernel"] == "ours"), key=lambda r: r["us_median"], default=None)
+                dflt = next((r for r in rows if r.get("shape") == name and r.get("default")
+                             and r.get("batch_size") == batch and "us_median" in r), None)
+                print(f"{name:12s} batch {batch:3d}: F.linear {ref_us:8.1f} us"
+                      + (f"  ours (default) {dflt['us_median']:8.1f} us" if dflt else "")
+                      + (f"  best {best['us_median']:8.1f} us {best['config']}" if best else ""),
+                      flush=True)
+                save()
+    kernels.set_mode(previous)
+    print(f"rows: {path}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
