@@ -41,7 +41,8 @@ class ExactTopK(Selector):
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
                pos: Tensor | None = None) -> Tensor:
-        if pos is not None and kernels.enabled(q):  # r = D on K^T: the exact scores, fused
+        if pos is not None and kernels.enabled(q) and kernels.selection_fits(cache.length):
+            # r = D on K^T: the exact scores, fused
             return kernels.sparse_attention(
                 q, cache.k_cache, cache.v_cache, None, pos,
                 mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=cache.head_dim,

@@ -84,7 +84,8 @@ class Quest(PagedSelector):
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
                pos: Tensor | None = None) -> Tensor:
-        if pos is not None and kernels.enabled(q):  # the same selection, fused (Triton)
+        if pos is not None and kernels.enabled(q) and \
+                kernels.selection_fits(self.n_pages(cache)):  # the same selection, fused
             return kernels.sparse_attention(
                 q, cache.k_cache, cache.v_cache, self.summary_rows(), pos,
                 mode=kernels.ops().MODE_BOUND, two_bounds=self.page_size > 1,

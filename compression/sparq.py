@@ -129,7 +129,8 @@ class SparQ(Selector):
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
                pos: Tensor | None = None) -> Tensor:
         keys = self.k_dims if self.dim_major else cache.k_cache
-        if pos is not None and not self.reallocate and kernels.enabled(q):  # fused (Triton)
+        if pos is not None and not self.reallocate and kernels.enabled(q) and \
+                kernels.selection_fits(cache.length):  # fused (Triton)
             return kernels.sparse_attention(
                 q, cache.k_cache, cache.v_cache, keys if self.dim_major else None, pos,
                 mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=self.r,

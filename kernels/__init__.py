@@ -121,6 +121,15 @@ def linear(x: Tensor, weight: Tensor, norm_weight: Tensor | None = None, eps: fl
     return torch.ops.rocketkv.linear(x, weight, norm_weight, eps, residual, swiglu)
 
 
+def selection_fits(n_pages: int) -> bool:
+    """Whether a selector hands a cache of ``n_pages`` pages (tokens, for pages of one slot)
+    to the fused selection: when its choice of k runs in registers
+    (``kernels.sparse.register_pages``). Over more pages one program per KV head would scan
+    the scores serially, 35 passes of thousands of pages, so the PyTorch path (``torch.topk``
+    over every token) runs instead: SparQ and Exact-TopK beyond 8K tokens."""
+    return ops().register_pages(n_pages) > 0
+
+
 def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None,
                      last: Tensor, *, mode: int, two_bounds: bool, r: int, k: int,
                      page_size: int, offset: Tensor | None = None) -> Tensor:

@@ -72,6 +72,10 @@ MODE_SOFTMAX = 0  # hybrid / SparQ / Exact-TopK scores
 MODE_BOUND = 1  # Quest page bounds
 
 SCORE_BLOCK = 64  # pages scored per loop iteration of paged_select
+SELECT_REGISTER_PAGES = 8192  # up to this many pages the choice of k runs in registers (32
+# bisection steps, each one block reduction; compiles for sm_90 without spills); more pages:
+# passes over the scores, which the selectors leave to the PyTorch path (kernels.selection_fits)
+SELECT_BLOCK = 1024  # scores per loop iteration of those passes
 NUM_WARPS = 8  # per program of paged_select and attend_pages: their (D x 64) float32 tiles
 # stay in registers (untuned: the GPU checklist measures the kernels)
 ATTEND_TOKENS = 64  # slots attend_pages loads per loop iteration
@@ -191,11 +195,11 @@ def _paged_select_kernel(q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_p
                          s_qb, s_qh, s_rb, s_rh, s_rr, s_rp,
                          H_kv, G, D, P, R, K, M, PAGE_SIZE,
                          MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                         DOT: tl.constexpr,
-                         G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                         DOT: tl.constexpr, G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+                         BLOCK: tl.constexpr, PR: tl.constexpr, SEL: tl.constexpr):
     _select(tl.program_id(0), q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr,
             take_ptr, s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, K, M, PAGE_SIZE,
-            MODE, TWO_BOUNDS, HAS_OFFSET, DOT, G_BLOCK, D_BLOCK, BLOCK)
+            MODE, TWO_BOUNDS, HAS_OFFSET, DOT, G_BLOCK, D_BLOCK, BLOCK, PR, SEL)
 
 
 @triton.jit
@@ -203,9 +207,11 @@ def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take
             s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, K, M, PAGE_SIZE,
             MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr, HAS_OFFSET: tl.constexpr,
             DOT: tl.constexpr, G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
-            BLOCK: tl.constexpr):
+            BLOCK: tl.constexpr, PR: tl.constexpr, SEL: tl.constexpr):
     """``paged_select`` for program ``pid`` (one sequence and KV head): page scores to
-    ``scores_ptr``, the chosen pages and their slot counts to ``pages_ptr``/``take_ptr``."""
+    ``scores_ptr``, the chosen pages and their slot counts to ``pages_ptr``/``take_ptr``.
+    BLOCK pages per scoring step; the choice over the scores runs in registers when ``PR``
+    (a power of two >= P) is nonzero, else in passes of ``SEL`` pages."""
     b = pid // H_kv
     h = pid % H_kv
     g = tl.arange(0, G_BLOCK)
@@ -290,51 +296,82 @@ def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take
             tl.store(scores_ptr + out + p, score, mask=p < P)
 
     tl.debug_barrier()  # the scores this program wrote are read back below
-    # k tokens: the largest tau with at least k valid tokens in pages scoring >= tau
+    # k tokens: the largest tau with at least k valid tokens in pages scoring >= tau; pages
+    # above tau give all their slots, pages at tau their first slots in page order, up to k
     k_eff = tl.minimum(K, last + 1)
+    dst = pid.to(tl.int64) * M
     lo = tl.full((), -2147483648, tl.int64)
     hi = tl.full((), 2147483647, tl.int64)
-    for _ in range(32):
-        mid = (lo + hi + 1) // 2
-        w = tl.zeros((), tl.int32)
-        for p0 in range(0, P, BLOCK):
-            p = p0 + offs
-            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
-            key = _order_key(tl.load(scores_ptr + out + p, mask=p < P, other=float("-inf")))
-            w += tl.sum(tl.where((key.to(tl.int64) >= mid) & (p < P), cnt, 0))
-        big = w >= k_eff
-        lo = tl.where(big, mid, lo)
-        hi = tl.where(big, hi, mid - 1)
-    tau = lo
-    # pages above tau: all their slots; at tau: their first slots in page order, up to k
-    above = tl.zeros((), tl.int32)
-    for p0 in range(0, P, BLOCK):
-        p = p0 + offs
-        cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
-        key = _order_key(tl.load(scores_ptr + out + p, mask=p < P, other=float("-inf")))
-        above += tl.sum(tl.where((key.to(tl.int64) > tau) & (p < P), cnt, 0))
-    tied = tl.zeros((), tl.int32)
-    n_sel = tl.zeros((), tl.int32)
-    dst = pid.to(tl.int64) * M
-    for p0 in range(0, P, BLOCK):
-        p = p0 + offs
-        cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
-        key = _order_key(tl.load(scores_ptr + out + p, mask=p < P, other=float("-inf")))
-        k64 = key.to(tl.int64)
-        eq_cnt = tl.where((k64 == tau) & (p < P), cnt, 0)
-        before = tied + tl.cumsum(eq_cnt, axis=0) - eq_cnt
-        take_eq = tl.minimum(tl.maximum(k_eff - above - before, 0), eq_cnt)
-        take = tl.where((k64 > tau) & (p < P), cnt, take_eq)
+    if PR > 0:  # every page's key and count in registers: each step is one block reduction
+        p = tl.arange(0, PR)
+        cnt = tl.where(p < P, tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE), 0)
+        key = _order_key(tl.load(scores_ptr + out + p, mask=p < P,
+                                 other=float("-inf"))).to(tl.int64)
+        for _ in range(32):
+            mid = (lo + hi + 1) // 2
+            big = tl.sum(tl.where(key >= mid, cnt, 0)) >= k_eff
+            lo = tl.where(big, mid, lo)
+            hi = tl.where(big, hi, mid - 1)
+        tau = lo
+        above = tl.sum(tl.where(key > tau, cnt, 0))
+        eq_cnt = tl.where(key == tau, cnt, 0)
+        take_eq = tl.minimum(tl.maximum(k_eff - above - (tl.cumsum(eq_cnt, axis=0) - eq_cnt),
+                                        0), eq_cnt)
+        take = tl.where(key > tau, cnt, take_eq)
         chosen = (take > 0).to(tl.int32)
-        pos = n_sel + tl.cumsum(chosen, axis=0) - chosen
+        pos = tl.cumsum(chosen, axis=0) - chosen
         tl.store(pages_ptr + dst + pos, p, mask=chosen > 0)
         tl.store(take_ptr + dst + pos, take, mask=chosen > 0)
-        tied += tl.sum(eq_cnt)
-        n_sel += tl.sum(chosen)
+        n_sel = tl.sum(chosen)
+    else:  # more pages than registers hold: the same steps, each a pass over the scores
+        offs_s = tl.arange(0, SEL)
+        for _ in range(32):
+            mid = (lo + hi + 1) // 2
+            w = tl.zeros((), tl.int32)
+            for p0 in range(0, P, SEL):
+                p = p0 + offs_s
+                cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
+                key = _order_key(tl.load(scores_ptr + out + p, mask=p < P,
+                                         other=float("-inf")))
+                w += tl.sum(tl.where((key.to(tl.int64) >= mid) & (p < P), cnt, 0))
+            big = w >= k_eff
+            lo = tl.where(big, mid, lo)
+            hi = tl.where(big, hi, mid - 1)
+        tau = lo
+        above = tl.zeros((), tl.int32)
+        for p0 in range(0, P, SEL):
+            p = p0 + offs_s
+            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
+            key = _order_key(tl.load(scores_ptr + out + p, mask=p < P, other=float("-inf")))
+            above += tl.sum(tl.where((key.to(tl.int64) > tau) & (p < P), cnt, 0))
+        tied = tl.zeros((), tl.int32)
+        n_sel = tl.zeros((), tl.int32)
+        for p0 in range(0, P, SEL):
+            p = p0 + offs_s
+            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
+            key = _order_key(tl.load(scores_ptr + out + p, mask=p < P, other=float("-inf")))
+            k64 = key.to(tl.int64)
+            eq_cnt = tl.where((k64 == tau) & (p < P), cnt, 0)
+            before = tied + tl.cumsum(eq_cnt, axis=0) - eq_cnt
+            take_eq = tl.minimum(tl.maximum(k_eff - above - before, 0), eq_cnt)
+            take = tl.where((k64 > tau) & (p < P), cnt, take_eq)
+            chosen = (take > 0).to(tl.int32)
+            pos = n_sel + tl.cumsum(chosen, axis=0) - chosen
+            tl.store(pages_ptr + dst + pos, p, mask=chosen > 0)
+            tl.store(take_ptr + dst + pos, take, mask=chosen > 0)
+            tied += tl.sum(eq_cnt)
+            n_sel += tl.sum(chosen)
     for j0 in range(0, M, BLOCK):  # unused entries read nothing
         j = j0 + offs
         tl.store(pages_ptr + dst + j, tl.zeros((BLOCK,), tl.int32), mask=(j >= n_sel) & (j < M))
         tl.store(take_ptr + dst + j, tl.zeros((BLOCK,), tl.int32), mask=(j >= n_sel) & (j < M))
+
+
+def register_pages(n_pages: int) -> int:
+    """``PR`` of a selection over ``n_pages`` pages: the power of two >= n_pages when that is
+    at most ``SELECT_REGISTER_PAGES`` (the choice runs in registers), else 0 (in passes)."""
+    n = _pow2(int(n_pages))  # int(): a constexpr, specialized under a dynamic-shape compile
+    return n if n <= SELECT_REGISTER_PAGES else 0
 
 
 def selected_pages(k: int, page_size: int, n_pages: int) -> int:
@@ -393,7 +430,8 @@ def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: b
         q.stride(0), q.stride(1), rows.stride(0), rows.stride(1), s_row, s_page,
         Hkv, G, D, P, r, k, M, page_size,
         MODE=mode, TWO_BOUNDS=two_bounds, HAS_OFFSET=offset is not None, DOT=_dot_mode(rows),
-        G_BLOCK=max(16, _pow2(G)), D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, num_warps=NUM_WARPS)
+        G_BLOCK=max(16, _pow2(G)), D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK,
+        PR=register_pages(P), SEL=SELECT_BLOCK, num_warps=NUM_WARPS)
     return pages, take
 
 
@@ -609,11 +647,12 @@ def _select_attend_kernel(q_ptr, rows_ptr, k_cache, v_cache, last_ptr, off_ptr, 
                           MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr,
                           HAS_OFFSET: tl.constexpr, DOT_S: tl.constexpr, DOT_A: tl.constexpr,
                           G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                          CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
+                          PR: tl.constexpr, SEL: tl.constexpr, CHUNK: tl.constexpr,
+                          PAGES_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take_ptr,
             s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, K, M, PAGE_SIZE,
-            MODE, TWO_BOUNDS, HAS_OFFSET, DOT_S, G_BLOCK, D_BLOCK, BLOCK)
+            MODE, TWO_BOUNDS, HAS_OFFSET, DOT_S, G_BLOCK, D_BLOCK, BLOCK, PR, SEL)
     tl.debug_barrier()  # the page list this program wrote is read back below
     _attend_chosen(pid, 0, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, out_ptr, out_ptr,
                    out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D, M,
@@ -642,8 +681,8 @@ def select_attend(q: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor, las
         Hkv, G, D, P, r, k, M, page_size, 1.0 / math.sqrt(D),
         MODE=mode, TWO_BOUNDS=two_bounds, HAS_OFFSET=offset is not None,
         DOT_S=_dot_mode(rows), DOT_A=_dot_mode(k_cache), G_BLOCK=max(16, _pow2(G)),
-        D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, CHUNK=chunk, PAGES_BLOCK=pages_block,
-        num_warps=NUM_WARPS)
+        D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, PR=register_pages(P), SEL=SELECT_BLOCK,
+        CHUNK=chunk, PAGES_BLOCK=pages_block, num_warps=NUM_WARPS)
     return out
 
 

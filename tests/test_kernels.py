@@ -224,6 +224,56 @@ def test_decode_steps_equal_the_pytorch_path(case):
 
 
 @interpreted
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[8], CASES[11]], ids=_case_id)
+def test_selection_in_passes_equals_the_reference(case, monkeypatch):
+    """The choice of k over more pages than registers hold (passes of ``SELECT_BLOCK``
+    scores, here 16 so that a pass has several blocks and a partial last one) chooses the
+    reference's tokens as the register path does."""
+    monkeypatch.setattr(OPS, "SELECT_REGISTER_PAGES", 0)
+    monkeypatch.setattr(OPS, "SELECT_BLOCK", 16)
+    monkeypatch.setattr(kernels, "selection_fits", lambda n_pages: True)  # the selectors'
+    assert OPS.register_pages(10) == 0  # rule would leave these pages to PyTorch
+    name, k, H, Hkv, D, T, steps = case
+    ref, ker, (q, kk, v) = twin_caches(name, k, model_args(H, Hkv, D), T, steps,
+                                       torch.float32, "cpu")
+    for t in range(T, T + steps):
+        ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+        want = decode(ref, "off", *ins, t)
+        got = decode(ker, "force", *ins, t)
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), t
+        check_selection(ref, ker, q[:, :, t:t + 1], t, k, exact=True)
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["hybrid", "quest", "sparq", "exact_topk"])
+def test_more_pages_than_registers_hold_leave_the_selection_to_pytorch(name, monkeypatch):
+    """Past ``SELECT_REGISTER_PAGES`` pages (tokens, for pages of one slot) the selectors
+    attend through the PyTorch path, with the fused write where they have one; below, the
+    fused selection (``kernels.selection_fits``)."""
+    calls = []
+    spy = kernels.sparse_attention
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return spy(*a, **kw)
+
+    monkeypatch.setattr(kernels, "sparse_attention", counting)
+    for limit, fused in ((8, False), (4096, True)):
+        monkeypatch.setattr(OPS, "SELECT_REGISTER_PAGES", limit)
+        calls.clear()
+        ref, ker, (q, kk, v) = twin_caches(name, 6, model_args(8, 2, 32), 41, 2, torch.float32,
+                                           "cpu")
+        for name_, buf in ker.named_buffers():  # no NaN poison: the PyTorch path reads all
+            buf.copy_(dict(ref.named_buffers())[name_])
+        for t in range(41, 43):
+            ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+            want = decode(ref, "off", *ins, t)
+            got = decode(ker, "force", *ins, t)
+            assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (limit, t)
+        assert len(calls) == (2 if fused else 0), limit
+
+
+@interpreted
 @pytest.mark.parametrize("name,k", [("hybrid", 10), ("quest", 6), ("sparq", 9),
                                     ("exact_topk", 9), ("hybrid_page3", 20)])
 def test_bfloat16_selection_and_output(name, k):
