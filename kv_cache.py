@@ -607,7 +607,9 @@ class FullKVCache(KVCache):
         self.v_cache.index_copy_(2, input_pos, v)
         return self.attend_stored(q, input_pos)
 
-    def token_store(self, input_pos: Tensor) -> TokenStore:
+    def token_store(self, input_pos: Tensor) -> TokenStore | None:
+        if type(self).decode is not FullKVCache.decode:  # a subclass that decodes its own
+            return None  # way sees k and v
         return TokenStore(self.k_cache, self.v_cache, input_pos, None, no_aux(self.k_cache),
                           kernels.AUX_NONE, 1)
 
@@ -849,6 +851,8 @@ class CompressedKVCache(KVCache):
         return self.attend_stored(q, input_pos)
 
     def token_store(self, input_pos: Tensor) -> TokenStore | None:
+        if type(self).decode is not CompressedKVCache.decode:  # a subclass that decodes its
+            return None  # own way sees k and v
         aux = self.selector.token_aux(self)
         return None if aux is None else TokenStore(self.k_cache, self.v_cache, input_pos,
                                                    self.slot_offset, *aux)

@@ -349,11 +349,15 @@ class TransformerBlock(nn.Module):
         if store is None:  # the cache must see k and v: the kernel writes them to a scratch
             k = x.new_empty(x.shape[0], a.n_kv_heads, 1, a.head_dim)  # "cache" of one slot
             v = torch.empty_like(k)
-            scratch = (k, v, torch.zeros_like(input_pos), None, k.new_empty(0), kernels.AUX_NONE,
-                       1)
+            where = (k, v, torch.zeros_like(input_pos), None, k.new_empty(0), kernels.AUX_NONE, 1)
+        else:
+            where = store
         q = kernels.qkv_store(x, self.attention_norm.weight, self.attention_norm.eps,
-                              a.wqkv.weight, a.wqkv_bias, rope, store or scratch, a.n_heads)
-        y = cache.attend_stored(q, input_pos) if store else cache.decode(q, k, v, input_pos)
+                              a.wqkv.weight, a.wqkv_bias, rope, where, a.n_heads)
+        if store is None:
+            y = cache.decode(q, k, v, input_pos)
+        else:
+            y = cache.attend_stored(q, input_pos)
         h = kernels.linear(y.transpose(1, 2).flatten(2), a.wo.weight, residual=x)
         g = kernels.linear(h, self.feed_forward.w13.weight, self.ffn_norm.weight,
                            self.ffn_norm.eps, swiglu=True)

@@ -1,6 +1,7 @@
 """scripts/bench_dense.py: the dense kernels against F.linear over launch configurations, a
 smoke run at stories260K's shape on CPU (Triton's interpreter; the times mean nothing)."""
 
+import importlib
 import json
 
 import pytest
@@ -9,14 +10,14 @@ import kernels
 from scripts.bench_dense import GRIDS, main
 
 pytestmark = pytest.mark.skipif(kernels.ops() is None, reason=f"triton: {kernels.missing()}")
+DENSE = importlib.import_module("kernels.dense") if kernels.ops() is not None else None
 
 
 def test_rows_per_shape_and_configuration(tmp_path, monkeypatch):
     """A reference row and one row per configuration for each projection, the default
     configuration marked, every row's bytes and bandwidth share; the module's launch rule
     is back to its defaults afterwards."""
-    import kernels.dense as dense
-
+    dense = DENSE
     monkeypatch.setitem(GRIDS, "one", [(64, 8, 64, 2)])
     before = (dense.TARGET_PROGRAMS, dense.MAX_BLOCK_N, dense.K_BLOCK_GEMV, dense.NUM_WARPS)
     out = tmp_path / "dense.json"

@@ -8,6 +8,7 @@ touch are poisoned with NaN. The ``cuda`` tests run the checks at the llama-3.1-
 the GPU machine (``pytest -m cuda``).
 """
 
+import importlib
 import os
 
 import pytest
@@ -16,15 +17,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from checkpoint import random_model
 from compression import METHODS, build_caches, smallest_budget
 from compression.hybrid import Hybrid
 from compression.sparq import SparQ
+from generate import generate
 from kv_cache import CompressedKVCache, FullKVCache, no_aux
 from model import ModelArgs, RMSNorm, Transformer, apply_rope, precompute_rope
 
 OPS = kernels.ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"triton: {kernels.missing()}")
-DENSE = __import__("kernels.dense").dense if OPS is not None else None
+DENSE = importlib.import_module("kernels.dense") if OPS is not None else None
 CUDA = torch.cuda.is_available()
 interpreted = pytest.mark.skipif(CUDA and os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU tensors need Triton's interpreter; the GPU "
@@ -197,7 +200,7 @@ def decode_logits(model, method, fused, T=72, steps=2, batch=2):
     return torch.stack(out), caches
 
 
-def random_model(shape):
+def small_model(shape):
     torch.manual_seed(0)
     model = Transformer(ARGS[shape])
     with torch.no_grad():
@@ -217,7 +220,7 @@ def test_every_method_decodes_alike_with_the_kernels(method, shape):
     (fp32): for a cache that offers ``token_store`` the q/k/v kernel writes the token where
     its own write would (its buffers equal after the steps; the selectors' auxiliary keys
     too); for the others ``decode`` gets the same k and v."""
-    model = random_model(shape)
+    model = small_model(shape)
     ref, ref_caches = decode_logits(model, method, fused=False)
     calls = []
     spy = kernels.qkv_store
@@ -244,7 +247,7 @@ def test_every_method_decodes_alike_with_the_kernels(method, shape):
 def test_what_the_dense_kernels_leave_to_pytorch():
     """Quantized, biased or hooked linears (tensor parallelism's all-reduce) and the gpt-fast
     baseline keep the PyTorch path; ``set_dense(False)`` keeps it everywhere."""
-    model = random_model("gqa")
+    model = small_model("gqa")
     layer = model.layers[0]
     layer.attention.kv_cache = FullKVCache(0, model.args, 1, torch.float32, "cpu", 16)
     assert layer.fusable()
@@ -260,6 +263,28 @@ def test_what_the_dense_kernels_leave_to_pytorch():
     assert kernels.dense_enabled(x)
     kernels.set_dense(False)
     assert not kernels.dense_enabled(x) and kernels.enabled(torch.zeros(1, 1, 16))
+
+
+def test_a_cache_that_decodes_its_own_way_gets_k_and_v():
+    """A subclass of the full or compact cache that overrides ``decode`` (rather than
+    ``attend_stored``) offers no token store: the fused path then calls its ``decode``."""
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
+                     vocab_size=10, max_seq_len=64)
+
+    class OwnFull(FullKVCache):
+        def decode(self, q, k, v, input_pos):
+            return super().decode(q, k, v, input_pos)
+
+    class OwnCompact(CompressedKVCache):
+        def decode(self, q, k, v, input_pos):
+            return super().decode(q, k, v, input_pos)
+
+    pos = torch.tensor([3])
+    assert FullKVCache(0, args, 1, torch.float32, "cpu", 8).token_store(pos) is not None
+    assert OwnFull(0, args, 1, torch.float32, "cpu", 8).token_store(pos) is None
+    compact = dict(prompt_len=4, prompt_capacity=4, max_new_tokens=4, selector=Hybrid(2, 5, 4))
+    assert CompressedKVCache(0, args, 1, torch.float32, "cpu", **compact).token_store(pos)
+    assert OwnCompact(0, args, 1, torch.float32, "cpu", **compact).token_store(pos) is None
 
 
 def test_token_stores_name_the_selectors_auxiliary_keys():
@@ -325,3 +350,26 @@ def test_cuda_real_shapes(batch):
     assert torch.allclose(vc[:, :, 32768].float(), v_ref[:, :, 0].float(), atol=5e-2, rtol=3e-2)
     for rows in (slice(0, D), slice(D, 2 * D)):  # the page's first slot: max = min = key
         assert torch.equal(summary[:, :, rows, 2048], kc[:, :, 32768])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("method,budget", [("full", None), ("rocketkv", 64), ("sparq", 64),
+                                           ("h2o", 64)])
+def test_cuda_compiled_decode_with_every_kernel_equals_the_pytorch_path(method, budget):
+    """``generate`` with the decode step compiled and captured in CUDA graphs, every kernel
+    on (the dense ones writing the token, or a scratch for H2O; SparQ's selection over 600
+    tokens in registers), gives the PyTorch path's greedy tokens (float32, a small random
+    model)."""
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=512,
+                     vocab_size=1000, max_seq_len=1024)
+    model = random_model(args, "cuda", torch.float32)
+    prompt = torch.randint(3, 1000, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    runs = {}
+    for mode in ("auto", "off"):
+        kernels.set_mode(mode)
+        torch._dynamo.reset()
+        runs[mode] = generate(model, prompt, method=method, budget=budget, max_new_tokens=12,
+                              compile=True)
+    assert runs["auto"]["dense_kernels"] and not runs["off"]["fused_kernels"]
+    assert runs["auto"]["token_ids"] == runs["off"]["token_ids"]
