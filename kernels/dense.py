@@ -95,6 +95,8 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
         nb = u
         ma = u < N
     mb = ma
+    row_a = na.to(tl.int64) * s_wn  # weight offsets in int64: vocab x dim passes 2^31 soon
+    row_b = nb.to(tl.int64) * s_wn
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -107,11 +109,11 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
             ss += tl.sum(x * x, axis=1)
             g = tl.load(norm_ptr + kk, mask=km, other=0.0).to(tl.float32)
             x = x * g[None, :]
-        wa = tl.load(w_ptr + na[:, None] * s_wn + kk[None, :], mask=ma[:, None] & km[None, :],
+        wa = tl.load(w_ptr + row_a[:, None] + kk[None, :], mask=ma[:, None] & km[None, :],
                      other=0.0)
         acc_a += _accumulate(x, wa, BLOCK_M, DOT)
         if EPI >= 2:
-            wb = tl.load(w_ptr + nb[:, None] * s_wn + kk[None, :],
+            wb = tl.load(w_ptr + row_b[:, None] + kk[None, :],
                          mask=mb[:, None] & km[None, :], other=0.0)
             acc_b += _accumulate(x, wb, BLOCK_M, DOT)
     if NORM:  # RMSNorm's 1 / rms(x), applied to the sums
@@ -153,7 +155,8 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
         rel = na - QN - tl.where(is_v, KN, 0)
         h = rel // D
         slot = _last_slot(pos_ptr, off_ptr, HAS_OFFSET)
-        dst = m[:, None] * s_cb + h[None, :] * s_ch + slot * s_cs + d[None, :]
+        m64 = m.to(tl.int64)[:, None]  # a batch of 128K-token caches passes 2^31 elements
+        dst = m64 * s_cb + h[None, :] * s_ch + slot * s_cs + d[None, :]
         km_ = mm[:, None] & (ma & is_k)[None, :]
         vm_ = mm[:, None] & (ma & is_v)[None, :]
         c_ty = kc_ptr.dtype.element_ty
@@ -163,7 +166,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
         tl.store(kc_ptr + dst + 1, kb, mask=km_)
         tl.store(vc_ptr + dst, ya.to(c_ty), mask=vm_)
         tl.store(vc_ptr + dst + 1, yb.to(c_ty), mask=vm_)
-        a = aux_ptr + m[:, None] * s_ab + h[None, :] * s_ah
+        a = aux_ptr + m64 * s_ab + h[None, :] * s_ah
         if AUX == 1:  # AUX_SUMMARY (B, H_kv, 2 D, pages): rows 0..D-1 max, D..2D-1 min
             page = slot // PAGE_SIZE
             first = (slot % PAGE_SIZE) == 0

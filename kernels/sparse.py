@@ -120,7 +120,7 @@ def _write_token_kernel(k_cache, v_cache, aux, k_new, v_new, slot_ptr,
                         H_kv, D, PAGE_SIZE,
                         AUX: tl.constexpr, D_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    b = pid // H_kv
+    b = (pid // H_kv).to(tl.int64)  # offsets in int64: batches of long caches pass 2^31
     h = pid % H_kv
     d = tl.arange(0, D_BLOCK)
     dm = d < D
@@ -212,7 +212,7 @@ def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take
     ``scores_ptr``, the chosen pages and their slot counts to ``pages_ptr``/``take_ptr``.
     BLOCK pages per scoring step; the choice over the scores runs in registers when ``PR``
     (a power of two >= P) is nonzero, else in passes of ``SEL`` pages."""
-    b = pid // H_kv
+    b = (pid // H_kv).to(tl.int64)  # offsets in int64: batches of long caches pass 2^31
     h = pid % H_kv
     g = tl.arange(0, G_BLOCK)
     d = tl.arange(0, D_BLOCK)
@@ -440,7 +440,7 @@ def _program_group(pid, q_ptr, k_cache, v_cache, s_qb, s_qh, s_cb, s_ch, H_kv, G
                    G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
     """What program ``pid`` of an attention kernel serves: its sequence b and KV head h, the
     query group (G_BLOCK, D_BLOCK) float32 zero-padded, and the head's K and V rows."""
-    b = pid // H_kv
+    b = (pid // H_kv).to(tl.int64)  # offsets in int64: batches of long caches pass 2^31
     h = pid % H_kv
     g = tl.arange(0, G_BLOCK)
     d = tl.arange(0, D_BLOCK)
@@ -562,7 +562,7 @@ def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, s_ob, s_oh, H_kv, G, D,
     """Combine the splits' partial softmaxes by their log-sum-exps (one split at a time: the
     register tile stays (G_BLOCK, D_BLOCK) whatever SPLITS is)."""
     pid = tl.program_id(0)
-    b = pid // H_kv
+    b = (pid // H_kv).to(tl.int64)  # int64 offsets, as in the other kernels
     h = pid % H_kv
     g = tl.arange(0, G_BLOCK)
     d = tl.arange(0, D_BLOCK)
