@@ -153,6 +153,6 @@ def run_transformers(args: ModelArgs, batch: int, context: int, new_tokens: int,
         "weight_bytes_per_step": weights - (0 if args.tie_word_embeddings else emb),
         "method_params": {"cache": "transformers StaticCache", "max_cache_len":
                           context + new_tokens, "attn_implementation": "sdpa"},
-        "compiled": compiled, "fused_kernels": False, "warmup_steps": warm,
+        "compiled": compiled, "fused_kernels": False, "dense_kernels": False, "warmup_steps": warm,
         "decode_steps": len(timed),
     }

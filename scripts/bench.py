@@ -142,7 +142,7 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         "achieved_gbps": best["bandwidth_gbps"],
         "roofline_ms": step_bytes / (bandwidth * 1e9) * 1e3,
         "method_params": best["method_params"], "compiled": best["compiled"],
-        "fused_kernels": best["fused_kernels"], "dense_kernels": best.get("dense_kernels", False),
+        "fused_kernels": best["fused_kernels"], "dense_kernels": best["dense_kernels"],
         "compile_regime": args.compile_regime if best["compiled"] or best["cuda_graphs"]
         else "eager",
         "kv_ideal_bytes_per_step": best["kv_ideal_bytes_per_step"],

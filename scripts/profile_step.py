@@ -85,7 +85,7 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
     return {"method": method, "budget": budget, "context": context, "steps": steps,
             "activity": "cuda" if cuda else "cpu", "total_us_per_step": total,
             "decode_ms_median": r["decode_ms_median"], "compiled": r["compiled"],
-            "fused_kernels": r["fused_kernels"], "dense_kernels": r.get("dense_kernels", False),
+            "fused_kernels": r["fused_kernels"], "dense_kernels": r["dense_kernels"],
             "kernels_per_step": launches,
             "kernels_per_layer": launches / model.args.n_layers, "kernels": rows}
 
