@@ -258,6 +258,25 @@ def test_bfloat16_decode_step_is_within_rounding_of_the_pytorch_path():
         assert (out.float() - ref.float()).abs().max() <= 0.03 * scale, method
 
 
+@interpreted
+def test_generate_reports_which_kernels_ran():
+    """``generate`` through the kernels (interpreted, eager) gives the PyTorch path's greedy
+    tokens and says so in its result: ``fused_kernels`` and ``dense_kernels``; with the dense
+    kernels off only the sparse ones ran."""
+    model = small_model("gqa")
+    prompt = torch.randint(0, 40, (50,), generator=torch.Generator().manual_seed(2)).tolist()
+    runs = {}
+    for mode, dense in (("off", True), ("force", True), ("force", False)):
+        kernels.set_mode(mode)
+        kernels.set_dense(dense)
+        runs[mode, dense] = generate(model, prompt, method="rocketkv", budget=40,
+                                     max_new_tokens=4)
+    flags = {key: (r["fused_kernels"], r["dense_kernels"]) for key, r in runs.items()}
+    assert flags == {("off", True): (False, False), ("force", True): (True, True),
+                     ("force", False): (True, False)}
+    assert len({str(r["token_ids"]) for r in runs.values()}) == 1
+
+
 def test_what_the_dense_kernels_leave_to_pytorch():
     """Quantized, biased or hooked linears (tensor parallelism's all-reduce) and the gpt-fast
     baseline keep the PyTorch path; ``set_dense(False)`` keeps it everywhere."""
