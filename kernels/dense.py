@@ -95,7 +95,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
         nb = u
         ma = u < N
     mb = ma
-    row_a = na.to(tl.int64) * s_wn  # weight offsets in int64: vocab x dim passes 2^31 soon
+    row_a = na.to(tl.int64) * s_wn  # weight offsets in int64 (headroom: vocab x dim is 2^30)
     row_b = nb.to(tl.int64) * s_wn
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
