@@ -610,8 +610,8 @@ class FullKVCache(KVCache):
     def token_store(self, input_pos: Tensor) -> TokenStore | None:
         if type(self).decode is not FullKVCache.decode:  # a subclass that decodes its own
             return None  # way sees k and v
-        return TokenStore(self.k_cache, self.v_cache, input_pos, None, no_aux(self.k_cache),
-                          kernels.AUX_NONE, 1)
+        return TokenStore(self.k_cache, self.v_cache, input_pos, None,
+                          *kernels.no_aux(self.k_cache))
 
     def attend_stored(self, q: Tensor, input_pos: Tensor) -> Tensor:
         valid = torch.arange(self.k_cache.shape[2], device=input_pos.device) <= input_pos
@@ -624,12 +624,6 @@ class FullKVCache(KVCache):
 
     def method_params(self) -> dict[str, Any]:
         return {**self._params, "max_seq_len": self.max_seq_len}
-
-
-def no_aux(like: Tensor) -> Tensor:
-    """An empty tensor on ``like``'s device: a ``TokenStore``'s ``aux`` without auxiliary
-    keys (it aliases no cache buffer)."""
-    return like.new_empty(0)
 
 
 def same_view(a: Tensor, b: Tensor) -> bool:
@@ -715,9 +709,8 @@ class Selector(nn.Module):
         """The auxiliary keys a fused kernel updates with the token's write, as
         ``TokenStore``'s ``(aux, aux_kind, page_size)``, or None when ``update`` must run
         (the default for a selector that overrides ``update`` and not this)."""
-        if type(self).update is not Selector.update:
-            return None
-        return no_aux(cache.k_cache), kernels.AUX_NONE, 1
+        return None if type(self).update is not Selector.update else \
+            kernels.no_aux(cache.k_cache)
 
     def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:
         """Write a decoded token's k, v (B, H_kv, 1, D) at ``slot`` (1,) int64 and ``update``.

@@ -328,7 +328,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
         """Decode step. ``x`` (B, 1, dim), ``rope`` (1, D/2, 2), ``input_pos`` (1,) int64."""
-        if kernels.dense_enabled(x) and self.fusable():
+        if kernels.dense_in_use(x.device) and self.fusable():
             return self.forward_fused(x, rope, input_pos)
         h = x + self.attention(self.attention_norm(x), rope, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -349,7 +349,7 @@ class TransformerBlock(nn.Module):
         if store is None:  # the cache must see k and v: the kernel writes them to a scratch
             k = x.new_empty(x.shape[0], a.n_kv_heads, 1, a.head_dim)  # "cache" of one slot
             v = torch.empty_like(k)
-            where = (k, v, torch.zeros_like(input_pos), None, k.new_empty(0), kernels.AUX_NONE, 1)
+            where = (k, v, torch.zeros_like(input_pos), None, *kernels.no_aux(k))
         else:
             where = store
         q = kernels.qkv_store(x, self.attention_norm.weight, self.attention_norm.eps,
@@ -461,7 +461,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, 1, dim)
         for layer in self.layers:
             x = layer(x, rope, input_pos)
-        if kernels.dense_enabled(x) and plain_linear(self.output):  # norm + LM head, one kernel
+        if kernels.dense_in_use(x.device) and plain_linear(self.output):  # norm + LM head
             return kernels.linear(x, self.output.weight, self.norm.weight, self.norm.eps)[:, -1]
         return self.output(self.norm(x))[:, -1]
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 import kernels
-from kv_cache import CompressedKVCache, Selector, no_aux, sector_bytes, strided_bytes
+from kv_cache import CompressedKVCache, Selector, sector_bytes, strided_bytes
 
 
 def group_sum(x: Tensor, n_kv_heads: int) -> Tensor:
@@ -154,7 +154,7 @@ class PagedSelector(Selector):
     def token_aux(self, cache: CompressedKVCache) -> tuple[Tensor, int, int]:
         """The page summary, updated with the token's write (pages of one slot: none)."""
         if self.page_size == 1:
-            return no_aux(cache.k_cache), kernels.AUX_NONE, 1
+            return kernels.no_aux(cache.k_cache)
         return self.summary, kernels.AUX_SUMMARY, self.page_size
 
     def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:

@@ -26,7 +26,6 @@ from kv_cache import (
     Selector,
     attend_selected,
     gather_tokens,
-    no_aux,
     sector_bytes,
     strided_bytes,
     token_bytes,
@@ -115,7 +114,7 @@ class SparQ(Selector):
             return None
         if self.dim_major:
             return self.k_dims, kernels.AUX_DIM_MAJOR, 1
-        return no_aux(cache.k_cache), kernels.AUX_NONE, 1
+        return kernels.no_aux(cache.k_cache)
 
     def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:
         """K/V and the dim-major key column in one kernel where the kernels run (without

@@ -30,7 +30,6 @@ from torch import Tensor
 MODES = ("auto", "off", "force")
 _mode = "off" if os.environ.get("ROCKETKV_KERNELS", "1") == "0" else "auto"
 _dense = os.environ.get("ROCKETKV_KERNELS", "1") != "sparse"
-_fuse_selection = True  # select_attend where it applies (tests compare the two-kernel path)
 AUX_NONE = 0  # a decoded token's write: no auxiliary keys
 AUX_SUMMARY = 1  # ... and its page's column of the min/max summary (B, H_kv, 2 D, pages)
 AUX_DIM_MAJOR = 2  # ... and its column of the transposed key copy (B, H_kv, D, S)
@@ -95,15 +94,17 @@ def in_use(device: torch.device) -> bool:
     return _mode != "off" and (_mode == "force" or device.type == "cuda") and ops() is not None
 
 
-def dense_enabled(x: Tensor) -> bool:
-    """Whether a decode step on ``x``'s device runs the dense kernels: where the kernels run
-    (``in_use``) unless ``set_dense(False)``."""
-    return _dense and in_use(x.device)
-
-
 def dense_in_use(device: torch.device) -> bool:
-    """Whether decode steps on ``device`` run the dense kernels."""
+    """Whether decode steps on ``device`` run the dense kernels: where the kernels run
+    (``in_use``) unless ``set_dense(False)``."""
     return _dense and in_use(device)
+
+
+def no_aux(like: Tensor) -> tuple[Tensor, int, int]:
+    """A token write's ``(aux, aux_kind, page_size)`` (``kv_cache.TokenStore``) without
+    auxiliary keys: an empty tensor on ``like``'s device (aliasing no cache buffer),
+    ``AUX_NONE``, 1."""
+    return like.new_empty(0), AUX_NONE, 1
 
 
 def qkv_store(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
@@ -138,13 +139,24 @@ def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor |
     ``attend_pages`` (arguments as there; ``last`` (1,) int64 the slot written last, less
     ``offset`` when given; ``rows`` None: the keys themselves, read as K^T, for pages of one
     slot). Returns (B, H, 1, D) in the cache's dtype."""
+    if ops().attention_splits(k) > 1:
+        return select_then_attend(q, k_cache, v_cache, rows, last, mode=mode,
+                                  two_bounds=two_bounds, r=r, k=k, page_size=page_size,
+                                  offset=offset)
     by_token = rows is None
-    rows = k_cache if by_token else rows
-    if _fuse_selection and ops().attention_splits(k) == 1:  # one kernel: select_attend
-        return torch.ops.rocketkv.select_attend(q, rows, k_cache, v_cache, last, mode,
-                                                two_bounds, r, k, page_size, by_token, offset)
-    pages, take = torch.ops.rocketkv.paged_select(q, rows, last, mode, two_bounds, r, k,
-                                                  page_size, by_token, offset)
+    return torch.ops.rocketkv.select_attend(q, k_cache if by_token else rows, k_cache, v_cache,
+                                            last, mode, two_bounds, r, k, page_size, by_token,
+                                            offset)
+
+
+def select_then_attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None,
+                       last: Tensor, *, mode: int, two_bounds: bool, r: int, k: int,
+                       page_size: int, offset: Tensor | None = None) -> Tensor:
+    """``sparse_attention`` in two kernels, ``paged_select`` then ``attend_pages`` (split over
+    programs): what runs for selections too large for one program per KV head."""
+    by_token = rows is None
+    pages, take = torch.ops.rocketkv.paged_select(q, k_cache if by_token else rows, last, mode,
+                                                  two_bounds, r, k, page_size, by_token, offset)
     return torch.ops.rocketkv.attend_pages(q, k_cache, v_cache, pages, take, page_size, k)
 
 

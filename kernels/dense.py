@@ -94,7 +94,6 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
         na = u
         nb = u
         ma = u < N
-    mb = ma
     row_a = na.to(tl.int64) * s_wn  # weight offsets in int64 (headroom: vocab x dim is 2^30)
     row_b = nb.to(tl.int64) * s_wn
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -114,7 +113,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
         acc_a += _accumulate(x, wa, BLOCK_M, DOT)
         if EPI >= 2:
             wb = tl.load(w_ptr + row_b[:, None] + kk[None, :],
-                         mask=mb[:, None] & km[None, :], other=0.0)
+                         mask=ma[:, None] & km[None, :], other=0.0)
             acc_b += _accumulate(x, wb, BLOCK_M, DOT)
     if NORM:  # RMSNorm's 1 / rms(x), applied to the sums
         rs = 1.0 / tl.sqrt(ss / K + eps)
@@ -122,7 +121,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
         acc_b = acc_b * rs[:, None]
     if BIAS:
         acc_a += tl.load(bias_ptr + na, mask=ma, other=0.0).to(tl.float32)[None, :]
-        acc_b += tl.load(bias_ptr + nb, mask=mb, other=0.0).to(tl.float32)[None, :]
+        acc_b += tl.load(bias_ptr + nb, mask=ma, other=0.0).to(tl.float32)[None, :]
     out_ty = out_ptr.dtype.element_ty
     if EPI == 0:
         tl.store(out_ptr + m[:, None] * s_om + na[None, :], acc_a.to(out_ty),
@@ -159,13 +158,12 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
         dst = m64 * s_cb + h[None, :] * s_ch + slot * s_cs + d[None, :]
         km_ = mm[:, None] & (ma & is_k)[None, :]
         vm_ = mm[:, None] & (ma & is_v)[None, :]
-        c_ty = kc_ptr.dtype.element_ty
-        ka = ya.to(c_ty)
-        kb = yb.to(c_ty)
+        ka = ya.to(kc_ptr.dtype.element_ty)  # the stored key or value (cache dtype)
+        kb = yb.to(kc_ptr.dtype.element_ty)
         tl.store(kc_ptr + dst, ka, mask=km_)
         tl.store(kc_ptr + dst + 1, kb, mask=km_)
-        tl.store(vc_ptr + dst, ya.to(c_ty), mask=vm_)
-        tl.store(vc_ptr + dst + 1, yb.to(c_ty), mask=vm_)
+        tl.store(vc_ptr + dst, ka, mask=vm_)
+        tl.store(vc_ptr + dst + 1, kb, mask=vm_)
         a = aux_ptr + m64 * s_ab + h[None, :] * s_ah
         if AUX == 1:  # AUX_SUMMARY (B, H_kv, 2 D, pages): rows 0..D-1 max, D..2D-1 min
             page = slot // PAGE_SIZE

@@ -304,20 +304,14 @@ def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take
     hi = tl.full((), 2147483647, tl.int64)
     if PR > 0:  # every page's key and count in registers: each step is one block reduction
         p = tl.arange(0, PR)
-        cnt = tl.where(p < P, tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE), 0)
-        key = _order_key(tl.load(scores_ptr + out + p, mask=p < P,
-                                 other=float("-inf"))).to(tl.int64)
+        key, cnt = _page_keys(scores_ptr + out, p, P, last, PAGE_SIZE)
         for _ in range(32):
             mid = (lo + hi + 1) // 2
             big = tl.sum(tl.where(key >= mid, cnt, 0)) >= k_eff
             lo = tl.where(big, mid, lo)
             hi = tl.where(big, hi, mid - 1)
-        tau = lo
-        above = tl.sum(tl.where(key > tau, cnt, 0))
-        eq_cnt = tl.where(key == tau, cnt, 0)
-        take_eq = tl.minimum(tl.maximum(k_eff - above - (tl.cumsum(eq_cnt, axis=0) - eq_cnt),
-                                        0), eq_cnt)
-        take = tl.where(key > tau, cnt, take_eq)
+        above = tl.sum(tl.where(key > lo, cnt, 0))
+        take, _ = _take(key, cnt, lo, k_eff - above)
         chosen = (take > 0).to(tl.int32)
         pos = tl.cumsum(chosen, axis=0) - chosen
         tl.store(pages_ptr + dst + pos, p, mask=chosen > 0)
@@ -329,42 +323,48 @@ def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take
             mid = (lo + hi + 1) // 2
             w = tl.zeros((), tl.int32)
             for p0 in range(0, P, SEL):
-                p = p0 + offs_s
-                cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
-                key = _order_key(tl.load(scores_ptr + out + p, mask=p < P,
-                                         other=float("-inf")))
-                w += tl.sum(tl.where((key.to(tl.int64) >= mid) & (p < P), cnt, 0))
+                key, cnt = _page_keys(scores_ptr + out, p0 + offs_s, P, last, PAGE_SIZE)
+                w += tl.sum(tl.where(key >= mid, cnt, 0))
             big = w >= k_eff
             lo = tl.where(big, mid, lo)
             hi = tl.where(big, hi, mid - 1)
-        tau = lo
-        above = tl.zeros((), tl.int32)
+        room = k_eff  # slots left for pages at tau, less those taken by earlier blocks
         for p0 in range(0, P, SEL):
-            p = p0 + offs_s
-            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
-            key = _order_key(tl.load(scores_ptr + out + p, mask=p < P, other=float("-inf")))
-            above += tl.sum(tl.where((key.to(tl.int64) > tau) & (p < P), cnt, 0))
-        tied = tl.zeros((), tl.int32)
+            key, cnt = _page_keys(scores_ptr + out, p0 + offs_s, P, last, PAGE_SIZE)
+            room -= tl.sum(tl.where(key > lo, cnt, 0))
         n_sel = tl.zeros((), tl.int32)
         for p0 in range(0, P, SEL):
             p = p0 + offs_s
-            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
-            key = _order_key(tl.load(scores_ptr + out + p, mask=p < P, other=float("-inf")))
-            k64 = key.to(tl.int64)
-            eq_cnt = tl.where((k64 == tau) & (p < P), cnt, 0)
-            before = tied + tl.cumsum(eq_cnt, axis=0) - eq_cnt
-            take_eq = tl.minimum(tl.maximum(k_eff - above - before, 0), eq_cnt)
-            take = tl.where((k64 > tau) & (p < P), cnt, take_eq)
+            key, cnt = _page_keys(scores_ptr + out, p, P, last, PAGE_SIZE)
+            take, tied = _take(key, cnt, lo, room)
             chosen = (take > 0).to(tl.int32)
             pos = n_sel + tl.cumsum(chosen, axis=0) - chosen
             tl.store(pages_ptr + dst + pos, p, mask=chosen > 0)
             tl.store(take_ptr + dst + pos, take, mask=chosen > 0)
-            tied += tl.sum(eq_cnt)
+            room -= tied
             n_sel += tl.sum(chosen)
     for j0 in range(0, M, BLOCK):  # unused entries read nothing
         j = j0 + offs
         tl.store(pages_ptr + dst + j, tl.zeros((BLOCK,), tl.int32), mask=(j >= n_sel) & (j < M))
         tl.store(take_ptr + dst + j, tl.zeros((BLOCK,), tl.int32), mask=(j >= n_sel) & (j < M))
+
+
+@triton.jit
+def _page_keys(scores_ptr, p, P, last, PAGE_SIZE):
+    """Pages ``p``'s order keys (int64; -inf's past P) and written slots (0 past P)."""
+    cnt = tl.where(p < P, tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE), 0)
+    key = _order_key(tl.load(scores_ptr + p, mask=p < P, other=float("-inf")))
+    return key.to(tl.int64), cnt
+
+
+@triton.jit
+def _take(key, cnt, tau, room):
+    """Slots each page gives to the k chosen: all of them above the threshold ``tau``; at
+    ``tau``, in page order, while ``room`` (the k not taken above tau, nor at tau by earlier
+    blocks) lasts. Returns the counts and the slots of these pages at tau."""
+    eq = tl.where(key == tau, cnt, 0)
+    at_tau = tl.minimum(tl.maximum(room - (tl.cumsum(eq, axis=0) - eq), 0), eq)
+    return tl.where(key > tau, cnt, at_tau), tl.sum(eq)
 
 
 def register_pages(n_pages: int) -> int:

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 import kernels
 from cli import OneLineParser, command_line, write_json
 from evals.bench import measure_bandwidth, resolve_run, results_dir
-from kv_cache import no_aux
 from measure import device_name, percentile, sync
 from model import CONFIGS, ConfigError, ModelArgs, precompute_rope
 
@@ -69,7 +68,7 @@ def shapes(args: ModelArgs, batch: int, device, dtype, seed: int) -> list[tuple]
     v_cache = torch.zeros_like(k_cache)
     pos = torch.tensor([17], device=device)
     rope = precompute_rope(args, 64, device)[pos]
-    store = (k_cache, v_cache, pos, None, no_aux(k_cache), kernels.AUX_NONE, 1)
+    store = (k_cache, v_cache, pos, None, *kernels.no_aux(k_cache))
     eps = args.norm_eps
     return [
         ("qkv_store", dim, wqkv.shape[0], lambda: kernels.qkv_store(x, norm, eps, wqkv, None,

@@ -22,7 +22,7 @@ from compression import METHODS, build_caches, smallest_budget
 from compression.hybrid import Hybrid
 from compression.sparq import SparQ
 from generate import generate
-from kv_cache import CompressedKVCache, FullKVCache, no_aux
+from kv_cache import CompressedKVCache, FullKVCache
 from model import ModelArgs, RMSNorm, Transformer, apply_rope, precompute_rope
 
 OPS = kernels.ops()
@@ -129,7 +129,7 @@ def test_qkv_store_equals_the_projection_rope_and_write(heads, bias, batch, aux,
             buf = torch.full((batch, Hkv, D, S), float("nan"), dtype=dtype)
             kind, ps = kernels.AUX_DIM_MAJOR, 1
         else:
-            buf, kind, ps = no_aux(kc), kernels.AUX_NONE, 1
+            buf, kind, ps = kernels.no_aux(kc)
         before = buf.clone()
         # the slot as a compressed cache gives it (position less the slot offset), or as is
         where = (torch.tensor([slot + 3]), torch.tensor([3])) if slot % 2 else \
@@ -293,9 +293,9 @@ def test_what_the_dense_kernels_leave_to_pytorch():
                           max_new_tokens=2, budget=None, dtype=torch.float32, device="cpu")
     assert not caches[0].dense_kernels
     x = torch.zeros(1, 1, 64)
-    assert kernels.dense_enabled(x)
+    assert kernels.dense_in_use(x.device)
     kernels.set_dense(False)
-    assert not kernels.dense_enabled(x) and kernels.enabled(torch.zeros(1, 1, 16))
+    assert not kernels.dense_in_use(x.device) and kernels.enabled(torch.zeros(1, 1, 16))
 
 
 def test_a_cache_that_decodes_its_own_way_gets_k_and_v():

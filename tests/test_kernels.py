@@ -297,9 +297,9 @@ def test_select_attend_is_paged_select_then_attend_pages(name, k, monkeypatch):
     assert OPS.attention_splits(k) == 1  # the selection select_attend takes
     for t in range(70, 72):
         ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
-        monkeypatch.setattr(kernels, "_fuse_selection", False)
-        two = decode(ref, "force", *ins, t)
-        monkeypatch.setattr(kernels, "_fuse_selection", True)
+        with monkeypatch.context() as m:  # the reference: the two-kernel path
+            m.setattr(kernels, "sparse_attention", kernels.select_then_attend)
+            two = decode(ref, "force", *ins, t)
         one = decode(ker, "force", *ins, t)
         assert torch.isfinite(one).all() and torch.allclose(one, two, atol=1e-6, rtol=1e-5), t
 
