@@ -46,7 +46,7 @@ def configurations(sparse) -> list[tuple]:
                                                  pages_ptr="*i32", take_ptr="*i32"),
                     {"MODE": mode, "TWO_BOUNDS": two, "HAS_OFFSET": True, "DOT": "native",
                      "G_BLOCK": 16, "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK,
-                     "PR": 0 if two else 8192, "SEL": S.SELECT_BLOCK},
+                     "PR": 0 if two else S.SELECT_REGISTER_PAGES, "SEL": S.SELECT_BLOCK},
                     S.NUM_WARPS))
     for splits, page in ((1, 5), (1, 1), (4, 23), (1, 1024)):
         chunk = min(S._pow2(page), S.ATTEND_TOKENS)
@@ -65,8 +65,8 @@ def configurations(sparse) -> list[tuple]:
                          pages_ptr="*i32", take_ptr="*i32", out_ptr=BF16, scale="fp32"),
                     {"MODE": mode, "TWO_BOUNDS": two, "HAS_OFFSET": True, "DOT_S": "native",
                      "DOT_A": "native", "G_BLOCK": 16, "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK,
-                     "PR": 8192 if two else 0, "SEL": S.SELECT_BLOCK, "CHUNK": chunk,
-                     "PAGES_BLOCK": pages_block}, S.NUM_WARPS))
+                     "PR": S.SELECT_REGISTER_PAGES if two else 0, "SEL": S.SELECT_BLOCK,
+                     "CHUNK": chunk, "PAGES_BLOCK": pages_block}, S.NUM_WARPS))
     for splits in (1, 64):
         out.append((S._attend_prefix_kernel, dict(q_ptr=BF16, k_cache=BF16, v_cache=BF16,
                                                   last_ptr="*i64", off_ptr="*i64", o_ptr="*fp32",
