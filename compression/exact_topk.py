@@ -41,14 +41,15 @@ class ExactTopK(Selector):
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
                pos: Tensor | None = None) -> Tensor:
-        if pos is not None and kernels.enabled(q) and kernels.selection_fits(cache.length):
+        k = min(self.k, cache.length)
+        if pos is not None and kernels.enabled(q) and kernels.selection_fits(cache.length, k, 1):
             # r = D on K^T: the exact scores, fused
             return kernels.sparse_attention(
                 q, cache.k_cache, cache.v_cache, None, pos,
                 mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=cache.head_dim,
-                k=min(self.k, cache.length), page_size=1, offset=cache.slot_offset)
+                k=k, page_size=1, offset=cache.slot_offset)
         scores = exact_scores(q, cache.k_cache, valid)
-        idx = scores.topk(min(self.k, cache.length), dim=-1, sorted=False).indices
+        idx = scores.topk(k, dim=-1, sorted=False).indices
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:

@@ -84,12 +84,13 @@ class Quest(PagedSelector):
 
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
                pos: Tensor | None = None) -> Tensor:
+        k = min(self.k, cache.length)
         if pos is not None and kernels.enabled(q) and \
-                kernels.selection_fits(self.n_pages(cache)):  # the same selection, fused
+                kernels.selection_fits(self.n_pages(cache), k, self.page_size):  # fused
             return kernels.sparse_attention(
                 q, cache.k_cache, cache.v_cache, self.summary_rows(), pos,
                 mode=kernels.ops().MODE_BOUND, two_bounds=self.page_size > 1,
-                r=cache.head_dim, k=min(self.k, cache.length), page_size=self.page_size,
+                r=cache.head_dim, k=k, page_size=self.page_size,
                 offset=cache.slot_offset)
         idx = self.select(cache, q, valid)
         return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)

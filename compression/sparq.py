@@ -128,16 +128,17 @@ class SparQ(Selector):
     def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
                pos: Tensor | None = None) -> Tensor:
         keys = self.k_dims if self.dim_major else cache.k_cache
+        k = min(self.k, cache.length)
         if pos is not None and not self.reallocate and kernels.enabled(q) and \
-                kernels.selection_fits(cache.length):  # fused (Triton)
+                kernels.selection_fits(cache.length, k, 1):  # fused (Triton)
             return kernels.sparse_attention(
                 q, cache.k_cache, cache.v_cache, keys if self.dim_major else None, pos,
                 mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=self.r,
-                k=min(self.k, cache.length), page_size=1, offset=cache.slot_offset)
+                k=k, page_size=1, offset=cache.slot_offset)
         dims = top_r_dims(q, cache.n_kv_heads, self.r)
         probs = sparq_scores(q, keys, dims, valid, self.dim_major)  # (B, H_kv, G, S)
         scores = probs.sum(dim=2).masked_fill(~valid, float("-inf"))
-        idx = scores.topk(min(self.k, cache.length), dim=-1, sorted=False).indices
+        idx = scores.topk(k, dim=-1, sorted=False).indices
         y = attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)  # (B, H, 1, D)
         if not self.reallocate:
             return y

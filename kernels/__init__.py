@@ -122,23 +122,25 @@ def linear(x: Tensor, weight: Tensor, norm_weight: Tensor | None = None, eps: fl
     return torch.ops.rocketkv.linear(x, weight, norm_weight, eps, residual, swiglu)
 
 
-def selection_fits(n_pages: int) -> bool:
+def selection_fits(n_pages: int, k: int, page_size: int) -> bool:
     """Whether a selector hands a cache of ``n_pages`` pages (tokens, for pages of one slot)
-    to the fused selection: when its choice of k runs in registers
-    (``kernels.sparse.register_pages``). Over more pages one program per KV head would scan
-    the scores serially, 35 passes of thousands of pages, so the PyTorch path (``torch.topk``
-    over every token) runs instead: SparQ and Exact-TopK beyond 8K tokens."""
-    return ops().register_pages(n_pages) > 0
+    and a selection of ``k`` tokens to the fused selection: when its choice of k runs in
+    registers, in one program per KV head or split over several
+    (``kernels.sparse.selection_splits``). Else the PyTorch path (``torch.topk`` over every
+    token) runs: pages of one slot past about 8192 x 8192 / k tokens (Exact-TopK at budget
+    4096 past 16K tokens, at 256 past 256K)."""
+    return ops().selection_splits(n_pages, k, page_size) > 0
 
 
 def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None,
                      last: Tensor, *, mode: int, two_bounds: bool, r: int, k: int,
                      page_size: int, offset: Tensor | None = None) -> Tensor:
-    """Selection and exact attention over the chosen slots: ``select_attend`` (one kernel)
-    when the selection attends in one program per KV head, else ``paged_select`` then
-    ``attend_pages`` (arguments as there; ``last`` (1,) int64 the slot written last, less
-    ``offset`` when given; ``rows`` None: the keys themselves, read as K^T, for pages of one
-    slot). Returns (B, H, 1, D) in the cache's dtype."""
+    """Selection and exact attention over the chosen slots: ``select_attend`` (one kernel,
+    or three for a selection split over programs, ``selection_splits``) when the selection
+    attends in one program per KV head, else ``paged_select`` then ``attend_pages``
+    (arguments as there; ``last`` (1,) int64 the slot written last, less ``offset`` when
+    given; ``rows`` None: the keys themselves, read as K^T, for pages of one slot). Returns
+    (B, H, 1, D) in the cache's dtype."""
     if ops().attention_splits(k) > 1:
         return select_then_attend(q, k_cache, v_cache, rows, last, mode=mode,
                                   two_bounds=two_bounds, r=r, k=k, page_size=page_size,
@@ -146,18 +148,27 @@ def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor |
     by_token = rows is None
     return torch.ops.rocketkv.select_attend(q, k_cache if by_token else rows, k_cache, v_cache,
                                             last, mode, two_bounds, r, k, page_size, by_token,
-                                            offset)
+                                            offset, _splits(k_cache, rows, k, page_size))
 
 
 def select_then_attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None,
                        last: Tensor, *, mode: int, two_bounds: bool, r: int, k: int,
                        page_size: int, offset: Tensor | None = None) -> Tensor:
-    """``sparse_attention`` in two kernels, ``paged_select`` then ``attend_pages`` (split over
-    programs): what runs for selections too large for one program per KV head."""
+    """``sparse_attention`` as ``paged_select`` then ``attend_pages`` (split over programs):
+    what runs for selections too large for one program per KV head."""
     by_token = rows is None
     pages, take = torch.ops.rocketkv.paged_select(q, k_cache if by_token else rows, last, mode,
-                                                  two_bounds, r, k, page_size, by_token, offset)
+                                                  two_bounds, r, k, page_size, by_token, offset,
+                                                  _splits(k_cache, rows, k, page_size))
     return torch.ops.rocketkv.attend_pages(q, k_cache, v_cache, pages, take, page_size, k)
+
+
+def _splits(k_cache: Tensor, rows: Tensor | None, k: int, page_size: int) -> int:
+    """The selection's programs per KV head (``kernels.sparse.selection_splits``) over the
+    pages of ``rows`` (the summary, (B, H_kv, rows, P)) or the tokens of ``k_cache``."""
+    n_pages = k_cache.shape[2] if rows is None else rows.shape[3]
+    return max(1, ops().selection_splits(n_pages, k, page_size))  # 0 (nothing fits): one
+    # program choosing in passes over memory, where a test forces the kernels (selection_fits)
 
 
 def prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor,

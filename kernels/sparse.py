@@ -31,7 +31,15 @@ dense decode attention:
     tau their first slots in page order until k are taken. That is the set of the reference's
     page-first top-k (``compression.selection.top_pages_to_tokens``), ties aside, without a
     sort. The chosen pages are written compacted, with how many of their first slots to read:
-    at most M = min(P, ceil(k / page_size) + 1) pages.
+    at most M = min(P, ceil(k / page_size) + 1) pages (k for pages of one slot).
+
+The split selection (``paged_select`` / ``select_attend`` with ``splits`` > 1)
+    The same scores and choice over more pages than one program should scan
+    (``selection_splits``: past ``SPLIT_PAGES``), in three kernels over (sequence x KV head,
+    split): each split's per-head (max, sum) of the exp-logits; each split's scores, by the
+    merged log-sum-exp, and its own k tokens, chosen in registers; one program per KV head
+    choosing k among the splits' candidates (a superset of the global choice) and, for
+    ``select_attend``, attending over them.
 
 ``attend_pages`` (``torch.ops.rocketkv.attend_pages``)
     Exact attention of a query group over the chosen pages' slots, an online softmax in
@@ -76,6 +84,11 @@ SELECT_REGISTER_PAGES = 8192  # up to this many pages the choice of k runs in re
 # bisection steps, each one block reduction; compiles for sm_90 without spills); more pages:
 # passes over the scores, which the selectors leave to the PyTorch path (kernels.selection_fits)
 SELECT_BLOCK = 1024  # scores per loop iteration of those passes
+SPLIT_PAGES = 2048  # pages one program scores and chooses over: more pages split the selection
+# over programs of about this many pages each, then choose among their candidates (untuned:
+# RocketKV's pages stay in one program up to 128K, hybrid's and SparQ's one-token pages split)
+SELECT_CANDIDATES = 8192  # at most this many candidates (splits x their page lists) reach the
+# last choice, held in registers like SELECT_REGISTER_PAGES
 NUM_WARPS = 8  # per program of paged_select and attend_pages: their (D x 64) float32 tiles
 # stay in registers (untuned: the GPU checklist measures the kernels)
 ATTEND_TOKENS = 64  # slots attend_pages loads per loop iteration
@@ -203,6 +216,135 @@ def _paged_select_kernel(q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_p
 
 
 @triton.jit
+def _page_counts(p, end, last, PAGE_SIZE):
+    """Written slots of pages ``p``: clamp(last + 1 - p * PAGE_SIZE, 0, PAGE_SIZE), 0 at or
+    past ``end``."""
+    cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
+    return tl.where(p < end, cnt, 0)
+
+
+@triton.jit
+def _softmax_terms(qf, G, D, R, TWO_BOUNDS: tl.constexpr, G_BLOCK: tl.constexpr,
+                   D_BLOCK: tl.constexpr):
+    """``MODE_SOFTMAX``'s terms of a query group ``qf`` (G_BLOCK, D_BLOCK) float32: the top-R
+    dims of the group-summed |q| (rank = dims ahead of it, ties to the lower dim), the row
+    each reads (the min row D + d where the group-summed q is negative, with ``TWO_BOUNDS``),
+    the queries zeroed outside the dims, and 1 / SparQ's temperature per head (0 on padding
+    rows). Returns (sel, row, qs, inv_t)."""
+    g = tl.arange(0, G_BLOCK)
+    d = tl.arange(0, D_BLOCK)
+    gm = g < G
+    dm = d < D
+    a = tl.sum(tl.abs(qf), axis=0)  # (D_BLOCK,)
+    a_i = tl.where(dm, a, -1.0)
+    ahead = (a_i[None, :] > a_i[:, None]) | ((a_i[None, :] == a_i[:, None])
+                                             & (d[None, :] < d[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), axis=1)
+    sel = (rank < R) & dm
+    row = d
+    if TWO_BOUNDS:
+        row = tl.where(tl.sum(qf, axis=0) < 0, d + D, d)
+    qs = tl.where(sel[None, :], qf, 0.0)  # (G_BLOCK, D_BLOCK), zero outside the dims
+    qsum = tl.sum(tl.abs(qf), axis=1)
+    qsel = tl.sum(tl.where(sel[None, :], tl.abs(qf), 0.0), axis=1)
+    qsum = tl.where(gm, qsum, 1.0)  # padding rows: no 0 / 0
+    inv_t = tl.where(gm, 1.0 / tl.sqrt(D * qsel / qsum), 0.0)  # SparQ temperature
+    return sel, row, qs, inv_t
+
+
+@triton.jit
+def _logits(rows, row, sel, qs, inv_t, p, ok, s_rr, s_rp, DOT: tl.constexpr):
+    """Logits (G_BLOCK, BLOCK) of pages ``p`` (read where ``ok``): q_g[dims] . row[dims, p]
+    / T_g."""
+    kr = tl.load(rows + row[:, None] * s_rr + p[None, :] * s_rp,
+                 mask=sel[:, None] & ok[None, :], other=0.0)  # (D_BLOCK, BLOCK)
+    return _dot(qs, kr, DOT) * inv_t[:, None]
+
+
+@triton.jit
+def _lse_range(rows, row, sel, qs, inv_t, last, p_begin, p_end, logits_ptr, s_lg, s_rr, s_rp,
+               G, PAGE_SIZE, STORE: tl.constexpr, DOT: tl.constexpr, G_BLOCK: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Pass 1 of ``MODE_SOFTMAX`` over pages [p_begin, p_end): the online (max, sum) of the
+    group's exp-logits over the valid tokens, each page counted once per written slot
+    (log(count) added). With ``STORE`` the logits go to ``logits_ptr`` (G rows of stride
+    ``s_lg``, column = page) for pass 2 to read instead of the rows."""
+    g = tl.arange(0, G_BLOCK)
+    offs = tl.arange(0, BLOCK)
+    m_run = tl.full((G_BLOCK,), -1.0e30, tl.float32)
+    l_run = tl.zeros((G_BLOCK,), tl.float32)
+    for p0 in range(p_begin, p_end, BLOCK):
+        p = p0 + offs
+        cnt = _page_counts(p, p_end, last, PAGE_SIZE)
+        ok = cnt > 0
+        s = _logits(rows, row, sel, qs, inv_t, p, ok, s_rr, s_rp, DOT)
+        if STORE:
+            tl.store(logits_ptr + g[:, None] * s_lg + p[None, :], s,
+                     mask=(g < G)[:, None] & ok[None, :])
+        logn = tl.log(tl.maximum(cnt, 1).to(tl.float32))
+        s = tl.where(ok[None, :], s + logn[None, :], float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(s, axis=1))
+        l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+        m_run = m_new
+    return m_run, l_run
+
+
+@triton.jit
+def _softmax_scores(rows, row, sel, qs, inv_t, lse, last, p_begin, p_end, scores_ptr,
+                    logits_ptr, s_lg, s_rr, s_rp, G, PAGE_SIZE, LOAD: tl.constexpr,
+                    DOT: tl.constexpr, G_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 2 of ``MODE_SOFTMAX``: each page's token probability exp(logit - lse) summed over
+    the group (-inf for pages without a written slot) to ``scores_ptr`` (column = page), for
+    pages [p_begin, p_end); the logits recomputed, or with ``LOAD`` read from pass 1's."""
+    g = tl.arange(0, G_BLOCK)
+    gm = g < G
+    offs = tl.arange(0, BLOCK)
+    for p0 in range(p_begin, p_end, BLOCK):
+        p = p0 + offs
+        ok = _page_counts(p, p_end, last, PAGE_SIZE) > 0
+        if LOAD:
+            s = tl.load(logits_ptr + g[:, None] * s_lg + p[None, :],
+                        mask=gm[:, None] & ok[None, :], other=0.0)
+        else:
+            s = _logits(rows, row, sel, qs, inv_t, p, ok, s_rr, s_rp, DOT)
+        prob = tl.where(gm[:, None], tl.exp(s - lse[:, None]), 0.0)
+        score = tl.where(ok, tl.sum(prob, axis=0), float("-inf"))
+        tl.store(scores_ptr + p, score, mask=p < p_end)
+
+
+@triton.jit
+def _bound_scores(rows, qf, last, p_begin, p_end, scores_ptr, s_rr, s_rp, D, PAGE_SIZE,
+                  TWO_BOUNDS: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """``MODE_BOUND`` (Quest): max(q_i, 0) kmax_i + min(q_i, 0) kmin_i summed over the dims,
+    the group summed first, to ``scores_ptr`` for pages [p_begin, p_end); the newest page
+    scores +inf, pages without a written slot -inf."""
+    d = tl.arange(0, D_BLOCK)
+    dm = d < D
+    offs = tl.arange(0, BLOCK)
+    if TWO_BOUNDS:
+        qpos = tl.sum(tl.maximum(qf, 0.0), axis=0)
+        qneg = tl.sum(tl.minimum(qf, 0.0), axis=0)
+    else:
+        qpos = tl.sum(qf, axis=0)
+        qneg = tl.zeros((D_BLOCK,), tl.float32)
+    newest = last // PAGE_SIZE
+    for p0 in range(p_begin, p_end, BLOCK):
+        p = p0 + offs
+        ok = _page_counts(p, p_end, last, PAGE_SIZE) > 0
+        lm = dm[:, None] & ok[None, :]
+        kmax = tl.load(rows + d[:, None] * s_rr + p[None, :] * s_rp, mask=lm, other=0.0)
+        qp = qpos.to(kmax.dtype).to(tl.float32)
+        bound = tl.sum(qp[:, None] * kmax.to(tl.float32), axis=0)
+        if TWO_BOUNDS:
+            kmin = tl.load(rows + (d + D)[:, None] * s_rr + p[None, :] * s_rp, mask=lm,
+                           other=0.0)
+            qn = qneg.to(kmin.dtype).to(tl.float32)
+            bound += tl.sum(qn[:, None] * kmin.to(tl.float32), axis=0)
+        bound = tl.where(p == newest, float("inf"), bound)
+        tl.store(scores_ptr + p, tl.where(ok, bound, float("-inf")), mask=p < p_end)
+
+
+@triton.jit
 def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take_ptr,
             s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, K, M, PAGE_SIZE,
             MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr, HAS_OFFSET: tl.constexpr,
@@ -212,112 +354,32 @@ def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take
     ``scores_ptr``, the chosen pages and their slot counts to ``pages_ptr``/``take_ptr``.
     BLOCK pages per scoring step; the choice over the scores runs in registers when ``PR``
     (a power of two >= P) is nonzero, else in passes of ``SEL`` pages."""
-    b = (pid // H_kv).to(tl.int64)  # offsets in int64: batches of long caches pass 2^31
-    h = pid % H_kv
-    g = tl.arange(0, G_BLOCK)
-    d = tl.arange(0, D_BLOCK)
-    gm = g < G
-    dm = d < D
-    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :],
-                mask=gm[:, None] & dm[None, :], other=0.0)  # (G_BLOCK, D_BLOCK)
-    qf = q.to(tl.float32)
-    rows = rows_ptr + b * s_rb + h * s_rh
+    _, _, qf, rows, _ = _program_group(pid, q_ptr, rows_ptr, rows_ptr, s_qb, s_qh, s_rb, s_rh,
+                                       H_kv, G, D, G_BLOCK, D_BLOCK)
     last = _last_slot(last_ptr, off_ptr, HAS_OFFSET).to(tl.int32)
     out = pid.to(tl.int64) * P
-    offs = tl.arange(0, BLOCK)
-
-    if MODE == 0:
-        # top-R dims of the group-summed |q|: rank = dims ahead of it (ties: lower dim first)
-        a = tl.sum(tl.abs(qf), axis=0)  # (D_BLOCK,)
-        a_i = tl.where(dm, a, -1.0)
-        ahead = (a_i[None, :] > a_i[:, None]) | ((a_i[None, :] == a_i[:, None])
-                                                 & (d[None, :] < d[:, None]))
-        rank = tl.sum(ahead.to(tl.int32), axis=1)
-        sel = (rank < R) & dm
-        row = d
-        if TWO_BOUNDS:  # the min row where the group-summed q is negative
-            row = tl.where(tl.sum(qf, axis=0) < 0, d + D, d)
-        qs = tl.where(sel[None, :], qf, 0.0)  # (G_BLOCK, D_BLOCK), zero outside the dims
-        qsum = tl.sum(tl.abs(qf), axis=1)
-        qsel = tl.sum(tl.where(sel[None, :], tl.abs(qf), 0.0), axis=1)
-        qsum = tl.where(gm, qsum, 1.0)  # padding rows: no 0 / 0
-        inv_t = tl.where(gm, 1.0 / tl.sqrt(D * qsel / qsum), 0.0)  # SparQ temperature
-        # pass 1: online log-sum-exp over the valid tokens (each page n_p times)
-        m_run = tl.full((G_BLOCK,), -1.0e30, tl.float32)
-        l_run = tl.zeros((G_BLOCK,), tl.float32)
-        for p0 in range(0, P, BLOCK):
-            p = p0 + offs
-            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
-            ok = (p < P) & (cnt > 0)
-            kr = tl.load(rows + row[:, None] * s_rr + p[None, :] * s_rp,
-                         mask=sel[:, None] & ok[None, :], other=0.0)  # (D_BLOCK, BLOCK)
-            s = _dot(qs, kr, DOT) * inv_t[:, None]
-            logn = tl.log(tl.maximum(cnt, 1).to(tl.float32))
-            s = tl.where(ok[None, :], s + logn[None, :], float("-inf"))
-            m_new = tl.maximum(m_run, tl.max(s, axis=1))
-            l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-            m_run = m_new
-        lse = m_run + tl.log(l_run)
-        # pass 2: token probabilities of each page, summed over the group
-        for p0 in range(0, P, BLOCK):
-            p = p0 + offs
-            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
-            ok = (p < P) & (cnt > 0)
-            kr = tl.load(rows + row[:, None] * s_rr + p[None, :] * s_rp,
-                         mask=sel[:, None] & ok[None, :], other=0.0)
-            s = _dot(qs, kr, DOT) * inv_t[:, None]
-            prob = tl.where(gm[:, None], tl.exp(s - lse[:, None]), 0.0)
-            score = tl.where(ok, tl.sum(prob, axis=0), float("-inf"))
-            tl.store(scores_ptr + out + p, score, mask=p < P)
+    if MODE == 0:  # two passes: the log-sum-exp over every valid token, then the scores
+        sel, row, qs, inv_t = _softmax_terms(qf, G, D, R, TWO_BOUNDS, G_BLOCK, D_BLOCK)
+        m_run, l_run = _lse_range(rows, row, sel, qs, inv_t, last, 0, P, scores_ptr, 0,
+                                  s_rr, s_rp, G, PAGE_SIZE, False, DOT, G_BLOCK, BLOCK)
+        _softmax_scores(rows, row, sel, qs, inv_t, m_run + tl.log(l_run), last, 0, P,
+                        scores_ptr + out, scores_ptr, 0, s_rr, s_rp, G, PAGE_SIZE, False, DOT,
+                        G_BLOCK, BLOCK)
     else:
-        # Quest bounds: max(q_i, 0) kmax_i + min(q_i, 0) kmin_i, summed over the group first
-        if TWO_BOUNDS:
-            qpos = tl.sum(tl.maximum(qf, 0.0), axis=0)
-            qneg = tl.sum(tl.minimum(qf, 0.0), axis=0)
-        else:
-            qpos = tl.sum(qf, axis=0)
-            qneg = tl.zeros((D_BLOCK,), tl.float32)
-        newest = last // PAGE_SIZE
-        for p0 in range(0, P, BLOCK):
-            p = p0 + offs
-            cnt = tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE)
-            ok = (p < P) & (cnt > 0)
-            lm = dm[:, None] & ok[None, :]
-            kmax = tl.load(rows + d[:, None] * s_rr + p[None, :] * s_rp, mask=lm, other=0.0)
-            qp = qpos.to(kmax.dtype).to(tl.float32)
-            bound = tl.sum(qp[:, None] * kmax.to(tl.float32), axis=0)
-            if TWO_BOUNDS:
-                kmin = tl.load(rows + (d + D)[:, None] * s_rr + p[None, :] * s_rp, mask=lm,
-                               other=0.0)
-                qn = qneg.to(kmin.dtype).to(tl.float32)
-                bound += tl.sum(qn[:, None] * kmin.to(tl.float32), axis=0)
-            bound = tl.where(p == newest, float("inf"), bound)
-            score = tl.where(ok, bound, float("-inf"))
-            tl.store(scores_ptr + out + p, score, mask=p < P)
-
+        _bound_scores(rows, qf, last, 0, P, scores_ptr + out, s_rr, s_rp, D, PAGE_SIZE,
+                      TWO_BOUNDS, D_BLOCK, BLOCK)
     tl.debug_barrier()  # the scores this program wrote are read back below
     # k tokens: the largest tau with at least k valid tokens in pages scoring >= tau; pages
     # above tau give all their slots, pages at tau their first slots in page order, up to k
     k_eff = tl.minimum(K, last + 1)
     dst = pid.to(tl.int64) * M
-    lo = tl.full((), -2147483648, tl.int64)
-    hi = tl.full((), 2147483647, tl.int64)
     if PR > 0:  # every page's key and count in registers: each step is one block reduction
         p = tl.arange(0, PR)
         key, cnt = _page_keys(scores_ptr + out, p, P, last, PAGE_SIZE)
-        for _ in range(32):
-            mid = (lo + hi + 1) // 2
-            big = tl.sum(tl.where(key >= mid, cnt, 0)) >= k_eff
-            lo = tl.where(big, mid, lo)
-            hi = tl.where(big, hi, mid - 1)
-        above = tl.sum(tl.where(key > lo, cnt, 0))
-        take, _ = _take(key, cnt, lo, k_eff - above)
-        chosen = (take > 0).to(tl.int32)
-        pos = tl.cumsum(chosen, axis=0) - chosen
-        tl.store(pages_ptr + dst + pos, p, mask=chosen > 0)
-        tl.store(take_ptr + dst + pos, take, mask=chosen > 0)
-        n_sel = tl.sum(chosen)
+        n_sel = _choose(key, cnt, p, k_eff, pages_ptr + dst, take_ptr + dst, M)
     else:  # more pages than registers hold: the same steps, each a pass over the scores
+        lo = tl.full((), -2147483648, tl.int64)
+        hi = tl.full((), 2147483647, tl.int64)
         offs_s = tl.arange(0, SEL)
         for _ in range(32):
             mid = (lo + hi + 1) // 2
@@ -343,17 +405,15 @@ def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take
             tl.store(take_ptr + dst + pos, take, mask=chosen > 0)
             room -= tied
             n_sel += tl.sum(chosen)
-    for j0 in range(0, M, BLOCK):  # unused entries read nothing
-        j = j0 + offs
-        tl.store(pages_ptr + dst + j, tl.zeros((BLOCK,), tl.int32), mask=(j >= n_sel) & (j < M))
-        tl.store(take_ptr + dst + j, tl.zeros((BLOCK,), tl.int32), mask=(j >= n_sel) & (j < M))
+    _clear_tail(pages_ptr + dst, take_ptr + dst, n_sel, M, BLOCK)
 
 
 @triton.jit
-def _page_keys(scores_ptr, p, P, last, PAGE_SIZE):
-    """Pages ``p``'s order keys (int64; -inf's past P) and written slots (0 past P)."""
-    cnt = tl.where(p < P, tl.minimum(tl.maximum(last + 1 - p * PAGE_SIZE, 0), PAGE_SIZE), 0)
-    key = _order_key(tl.load(scores_ptr + p, mask=p < P, other=float("-inf")))
+def _page_keys(scores_ptr, p, end, last, PAGE_SIZE):
+    """Pages ``p``'s order keys (int64; -inf's at or past ``end``) and written slots (0 at
+    or past ``end``)."""
+    cnt = _page_counts(p, end, last, PAGE_SIZE)
+    key = _order_key(tl.load(scores_ptr + p, mask=p < end, other=float("-inf")))
     return key.to(tl.int64), cnt
 
 
@@ -367,6 +427,150 @@ def _take(key, cnt, tau, room):
     return tl.where(key > tau, cnt, at_tau), tl.sum(eq)
 
 
+@triton.jit
+def _choose(key, cnt, page, k_eff, pages_ptr, take_ptr, limit):
+    """The choice of ``k_eff`` slots among pages held in registers (order keys ``key``
+    int64, ``cnt`` slots each, ids ``page``): tau, the largest order key whose pages
+    (key >= tau) hold at least k_eff slots, by a 32-step bisection, each step one block
+    reduction; pages above tau give all their slots, pages at tau their first slots in
+    register order while the k last. The chosen pages and their counts are written in
+    register order to ``pages_ptr``/``take_ptr`` (at most ``limit``); returns how many."""
+    lo = tl.full((), -2147483648, tl.int64)
+    hi = tl.full((), 2147483647, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi + 1) // 2
+        big = tl.sum(tl.where(key >= mid, cnt, 0)) >= k_eff
+        lo = tl.where(big, mid, lo)
+        hi = tl.where(big, hi, mid - 1)
+    above = tl.sum(tl.where(key > lo, cnt, 0))
+    take, _ = _take(key, cnt, lo, k_eff - above)
+    chosen = (take > 0).to(tl.int32)
+    pos = tl.cumsum(chosen, axis=0) - chosen
+    keep = (chosen > 0) & (pos < limit)
+    tl.store(pages_ptr + pos, page, mask=keep)
+    tl.store(take_ptr + pos, take, mask=keep)
+    return tl.minimum(tl.sum(chosen), limit)
+
+
+@triton.jit
+def _clear_tail(pages_ptr, take_ptr, n, M, BLOCK: tl.constexpr):
+    """Entries n..M-1 of a page list: page 0, take 0 (they read nothing)."""
+    for j0 in range(0, M, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        tail = (j >= n) & (j < M)
+        tl.store(pages_ptr + j, tl.zeros((BLOCK,), tl.int32), mask=tail)
+        tl.store(take_ptr + j, tl.zeros((BLOCK,), tl.int32), mask=tail)
+
+
+@triton.jit
+def _split_program(q_ptr, rows_ptr, last_ptr, off_ptr, s_qb, s_qh, s_rb, s_rh, H_kv, G, D, P,
+                   SPLIT_LEN, HAS_OFFSET: tl.constexpr, G_BLOCK: tl.constexpr,
+                   D_BLOCK: tl.constexpr):
+    """What program (pid, split) of the split selection serves: its query group (float32,
+    zero-padded), its (sequence, KV head)'s rows, the slot written last and its pages
+    [p_begin, p_end)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    _, _, qf, rows, _ = _program_group(pid, q_ptr, rows_ptr, rows_ptr, s_qb, s_qh, s_rb, s_rh,
+                                       H_kv, G, D, G_BLOCK, D_BLOCK)
+    last = _last_slot(last_ptr, off_ptr, HAS_OFFSET).to(tl.int32)
+    p_begin = split * SPLIT_LEN
+    return pid, split, qf, rows, last, p_begin, tl.minimum(p_begin + SPLIT_LEN, P)
+
+
+@triton.jit
+def _split_lse_kernel(q_ptr, rows_ptr, last_ptr, off_ptr, ml_ptr, logits_ptr,
+                      s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, SPLIT_LEN,
+                      PAGE_SIZE, SPLITS: tl.constexpr, TWO_BOUNDS: tl.constexpr,
+                      HAS_OFFSET: tl.constexpr, STORE: tl.constexpr, DOT: tl.constexpr,
+                      G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """Split selection, kernel 1 (``MODE_SOFTMAX``): program (pid, split) writes pass 1's
+    (max, sum) per query head over its split's pages, and with ``STORE`` their logits."""
+    pid, split, qf, rows, last, p_begin, p_end = _split_program(
+        q_ptr, rows_ptr, last_ptr, off_ptr, s_qb, s_qh, s_rb, s_rh, H_kv, G, D, P, SPLIT_LEN,
+        HAS_OFFSET, G_BLOCK, D_BLOCK)
+    sel, row, qs, inv_t = _softmax_terms(qf, G, D, R, TWO_BOUNDS, G_BLOCK, D_BLOCK)
+    m_run, l_run = _lse_range(rows, row, sel, qs, inv_t, last, p_begin, p_end,
+                              logits_ptr + pid.to(tl.int64) * G * P, P, s_rr, s_rp, G,
+                              PAGE_SIZE, STORE, DOT, G_BLOCK, BLOCK)
+    g = tl.arange(0, G_BLOCK)
+    part = (pid.to(tl.int64) * SPLITS + split) * 2 * G_BLOCK
+    tl.store(ml_ptr + part + g, m_run)
+    tl.store(ml_ptr + part + G_BLOCK + g, l_run)
+
+
+@triton.jit
+def _split_choose_kernel(q_ptr, rows_ptr, last_ptr, off_ptr, ml_ptr, logits_ptr, scores_ptr,
+                         cand_pages, cand_take, s_qb, s_qh, s_rb, s_rh, s_rr, s_rp,
+                         H_kv, G, D, P, R, K, MS, SPLIT_LEN, PAGE_SIZE,
+                         MODE: tl.constexpr, SPLITS: tl.constexpr, TWO_BOUNDS: tl.constexpr,
+                         HAS_OFFSET: tl.constexpr, LOAD: tl.constexpr, DOT: tl.constexpr,
+                         G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                         PR: tl.constexpr):
+    """Split selection, kernel 2: program (pid, split) scores its split's pages (softmax: by
+    each head's log-sum-exp, merged from kernel 1's (max, sum) of every split) and chooses
+    the split's own k tokens in registers (``_choose``): its ``MS`` candidate entries."""
+    pid, split, qf, rows, last, p_begin, p_end = _split_program(
+        q_ptr, rows_ptr, last_ptr, off_ptr, s_qb, s_qh, s_rb, s_rh, H_kv, G, D, P, SPLIT_LEN,
+        HAS_OFFSET, G_BLOCK, D_BLOCK)
+    out = pid.to(tl.int64) * P
+    if MODE == 0:
+        sel, row, qs, inv_t = _softmax_terms(qf, G, D, R, TWO_BOUNDS, G_BLOCK, D_BLOCK)
+        g = tl.arange(0, G_BLOCK)
+        parts = pid.to(tl.int64) * SPLITS * 2 * G_BLOCK
+        top = tl.full((G_BLOCK,), -1.0e30, tl.float32)
+        for sp in range(SPLITS):
+            top = tl.maximum(top, tl.load(ml_ptr + parts + sp * 2 * G_BLOCK + g))
+        total = tl.zeros((G_BLOCK,), tl.float32)
+        for sp in range(SPLITS):  # a split without a valid token adds 0 (its sum is 0)
+            m_sp = tl.load(ml_ptr + parts + sp * 2 * G_BLOCK + g)
+            total += tl.load(ml_ptr + parts + sp * 2 * G_BLOCK + G_BLOCK + g) * tl.exp(m_sp - top)
+        _softmax_scores(rows, row, sel, qs, inv_t, top + tl.log(total), last, p_begin, p_end,
+                        scores_ptr + out, logits_ptr + pid.to(tl.int64) * G * P, P, s_rr, s_rp,
+                        G, PAGE_SIZE, LOAD, DOT, G_BLOCK, BLOCK)
+    else:
+        _bound_scores(rows, qf, last, p_begin, p_end, scores_ptr + out, s_rr, s_rp, D,
+                      PAGE_SIZE, TWO_BOUNDS, D_BLOCK, BLOCK)
+    tl.debug_barrier()  # the scores this program wrote are read back below
+    p = p_begin + tl.arange(0, PR)
+    key, cnt = _page_keys(scores_ptr + out, p, p_end, last, PAGE_SIZE)
+    dst = (pid.to(tl.int64) * SPLITS + split) * MS
+    n = _choose(key, cnt, p, tl.minimum(K, tl.sum(cnt)), cand_pages + dst, cand_take + dst, MS)
+    _clear_tail(cand_pages + dst, cand_take + dst, n, MS, BLOCK)
+
+
+@triton.jit
+def _split_merge_kernel(q_ptr, k_cache, v_cache, last_ptr, off_ptr, scores_ptr, cand_pages,
+                        cand_take, pages_ptr, take_ptr, out_ptr,
+                        s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh,
+                        H_kv, G, D, P, K, NC, M, PAGE_SIZE, scale,
+                        HAS_OFFSET: tl.constexpr, ATTEND: tl.constexpr, DOT: tl.constexpr,
+                        G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                        CR: tl.constexpr, CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
+    """Split selection, kernel 3: one program per (sequence, KV head) chooses the k tokens
+    among the splits' ``NC`` candidates (their scores read back by page), in registers, as
+    one program would over every page, and with ``ATTEND`` attends over them (as
+    ``select_attend``)."""
+    pid = tl.program_id(0)
+    last = _last_slot(last_ptr, off_ptr, HAS_OFFSET)
+    c = tl.arange(0, CR)
+    src = pid.to(tl.int64) * NC
+    page = tl.load(cand_pages + src + c, mask=c < NC, other=0)
+    cnt = tl.load(cand_take + src + c, mask=c < NC, other=0)
+    score = tl.load(scores_ptr + pid.to(tl.int64) * P + page, mask=cnt > 0,
+                    other=float("-inf"))
+    dst = pid.to(tl.int64) * M
+    k_eff = tl.minimum(K, last + 1).to(tl.int32)
+    n = _choose(_order_key(score).to(tl.int64), cnt, page, k_eff, pages_ptr + dst,
+                take_ptr + dst, M)
+    _clear_tail(pages_ptr + dst, take_ptr + dst, n, M, BLOCK)
+    if ATTEND:
+        tl.debug_barrier()  # the page list this program wrote is read back below
+        _attend_chosen(pid, 0, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, out_ptr,
+                       out_ptr, out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D,
+                       M, PAGE_SIZE, M, scale, 1, DOT, G_BLOCK, D_BLOCK, CHUNK, PAGES_BLOCK)
+
+
 def register_pages(n_pages: int) -> int:
     """``PR`` of a selection over ``n_pages`` pages: the power of two >= n_pages when that is
     at most ``SELECT_REGISTER_PAGES`` (the choice runs in registers), else 0 (in passes)."""
@@ -374,13 +578,36 @@ def register_pages(n_pages: int) -> int:
     return n if n <= SELECT_REGISTER_PAGES else 0
 
 
-def selected_pages(k: int, page_size: int, n_pages: int) -> int:
-    """M: entries of ``paged_select``'s page list, min(P, ceil(k / page_size) + 1)."""
-    return min(n_pages, -(-k // page_size) + 1)
+def selected_pages(k: int, page_size: int, n_pages: int, splits: int = 1) -> int:
+    """M: entries of a page list of k tokens, at most ``n_pages``: k for pages of one slot;
+    else ceil(k / page_size) + ``splits``: the partial newest page, and per split one page at
+    the threshold its split took only in part (one program: that same one page)."""
+    return min(n_pages, -(-k // page_size) + (splits if page_size > 1 else 0))
 
 
-def _selection_buffers(q: Tensor, rows: Tensor, k: int, page_size: int, by_token: bool
-                       ) -> tuple[int, int, int, int, int, Tensor, Tensor, Tensor]:
+def selection_splits(n_pages: int, k: int, page_size: int) -> int:
+    """Programs per KV head that score and choose over ``n_pages`` pages (tokens, for pages
+    of one slot): 1 up to ``SPLIT_PAGES`` pages (one program: ``paged_select``,
+    ``select_attend``); above, the power of two that gives each about ``SPLIT_PAGES`` pages
+    (the split selection), fewer where their candidates (splits x ``selected_pages``) would
+    pass ``SELECT_CANDIDATES``; 0 where no count fits in registers (the selectors then keep
+    the PyTorch path: ``kernels.selection_fits``)."""
+    P = int(n_pages)
+    if P <= SPLIT_PAGES:
+        return 1 if register_pages(P) else 0
+    splits = _pow2(-(-P // SPLIT_PAGES))
+    while splits > 1:
+        per = -(-P // splits)
+        if not register_pages(per):  # fewer splits only lengthen them
+            return 0
+        if splits * selected_pages(k, page_size, per) <= SELECT_CANDIDATES:
+            return splits
+        splits //= 2
+    return 1 if register_pages(P) else 0
+
+
+def _selection_buffers(q: Tensor, rows: Tensor, k: int, page_size: int, by_token: bool,
+                       splits: int = 1) -> tuple[int, int, int, int, int, Tensor, Tensor, Tensor]:
     """(H_kv, P, row stride, page stride, M, scores, pages, take) of a selection over
     ``rows`` (``paged_select``'s layouts): its shape, and scratch for the page scores
     (B, H_kv, P) float32 and the page list (B, H_kv, M) int32."""
@@ -388,17 +615,72 @@ def _selection_buffers(q: Tensor, rows: Tensor, k: int, page_size: int, by_token
     Hkv, P = rows.shape[1], rows.shape[2 if by_token else 3]
     s_row, s_page = (rows.stride(3), rows.stride(2)) if by_token else \
         (rows.stride(2), rows.stride(3))
-    M = selected_pages(k, page_size, P)
+    M = selected_pages(k, page_size, P, splits)
     scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
     pages = torch.empty(B, Hkv, M, dtype=torch.int32, device=q.device)
     take = torch.empty(B, Hkv, M, dtype=torch.int32, device=q.device)
     return Hkv, P, s_row, s_page, M, scores, pages, take
 
 
+def _split_selection(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: bool,
+                     r: int, k: int, page_size: int, by_token: bool, offset: Tensor | None,
+                     splits: int, kv: tuple[Tensor, Tensor] | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The split selection: scoring and a first choice split over ``splits`` programs per KV
+    head, the last choice among their candidates in one (``_split_lse_kernel``,
+    ``_split_choose_kernel``, ``_split_merge_kernel``); with ``kv`` = (k_cache, v_cache) the
+    last kernel also attends. Returns (pages, take, output or None).
+
+    The union of the splits' own page-first top-k holds the global one: a page the global
+    choice takes has fewer than k tokens above it in its split too. Pass 2 recomputes the
+    logits from the rows, or, where the r rows cost more bytes per page than writing and
+    reading the G float32 logits (Exact-TopK), reads kernel 1's."""
+    B, H, _, D = q.shape
+    Hkv, P, s_row, s_page, M, scores, pages, take = _selection_buffers(q, rows, k, page_size,
+                                                                       by_token, splits)
+    G = H // Hkv
+    G_BLOCK, D_BLOCK = max(16, _pow2(G)), _pow2(D)
+    per = -(-P // splits)
+    MS = selected_pages(k, page_size, per)
+    cand_pages = torch.empty(B * Hkv * splits * MS, dtype=torch.int32, device=q.device)
+    cand_take = torch.empty_like(cand_pages)
+    off = offset if offset is not None else last
+    strides = (q.stride(0), q.stride(1), rows.stride(0), rows.stride(1), s_row, s_page)
+    store = mode == MODE_SOFTMAX and 2 * G * 4 < r * rows.element_size()
+    logits = torch.empty(B * Hkv * G * P if store else 1, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * Hkv * splits * 2 * G_BLOCK if mode == MODE_SOFTMAX else 1,
+                     dtype=torch.float32, device=q.device)
+    if mode == MODE_SOFTMAX:
+        torch.library.wrap_triton(_split_lse_kernel)[(B * Hkv, splits)](
+            q, rows, last, off, ml, logits, *strides, Hkv, G, D, P, r, per, page_size,
+            SPLITS=splits, TWO_BOUNDS=two_bounds, HAS_OFFSET=offset is not None, STORE=store,
+            DOT=_dot_mode(rows), G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK, BLOCK=SCORE_BLOCK,
+            num_warps=NUM_WARPS)
+    torch.library.wrap_triton(_split_choose_kernel)[(B * Hkv, splits)](
+        q, rows, last, off, ml, logits, scores, cand_pages, cand_take, *strides,
+        Hkv, G, D, P, r, k, MS, per, page_size, MODE=mode, SPLITS=splits,
+        TWO_BOUNDS=two_bounds, HAS_OFFSET=offset is not None, LOAD=store, DOT=_dot_mode(rows),
+        G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK, BLOCK=SCORE_BLOCK, PR=_pow2(per),
+        num_warps=NUM_WARPS)
+    k_cache, v_cache = kv if kv is not None else (rows, rows)
+    out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device) if kv is not None \
+        else None
+    chunk, pages_block = _attend_blocks(page_size)
+    o = out if out is not None else scores
+    torch.library.wrap_triton(_split_merge_kernel)[(B * Hkv,)](
+        q, k_cache, v_cache, last, off, scores, cand_pages, cand_take, pages, take, o,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        o.stride(0), o.stride(1), Hkv, G, D, P, k, splits * MS, M,
+        page_size, 1.0 / math.sqrt(D), HAS_OFFSET=offset is not None, ATTEND=kv is not None,
+        DOT=_dot_mode(k_cache), G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK, BLOCK=SCORE_BLOCK,
+        CR=_pow2(splits * MS), CHUNK=chunk, PAGES_BLOCK=pages_block, num_warps=NUM_WARPS)
+    return pages, take, out
+
+
 @torch.library.triton_op("rocketkv::paged_select", mutates_args=())
 def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: bool, r: int,
                  k: int, page_size: int, by_token: bool = False,
-                 offset: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 offset: Tensor | None = None, splits: int = 1) -> tuple[Tensor, Tensor]:
     """Score the pages of every (sequence, KV head) and choose k tokens, page-first.
 
     Args:
@@ -415,12 +697,18 @@ def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: b
         mode: ``MODE_SOFTMAX`` (hybrid, SparQ, Exact-TopK with r = D) or ``MODE_BOUND``
             (Quest).
         r: dims read (``MODE_SOFTMAX``); k: tokens to choose (at most the valid ones).
+        splits: programs per KV head (``selection_splits``): 1, one program scores and
+            chooses; more, the split selection (``_split_selection``), 2-3 kernels.
     Returns:
         pages (B, H_kv, M) int32 and take (B, H_kv, M) int32, M = ``selected_pages``: the
         chosen pages in ascending order, each with the count of its first slots to attend
         (entries past the chosen ones have take 0). The page scores are written to a
         (B, H_kv, P) float32 scratch buffer allocated here.
     """
+    if splits > 1:
+        pages, take, _ = _split_selection(q, rows, last, mode, two_bounds, r, k, page_size,
+                                          by_token, offset, splits)
+        return pages, take
     B, H, _, D = q.shape
     Hkv, P, s_row, s_page, M, scores, pages, take = _selection_buffers(q, rows, k, page_size,
                                                                        by_token)
@@ -662,12 +950,18 @@ def _select_attend_kernel(q_ptr, rows_ptr, k_cache, v_cache, last_ptr, off_ptr, 
 @torch.library.triton_op("rocketkv::select_attend", mutates_args=())
 def select_attend(q: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor,
                   mode: int, two_bounds: bool, r: int, k: int, page_size: int,
-                  by_token: bool = False, offset: Tensor | None = None) -> Tensor:
+                  by_token: bool = False, offset: Tensor | None = None,
+                  splits: int = 1) -> Tensor:
     """``paged_select`` then ``attend_pages`` in one kernel, one program per (sequence, KV
     head): for selections that attend in one program (``attention_splits(k) == 1``, the
     budgets the paper runs), the page list goes through a scratch buffer between the two
-    phases of the same program. Arguments as there; returns (B, H, 1, D) in v_cache's dtype.
+    phases of the same program. With ``splits`` > 1 the selection is split
+    (``_split_selection``) and its last kernel attends. Arguments as there; returns
+    (B, H, 1, D) in v_cache's dtype.
     """
+    if splits > 1:
+        return _split_selection(q, rows, last, mode, two_bounds, r, k, page_size, by_token,
+                                offset, splits, (k_cache, v_cache))[2]
     B, H, _, D = q.shape
     Hkv, P, s_row, s_page, M, scores, pages, take = _selection_buffers(q, rows, k, page_size,
                                                                        by_token)

@@ -75,6 +75,34 @@ def configurations(sparse) -> list[tuple]:
                      "G_BLOCK": 16, "D_BLOCK": 128, "TOK": S.ATTEND_TOKENS}, S.NUM_WARPS))
     out.append((S._merge_splits_kernel, dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr=BF16),
                 {"SPLITS": 64, "G_BLOCK": 16, "D_BLOCK": 128}, 4))
+    # the split selection: hybrid's pages (4 splits at 128K), SparQ's and Exact-TopK's tokens
+    # (16 at 32K, 64 at 128K; Exact-TopK stores its logits in pass 1 and reads them in pass 2)
+    sel_ptrs = dict(q_ptr=BF16, rows_ptr=BF16, last_ptr="*i64", off_ptr="*i64", ml_ptr="*fp32",
+                    logits_ptr="*fp32")
+    for splits, two, store in ((4, True, False), (64, False, False), (16, False, True)):
+        out.append((S._split_lse_kernel, sel_ptrs,
+                    {"SPLITS": splits, "TWO_BOUNDS": two, "HAS_OFFSET": True, "STORE": store,
+                     "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK},
+                    S.NUM_WARPS))
+    for mode, splits, two, load in ((S.MODE_SOFTMAX, 4, True, False),
+                                    (S.MODE_SOFTMAX, 64, False, False),
+                                    (S.MODE_SOFTMAX, 16, False, True), (S.MODE_BOUND, 64, False,
+                                                                        False)):
+        out.append((S._split_choose_kernel,
+                    dict(sel_ptrs, scores_ptr="*fp32", cand_pages="*i32", cand_take="*i32"),
+                    {"MODE": mode, "SPLITS": splits, "TWO_BOUNDS": two, "HAS_OFFSET": True,
+                     "LOAD": load, "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128,
+                     "BLOCK": S.SCORE_BLOCK, "PR": S.SPLIT_PAGES}, S.NUM_WARPS))
+    for attend, page in ((True, 23), (True, 1), (False, 1)):
+        chunk, pages_block = S._attend_blocks(page)
+        out.append((S._split_merge_kernel,
+                    dict(q_ptr=BF16, k_cache=BF16, v_cache=BF16, last_ptr="*i64",
+                         off_ptr="*i64", scores_ptr="*fp32", cand_pages="*i32",
+                         cand_take="*i32", pages_ptr="*i32", take_ptr="*i32", out_ptr=BF16,
+                         scale="fp32"),
+                    {"HAS_OFFSET": True, "ATTEND": attend, "DOT": "native", "G_BLOCK": 16,
+                     "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK, "CR": S.SELECT_CANDIDATES,
+                     "CHUNK": chunk, "PAGES_BLOCK": pages_block}, S.NUM_WARPS))
     return out
 
 

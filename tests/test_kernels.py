@@ -154,9 +154,11 @@ def check_selection(ref_cache, ker_cache, q, t, k, exact):
     # odd steps give the slot as a compressed cache does: a position less the slot offset
     last, offset = (torch.tensor([t + 9], device=q.device), torch.tensor([9], device=q.device)) \
         if t % 2 else (torch.tensor([t], device=q.device), None)
+    splits = max(1, OPS.selection_splits(S // ps, min(k, S), ps))  # as the selectors run
     pages, take = torch.ops.rocketkv.paged_select(q, keys if rows is None else rows, last, mode,
-                                                  two, r, min(k, S), ps, rows is None, offset)
-    assert pages.shape[-1] == OPS.selected_pages(min(k, S), ps, S // ps)
+                                                  two, r, min(k, S), ps, rows is None, offset,
+                                                  splits)
+    assert pages.shape[-1] == OPS.selected_pages(min(k, S), ps, S // ps, splits)
     got = chosen_slots(pages.cpu(), take.cpu(), ps, S)
     n_valid = t + 1
     assert (got.sum(-1) == min(k, n_valid)).all()
@@ -200,22 +202,36 @@ def _case_id(c):
 
 
 @interpreted
-@pytest.mark.parametrize("case,passes", [(c, False) for c in CASES] +
-                         [(CASES[i], True) for i in (0, 4, 8, 11)],
-                         ids=lambda v: _case_id(v) if isinstance(v, tuple) else
-                         ("passes" if v else "registers"))
-def test_decode_steps_equal_the_pytorch_path(case, passes, monkeypatch):
+@pytest.mark.parametrize("case,path", [(c, "registers") for c in CASES] +
+                         [(CASES[i], "passes") for i in (0, 4, 8, 11)] +
+                         [(CASES[i], "split") for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13)],
+                         ids=lambda v: _case_id(v) if isinstance(v, tuple) else v)
+def test_decode_steps_equal_the_pytorch_path(case, path, monkeypatch):
     """Each decode step through the kernels (token write, selection, attention) on a cache
     poisoned past its written slots gives the reference's output, and leaves the same K/V and
     auxiliary keys (page min/max, dim-major copy) on the written slots and pages. With
     ``passes`` the choice of k runs as over more pages than registers hold: passes of
     ``SELECT_BLOCK`` scores, here 16, so that a pass has several blocks and a partial last
-    one (the selectors' own rule would leave those pages to PyTorch: overridden)."""
-    if passes:
+    one (the selectors' own rule would leave those pages to PyTorch: overridden). With
+    ``split`` the selection is split over programs of about 4 pages each (``SPLIT_PAGES``,
+    with at most 64 candidates), partial last splits, splits past the written pages and k
+    above a split's tokens included."""
+    if path == "passes":
         monkeypatch.setattr(OPS, "SELECT_REGISTER_PAGES", 0)
         monkeypatch.setattr(OPS, "SELECT_BLOCK", 16)
-        monkeypatch.setattr(kernels, "selection_fits", lambda n_pages: True)
+        monkeypatch.setattr(kernels, "selection_fits", lambda *a: True)
         assert OPS.register_pages(10) == 0
+    split_calls = []
+    if path == "split":
+        monkeypatch.setattr(OPS, "SPLIT_PAGES", 4)
+        monkeypatch.setattr(OPS, "SELECT_CANDIDATES", 64)
+        spy = OPS._split_selection
+
+        def counting(*a, **kw):
+            split_calls.append(1)
+            return spy(*a, **kw)
+
+        monkeypatch.setattr(OPS, "_split_selection", counting)
     name, k, H, Hkv, D, T, steps = case
     ref, ker, (q, kk, v) = twin_caches(name, k, model_args(H, Hkv, D), T, steps,
                                        torch.float32, "cpu")
@@ -232,14 +248,17 @@ def test_decode_steps_equal_the_pytorch_path(case, passes, monkeypatch):
             n = t // ps + 1
             assert torch.equal(aux_of(ker.selector)[..., :n], aux[..., :n]), t
         check_selection(ref, ker, q[:, :, t:t + 1], t, k, exact=True)
+    if path == "split":  # every step's selection ran split (and check_selection's)
+        assert len(split_calls) == 2 * steps, split_calls
 
 
 @interpreted
 @pytest.mark.parametrize("name", ["hybrid", "quest", "sparq", "exact_topk"])
 def test_more_pages_than_registers_hold_leave_the_selection_to_pytorch(name, monkeypatch):
-    """Past ``SELECT_REGISTER_PAGES`` pages (tokens, for pages of one slot) the selectors
-    attend through the PyTorch path, with the fused write where they have one; below, the
-    fused selection (``kernels.selection_fits``)."""
+    """Where no program's choice fits in registers (past ``SELECT_REGISTER_PAGES`` pages,
+    or tokens for pages of one slot, and no split that fits) the selectors attend through
+    the PyTorch path, with the fused write where they have one; below, the fused selection
+    (``kernels.selection_fits``)."""
     calls = []
     spy = kernels.sparse_attention
 
@@ -264,11 +283,16 @@ def test_more_pages_than_registers_hold_leave_the_selection_to_pytorch(name, mon
 
 
 @interpreted
-@pytest.mark.parametrize("name,k", [("hybrid", 10), ("quest", 6), ("sparq", 9),
-                                    ("exact_topk", 9), ("hybrid_page3", 20)])
-def test_bfloat16_selection_and_output(name, k):
+@pytest.mark.parametrize("name,k,split", [("hybrid", 10, False), ("quest", 6, False),
+                                          ("sparq", 9, False), ("exact_topk", 9, False),
+                                          ("hybrid_page3", 20, False), ("sparq", 9, True),
+                                          ("exact_topk", 9, True), ("hybrid_page3", 20, True)])
+def test_bfloat16_selection_and_output(name, k, split, monkeypatch):
     """bfloat16 caches: the chosen tokens differ from the reference's only among near-ties,
-    and the attention output is within bfloat16 tolerance of the reference's."""
+    and the attention output is within bfloat16 tolerance of the reference's; in one program
+    per KV head, or with ``split`` over programs of 8 pages."""
+    if split:
+        monkeypatch.setattr(OPS, "SPLIT_PAGES", 8)
     T, steps = 48, 3
     ref, ker, (q, kk, v) = twin_caches(name, k, model_args(8, 2, 32), T, steps,
                                        torch.bfloat16, "cpu", seed=3, B=2)
@@ -281,12 +305,17 @@ def test_bfloat16_selection_and_output(name, k):
 
 
 @interpreted
-@pytest.mark.parametrize("name,k", [("hybrid", 9), ("quest_page100", 150), ("sparq", 7),
-                                    ("exact_topk", 40)])
-def test_select_attend_is_paged_select_then_attend_pages(name, k, monkeypatch):
+@pytest.mark.parametrize("name,k,split", [("hybrid", 9, False), ("quest_page100", 150, False),
+                                          ("sparq", 7, False), ("exact_topk", 40, False),
+                                          ("hybrid", 9, True), ("quest_page1", 7, True),
+                                          ("exact_topk", 40, True)])
+def test_select_attend_is_paged_select_then_attend_pages(name, k, split, monkeypatch):
     """The one-kernel selection and attention (``select_attend``, what runs for k <= 512)
     gives the two kernels' output, the page list passing between its two phases in one
-    program (NaN-poisoned unwritten slots, GQA, two steps)."""
+    program (NaN-poisoned unwritten slots, GQA, two steps); with ``split`` the split
+    selection's last kernel attends, against its page list attended by ``attend_pages``."""
+    if split:
+        monkeypatch.setattr(OPS, "SPLIT_PAGES", 8)
     ref, ker, (q, kk, v) = twin_caches(name, k, model_args(8, 2, 32), 70, 2, torch.float32,
                                        "cpu", B=2)
     ref.k_cache.copy_(ker.k_cache)  # both poisoned alike: the kernels read the same data
@@ -317,6 +346,24 @@ def test_split_attention_merges_like_one_program(monkeypatch):
         want = decode(ref, "off", *ins, t)
         got = decode(ker, "force", *ins, t)
         assert torch.allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_selection_splits_follow_the_rule():
+    """One program up to ``SPLIT_PAGES`` pages; above, about ``SPLIT_PAGES`` pages a split,
+    fewer splits where the candidates would pass ``SELECT_CANDIDATES``; none where no split
+    fits in registers. The paper's configurations at llama-3.1-8b's shape (budget 256): the
+    page counts of RocketKV (1171 at 128K) stay in one program; hybrid (2736 at 32K, 5699 at
+    128K) and the one-token pages of SparQ (k 128) and Exact-TopK (k 256) split."""
+    assert OPS.selection_splits(1171, 128, 44) == 1
+    assert OPS.selection_splits(2736, 128, 12) == 2
+    assert OPS.selection_splits(5699, 128, 23) == 4
+    assert OPS.selection_splits(32768, 128, 1) == 16
+    assert OPS.selection_splits(131072, 128, 1) == 64
+    assert OPS.selection_splits(131072, 256, 1) == 32  # 64 splits: 64 x 256 candidates
+    assert OPS.selection_splits(16384, 4096, 1) == 2
+    assert OPS.selection_splits(32768, 4096, 1) == 0  # 4 x 4096 candidates; 2: 16K a split
+    assert OPS.selected_pages(128, 1, 2048) == 128
+    assert OPS.selected_pages(128, 23, 5699, 4) == 6 + 4
 
 
 @interpreted
@@ -417,7 +464,7 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
     r = compiled_triton(ROOT / "scripts" / "compile_kernels.py", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
-    assert len(rows) == 29 and all(row["registers"] for row in rows)
+    assert len(rows) == 39 and all(row["registers"] for row in rows)
     assert max(row["spill_bytes"] for row in rows) <= 512, rows
 
 
@@ -425,23 +472,29 @@ def test_the_compiled_decode_step_holds_the_kernels_whole():
     """Each method's decode step traces as the GPU compiles it (fullgraph, AOT
     functionalization; Triton not interpreted, nothing run): no graph break, and the graph
     calls the fused kernels: the write (for the caches with auxiliary keys), the selection with
-    the sparse attention, or the prefix attention for the full cache (tests/trace_decode.py).
-    A whole decoder layer is the q/k/v kernel (which writes the token), the cache's kernel and
-    three projection kernels, and nothing else: five kernels for Full-KV and for a selecting
-    method (the compressed cache's slot offset is subtracted in the kernels)."""
+    the sparse attention, or the prefix attention for the full cache (tests/trace_decode.py);
+    a split selection is three kernels (two for Quest, without a log-sum-exp). A whole
+    decoder layer is the q/k/v kernel (which writes the token), the cache's kernels and three
+    projection kernels, and nothing else: five kernels for Full-KV and for a selecting method
+    (the compressed cache's slot offset is subtracted in the kernels), seven with a split
+    selection."""
     r = compiled_triton(ROOT / "tests" / "trace_decode.py")
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     sel = ["_select_attend_kernel"]  # selection and attention in one program (k <= 512)
+    split = ["_split_lse_kernel", "_split_choose_kernel", "_split_merge_kernel"]
     lin = "_linear_kernel"
     layer_full, layer_hybrid = got.pop("layer_full"), got.pop("layer_hybrid")
+    layer_split = got.pop("layer_sparq_split")
     assert got == {"full": ["_attend_prefix_kernel"], "hybrid": ["_write_token_kernel", *sel],
                    "hybrid_page1": sel, "quest": ["_write_token_kernel", *sel],
                    "sparq": ["_write_token_kernel", *sel], "sparq_strided": sel,
-                   "exact_topk": sel}, got
+                   "exact_topk": sel, "quest_split": ["_write_token_kernel", *split[1:]],
+                   "exact_topk_split": split}, got
     assert layer_full == {"triton": [lin, "_attend_prefix_kernel", lin, lin, lin],
                           "other": []}, layer_full
     assert layer_hybrid == {"triton": [lin, *sel, lin, lin, lin], "other": []}, layer_hybrid
+    assert layer_split == {"triton": [lin, *split, lin, lin, lin], "other": []}, layer_split
 
 
 def test_kernels_stay_off_on_cpu_by_default():
@@ -456,24 +509,29 @@ def test_kernels_stay_off_on_cpu_by_default():
 
 
 CUDA_CASES = [  # llama-3.1-8b heads (32 query, 8 KV, head dim 128); RocketKV @256 at 32K
-    # keeps 2896 tokens (page 5, r 28, k 128); hybrid @256 on 32K (page 12, r 12)
+    # keeps 2896 tokens (page 5, r 28, k 128); hybrid @256 on 32K (page 12, r 12) and on 128K
+    # (page 23: 5699 pages, a split selection); SparQ's and Exact-TopK's tokens split
     ("hybrid", 128, 2896, "hybrid_p5r28"),
     ("hybrid", 128, 32768, "hybrid_p12r12"),
+    ("hybrid", 128, 131008, "hybrid_p23r6"),
     ("quest", 128, 32768, "quest"),
     ("sparq", 128, 32768, "sparq"),
+    ("sparq", 128, 131008, "sparq"),
     ("exact_topk", 256, 32768, "exact_topk"),
+    ("exact_topk", 256, 131008, "exact_topk"),
 ]
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="CUDA only (the GPU machine)")
-@pytest.mark.parametrize("name,k,T,label", CUDA_CASES, ids=[c[3] for c in CUDA_CASES])
+@pytest.mark.parametrize("name,k,T,label", CUDA_CASES,
+                         ids=[f"{c[3]}-{c[2]}" for c in CUDA_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_real_shapes(name, k, T, label, dtype, monkeypatch):
     """The same checks on the GPU at llama-3.1-8b's heads and real contexts."""
     make = {"hybrid_p5r28": lambda n: Hybrid(5, 28, n), "hybrid_p12r12": lambda n: Hybrid(
-        12, 12, n), "quest": lambda n: Quest(128, n), "sparq": lambda n: SparQ(1, n),
-        "exact_topk": lambda n: ExactTopK(n)}[label]
+        12, 12, n), "hybrid_p23r6": lambda n: Hybrid(23, 6, n), "quest": lambda n: Quest(128, n),
+        "sparq": lambda n: SparQ(1, n), "exact_topk": lambda n: ExactTopK(n)}[label]
     monkeypatch.setitem(SELECTORS, name, make)
     ref, ker, (q, kk, v) = twin_caches(name, k, model_args(32, 8, 128), T, 2, dtype, "cuda")
     for t in range(T, T + 2):

@@ -1,10 +1,11 @@
 """Trace each selecting method's decode step with the fused kernels the way the GPU compiles
 it (``torch.compile(fullgraph=True)``, AOT functionalization), without a GPU and without
 running it: prints, per method, the Triton kernels the graph holds, or the error; and for
-whole decoder layers (``layer_full``, ``layer_hybrid``: the projections' dense kernels around
-the cache's) the Triton kernels and the other compute operators left to inductor. Triton must
-not be in interpreter mode (``TRITON_INTERPRET`` unset): ``tests/test_kernels.py`` runs this
-in a subprocess.
+whole decoder layers (``layer_full``, ``layer_hybrid``, ``layer_sparq_split``: the
+projections' dense kernels around the cache's) the Triton kernels and the other compute
+operators left to inductor. The ``_split`` cases run the split selection
+(``kernels.sparse.selection_splits``). Triton must not be in interpreter mode
+(``TRITON_INTERPRET`` unset): ``tests/test_kernels.py`` runs this in a subprocess.
 
     python tests/trace_decode.py
 """
@@ -22,7 +23,10 @@ from kv_cache import FullKVCache
 from model import TransformerBlock, precompute_rope
 
 CASES = {"full": None, "hybrid": 6, "hybrid_page1": 9, "quest": 3, "sparq": 10,
-         "sparq_strided": 10, "exact_topk": 12, "layer_full": None, "layer_hybrid": 6}
+         "sparq_strided": 10, "exact_topk": 12, "quest_split": 3, "exact_topk_split": 12,
+         "layer_full": None, "layer_hybrid": 6, "layer_sparq_split": 10}
+SPLIT_PAGES = 4  # for the ``_split`` cases (``kernels.sparse.SPLIT_PAGES``): 42 tokens (10
+# pages of Quest's 4) split over 16 programs (4 for Quest)
 
 
 class Traced(Exception):
@@ -81,9 +85,12 @@ def trace(name: str, k: int | None) -> list[str] | dict:
 def main() -> int:
     kernels.set_mode("force")
     out = {}
+    ops = kernels.ops()
+    default = ops.SPLIT_PAGES
     for name, k in CASES.items():
+        ops.SPLIT_PAGES = SPLIT_PAGES if name.endswith("_split") else default
         try:
-            out[name] = trace(name, k)
+            out[name] = trace(name.removesuffix("_split"), k)
         except Exception as e:  # noqa: BLE001 (a graph break or trace failure is the finding)
             out[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0]}"
     print(json.dumps(out))
