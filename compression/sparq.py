@@ -107,21 +107,32 @@ class SparQ(Selector):
             chunk = cache.k_cache[:, :, first:first + n]  # (B, H_kv, n, D)
             self.k_dims[..., first:first + n] = chunk.transpose(-1, -2)
 
+    def fused(self, cache: CompressedKVCache, x: Tensor) -> bool:
+        """Whether this step's write and selection run in the kernels (``x`` on the step's
+        device): where they run, the selection fits (``kernels.selection_fits``) and, with
+        ``reallocate``, one program per KV head attends (``kernels.reallocation_fits``)."""
+        k = min(self.k, cache.length)
+        return kernels.enabled(x) and kernels.selection_fits(cache.length, k, 1) and \
+            (not self.reallocate or kernels.reallocation_fits(k))
+
     def token_aux(self, cache: CompressedKVCache) -> tuple[Tensor, int, int] | None:
-        """The dim-major key copy's column, written with the token (None with ``reallocate``:
-        the running mean of values is ``update``'s)."""
-        if self.reallocate:
+        """The dim-major key copy's column, written with the token (None with ``reallocate``
+        where the selection does not run fused: the running mean of values is then
+        ``update``'s; fused, the attention kernel updates it)."""
+        if self.reallocate and not self.fused(cache, cache.k_cache):
             return None
         if self.dim_major:
             return self.k_dims, kernels.AUX_DIM_MAJOR, 1
         return kernels.no_aux(cache.k_cache)
 
     def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:
-        """K/V and the dim-major key column in one kernel where the kernels run (without
-        ``reallocate``), else ``index_copy_`` and ``update``."""
-        if self.dim_major and not self.reallocate and kernels.enabled(k):
-            torch.ops.rocketkv.write_token(cache.k_cache, cache.v_cache, self.k_dims, k, v,
-                                           slot, kernels.AUX_DIM_MAJOR, 1)
+        """K/V and the dim-major key column in one kernel where the selection runs fused (the
+        running mean of values, with ``reallocate``, is then the attention kernel's), else
+        ``index_copy_`` and ``update``."""
+        if self.fused(cache, k):
+            aux, kind, _ = self.token_aux(cache)
+            torch.ops.rocketkv.write_token(cache.k_cache, cache.v_cache, aux, k, v, slot, kind,
+                                           1)
         else:
             super().store_token(cache, slot, k, v)
 
@@ -129,12 +140,11 @@ class SparQ(Selector):
                pos: Tensor | None = None) -> Tensor:
         keys = self.k_dims if self.dim_major else cache.k_cache
         k = min(self.k, cache.length)
-        if pos is not None and not self.reallocate and kernels.enabled(q) and \
-                kernels.selection_fits(cache.length, k, 1):  # fused (Triton)
+        if pos is not None and self.fused(cache, q):  # fused (Triton)
             return kernels.sparse_attention(
                 q, cache.k_cache, cache.v_cache, keys if self.dim_major else None, pos,
-                mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=self.r,
-                k=k, page_size=1, offset=cache.slot_offset)
+                mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=self.r, k=k, page_size=1,
+                offset=cache.slot_offset, v_mean=self.v_mean if self.reallocate else None)
         dims = top_r_dims(q, cache.n_kv_heads, self.r)
         probs = sparq_scores(q, keys, dims, valid, self.dim_major)  # (B, H_kv, G, S)
         scores = probs.sum(dim=2).masked_fill(~valid, float("-inf"))

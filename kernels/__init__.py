@@ -134,21 +134,35 @@ def selection_fits(n_pages: int, k: int, page_size: int) -> bool:
 
 def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None,
                      last: Tensor, *, mode: int, two_bounds: bool, r: int, k: int,
-                     page_size: int, offset: Tensor | None = None) -> Tensor:
+                     page_size: int, offset: Tensor | None = None,
+                     v_mean: Tensor | None = None) -> Tensor:
     """Selection and exact attention over the chosen slots: ``select_attend`` (one kernel,
     or three for a selection split over programs, ``selection_splits``) when the selection
     attends in one program per KV head, else ``paged_select`` then ``attend_pages``
     (arguments as there; ``last`` (1,) int64 the slot written last, less ``offset`` when
-    given; ``rows`` None: the keys themselves, read as K^T, for pages of one slot). Returns
-    (B, H, 1, D) in the cache's dtype."""
+    given; ``rows`` None: the keys themselves, read as K^T, for pages of one slot). With
+    ``v_mean`` SparQ's mean-value reallocation (``select_attend_reallocated``, which updates
+    it; one program must attend: ``reallocation_fits``). Returns (B, H, 1, D) in the
+    cache's dtype."""
+    by_token = rows is None
+    splits = _splits(k_cache, rows, k, page_size)
+    if v_mean is not None:
+        return torch.ops.rocketkv.select_attend_reallocated(
+            q, k_cache if by_token else rows, k_cache, v_cache, last, v_mean, r, k, by_token,
+            offset, splits)
     if ops().attention_splits(k) > 1:
         return select_then_attend(q, k_cache, v_cache, rows, last, mode=mode,
                                   two_bounds=two_bounds, r=r, k=k, page_size=page_size,
                                   offset=offset)
-    by_token = rows is None
     return torch.ops.rocketkv.select_attend(q, k_cache if by_token else rows, k_cache, v_cache,
                                             last, mode, two_bounds, r, k, page_size, by_token,
-                                            offset, _splits(k_cache, rows, k, page_size))
+                                            offset, splits)
+
+
+def reallocation_fits(k: int) -> bool:
+    """Whether a selection of ``k`` tokens can reallocate in the kernels: one program per KV
+    head attends (``kernels.sparse.attention_splits``), k <= 512."""
+    return ops().attention_splits(k) == 1
 
 
 def select_then_attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None,

@@ -353,7 +353,8 @@ def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take
     """``paged_select`` for program ``pid`` (one sequence and KV head): page scores to
     ``scores_ptr``, the chosen pages and their slot counts to ``pages_ptr``/``take_ptr``.
     BLOCK pages per scoring step; the choice over the scores runs in registers when ``PR``
-    (a power of two >= P) is nonzero, else in passes of ``SEL`` pages."""
+    (a power of two >= P) is nonzero, else in passes of ``SEL`` pages. Returns each head's
+    log-sum-exp of the logits over the valid tokens (G_BLOCK,) (``MODE_SOFTMAX``; 0 else)."""
     _, _, qf, rows, _ = _program_group(pid, q_ptr, rows_ptr, rows_ptr, s_qb, s_qh, s_rb, s_rh,
                                        H_kv, G, D, G_BLOCK, D_BLOCK)
     last = _last_slot(last_ptr, off_ptr, HAS_OFFSET).to(tl.int32)
@@ -362,10 +363,11 @@ def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take
         sel, row, qs, inv_t = _softmax_terms(qf, G, D, R, TWO_BOUNDS, G_BLOCK, D_BLOCK)
         m_run, l_run = _lse_range(rows, row, sel, qs, inv_t, last, 0, P, scores_ptr, 0,
                                   s_rr, s_rp, G, PAGE_SIZE, False, DOT, G_BLOCK, BLOCK)
-        _softmax_scores(rows, row, sel, qs, inv_t, m_run + tl.log(l_run), last, 0, P,
-                        scores_ptr + out, scores_ptr, 0, s_rr, s_rp, G, PAGE_SIZE, False, DOT,
-                        G_BLOCK, BLOCK)
+        lse = m_run + tl.log(l_run)
+        _softmax_scores(rows, row, sel, qs, inv_t, lse, last, 0, P, scores_ptr + out,
+                        scores_ptr, 0, s_rr, s_rp, G, PAGE_SIZE, False, DOT, G_BLOCK, BLOCK)
     else:
+        lse = tl.zeros((G_BLOCK,), tl.float32)
         _bound_scores(rows, qf, last, 0, P, scores_ptr + out, s_rr, s_rp, D, PAGE_SIZE,
                       TWO_BOUNDS, D_BLOCK, BLOCK)
     tl.debug_barrier()  # the scores this program wrote are read back below
@@ -406,6 +408,7 @@ def _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take
             room -= tied
             n_sel += tl.sum(chosen)
     _clear_tail(pages_ptr + dst, take_ptr + dst, n_sel, M, BLOCK)
+    return lse
 
 
 @triton.jit
@@ -479,6 +482,22 @@ def _split_program(q_ptr, rows_ptr, last_ptr, off_ptr, s_qb, s_qh, s_rb, s_rh, H
 
 
 @triton.jit
+def _merged_lse(ml_ptr, pid, SPLITS: tl.constexpr, G_BLOCK: tl.constexpr):
+    """Each head's log-sum-exp (G_BLOCK,) over every split, from the (max, sum) parts
+    ``_split_lse_kernel`` wrote for program ``pid``."""
+    g = tl.arange(0, G_BLOCK)
+    parts = pid.to(tl.int64) * SPLITS * 2 * G_BLOCK
+    top = tl.full((G_BLOCK,), -1.0e30, tl.float32)
+    for sp in range(SPLITS):
+        top = tl.maximum(top, tl.load(ml_ptr + parts + sp * 2 * G_BLOCK + g))
+    total = tl.zeros((G_BLOCK,), tl.float32)
+    for sp in range(SPLITS):  # a split without a valid token adds 0 (its sum is 0)
+        m_sp = tl.load(ml_ptr + parts + sp * 2 * G_BLOCK + g)
+        total += tl.load(ml_ptr + parts + sp * 2 * G_BLOCK + G_BLOCK + g) * tl.exp(m_sp - top)
+    return top + tl.log(total)
+
+
+@triton.jit
 def _split_lse_kernel(q_ptr, rows_ptr, last_ptr, off_ptr, ml_ptr, logits_ptr,
                       s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, SPLIT_LEN,
                       PAGE_SIZE, SPLITS: tl.constexpr, TWO_BOUNDS: tl.constexpr,
@@ -516,18 +535,10 @@ def _split_choose_kernel(q_ptr, rows_ptr, last_ptr, off_ptr, ml_ptr, logits_ptr,
     out = pid.to(tl.int64) * P
     if MODE == 0:
         sel, row, qs, inv_t = _softmax_terms(qf, G, D, R, TWO_BOUNDS, G_BLOCK, D_BLOCK)
-        g = tl.arange(0, G_BLOCK)
-        parts = pid.to(tl.int64) * SPLITS * 2 * G_BLOCK
-        top = tl.full((G_BLOCK,), -1.0e30, tl.float32)
-        for sp in range(SPLITS):
-            top = tl.maximum(top, tl.load(ml_ptr + parts + sp * 2 * G_BLOCK + g))
-        total = tl.zeros((G_BLOCK,), tl.float32)
-        for sp in range(SPLITS):  # a split without a valid token adds 0 (its sum is 0)
-            m_sp = tl.load(ml_ptr + parts + sp * 2 * G_BLOCK + g)
-            total += tl.load(ml_ptr + parts + sp * 2 * G_BLOCK + G_BLOCK + g) * tl.exp(m_sp - top)
-        _softmax_scores(rows, row, sel, qs, inv_t, top + tl.log(total), last, p_begin, p_end,
-                        scores_ptr + out, logits_ptr + pid.to(tl.int64) * G * P, P, s_rr, s_rp,
-                        G, PAGE_SIZE, LOAD, DOT, G_BLOCK, BLOCK)
+        _softmax_scores(rows, row, sel, qs, inv_t, _merged_lse(ml_ptr, pid, SPLITS, G_BLOCK),
+                        last, p_begin, p_end, scores_ptr + out,
+                        logits_ptr + pid.to(tl.int64) * G * P, P, s_rr, s_rp, G, PAGE_SIZE,
+                        LOAD, DOT, G_BLOCK, BLOCK)
     else:
         _bound_scores(rows, qf, last, p_begin, p_end, scores_ptr + out, s_rr, s_rp, D,
                       PAGE_SIZE, TWO_BOUNDS, D_BLOCK, BLOCK)
@@ -541,12 +552,13 @@ def _split_choose_kernel(q_ptr, rows_ptr, last_ptr, off_ptr, ml_ptr, logits_ptr,
 
 @triton.jit
 def _split_merge_kernel(q_ptr, k_cache, v_cache, last_ptr, off_ptr, scores_ptr, cand_pages,
-                        cand_take, pages_ptr, take_ptr, out_ptr,
+                        cand_take, pages_ptr, take_ptr, out_ptr, ml_ptr, vm_ptr,
                         s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh,
-                        H_kv, G, D, P, K, NC, M, PAGE_SIZE, scale,
-                        HAS_OFFSET: tl.constexpr, ATTEND: tl.constexpr, DOT: tl.constexpr,
-                        G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                        CR: tl.constexpr, CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
+                        H_kv, G, D, P, R, K, NC, M, PAGE_SIZE, scale,
+                        SPLITS: tl.constexpr, HAS_OFFSET: tl.constexpr, ATTEND: tl.constexpr,
+                        REALLOC: tl.constexpr, DOT: tl.constexpr, G_BLOCK: tl.constexpr,
+                        D_BLOCK: tl.constexpr, BLOCK: tl.constexpr, CR: tl.constexpr,
+                        CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
     """Split selection, kernel 3: one program per (sequence, KV head) chooses the k tokens
     among the splits' ``NC`` candidates (their scores read back by page), in registers, as
     one program would over every page, and with ``ATTEND`` attends over them (as
@@ -566,9 +578,13 @@ def _split_merge_kernel(q_ptr, k_cache, v_cache, last_ptr, off_ptr, scores_ptr, 
     _clear_tail(pages_ptr + dst, take_ptr + dst, n, M, BLOCK)
     if ATTEND:
         tl.debug_barrier()  # the page list this program wrote is read back below
-        _attend_chosen(pid, 0, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, out_ptr,
-                       out_ptr, out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D,
-                       M, PAGE_SIZE, M, scale, 1, DOT, G_BLOCK, D_BLOCK, CHUNK, PAGES_BLOCK)
+        lse = tl.zeros((G_BLOCK,), tl.float32)
+        if REALLOC:
+            lse = _merged_lse(ml_ptr, pid, SPLITS, G_BLOCK)
+        _attend_realloc(pid, q_ptr, k_cache, v_cache, last_ptr, off_ptr, pages_ptr, take_ptr,
+                        out_ptr, vm_ptr, lse, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G,
+                        D, R, M, PAGE_SIZE, scale, HAS_OFFSET, REALLOC, DOT, G_BLOCK, D_BLOCK,
+                        CHUNK, PAGES_BLOCK)
 
 
 def register_pages(n_pages: int) -> int:
@@ -624,12 +640,13 @@ def _selection_buffers(q: Tensor, rows: Tensor, k: int, page_size: int, by_token
 
 def _split_selection(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: bool,
                      r: int, k: int, page_size: int, by_token: bool, offset: Tensor | None,
-                     splits: int, kv: tuple[Tensor, Tensor] | None = None
-                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+                     splits: int, kv: tuple[Tensor, Tensor] | None = None,
+                     v_mean: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The split selection: scoring and a first choice split over ``splits`` programs per KV
     head, the last choice among their candidates in one (``_split_lse_kernel``,
     ``_split_choose_kernel``, ``_split_merge_kernel``); with ``kv`` = (k_cache, v_cache) the
-    last kernel also attends. Returns (pages, take, output or None).
+    last kernel also attends (with ``v_mean``, reallocating as
+    ``select_attend_reallocated``). Returns (pages, take, output or None).
 
     The union of the splits' own page-first top-k holds the global one: a page the global
     choice takes has fewer than k tokens above it in its split too. Pass 2 recomputes the
@@ -668,10 +685,11 @@ def _split_selection(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bound
     chunk, pages_block = _attend_blocks(page_size)
     o = out if out is not None else scores
     torch.library.wrap_triton(_split_merge_kernel)[(B * Hkv,)](
-        q, k_cache, v_cache, last, off, scores, cand_pages, cand_take, pages, take, o,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        o.stride(0), o.stride(1), Hkv, G, D, P, k, splits * MS, M,
-        page_size, 1.0 / math.sqrt(D), HAS_OFFSET=offset is not None, ATTEND=kv is not None,
+        q, k_cache, v_cache, last, off, scores, cand_pages, cand_take, pages, take, o, ml,
+        v_mean if v_mean is not None else ml, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1), Hkv, G, D, P, r, k,
+        splits * MS, M, page_size, 1.0 / math.sqrt(D), SPLITS=splits,
+        HAS_OFFSET=offset is not None, ATTEND=kv is not None, REALLOC=v_mean is not None,
         DOT=_dot_mode(k_cache), G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK, BLOCK=SCORE_BLOCK,
         CR=_pow2(splits * MS), CHUNK=chunk, PAGES_BLOCK=pages_block, num_warps=NUM_WARPS)
     return pages, take, out
@@ -788,13 +806,43 @@ def _attend_pages_kernel(q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_ptr, ls
 
 
 @triton.jit
+def _selected_mass(qs, inv_t, lse, kb, slot, ok, s_cs, D, DOT: tl.constexpr,
+                   D_BLOCK: tl.constexpr):
+    """Each head's probability (G_BLOCK,) under the selection's softmax, summed over the
+    slots ``slot`` (where ``ok``): exp(qs . k * inv_t - lse), the keys read again (they
+    were just read for the attention)."""
+    d = tl.arange(0, D_BLOCK)
+    kt = tl.load(kb + slot[:, None] * s_cs + d[None, :], mask=ok[:, None] & (d < D)[None, :],
+                 other=0.0)
+    s = _dot(qs, tl.trans(kt), DOT) * inv_t[:, None]
+    return tl.sum(tl.where(ok[None, :], tl.exp(s - lse[:, None]), 0.0), axis=1)
+
+
+@triton.jit
+def _running_mean(vm_ptr, vb, slot, s_cs, D, D_BLOCK: tl.constexpr):
+    """SparQ's running mean of the values over slots 0..slot, float32 (D_BLOCK,), taking
+    in the value just written at ``slot``: vm + (v - vm) / (slot + 1), stored back."""
+    d = tl.arange(0, D_BLOCK)
+    vm = tl.load(vm_ptr + d, mask=d < D, other=0.0)
+    v = tl.load(vb + slot * s_cs + d, mask=d < D, other=0.0).to(tl.float32)
+    vm = vm + (v - vm) / (slot + 1).to(tl.float32)
+    tl.store(vm_ptr + d, vm, mask=d < D)
+    return vm
+
+
+@triton.jit
 def _attend_chosen(pid, split, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_ptr, lse_ptr,
                    out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh,
                    H_kv, G, D, M, PAGE_SIZE, PAGES_PER_SPLIT, scale,
                    SPLITS: tl.constexpr, DOT: tl.constexpr, G_BLOCK: tl.constexpr,
-                   D_BLOCK: tl.constexpr, CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
+                   D_BLOCK: tl.constexpr, CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr,
+                   qs=None, inv_t=None, lse=None, vm=None, REALLOC: tl.constexpr = False):
     """``attend_pages`` for program ``pid``, split ``split``: exact attention of its query
-    group over the slots of the page list at ``pages_ptr``/``take_ptr``."""
+    group over the slots of the page list at ``pages_ptr``/``take_ptr``. With ``REALLOC``
+    (SparQ's mean-value reallocation, one split): alpha y + (1 - alpha) ``vm``, alpha each
+    head's selected probability mass exp(qs . k / T - lse) (``qs``, ``inv_t`` = 1 / T from
+    ``_softmax_terms``, ``lse`` the log-sum-exp of the selection's logits), summed over the
+    chosen slots."""
     b, h, q, kb, vb = _program_group(pid, q_ptr, k_cache, v_cache, s_qb, s_qh, s_cb, s_ch,
                                      H_kv, G, D, G_BLOCK, D_BLOCK)
     lst = pid.to(tl.int64) * M
@@ -804,6 +852,7 @@ def _attend_chosen(pid, split, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_p
     m_run = tl.full((G_BLOCK,), -1.0e30, tl.float32)
     l_run = tl.zeros((G_BLOCK,), tl.float32)
     acc = tl.zeros((G_BLOCK, D_BLOCK), tl.float32)
+    mass = tl.zeros((G_BLOCK,), tl.float32)
     j_first = split * PAGES_PER_SPLIT
     j_end = tl.minimum(j_first + PAGES_PER_SPLIT, M)
     for j0 in range(j_first, j_end, PAGES_BLOCK):
@@ -813,8 +862,14 @@ def _attend_chosen(pid, split, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, o_p
         n = tl.load(take_ptr + lst + j, mask=jm, other=0)
         for c0 in range(0, PAGE_SIZE, CHUNK):  # once unless a page exceeds CHUNK slots
             off = c0 + t % CHUNK  # slot within its page
-            m_run, l_run, acc = _attend_block(q, kb, vb, page * PAGE_SIZE + off, jm & (off < n),
-                                              s_cs, D, scale, m_run, l_run, acc, DOT, D_BLOCK)
+            slot = page * PAGE_SIZE + off
+            ok = jm & (off < n)
+            m_run, l_run, acc = _attend_block(q, kb, vb, slot, ok, s_cs, D, scale, m_run, l_run,
+                                              acc, DOT, D_BLOCK)
+            if REALLOC:
+                mass += _selected_mass(qs, inv_t, lse, kb, slot, ok, s_cs, D, DOT, D_BLOCK)
+    if REALLOC:  # acc / l_run becomes alpha y + (1 - alpha) vm
+        acc = acc * mass[:, None] + ((1.0 - mass) * l_run)[:, None] * vm[None, :]
     _finish(m_run, l_run, acc, out_ptr, o_ptr, lse_ptr, pid, split, b, h, s_ob, s_oh, G, D,
             SPLITS, G_BLOCK, D_BLOCK)
 
@@ -929,22 +984,50 @@ def attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, pages: Tensor, tak
 
 @triton.jit
 def _select_attend_kernel(q_ptr, rows_ptr, k_cache, v_cache, last_ptr, off_ptr, scores_ptr,
-                          pages_ptr, take_ptr, out_ptr,
+                          pages_ptr, take_ptr, out_ptr, vm_ptr,
                           s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, s_cb, s_ch, s_cs, s_ob, s_oh,
                           H_kv, G, D, P, R, K, M, PAGE_SIZE, scale,
                           MODE: tl.constexpr, TWO_BOUNDS: tl.constexpr,
-                          HAS_OFFSET: tl.constexpr, DOT_S: tl.constexpr, DOT_A: tl.constexpr,
+                          HAS_OFFSET: tl.constexpr, REALLOC: tl.constexpr,
+                          DOT_S: tl.constexpr, DOT_A: tl.constexpr,
                           G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                           PR: tl.constexpr, SEL: tl.constexpr, CHUNK: tl.constexpr,
                           PAGES_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take_ptr,
-            s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, K, M, PAGE_SIZE,
-            MODE, TWO_BOUNDS, HAS_OFFSET, DOT_S, G_BLOCK, D_BLOCK, BLOCK, PR, SEL)
+    lse = _select(pid, q_ptr, rows_ptr, last_ptr, off_ptr, scores_ptr, pages_ptr, take_ptr,
+                  s_qb, s_qh, s_rb, s_rh, s_rr, s_rp, H_kv, G, D, P, R, K, M, PAGE_SIZE,
+                  MODE, TWO_BOUNDS, HAS_OFFSET, DOT_S, G_BLOCK, D_BLOCK, BLOCK, PR, SEL)
     tl.debug_barrier()  # the page list this program wrote is read back below
-    _attend_chosen(pid, 0, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, out_ptr, out_ptr,
-                   out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D, M,
-                   PAGE_SIZE, M, scale, 1, DOT_A, G_BLOCK, D_BLOCK, CHUNK, PAGES_BLOCK)
+    _attend_realloc(pid, q_ptr, k_cache, v_cache, last_ptr, off_ptr, pages_ptr, take_ptr,
+                    out_ptr, vm_ptr, lse, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D,
+                    R, M, PAGE_SIZE, scale, HAS_OFFSET, REALLOC, DOT_A, G_BLOCK, D_BLOCK, CHUNK,
+                    PAGES_BLOCK)
+
+
+@triton.jit
+def _attend_realloc(pid, q_ptr, k_cache, v_cache, last_ptr, off_ptr, pages_ptr, take_ptr,
+                    out_ptr, vm_ptr, lse, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D,
+                    R, M, PAGE_SIZE, scale, HAS_OFFSET: tl.constexpr, REALLOC: tl.constexpr,
+                    DOT: tl.constexpr, G_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+                    CHUNK: tl.constexpr, PAGES_BLOCK: tl.constexpr):
+    """The attention phase of a one-program selection (``select_attend``, the split
+    selection's last kernel) over its page list, in one split; with ``REALLOC`` SparQ's
+    mean-value reallocation (its running mean of values updated with the token written at
+    the slot ``last`` first, as the reference's write does)."""
+    if REALLOC:
+        _, _, qf, _, vb = _program_group(pid, q_ptr, k_cache, v_cache, s_qb, s_qh, s_cb, s_ch,
+                                         H_kv, G, D, G_BLOCK, D_BLOCK)
+        _, _, qs, inv_t = _softmax_terms(qf, G, D, R, False, G_BLOCK, D_BLOCK)
+        vm = _running_mean(vm_ptr + pid.to(tl.int64) * D, vb,
+                           _last_slot(last_ptr, off_ptr, HAS_OFFSET), s_cs, D, D_BLOCK)
+        _attend_chosen(pid, 0, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, out_ptr, out_ptr,
+                       out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D, M,
+                       PAGE_SIZE, M, scale, 1, DOT, G_BLOCK, D_BLOCK, CHUNK, PAGES_BLOCK,
+                       qs, inv_t, lse, vm, True)
+    else:
+        _attend_chosen(pid, 0, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, out_ptr, out_ptr,
+                       out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D, M,
+                       PAGE_SIZE, M, scale, 1, DOT, G_BLOCK, D_BLOCK, CHUNK, PAGES_BLOCK)
 
 
 @torch.library.triton_op("rocketkv::select_attend", mutates_args=())
@@ -959,9 +1042,35 @@ def select_attend(q: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor, las
     (``_split_selection``) and its last kernel attends. Arguments as there; returns
     (B, H, 1, D) in v_cache's dtype.
     """
+    return _select_attend(q, rows, k_cache, v_cache, last, mode, two_bounds, r, k, page_size,
+                          by_token, offset, splits)
+
+
+@torch.library.triton_op("rocketkv::select_attend_reallocated", mutates_args={"v_mean"})
+def select_attend_reallocated(q: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor,
+                              last: Tensor, v_mean: Tensor, r: int, k: int,
+                              by_token: bool = False, offset: Tensor | None = None,
+                              splits: int = 1) -> Tensor:
+    """SparQ with mean-value reallocation (Ribar et al. 2024, Alg. 1: y = alpha y_sel +
+    (1 - alpha) mean V), as ``select_attend`` with ``MODE_SOFTMAX`` on pages of one slot:
+    ``v_mean`` (B, H_kv, 1, D) float32 contiguous, the running mean of the values over the
+    slots before ``last``, first takes in the value at ``last`` (updated in place); alpha is
+    each query head's probability mass of the chosen tokens under the approximate softmax.
+    Returns (B, H, 1, D) in v_cache's dtype."""
+    return _select_attend(q, rows, k_cache, v_cache, last, MODE_SOFTMAX, False, r, k, 1,
+                          by_token, offset, splits, v_mean)
+
+
+def _select_attend(q: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor,
+                   mode: int, two_bounds: bool, r: int, k: int, page_size: int,
+                   by_token: bool, offset: Tensor | None, splits: int,
+                   v_mean: Tensor | None = None) -> Tensor:
+    """``select_attend`` (and with ``v_mean`` ``select_attend_reallocated``)."""
+    if v_mean is not None and not v_mean.is_contiguous():
+        raise ValueError("v_mean must be contiguous")
     if splits > 1:
         return _split_selection(q, rows, last, mode, two_bounds, r, k, page_size, by_token,
-                                offset, splits, (k_cache, v_cache))[2]
+                                offset, splits, (k_cache, v_cache), v_mean)[2]
     B, H, _, D = q.shape
     Hkv, P, s_row, s_page, M, scores, pages, take = _selection_buffers(q, rows, k, page_size,
                                                                        by_token)
@@ -970,13 +1079,14 @@ def select_attend(q: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor, las
     out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device)
     torch.library.wrap_triton(_select_attend_kernel)[(B * Hkv,)](
         q, rows, k_cache, v_cache, last, offset if offset is not None else last, scores, pages,
-        take, out, q.stride(0), q.stride(1), rows.stride(0), rows.stride(1), s_row, s_page,
+        take, out, v_mean if v_mean is not None else scores, q.stride(0), q.stride(1),
+        rows.stride(0), rows.stride(1), s_row, s_page,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         Hkv, G, D, P, r, k, M, page_size, 1.0 / math.sqrt(D),
         MODE=mode, TWO_BOUNDS=two_bounds, HAS_OFFSET=offset is not None,
-        DOT_S=_dot_mode(rows), DOT_A=_dot_mode(k_cache), G_BLOCK=max(16, _pow2(G)),
-        D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, PR=register_pages(P), SEL=SELECT_BLOCK,
-        CHUNK=chunk, PAGES_BLOCK=pages_block, num_warps=NUM_WARPS)
+        REALLOC=v_mean is not None, DOT_S=_dot_mode(rows), DOT_A=_dot_mode(k_cache),
+        G_BLOCK=max(16, _pow2(G)), D_BLOCK=_pow2(D), BLOCK=SCORE_BLOCK, PR=register_pages(P),
+        SEL=SELECT_BLOCK, CHUNK=chunk, PAGES_BLOCK=pages_block, num_warps=NUM_WARPS)
     return out
 
 

@@ -56,14 +56,19 @@ def configurations(sparse) -> list[tuple]:
                                                  scale="fp32"),
                     {"SPLITS": splits, "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128,
                      "CHUNK": chunk, "PAGES_BLOCK": S.ATTEND_TOKENS // chunk}, S.NUM_WARPS))
-    for mode, two, page in ((S.MODE_SOFTMAX, True, 16), (S.MODE_SOFTMAX, False, 1),
-                            (S.MODE_BOUND, True, 16), (S.MODE_BOUND, False, 1)):
+    for mode, two, page, realloc in ((S.MODE_SOFTMAX, True, 16, False),
+                                     (S.MODE_SOFTMAX, False, 1, False),
+                                     (S.MODE_BOUND, True, 16, False),
+                                     (S.MODE_BOUND, False, 1, False),
+                                     (S.MODE_SOFTMAX, False, 1, True)):  # SparQ reallocating
         chunk, pages_block = S._attend_blocks(page)
         out.append((S._select_attend_kernel,
                     dict(q_ptr=BF16, rows_ptr=BF16, k_cache=BF16, v_cache=BF16,
                          last_ptr="*i64", off_ptr="*i64", scores_ptr="*fp32",
-                         pages_ptr="*i32", take_ptr="*i32", out_ptr=BF16, scale="fp32"),
-                    {"MODE": mode, "TWO_BOUNDS": two, "HAS_OFFSET": True, "DOT_S": "native",
+                         pages_ptr="*i32", take_ptr="*i32", out_ptr=BF16, vm_ptr="*fp32",
+                         scale="fp32"),
+                    {"MODE": mode, "TWO_BOUNDS": two, "HAS_OFFSET": True, "REALLOC": realloc,
+                     "DOT_S": "native",
                      "DOT_A": "native", "G_BLOCK": 16, "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK,
                      "PR": S.SELECT_REGISTER_PAGES if two else 0, "SEL": S.SELECT_BLOCK,
                      "CHUNK": chunk, "PAGES_BLOCK": pages_block}, S.NUM_WARPS))
@@ -93,14 +98,16 @@ def configurations(sparse) -> list[tuple]:
                     {"MODE": mode, "SPLITS": splits, "TWO_BOUNDS": two, "HAS_OFFSET": True,
                      "LOAD": load, "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128,
                      "BLOCK": S.SCORE_BLOCK, "PR": S.SPLIT_PAGES}, S.NUM_WARPS))
-    for attend, page in ((True, 23), (True, 1), (False, 1)):
+    for attend, page, realloc in ((True, 23, False), (True, 1, False), (False, 1, False),
+                                  (True, 1, True)):
         chunk, pages_block = S._attend_blocks(page)
         out.append((S._split_merge_kernel,
                     dict(q_ptr=BF16, k_cache=BF16, v_cache=BF16, last_ptr="*i64",
                          off_ptr="*i64", scores_ptr="*fp32", cand_pages="*i32",
                          cand_take="*i32", pages_ptr="*i32", take_ptr="*i32", out_ptr=BF16,
-                         scale="fp32"),
-                    {"HAS_OFFSET": True, "ATTEND": attend, "DOT": "native", "G_BLOCK": 16,
+                         ml_ptr="*fp32", vm_ptr="*fp32", scale="fp32"),
+                    {"SPLITS": 16, "HAS_OFFSET": True, "ATTEND": attend, "REALLOC": realloc,
+                     "DOT": "native", "G_BLOCK": 16,
                      "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK, "CR": S.SELECT_CANDIDATES,
                      "CHUNK": chunk, "PAGES_BLOCK": pages_block}, S.NUM_WARPS))
     return out

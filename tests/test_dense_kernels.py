@@ -170,19 +170,20 @@ ARGS = {
 }
 
 
-def decode_logits(model, method, fused, T=72, steps=2, batch=2):
+def decode_logits(model, method, fused, T=72, steps=2, batch=2, **options):
     """Logits (steps, B, vocab) of greedy decode steps after a prefill of ``T`` random
-    tokens, with every kernel (``fused``) or none: the PyTorch path."""
+    tokens, with every kernel (``fused``) or none: the PyTorch path; ``options`` the
+    method's (``build_caches``)."""
     args = model.args
     budget = None
     if METHODS[method].budgeted:  # compressing: below prompt + new tokens
-        smallest = smallest_budget(method, T, steps + 1, args, {})
+        smallest = smallest_budget(method, T, steps + 1, args, options)
         if smallest is None:
             pytest.skip(f"{method} takes no budget below the sequence at this shape")
         budget = max(40, smallest)
     caches = build_caches(method, args, batch_size=batch, prompt_len=T,
                           max_new_tokens=steps + 1, budget=budget,
-                          dtype=model.tok_embeddings.weight.dtype, device="cpu")
+                          dtype=model.tok_embeddings.weight.dtype, device="cpu", **options)
     model.setup_caches(caches, T + steps + 1)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab_size, (batch, T), generator=g)
@@ -213,15 +214,20 @@ def small_model(shape):
 
 
 @interpreted
-@pytest.mark.parametrize("method,shape", [(m, "gqa") for m in METHODS] +
-                         [(m, "qwen-like") for m in ("full", "rocketkv", "h2o")])
-def test_every_method_decodes_alike_with_the_kernels(method, shape):
+@pytest.mark.parametrize("method,shape,options",
+                         [(m, "gqa", {}) for m in METHODS] +
+                         [(m, "qwen-like", {}) for m in ("full", "rocketkv", "h2o")] +
+                         [("sparq", "gqa", {"sparq_reallocate": True})],
+                         ids=lambda v: "reallocate" if v == {"sparq_reallocate": True} else
+                         None if isinstance(v, dict) else v)
+def test_every_method_decodes_alike_with_the_kernels(method, shape, options):
     """The model's decode steps with every kernel (dense and sparse) equal the PyTorch path's
     (fp32): for a cache that offers ``token_store`` the q/k/v kernel writes the token where
     its own write would (its buffers equal after the steps; the selectors' auxiliary keys
-    too); for the others ``decode`` gets the same k and v."""
+    too, and SparQ's running mean of values, which its attention kernel updates); for the
+    others ``decode`` gets the same k and v."""
     model = small_model(shape)
-    ref, ref_caches = decode_logits(model, method, fused=False)
+    ref, ref_caches = decode_logits(model, method, fused=False, **options)
     calls = []
     spy = kernels.qkv_store
 
@@ -231,7 +237,7 @@ def test_every_method_decodes_alike_with_the_kernels(method, shape):
 
     kernels.qkv_store = counting
     try:
-        out, caches = decode_logits(model, method, fused=True)
+        out, caches = decode_logits(model, method, fused=True, **options)
     finally:
         kernels.qkv_store = spy
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
@@ -322,8 +328,9 @@ def test_a_cache_that_decodes_its_own_way_gets_k_and_v():
 
 def test_token_stores_name_the_selectors_auxiliary_keys():
     """A selector's write in the fused kernel: Hybrid's page summary, SparQ's dim-major copy,
-    none for SparQ's strided keys, and no fused write when ``update`` has more to do (SparQ's
-    mean-V reallocation)."""
+    none for SparQ's strided keys, the copy with SparQ's mean-V reallocation where its
+    attention kernel reallocates (one program per KV head attends), else no fused write:
+    ``update`` keeps the running mean."""
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
                      vocab_size=10, max_seq_len=64)
     pos = torch.tensor([20])
@@ -339,7 +346,11 @@ def test_token_stores_name_the_selectors_auxiliary_keys():
     s = cache(SparQ(5, 8)).token_store(pos)
     assert s.aux_kind == kernels.AUX_DIM_MAJOR
     assert cache(SparQ(5, 8, dim_major=False)).token_store(pos).aux_kind == kernels.AUX_NONE
-    assert cache(SparQ(5, 8, reallocate=True)).token_store(pos) is None
+    assert cache(SparQ(5, 8, reallocate=True)).token_store(pos).aux_kind == \
+        kernels.AUX_DIM_MAJOR
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(OPS, "SPLIT_TOKENS", 4)  # 8 tokens attended by 2 programs
+        assert cache(SparQ(5, 8, reallocate=True)).token_store(pos) is None
 
 
 # ---- CUDA, real shapes ---------------------------------------------------------------------

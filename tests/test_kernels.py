@@ -46,6 +46,8 @@ SELECTORS = {  # name -> (selector for k tokens)
     "quest_page100": lambda k: Quest(100, k),  # a page over one loop iteration's 64 slots
     "sparq": lambda k: SparQ(5, k),
     "sparq_strided": lambda k: SparQ(5, k, dim_major=False),
+    "sparq_realloc": lambda k: SparQ(5, k, reallocate=True),
+    "sparq_realloc_strided": lambda k: SparQ(3, k, reallocate=True, dim_major=False),
     "exact_topk": lambda k: ExactTopK(k),
 }
 
@@ -194,6 +196,8 @@ CASES = [  # (selector, k, heads, kv heads, head dim, prompt, steps)
     ("sparq_strided", 10, 8, 2, 32, 45, 3),
     ("exact_topk", 12, 8, 2, 32, 40, 4),
     ("exact_topk", 12, 4, 4, 32, 40, 3),  # MHA
+    ("sparq_realloc", 10, 8, 2, 32, 45, 4),  # mean-value reallocation
+    ("sparq_realloc_strided", 50, 4, 4, 32, 45, 3),  # MHA, k above the written tokens
 ]
 
 
@@ -204,7 +208,8 @@ def _case_id(c):
 @interpreted
 @pytest.mark.parametrize("case,path", [(c, "registers") for c in CASES] +
                          [(CASES[i], "passes") for i in (0, 4, 8, 11)] +
-                         [(CASES[i], "split") for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13)],
+                         [(CASES[i], "split") for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13,
+                                                          14, 15)],
                          ids=lambda v: _case_id(v) if isinstance(v, tuple) else v)
 def test_decode_steps_equal_the_pytorch_path(case, path, monkeypatch):
     """Each decode step through the kernels (token write, selection, attention) on a cache
@@ -247,6 +252,8 @@ def test_decode_steps_equal_the_pytorch_path(case, path, monkeypatch):
             ps = ref.selector.page_size if isinstance(ref.selector, PagedSelector) else 1
             n = t // ps + 1
             assert torch.equal(aux_of(ker.selector)[..., :n], aux[..., :n]), t
+        if getattr(ref.selector, "reallocate", False):  # the running mean of values
+            assert torch.allclose(ker.selector.v_mean, ref.selector.v_mean, atol=1e-6), t
         check_selection(ref, ker, q[:, :, t:t + 1], t, k, exact=True)
     if path == "split":  # every step's selection ran split (and check_selection's)
         assert len(split_calls) == 2 * steps, split_calls
@@ -286,7 +293,9 @@ def test_more_pages_than_registers_hold_leave_the_selection_to_pytorch(name, mon
 @pytest.mark.parametrize("name,k,split", [("hybrid", 10, False), ("quest", 6, False),
                                           ("sparq", 9, False), ("exact_topk", 9, False),
                                           ("hybrid_page3", 20, False), ("sparq", 9, True),
-                                          ("exact_topk", 9, True), ("hybrid_page3", 20, True)])
+                                          ("exact_topk", 9, True), ("hybrid_page3", 20, True),
+                                          ("sparq_realloc", 9, False),
+                                          ("sparq_realloc", 9, True)])
 def test_bfloat16_selection_and_output(name, k, split, monkeypatch):
     """bfloat16 caches: the chosen tokens differ from the reference's only among near-ties,
     and the attention output is within bfloat16 tolerance of the reference's; in one program
@@ -327,7 +336,8 @@ def test_select_attend_is_paged_select_then_attend_pages(name, k, split, monkeyp
     for t in range(70, 72):
         ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
         with monkeypatch.context() as m:  # the reference: the two-kernel path
-            m.setattr(kernels, "sparse_attention", kernels.select_then_attend)
+            m.setattr(kernels, "sparse_attention",  # (no reallocation in these cases)
+                      lambda *a, v_mean=None, **kw: kernels.select_then_attend(*a, **kw))
             two = decode(ref, "force", *ins, t)
         one = decode(ker, "force", *ins, t)
         assert torch.isfinite(one).all() and torch.allclose(one, two, atol=1e-6, rtol=1e-5), t
@@ -464,7 +474,7 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
     r = compiled_triton(ROOT / "scripts" / "compile_kernels.py", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
-    assert len(rows) == 39 and all(row["registers"] for row in rows)
+    assert len(rows) == 41 and all(row["registers"] for row in rows)
     assert max(row["spill_bytes"] for row in rows) <= 512, rows
 
 
@@ -488,9 +498,12 @@ def test_the_compiled_decode_step_holds_the_kernels_whole():
     layer_split = got.pop("layer_sparq_split")
     assert got == {"full": ["_attend_prefix_kernel"], "hybrid": ["_write_token_kernel", *sel],
                    "hybrid_page1": sel, "quest": ["_write_token_kernel", *sel],
-                   "sparq": ["_write_token_kernel", *sel], "sparq_strided": sel,
-                   "exact_topk": sel, "quest_split": ["_write_token_kernel", *split[1:]],
-                   "exact_topk_split": split}, got
+                   "sparq": ["_write_token_kernel", *sel],
+                   "sparq_strided": ["_write_token_kernel", *sel],
+                   "exact_topk": sel, "sparq_realloc": ["_write_token_kernel", *sel],
+                   "quest_split": ["_write_token_kernel", *split[1:]],
+                   "exact_topk_split": split,
+                   "sparq_realloc_split": ["_write_token_kernel", *split]}, got
     assert layer_full == {"triton": [lin, "_attend_prefix_kernel", lin, lin, lin],
                           "other": []}, layer_full
     assert layer_hybrid == {"triton": [lin, *sel, lin, lin, lin], "other": []}, layer_hybrid

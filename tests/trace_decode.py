@@ -23,7 +23,8 @@ from kv_cache import FullKVCache
 from model import TransformerBlock, precompute_rope
 
 CASES = {"full": None, "hybrid": 6, "hybrid_page1": 9, "quest": 3, "sparq": 10,
-         "sparq_strided": 10, "exact_topk": 12, "quest_split": 3, "exact_topk_split": 12,
+         "sparq_strided": 10, "exact_topk": 12, "sparq_realloc": 10, "quest_split": 3,
+         "exact_topk_split": 12, "sparq_realloc_split": 10,
          "layer_full": None, "layer_hybrid": 6, "layer_sparq_split": 10}
 SPLIT_PAGES = 4  # for the ``_split`` cases (``kernels.sparse.SPLIT_PAGES``): 42 tokens (10
 # pages of Quest's 4) split over 16 programs (4 for Quest)
