@@ -47,7 +47,7 @@ k)
     step env; nvidia-smi
     $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
     step kernel tests on CUDA
-    timeout 170 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+    timeout 230 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         tests/test_dense_kernels.py -k cuda
     step kernels per step: rocketkv@256, every kernel, the sparse ones, the PyTorch path
     timeout 150 $py scripts/profile_step.py --context 32768 --methods rocketkv hybrid --budgets 256 \
