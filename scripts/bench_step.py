@@ -28,6 +28,11 @@ Per row:
 Compile regime: with ``--compile`` every row compiles its own step with static shapes (the
 compile cache is reset between rows), so no row runs a symbolic-shape graph left by another.
 
+``--split-pages N ...`` repeats every configuration with the fused selection split at N pages
+a program (``kernels.sparse.SPLIT_PAGES``: one program per KV head up to N pages, above that
+the split selection), to choose that constant on a GPU; each row records ``split_pages`` and
+``fused_kernels`` (whether the Triton kernels ran: CUDA with triton).
+
 Methods whose layers differ (omnikv, duoattention) have no single representative layer and are
 refused; use ``scripts/bench.py``. Results: ``--json`` (default
 ``results/<device>/bench_step-<timestamp>.json``; ``--out`` is its deprecated spelling).
@@ -46,6 +51,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import kernels
 from cli import DTYPES, OneLineParser, command_line, deprecated_alias, rows_exit_status, write_json
 from compression import add_method_options, build_caches, check_methods, options_for
 from evals.bench import measure_bandwidth, resolve_run, results_dir
@@ -160,9 +166,9 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
             pos.add_(1)
             if i > opts.warmup:
                 times.append(ms)
-        kernels = None
+        n_kernels = None
         if device.type == "cuda":
-            kernels = count_cuda_kernels(step, cache, q, k, v, pos)
+            n_kernels = count_cuda_kernels(step, cache, q, k, v, pos)
     read, ideal = cache.bytes_read_per_step(), cache.ideal_bytes_per_step()
     return {
         "device": device_name(device), "torch_version": torch.__version__,
@@ -175,9 +181,11 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
         "view_ops": sum(n for op, n in ops.items() if op in VIEW_OPS),
         "topk_ops": ops.get("topk", 0),
         "gather_ops": sum(ops.get(n, 0) for n in GATHER_OPS),
-        "aten_op_counts": dict(sorted(ops.items())), "cuda_kernels": kernels,
+        "aten_op_counts": dict(sorted(ops.items())), "cuda_kernels": n_kernels,
         "bytes_read_per_step": read, "ideal_bytes_per_step": ideal,
         "kv_cache_bytes": cache.allocated_bytes(), "bandwidth_gbps": bandwidth,
+        "fused_kernels": kernels.in_use(device),
+        "split_pages": kernels.ops().SPLIT_PAGES if kernels.in_use(device) else None,
         "roofline_ms": read / (bandwidth * 1e9) * 1e3,
         "ideal_roofline_ms": ideal / (bandwidth * 1e9) * 1e3,
         "method_params": cache.method_params(),
@@ -186,19 +194,21 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
 
 def summary(rows: list[dict]) -> str:
     head = ("| method | budget | context | step ms (p10-p90) | aten ops | top-k | gathers | "
-            "bytes read | ideal bytes | roofline ms |\n|---|---|---|---|---|---|---|---|---|---|")
+            "bytes read | ideal bytes | roofline ms | split pages |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['method']} | {r['budget']} | {r['context']} | {r['error']} "
-                         "| | | | | | |")
+                         "| | | | | | | |")
             continue
         lines.append(
             f"| {r['method']} | {r['budget'] or '-'} | {r['context']} | "
             f"{r['step_ms_median']:.3f} ({r['step_ms_p10']:.3f}-{r['step_ms_p90']:.3f}) | "
             f"{r['aten_ops']} | {r['topk_ops']} | {r['gather_ops']} | "
             f"{r['bytes_read_per_step'] / 2**20:.2f} MiB | "
-            f"{r['ideal_bytes_per_step'] / 2**20:.2f} MiB | {r['roofline_ms']:.4f} |")
+            f"{r['ideal_bytes_per_step'] / 2**20:.2f} MiB | {r['roofline_ms']:.4f} | "
+            f"{r['split_pages'] or '-'} |")
     return "\n".join(lines)
 
 
@@ -225,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the step (default: on for cuda, with CUDA graphs)")
     p.add_argument("--json", metavar="PATH",
                    help="rows JSON (default results/<device>/bench_step-<time>.json)")
+    p.add_argument("--split-pages", type=int, nargs="+", metavar="N",
+                   help="repeat each configuration with the fused selection split at N pages "
+                        "a program (kernels.sparse.SPLIT_PAGES; where the kernels run)")
     add_method_options(p.add_argument_group("method options"))
     deprecated_alias(p, "--model", "--checkpoint")
     deprecated_alias(p, "--out", "--json")
@@ -249,6 +262,15 @@ def main(argv=None) -> int:
                               "stand for the step; use scripts/bench.py")
         device, dtype = resolve_run(opts)
         args = ModelArgs.from_name(opts.checkpoint)
+        if opts.split_pages:
+            if not kernels.in_use(device):
+                raise ConfigError("--split-pages sets the fused selection's split, and the "
+                                  f"kernels do not run on {device.type} "
+                                  f"({kernels.missing() or 'CUDA with triton only'})")
+            limit = kernels.ops().SELECT_REGISTER_PAGES
+            if not all(0 < n <= limit for n in opts.split_pages):
+                raise ConfigError(f"--split-pages must be 1 to {limit} (pages a program "
+                                  "chooses over in registers)")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -260,16 +282,25 @@ def main(argv=None) -> int:
     bandwidth = measure_bandwidth(device)
     command = command_line("bench_step.py", argv)
     rows = []
-    for context in opts.context:
-        for method, budget in configurations(opts.methods, opts.budgets):
-            try:
-                row = run_one(args, method, budget, context, opts, dtype, device, bandwidth)
-            except (ConfigError, torch.OutOfMemoryError) as e:
-                row = {"method": method, "budget": budget, "context": context,
-                       "error": str(e).splitlines()[0]}
-            row["command"] = command
-            rows.append(row)
-            write_json(out, rows)
+    default = kernels.ops().SPLIT_PAGES if kernels.in_use(device) else None
+    for split_pages in opts.split_pages or [default]:
+        if split_pages is not None:
+            kernels.ops().SPLIT_PAGES = split_pages
+        try:
+            for context in opts.context:
+                for method, budget in configurations(opts.methods, opts.budgets):
+                    try:
+                        row = run_one(args, method, budget, context, opts, dtype, device,
+                                      bandwidth)
+                    except (ConfigError, torch.OutOfMemoryError) as e:
+                        row = {"method": method, "budget": budget, "context": context,
+                               "split_pages": split_pages, "error": str(e).splitlines()[0]}
+                    row["command"] = command
+                    rows.append(row)
+                    write_json(out, rows)
+        finally:
+            if default is not None:
+                kernels.ops().SPLIT_PAGES = default
     print(summary(rows))
     print(f"copy bandwidth {bandwidth:.1f} GB/s on {device_name(device)}")
     print(f"wrote {out}")

@@ -10,6 +10,10 @@
 #    count before). Run it first.
 # k2: the selecting methods and full at 32K with every kernel (item 2), then full and
 #    rocketkv@256 at 32K and 128K with --kernels sparse: our projection kernels against cuBLAS
+# ks: one layer's selection and attention (scripts/bench_step.py) of rocketkv, hybrid, sparq
+#    and exact_topk @256 at 32K and 128K with the fused selection split at 1024-8192 pages a
+#    program (--split-pages): the value to set for kernels/sparse.py's SPLIT_PAGES (2048,
+#    unmeasured)
 # kd: the dense kernels alone against cuBLAS at the llama-3.1-8b projections over a grid of
 #    launch configurations (scripts/bench_dense.py): batch 1 over the full grid, batch 16 over
 #    the quick one; the best configuration is then set in kernels/dense.py
@@ -32,7 +36,7 @@
 # device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
 # `pip install -e .`): PYTHONPATH puts the repository root on the path for scripts/ and evals/.
 set -o pipefail
-part=${1:?part k, k2, kd, p, g1, g2, a, b, c, d, e or f}
+part=${1:?part k, k2, ks, kd, p, g1, g2, a, b, c, d, e or f}
 out=${2:-${OUT:?no OUTDIR and no \$OUT}}
 py=${PYTHON:-python3}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -64,6 +68,14 @@ k2)
     step "full and rocketkv@256 with the sparse kernels only (cuBLAS projections)"
     timeout 250 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
         --budgets 256 --kernels sparse --time-limit 190
+    ;;
+ks)
+    for ctx in 32768 131008; do
+        step "the selection's split at $ctx tokens: 1024, 2048, 4096 and 8192 pages a program"
+        timeout 280 $py scripts/bench_step.py --context $ctx --methods rocketkv hybrid sparq \
+            exact_topk --budgets 256 --split-pages 1024 2048 4096 8192 --steps 20 \
+            --json "$out/bench_step-split-$ctx.json" | tail -20
+    done
     ;;
 kd)
     step "dense kernels against cuBLAS, batch 1, full grid"

@@ -18,6 +18,7 @@ def test_rows_counts_and_bytes(tmp_path, capsys):
         assert r["steps"] == 2 and r["step_ms_p10"] <= r["step_ms_p90"]
         assert r["bytes_read_per_step"] >= r["ideal_bytes_per_step"] > 0
         assert r["aten_ops"] > 0 and r["device"] == "cpu" and r["cuda_kernels"] is None
+        assert r["fused_kernels"] is False and r["split_pages"] is None  # CPU: PyTorch path
     # one top-k for the oracle and Quest (pages), two for SparQ and hybrid (dims, then
     # tokens or pages), none for the full cache
     assert [rows[m]["topk_ops"] for m in ("full", "exact_topk", "quest", "sparq", "hybrid")] \
@@ -31,6 +32,8 @@ def test_refuses_methods_whose_layers_differ(capsys):
     assert main(["--device", "cpu", "--checkpoint", "stories260K", "--methods", "omnikv"]) == 2
     assert "its layers differ" in capsys.readouterr().err
     assert main(["--device", "cpu", "--checkpoint", "stories260K", "--steps", "0"]) == 2
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--split-pages", "512"]) == 2
+    assert "--split-pages sets the fused selection's split" in capsys.readouterr().err
 
 
 def test_old_flag_spellings_still_work_with_a_note(capsys):
