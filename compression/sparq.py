@@ -109,11 +109,9 @@ class SparQ(Selector):
 
     def fused(self, cache: CompressedKVCache, x: Tensor) -> bool:
         """Whether this step's write and selection run in the kernels (``x`` on the step's
-        device): where they run, the selection fits (``kernels.selection_fits``) and, with
-        ``reallocate``, one program per KV head attends (``kernels.reallocation_fits``)."""
-        k = min(self.k, cache.length)
-        return kernels.enabled(x) and kernels.selection_fits(cache.length, k, 1) and \
-            (not self.reallocate or kernels.reallocation_fits(k))
+        device): where they run and the selection fits (``kernels.selection_fits``)."""
+        return kernels.enabled(x) and \
+            kernels.selection_fits(cache.length, min(self.k, cache.length), 1)
 
     def token_aux(self, cache: CompressedKVCache) -> tuple[Tensor, int, int] | None:
         """The dim-major key copy's column, written with the token (None with ``reallocate``

@@ -142,7 +142,7 @@ def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor |
     (arguments as there; ``last`` (1,) int64 the slot written last, less ``offset`` when
     given; ``rows`` None: the keys themselves, read as K^T, for pages of one slot). With
     ``v_mean`` SparQ's mean-value reallocation (``select_attend_reallocated``, which updates
-    it; one program must attend: ``reallocation_fits``). Returns (B, H, 1, D) in the
+    it, and attends in one program per KV head whatever k). Returns (B, H, 1, D) in the
     cache's dtype."""
     by_token = rows is None
     splits = _splits(k_cache, rows, k, page_size)
@@ -157,12 +157,6 @@ def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor |
     return torch.ops.rocketkv.select_attend(q, k_cache if by_token else rows, k_cache, v_cache,
                                             last, mode, two_bounds, r, k, page_size, by_token,
                                             offset, splits)
-
-
-def reallocation_fits(k: int) -> bool:
-    """Whether a selection of ``k`` tokens can reallocate in the kernels: one program per KV
-    head attends (``kernels.sparse.attention_splits``), k <= 512."""
-    return ops().attention_splits(k) == 1
 
 
 def select_then_attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None,

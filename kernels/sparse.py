@@ -1056,7 +1056,8 @@ def select_attend_reallocated(q: Tensor, rows: Tensor, k_cache: Tensor, v_cache:
     ``v_mean`` (B, H_kv, 1, D) float32 contiguous, the running mean of the values over the
     slots before ``last``, first takes in the value at ``last`` (updated in place); alpha is
     each query head's probability mass of the chosen tokens under the approximate softmax.
-    Returns (B, H, 1, D) in v_cache's dtype."""
+    One program per KV head attends whatever k (past ``SPLIT_TOKENS`` too: the mass and the
+    mean are per head). Returns (B, H, 1, D) in v_cache's dtype."""
     return _select_attend(q, rows, k_cache, v_cache, last, MODE_SOFTMAX, False, r, k, 1,
                           by_token, offset, splits, v_mean)
 

@@ -329,8 +329,8 @@ def test_a_cache_that_decodes_its_own_way_gets_k_and_v():
 def test_token_stores_name_the_selectors_auxiliary_keys():
     """A selector's write in the fused kernel: Hybrid's page summary, SparQ's dim-major copy,
     none for SparQ's strided keys, the copy with SparQ's mean-V reallocation where its
-    attention kernel reallocates (one program per KV head attends), else no fused write:
-    ``update`` keeps the running mean."""
+    attention kernel reallocates (the selection fits), else no fused write: ``update`` keeps
+    the running mean."""
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
                      vocab_size=10, max_seq_len=64)
     pos = torch.tensor([20])
@@ -349,7 +349,7 @@ def test_token_stores_name_the_selectors_auxiliary_keys():
     assert cache(SparQ(5, 8, reallocate=True)).token_store(pos).aux_kind == \
         kernels.AUX_DIM_MAJOR
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(OPS, "SPLIT_TOKENS", 4)  # 8 tokens attended by 2 programs
+        m.setattr(OPS, "SELECT_REGISTER_PAGES", 8)  # 20 slots: no choice fits
         assert cache(SparQ(5, 8, reallocate=True)).token_store(pos) is None
 
 
