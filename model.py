@@ -238,11 +238,18 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
-def plain_linear(layer: nn.Module) -> bool:
-    """A float ``nn.Linear`` without bias or hooks (not quantized, not tensor-parallel): what
-    the dense decode kernels compute in its place."""
-    return (type(layer) is nn.Linear and layer.bias is None and layer.weight.is_floating_point()
-            and not layer._forward_hooks and not layer._forward_pre_hooks)
+def kernel_weight(layer: nn.Module) -> tuple[Tensor, Tensor | None, int] | None:
+    """What the dense decode kernels read in place of ``layer`` (``kernels.dense.linear``'s
+    ``weight``, ``scales``, ``groupsize``): a float ``nn.Linear``'s weight (no bias), or a
+    quantized layer's (``kernel_weight()``: int8, int4 in its nibble layout); None for a
+    layer with hooks (tensor parallelism's all-reduce) or another kind."""
+    if layer._forward_hooks or layer._forward_pre_hooks:
+        return None
+    if type(layer) is nn.Linear:
+        return (layer.weight, None, 0) if layer.bias is None and \
+            layer.weight.is_floating_point() else None
+    get = getattr(layer, "kernel_weight", None)
+    return get() if get is not None else None
 
 
 def linear_rows(layer: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
@@ -334,11 +341,12 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
     def fusable(self) -> bool:
-        """Whether ``forward_fused`` computes this layer: plain float linears without hooks
-        (not quantized, not tensor-parallel) and a cache that allows it."""
+        """Whether ``forward_fused`` computes this layer: linears the kernels read
+        (``kernel_weight``: float or quantized, no hooks, not tensor-parallel) and a cache
+        that allows it."""
         a, f = self.attention, self.feed_forward
         return getattr(a.kv_cache, "dense_kernels", False) and \
-            all(plain_linear(m) for m in (a.wqkv, a.wo, f.w13, f.w2))
+            all(kernel_weight(m) is not None for m in (a.wqkv, a.wo, f.w13, f.w2))
 
     def forward_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
         """``forward`` in the dense kernels (``kernels/dense.py``), four launches around the
@@ -352,16 +360,21 @@ class TransformerBlock(nn.Module):
             where = (k, v, torch.zeros_like(input_pos), None, *kernels.no_aux(k))
         else:
             where = store
-        q = kernels.qkv_store(x, self.attention_norm.weight, self.attention_norm.eps,
-                              a.wqkv.weight, a.wqkv_bias, rope, where, a.n_heads)
+        w, scales, group = kernel_weight(a.wqkv)
+        q = kernels.qkv_store(x, self.attention_norm.weight, self.attention_norm.eps, w,
+                              a.wqkv_bias, rope, where, a.n_heads, scales, group)
         if store is None:
             y = cache.decode(q, k, v, input_pos)
         else:
             y = cache.attend_stored(q, input_pos)
-        h = kernels.linear(y.transpose(1, 2).flatten(2), a.wo.weight, residual=x)
-        g = kernels.linear(h, self.feed_forward.w13.weight, self.ffn_norm.weight,
-                           self.ffn_norm.eps, swiglu=True)
-        return kernels.linear(g, self.feed_forward.w2.weight, residual=h)
+        w, scales, group = kernel_weight(a.wo)
+        h = kernels.linear(y.transpose(1, 2).flatten(2), w, residual=x, scales=scales,
+                           groupsize=group)
+        w, scales, group = kernel_weight(self.feed_forward.w13)
+        g = kernels.linear(h, w, self.ffn_norm.weight, self.ffn_norm.eps, swiglu=True,
+                           scales=scales, groupsize=group)
+        w, scales, group = kernel_weight(self.feed_forward.w2)
+        return kernels.linear(g, w, residual=h, scales=scales, groupsize=group)
 
     def prefill(self, x: Tensor, rope: Tensor, chunk_size: int) -> Tensor:
         """Whole prompt through this block; updates and returns ``x`` (B, T, dim) in place.
@@ -461,8 +474,11 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, 1, dim)
         for layer in self.layers:
             x = layer(x, rope, input_pos)
-        if kernels.dense_in_use(x.device) and plain_linear(self.output):  # norm + LM head
-            return kernels.linear(x, self.output.weight, self.norm.weight, self.norm.eps)[:, -1]
+        head = kernel_weight(self.output) if kernels.dense_in_use(x.device) else None
+        if head is not None:  # norm + LM head in one kernel
+            w, scales, group = head
+            return kernels.linear(x, w, self.norm.weight, self.norm.eps, scales=scales,
+                                  groupsize=group)[:, -1]
         return self.output(self.norm(x))[:, -1]
 
     @torch.no_grad()

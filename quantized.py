@@ -33,10 +33,14 @@ What is quantized (round to nearest, no calibration data):
 At run time (``Int8Linear``, ``Int4Linear``) the weights are laid out for the device and
 activation dtype they are loaded with:
 
-* CUDA: int8 is ``F.linear(x, q.to(x.dtype)) * scale``, which ``torch.compile`` fuses into one
-  kernel reading int8 (gpt-fast's form); int4 is ``_weight_int4pack_mm`` (tinygemm) on the tiled
-  layout of ``_convert_weight_to_int4pack``, which needs bfloat16 activations and a GPU of
-  compute capability >= 8.0.
+* CUDA, where the dense decode kernels run (``kernels.dense_in_use``, the default with
+  triton): a decode step's projections read int8 and int4 in ``kernels/dense.py``, dequantized
+  in registers (``kernel_weight``); int4 keeps the stored nibble layout for it (``"nibbles"``),
+  and larger inputs (prefill) dequantize, then run a dense matmul.
+* CUDA without them: int8 is ``F.linear(x, q.to(x.dtype)) * scale``, which ``torch.compile``
+  fuses into one kernel reading int8 (gpt-fast's form); int4 is ``_weight_int4pack_mm``
+  (tinygemm) on the tiled layout of ``_convert_weight_to_int4pack``, which needs bfloat16
+  activations and a GPU of compute capability >= 8.0.
 * CPU: ``_weight_int8pack_mm`` for decode-sized inputs whose width is a multiple of 16 (torch
   2.13's kernel returns wrong values for other widths; prefill and those layers dequantize, then
   run a dense matmul) and ``_weight_int4pack_mm_for_cpu`` for int4. These
@@ -57,6 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import kernels
 from model import ConfigError, ModelArgs, Transformer, meta_transformer
 
 MODES = ("int8", "int4")
@@ -204,6 +209,11 @@ class Int8Linear(nn.Module):
             y = F.linear(x2, q.to(x.dtype)) * scales
         return y.to(x.dtype).reshape(*lead, q.shape[0])
 
+    def kernel_weight(self) -> tuple[Tensor, Tensor, int]:
+        """(int8 weight (out, in), scales (out,), 0): what the dense decode kernels read
+        (``model.kernel_weight``)."""
+        return self.weight, self.scales, 0
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
@@ -213,10 +223,15 @@ def int4_layout(device: torch.device, dtype: torch.dtype, out_features: int) -> 
     kernel's blocks, in ``kernel_dtype``) or ``"nibbles"`` (the stored layout, dequantized per
     call: a layer whose output width the CPU kernel does not take).
 
+    On CUDA where the dense decode kernels run (``kernels.dense_in_use``), ``"nibbles"``: they
+    read the stored layout (``kernels.dense``), and larger inputs (prefill) dequantize.
+
     Raises:
         ConfigError: CUDA with activations that are not bfloat16, a GPU older than compute
             capability 8.0, a torch without the int4 kernels, or a device with no int4 path.
     """
+    if device.type == "cuda" and kernels.dense_in_use(device):
+        return "nibbles"
     if device.type == "cuda":
         if not hasattr(torch.ops.aten, "_weight_int4pack_mm"):
             raise ConfigError(f"int4 on CUDA needs torch's _weight_int4pack_mm (torch "
@@ -294,9 +309,19 @@ class Int4Linear(nn.Module):
         elif self.layout == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(sz.dtype).contiguous(), w,
                                                            self.groupsize, sz)
+        elif x2.shape[0] <= KERNEL_ROWS and kernels.dense_in_use(x.device):  # decode-sized
+            y = kernels.linear(x2, w, scales=sz, groupsize=self.groupsize)
         else:
             y = F.linear(x2.to(sz.dtype), dequantize_int4(w, sz, self.groupsize, sz.dtype))
         return y.to(x.dtype).reshape(*lead, sz.shape[1])
+
+    def kernel_weight(self) -> tuple[Tensor, Tensor, int] | None:
+        """(nibbles uint8 (out, in / 2), scales and zeros (in / G, out, 2), G): what the dense
+        decode kernels read (``model.kernel_weight``), in the ``"nibbles"`` layout; None in
+        the kernels' own layouts of torch's int4 matmuls."""
+        if self.layout != "nibbles":
+            return None
+        return self.weight, self.scales_and_zeros, self.groupsize
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4, "

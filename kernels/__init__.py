@@ -108,18 +108,22 @@ def no_aux(like: Tensor) -> tuple[Tensor, int, int]:
 
 
 def qkv_store(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
-              rope: Tensor, store: tuple, n_heads: int) -> Tensor:
+              rope: Tensor, store: tuple, n_heads: int, scales: Tensor | None = None,
+              groupsize: int = 0) -> Tensor:
     """RMSNorm, q/k/v projection, RoPE and the token's write into ``store`` (a
-    ``kv_cache.TokenStore``) in one kernel (``kernels.dense.qkv_store``); returns q
-    (B, H, 1, D)."""
-    return torch.ops.rocketkv.qkv_store(x, norm_weight, eps, weight, bias, rope, *store, n_heads)
+    ``kv_cache.TokenStore``) in one kernel (``kernels.dense.qkv_store``; int8 or int4
+    weights with ``scales``); returns q (B, H, 1, D)."""
+    return torch.ops.rocketkv.qkv_store(x, norm_weight, eps, weight, bias, rope, *store, n_heads,
+                                        scales, groupsize)
 
 
 def linear(x: Tensor, weight: Tensor, norm_weight: Tensor | None = None, eps: float = 0.0,
-           residual: Tensor | None = None, swiglu: bool = False) -> Tensor:
+           residual: Tensor | None = None, swiglu: bool = False, scales: Tensor | None = None,
+           groupsize: int = 0) -> Tensor:
     """``[RMSNorm] x @ W^T`` with the residual added or SwiGLU, one kernel
-    (``kernels.dense.linear``)."""
-    return torch.ops.rocketkv.linear(x, weight, norm_weight, eps, residual, swiglu)
+    (``kernels.dense.linear``; int8 or int4 weights with ``scales``)."""
+    return torch.ops.rocketkv.linear(x, weight, norm_weight, eps, residual, swiglu, scales,
+                                     groupsize)
 
 
 def selection_fits(n_pages: int, k: int, page_size: int) -> bool:

@@ -27,6 +27,11 @@ sum_k (x_k g_k) W_nk over the same loads of x and scales by rsqrt(mean x^2 + eps
 (which rounds the normed x, each projection and each elementwise result to the model dtype)
 by rounding once at the end: outputs agree within the dtype's tolerance, not bit for bit.
 
+Quantized weights (``quantized.py``'s formats, ``quant_kind``) are read as they are stored
+and dequantized in registers: int8 (N, K) rows, the product scaled by each row's scale at the
+end; int4 nibbles (N, K / 2), a K block within one group of G features giving
+scale sum_k x_k (q_nk - 8) + zero sum_k x_k (even features in the high nibble).
+
 One batch row uses a multiply-and-sum per block (a GEMV); several use ``tl.dot`` on blocks of
 16 rows. Block sizes are fixed by rule (``launch_config`` from the module's constants),
 untuned: ``scripts/bench_dense.py`` times a grid of them against cuBLAS on a GPU, and
@@ -49,6 +54,10 @@ EPI_PLAIN = 0  # store x @ W^T
 EPI_RESIDUAL = 1  # store residual + x @ W^T
 EPI_SWIGLU = 2  # store silu(x @ W1^T) * (x @ W3^T)
 EPI_QKV = 3  # RoPE on q and k; q stored, k and v written into the cache
+QUANT_NONE = 0  # float weights
+QUANT_INT8 = 1  # int8 (N, K), scales (N,): W = q * scale (quantized.Int8Linear)
+QUANT_INT4 = 2  # nibbles uint8 (N, K / 2), scales and zeros (K / G, N, 2): W = (q - 8) scale
+# + zero per group of G input features (quantized.Int4Linear, its "nibbles" layout)
 
 TARGET_PROGRAMS = 512  # programs a launch aims at (about 4 per SM of an H100/H200), untuned
 MAX_BLOCK_N = 32  # weight rows per program and row set, at most
@@ -70,13 +79,53 @@ def _accumulate(x, w, BLOCK_M: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
+def _int_weights(w, act, DOT: tl.constexpr):
+    """Integer weight values (int8, or int4 less 8), exact in any float dtype, as
+    ``_accumulate`` takes them: in the activation dtype ``act`` for the tensor cores
+    ("native"), else float32 (the interpreter's casts to bfloat16 are not to be trusted)."""
+    if DOT == "native":
+        return w.to(act)
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit
+def _int4_block(x_ptr, w_ptr, sz_ptr, m, mm, row, n, nm, k0, K, GROUP, s_xm, s_sg, norm_ptr,
+                NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT: tl.constexpr):
+    """One K block (within one group of ``GROUP`` input features) of int4 weights rows
+    ``row`` (byte offsets) / ``n`` (output rows): (scale sum_k x_k (q_nk - 8) + zero sum_k
+    x_k) (BLOCK_M, BLOCK_N) float32, and sum_k x_k^2 of the block (un-normed, for RMSNorm).
+    Even input features sit in the high nibble, odd ones in the low."""
+    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    jm = j < K // 2
+    xm = mm[:, None] & jm[None, :]
+    xe = tl.load(x_ptr + m[:, None] * s_xm + 2 * j[None, :], mask=xm, other=0.0).to(tl.float32)
+    xo = tl.load(x_ptr + m[:, None] * s_xm + 2 * j[None, :] + 1, mask=xm,
+                 other=0.0).to(tl.float32)
+    ss = tl.sum(xe * xe + xo * xo, axis=1)
+    if NORM:
+        xe = xe * tl.load(norm_ptr + 2 * j, mask=jm, other=0.0).to(tl.float32)[None, :]
+        xo = xo * tl.load(norm_ptr + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)[None, :]
+    b = tl.load(w_ptr + row[:, None] + j[None, :], mask=nm[:, None] & jm[None, :],
+                other=8 * 16 + 8).to(tl.int32)
+    act = x_ptr.dtype.element_ty
+    part = _accumulate(xe, _int_weights((b >> 4) - 8, act, DOT), BLOCK_M, DOT) + \
+        _accumulate(xo, _int_weights((b & 15) - 8, act, DOT), BLOCK_M, DOT)
+    g = (k0 // GROUP).to(tl.int64) * s_sg + 2 * n.to(tl.int64)
+    scale = tl.load(sz_ptr + g, mask=nm, other=0.0).to(tl.float32)
+    zero = tl.load(sz_ptr + g + 1, mask=nm, other=0.0).to(tl.float32)
+    return part * scale[None, :] + tl.sum(xe + xo, axis=1)[:, None] * zero[None, :], ss
+
+
+@triton.jit
 def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
-                   rope_ptr, pos_ptr, off_ptr, kc_ptr, vc_ptr, aux_ptr,
+                   rope_ptr, pos_ptr, off_ptr, kc_ptr, vc_ptr, aux_ptr, sz_ptr,
                    M, N, K, eps, s_xm, s_wn, s_om, s_rm,
-                   s_cb, s_ch, s_cs, s_ab, s_ah, s_ar, s_ac, QN, KN, D, PAGE_SIZE,
+                   s_cb, s_ch, s_cs, s_ab, s_ah, s_ar, s_ac, QN, KN, D, PAGE_SIZE, GROUP, s_sg,
                    NORM: tl.constexpr, BIAS: tl.constexpr, EPI: tl.constexpr,
-                   AUX: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr,
+                   AUX: tl.constexpr, HAS_OFFSET: tl.constexpr, QUANT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, DOT: tl.constexpr):
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mm = m < M
@@ -100,21 +149,38 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < K
-        x = tl.load(x_ptr + m[:, None] * s_xm + kk[None, :], mask=mm[:, None] & km[None, :],
-                    other=0.0).to(tl.float32)
-        if NORM:
-            ss += tl.sum(x * x, axis=1)
-            g = tl.load(norm_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            x = x * g[None, :]
-        wa = tl.load(w_ptr + row_a[:, None] + kk[None, :], mask=ma[:, None] & km[None, :],
-                     other=0.0)
-        acc_a += _accumulate(x, wa, BLOCK_M, DOT)
-        if EPI >= 2:
-            wb = tl.load(w_ptr + row_b[:, None] + kk[None, :],
-                         mask=ma[:, None] & km[None, :], other=0.0)
-            acc_b += _accumulate(x, wb, BLOCK_M, DOT)
+        if QUANT == 2:  # int4: a block lies in one group (BLOCK_K divides GROUP)
+            part, ss_k = _int4_block(x_ptr, w_ptr, sz_ptr, m, mm, row_a, na, ma, k0, K, GROUP,
+                                     s_xm, s_sg, norm_ptr, NORM, BLOCK_M, BLOCK_K, DOT)
+            acc_a += part
+            ss += ss_k
+            if EPI >= 2:
+                part, _ = _int4_block(x_ptr, w_ptr, sz_ptr, m, mm, row_b, nb, ma, k0, K,
+                                      GROUP, s_xm, s_sg, norm_ptr, NORM, BLOCK_M, BLOCK_K, DOT)
+                acc_b += part
+        else:
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < K
+            x = tl.load(x_ptr + m[:, None] * s_xm + kk[None, :],
+                        mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            if NORM:
+                ss += tl.sum(x * x, axis=1)
+                g = tl.load(norm_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                x = x * g[None, :]
+            wa = tl.load(w_ptr + row_a[:, None] + kk[None, :], mask=ma[:, None] & km[None, :],
+                         other=0)
+            if QUANT == 1:
+                wa = _int_weights(wa, x_ptr.dtype.element_ty, DOT)
+            acc_a += _accumulate(x, wa, BLOCK_M, DOT)
+            if EPI >= 2:
+                wb = tl.load(w_ptr + row_b[:, None] + kk[None, :],
+                             mask=ma[:, None] & km[None, :], other=0)
+                if QUANT == 1:
+                    wb = _int_weights(wb, x_ptr.dtype.element_ty, DOT)
+                acc_b += _accumulate(x, wb, BLOCK_M, DOT)
+    if QUANT == 1:  # int8: W = q * scale, per output row
+        acc_a = acc_a * tl.load(sz_ptr + na, mask=ma, other=0.0).to(tl.float32)[None, :]
+        acc_b = acc_b * tl.load(sz_ptr + nb, mask=ma, other=0.0).to(tl.float32)[None, :]
     if NORM:  # RMSNorm's 1 / rms(x), applied to the sums
         rs = 1.0 / tl.sqrt(ss / K + eps)
         acc_a = acc_a * rs[:, None]
@@ -206,11 +272,16 @@ def _launch(x2: Tensor, weight: Tensor, out: Tensor, *, norm: Tensor | None, eps
             offset: Tensor | None = None,
             k_cache: Tensor | None = None, v_cache: Tensor | None = None,
             aux: Tensor | None = None, aux_kind: int = AUX_NONE, qn: int = 0, kn: int = 0,
-            head_dim: int = 2, page_size: int = 1) -> None:
+            head_dim: int = 2, page_size: int = 1, scales: Tensor | None = None,
+            groupsize: int = 0) -> None:
     """One ``_linear_kernel`` launch: ``n`` output rows of ``x2`` (M, K) (for ``EPI_QKV`` the
-    weight's rows, which the program takes in RoPE pairs)."""
+    weight's rows, which the program takes in RoPE pairs); ``weight`` float, or int8 /
+    int4 nibbles with ``scales`` (``quant_kind``)."""
+    quant = quant_kind(weight, scales, groupsize)
     M, K = x2.shape  # int(): under a dynamic-shape compile the blocks (constexprs) specialize
     block_m, block_n, block_k, grid = launch_config(epi, int(M), int(K), int(n), head_dim)
+    if quant == QUANT_INT4:  # a K block within one group
+        block_k = min(block_k, groupsize)
     sc = k_cache.stride() if k_cache is not None else (0, 0, 0, 0)
     sa = aux.stride() if aux is not None and aux_kind != AUX_NONE else (0, 0, 0, 0)
     dummy = out  # pointer arguments an epilogue does not read
@@ -221,12 +292,33 @@ def _launch(x2: Tensor, weight: Tensor, out: Tensor, *, norm: Tensor | None, eps
         offset if offset is not None else dummy,
         k_cache if k_cache is not None else dummy, v_cache if v_cache is not None else dummy,
         aux if aux is not None and aux_kind != AUX_NONE else dummy,
+        scales if scales is not None else dummy,
         M, n, K, eps, x2.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0,
         sc[0], sc[1], sc[2], sa[0], sa[1], sa[2], sa[3], qn, kn, head_dim, page_size,
+        max(groupsize, 1), scales.stride(0) if quant == QUANT_INT4 else 0,
         NORM=norm is not None, BIAS=bias is not None, EPI=epi, AUX=aux_kind,
-        HAS_OFFSET=offset is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, DOT=_dot_mode(weight), num_warps=NUM_WARPS)
+        HAS_OFFSET=offset is not None, QUANT=quant, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT=_dot_mode(weight if quant == QUANT_NONE else x2), num_warps=NUM_WARPS)
+
+
+def quant_kind(weight: Tensor, scales: Tensor | None, groupsize: int) -> int:
+    """The weight format of a launch, from its dtype: float (``QUANT_NONE``), int8
+    (``QUANT_INT8``: ``scales`` (N,)) or uint8 nibbles (``QUANT_INT4``: ``scales`` the
+    (K / groupsize, N, 2) scales and zeros, contiguous).
+
+    Raises:
+        ValueError: int weights without scales, or int4 without a group size."""
+    if weight.is_floating_point():
+        return QUANT_NONE
+    if scales is None:
+        raise ValueError(f"{weight.dtype} weights need their scales")
+    if weight.dtype == torch.int8:
+        return QUANT_INT8
+    if weight.dtype == torch.uint8 and groupsize > 0 and scales.is_contiguous():
+        return QUANT_INT4
+    raise ValueError(f"no dense kernel for {weight.dtype} weights (groupsize {groupsize})")
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -237,13 +329,17 @@ def _rows(x: Tensor) -> Tensor:
 
 @torch.library.triton_op("rocketkv::linear", mutates_args=())
 def linear(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: float,
-           residual: Tensor | None, swiglu: bool) -> Tensor:
+           residual: Tensor | None, swiglu: bool, scales: Tensor | None = None,
+           groupsize: int = 0) -> Tensor:
     """``[RMSNorm] x @ W^T`` with an optional residual add or SwiGLU, in one kernel.
 
     Args:
         x: (..., K) activations (model dtype).
         weight: (N, K) weights, rows contiguous; with ``swiglu`` (2 N, K): the gate rows
-            then the up rows (``FeedForward.w13``).
+            then the up rows (``FeedForward.w13``). Quantized (``quant_kind``): int8 (N, K)
+            with ``scales`` (N,), or int4 nibbles uint8 (N, K / 2) with ``scales`` the
+            (K / groupsize, N, 2) scales and zeros (``quantized.py``'s formats; dequantized
+            in registers, the products in float32).
         norm_weight: (K,) RMSNorm gain applied to x first (with ``eps``), or None.
         residual: (..., N) added to the product, or None.
         swiglu: return silu(x @ W1^T) * (x @ W3^T).
@@ -255,7 +351,8 @@ def linear(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: float,
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     res = _rows(residual) if residual is not None else None
     epi = EPI_SWIGLU if swiglu else EPI_RESIDUAL if residual is not None else EPI_PLAIN
-    _launch(x2, weight, out, norm=norm_weight, eps=eps, bias=None, residual=res, epi=epi, n=n)
+    _launch(x2, weight, out, norm=norm_weight, eps=eps, bias=None, residual=res, epi=epi, n=n,
+            scales=scales, groupsize=groupsize)
     return out.view(*x.shape[:-1], n)
 
 
@@ -263,14 +360,15 @@ def linear(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: float,
 def qkv_store(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
               rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
               offset: Tensor | None, aux: Tensor, aux_kind: int, page_size: int,
-              n_heads: int) -> Tensor:
+              n_heads: int, scales: Tensor | None = None, groupsize: int = 0) -> Tensor:
     """RMSNorm, the q/k/v projection, RoPE and the token's K/V write, in one kernel.
 
     Args:
         x: (B, 1, dim) hidden states of one decode step (un-normed).
         norm_weight: (dim,) the attention norm's gain; ``eps`` its epsilon.
         weight: ((H + 2 H_kv) D, dim) ``Attention.wqkv``'s weight (q rows, k rows, v rows);
-            ``bias`` the same rows' bias or None.
+            ``bias`` the same rows' bias or None; quantized with ``scales`` and
+            ``groupsize`` as in ``linear``.
         rope: (1, D / 2, 2) float32 cos and sin of the step's position (``precompute_rope``).
         k_cache, v_cache, pos, offset, aux, aux_kind, page_size: a ``kv_cache.TokenStore``:
             the (B, H_kv, S, D) static buffers (last dim contiguous) written at slot
@@ -287,7 +385,7 @@ def qkv_store(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: 
     q = torch.empty(B, qn, dtype=x.dtype, device=x.device)
     _launch(x2, weight, q, norm=norm_weight, eps=eps, bias=bias, residual=None, epi=EPI_QKV,
             n=weight.shape[0], rope=rope, pos=pos, offset=offset, k_cache=k_cache,
-            v_cache=v_cache,
-            aux=aux, aux_kind=aux_kind, qn=qn, kn=kn, head_dim=D, page_size=page_size)
+            v_cache=v_cache, aux=aux, aux_kind=aux_kind, qn=qn, kn=kn, head_dim=D,
+            page_size=page_size, scales=scales, groupsize=groupsize)
     return q.view(B, n_heads, 1, D)
 

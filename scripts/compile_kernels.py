@@ -116,12 +116,14 @@ def configurations(sparse) -> list[tuple]:
 def dense_configurations(dense) -> list[tuple]:
     """The dense kernels' launches at the llama-3.1-8b shape (``launch_config``'s blocks), one
     batch row (the GEMV) and 16 (``tl.dot``): q/k/v with each auxiliary-key format, the output
-    and down projections with the residual, gate/up with SwiGLU, the LM head after the norm."""
+    and down projections with the residual, gate/up with SwiGLU, the LM head after the norm;
+    then int8 and int4 (group 128) weights at q/k/v and gate/up, batch 1 and 16."""
     E = dense
     D, dim, inter, vocab, qkv = 128, 4096, 14336, 128256, (32 + 2 * 8) * 128
     pointers = {name: BF16 for name in ("x_ptr", "w_ptr", "out_ptr", "norm_ptr", "bias_ptr",
                                         "res_ptr", "kc_ptr", "vc_ptr", "aux_ptr")}
-    pointers.update(rope_ptr="*fp32", pos_ptr="*i64", off_ptr="*i64", eps="fp32")
+    pointers.update(rope_ptr="*fp32", pos_ptr="*i64", off_ptr="*i64", eps="fp32",
+                    sz_ptr=BF16)
     launches = [(E.EPI_QKV, dim, qkv, True, aux) for aux in (kernels.AUX_NONE,
                                                              kernels.AUX_SUMMARY,
                                                              kernels.AUX_DIM_MAJOR)]
@@ -135,8 +137,19 @@ def dense_configurations(dense) -> list[tuple]:
             bm, bn, bk, _ = E.launch_config(epi, M, K, n, D)
             out.append((E._linear_kernel, pointers,
                         {"NORM": norm, "BIAS": False, "EPI": epi, "AUX": aux,
-                         "HAS_OFFSET": aux > 0, "BLOCK_M": bm,
+                         "HAS_OFFSET": aux > 0, "QUANT": E.QUANT_NONE, "BLOCK_M": bm,
                          "BLOCK_N": bn, "BLOCK_K": bk, "DOT": "native"}, E.NUM_WARPS))
+    for quant, w in ((E.QUANT_INT8, "*i8"), (E.QUANT_INT4, "*u8")):
+        for M in (1, 16):
+            for epi, K, n, aux in ((E.EPI_QKV, dim, qkv, kernels.AUX_SUMMARY),
+                                   (E.EPI_SWIGLU, dim, inter, 0)):
+                bm, bn, bk, _ = E.launch_config(epi, M, K, n, D)
+                if quant == E.QUANT_INT4:
+                    bk = min(bk, 128)
+                out.append((E._linear_kernel, dict(pointers, w_ptr=w),
+                            {"NORM": True, "BIAS": False, "EPI": epi, "AUX": aux,
+                             "HAS_OFFSET": aux > 0, "QUANT": quant, "BLOCK_M": bm,
+                             "BLOCK_N": bn, "BLOCK_K": bk, "DOT": "native"}, E.NUM_WARPS))
     return out
 
 

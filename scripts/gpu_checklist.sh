@@ -87,13 +87,14 @@ kd)
     ;;
 p)
     step int8 and int4 CUDA kernels against dequantized matmuls
-    timeout 90 $py -m pytest -q -p no:cacheprovider tests/test_quantize.py -k cuda_kernels
+    timeout 100 $py -m pytest -q -p no:cacheprovider tests/test_quantize.py \
+        tests/test_dense_kernels.py -k "cuda_kernels or cuda_quantized"
     step peers: transformers beside full and rocketkv@256
     timeout 290 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
         transformers --budgets 256 --time-limit 230
     step quantized weights
-    timeout 210 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
-        --budgets 256 --weights int8 int4-g128 --time-limit 160
+    timeout 200 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
+        --budgets 256 --weights int8 int4-g128 --time-limit 150
     ;;
 g1|g2)
     if [ "$part" = g1 ]; then ctx="16384 32768 65536"; else ctx="98304 131008"; fi

@@ -8,6 +8,7 @@ touch are poisoned with NaN. The ``cuda`` tests run the checks at the llama-3.1-
 the GPU machine (``pytest -m cuda``).
 """
 
+import dataclasses
 import importlib
 import os
 
@@ -23,7 +24,7 @@ from compression.hybrid import Hybrid
 from compression.sparq import SparQ
 from generate import generate
 from kv_cache import CompressedKVCache, FullKVCache
-from model import ModelArgs, RMSNorm, Transformer, apply_rope, precompute_rope
+from model import ModelArgs, RMSNorm, Transformer, apply_rope, kernel_weight, precompute_rope
 
 OPS = kernels.ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"triton: {kernels.missing()}")
@@ -78,6 +79,67 @@ def test_linear_equals_the_formula(batch, dtype, programs):
     for name, (out, ref) in cases.items():
         assert out.shape == ref.shape and out.dtype == dtype, name
         assert torch.allclose(out.float(), ref.float(), **tolerance(dtype)), name
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_weights_equal_the_dequantized_formula(mode, batch, dtype, programs):
+    """int8 (per-row scales) and int4 (nibbles, scales and zeros per group of 32) weights,
+    dequantized in the kernel: each launch equals the formula on ``quantized.py``'s
+    dequantized weights (norm, residual, SwiGLU and the q/k/v store)."""
+    from quantized import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+    g = torch.Generator().manual_seed(7 + batch)
+    K, N, G = 96, 40, 32  # three groups; N not a multiple of the blocks
+
+    def quant(w):
+        if mode == "int8":
+            q, s = quantize_int8(w)
+            s = s.to(dtype)
+            return (q, s, 0), dequantize_int8(q, s).float()
+        q, sz = quantize_int4(w, G)
+        sz = sz.to(dtype)
+        return (q, sz, G), dequantize_int4(q, sz, G).float()
+
+    x = torch.randn(batch, 1, K, generator=g).to(dtype)
+    (w, ws, wg), wd = quant(torch.randn(N, K, generator=g) / 7)
+    (w13, s13, g13), w13d = quant(torch.randn(2 * N, K, generator=g) / 7)
+    r = torch.randn(batch, 1, N, generator=g).to(dtype)
+    norm = RMSNorm(K, 1e-5).to(dtype)
+    norm.weight.data = (torch.rand(K, generator=g) + 0.5).to(dtype)
+    xn = norm(x).float()
+    with torch.no_grad():
+        cases = {
+            "norm": (kernels.linear(x, w, norm.weight, norm.eps, scales=ws, groupsize=wg),
+                     F.linear(xn, wd)),
+            "residual": (kernels.linear(x, w, residual=r, scales=ws, groupsize=wg),
+                         r.float() + F.linear(x.float(), wd)),
+            "swiglu": (kernels.linear(x, w13, norm.weight, norm.eps, swiglu=True, scales=s13,
+                                      groupsize=g13),
+                       F.silu(F.linear(xn, w13d[:N])) * F.linear(xn, w13d[N:])),
+        }
+    for name, (out, ref) in cases.items():
+        assert out.shape == ref.shape and out.dtype == dtype, name
+        assert torch.allclose(out.float(), ref, **tolerance(dtype)), \
+            (name, (out.float() - ref).abs().max())
+    H, Hkv, D = 4, 2, 32  # input width 3 D: three groups
+    xq, nq, wf, _, rope = qkv_setup(H, Hkv, D, batch, torch.float32, False, g)
+    (wq, sq, gq), wqd = quant(wf)
+    pos = torch.tensor([5])
+    q_ref, k_ref, v_ref = qkv_formula(xq.to(dtype).float(), nq, wqd, None, rope[pos], H, Hkv,
+                                      D)
+    kc = torch.full((batch, Hkv, 8, D), float("nan"), dtype=dtype)
+    vc = kc.clone()
+    with torch.no_grad():
+        q = kernels.qkv_store(xq.to(dtype), nq.weight.to(dtype), nq.eps, wq, None, rope[pos],
+                              (kc, vc, pos, None, *kernels.no_aux(kc)), H, scales=sq,
+                              groupsize=gq)
+    tol = tolerance(dtype)
+    assert torch.allclose(q.float(), q_ref, **tol)
+    assert torch.allclose(kc[:, :, 5].float(), k_ref[:, :, 0], **tol)
+    assert torch.allclose(vc[:, :, 5].float(), v_ref[:, :, 0], **tol)
 
 
 def qkv_setup(H, Hkv, D, B, dtype, bias, g):
@@ -201,9 +263,9 @@ def decode_logits(model, method, fused, T=72, steps=2, batch=2, **options):
     return torch.stack(out), caches
 
 
-def small_model(shape):
+def small_model(shape, **overrides):
     torch.manual_seed(0)
-    model = Transformer(ARGS[shape])
+    model = Transformer(dataclasses.replace(ARGS[shape], **overrides))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
@@ -251,6 +313,36 @@ def test_every_method_decodes_alike_with_the_kernels(method, shape, options):
 
 
 @interpreted
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_decodes_alike_with_the_kernels(mode, monkeypatch):
+    """A quantized model (``quantize_model``: int8, or int4 in groups of 32 with the int8
+    classifier) decodes through the dense kernels (every layer fused, the int8 LM head too;
+    int4 in the nibble layout it has on CUDA where they run) with the PyTorch path's logits,
+    within the bfloat16 rounding of the PyTorch path's quantized matmuls on CPU."""
+    import quantized
+
+    monkeypatch.setattr(quantized, "int4_layout", lambda *a: "nibbles")
+    model = quantized.quantize_model(small_model("gqa", intermediate_size=96), mode,
+                                     32 if mode == "int4" else None)
+    assert all(kernel_weight(m) is not None for layer in model.layers
+               for m in (layer.attention.wqkv, layer.feed_forward.w2)) and \
+        kernel_weight(model.output) is not None
+    ref, _ = decode_logits(model, "rocketkv", fused=False)
+    calls = []
+    spy = kernels.linear
+
+    def counting(*a, **kw):
+        calls.append(kw.get("scales") is not None)
+        return spy(*a, **kw)
+
+    monkeypatch.setattr(kernels, "linear", counting)
+    out, _ = decode_logits(model, "rocketkv", fused=True)
+    assert calls and all(calls)  # every projection and the LM head, from quantized weights
+    scale = ref.abs().max()
+    assert (out - ref).abs().max() <= 0.01 * scale, (out - ref).abs().max() / scale
+
+
+@interpreted
 def test_bfloat16_decode_step_is_within_rounding_of_the_pytorch_path():
     """A bfloat16 model (its RoPE table cast with it): the first decode step's logits with
     every kernel are within bfloat16 rounding of the PyTorch path's, for the full cache and a
@@ -284,8 +376,9 @@ def test_generate_reports_which_kernels_ran():
 
 
 def test_what_the_dense_kernels_leave_to_pytorch():
-    """Quantized, biased or hooked linears (tensor parallelism's all-reduce) and the gpt-fast
-    baseline keep the PyTorch path; ``set_dense(False)`` keeps it everywhere."""
+    """Biased or hooked linears (tensor parallelism's all-reduce), int4 in the layouts of
+    torch's own int4 matmuls and the gpt-fast baseline keep the PyTorch path;
+    ``set_dense(False)`` keeps it everywhere."""
     model = small_model("gqa")
     layer = model.layers[0]
     layer.attention.kv_cache = FullKVCache(0, model.args, 1, torch.float32, "cpu", 16)
@@ -295,6 +388,10 @@ def test_what_the_dense_kernels_leave_to_pytorch():
     handle.remove()
     layer.feed_forward.w2 = nn.Linear(80, 64, bias=True)
     assert not layer.fusable()
+    from quantized import Int4Linear, quantize_int4
+
+    packed, sz = quantize_int4(torch.randn(64, 64), 32)  # the CPU int4 kernel's layout
+    assert Int4Linear(packed, sz, 32, "cpu", torch.float32).kernel_weight() is None
     caches = build_caches("gptfast_dense", model.args, batch_size=1, prompt_len=8,
                           max_new_tokens=2, budget=None, dtype=torch.float32, device="cpu")
     assert not caches[0].dense_kernels
@@ -394,6 +491,38 @@ def test_cuda_real_shapes(batch):
     assert torch.allclose(vc[:, :, 32768].float(), v_ref[:, :, 0].float(), atol=5e-2, rtol=3e-2)
     for rows in (slice(0, D), slice(D, 2 * D)):  # the page's first slot: max = min = key
         assert torch.equal(summary[:, :, rows, 2048], kc[:, :, 32768])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_cuda_quantized_real_shapes(mode, batch):
+    """int8 and int4 (group 128) weights at llama-3.1-8b's gate/up and down projections in
+    bf16, against the formula on the dequantized weights."""
+    from quantized import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(1)
+    for n_out, k_in, swiglu in ((14336, 4096, True), (4096, 14336, False)):
+        w = torch.randn((2 if swiglu else 1) * n_out, k_in, generator=g, device=dev) / k_in ** .5
+        if mode == "int8":
+            q, sc = quantize_int8(w)
+            sc, group, wd = sc.to(dt), 0, dequantize_int8(q, sc.to(dt)).float()
+        else:
+            q, sc = quantize_int4(w, 128)
+            sc, group = sc.to(dt), 128
+            wd = dequantize_int4(q, sc, 128).float()
+        x = torch.randn(batch, 1, k_in, generator=g, device=dev).to(dt)
+        n = RMSNorm(k_in, 1e-5).to(dev, dt)
+        xn = n(x).float()
+        if swiglu:
+            out = kernels.linear(x, q, n.weight, n.eps, swiglu=True, scales=sc, groupsize=group)
+            ref = F.silu(F.linear(xn, wd[:n_out])) * F.linear(xn, wd[n_out:])
+        else:
+            out = kernels.linear(x, q, n.weight, n.eps, scales=sc, groupsize=group)
+            ref = F.linear(xn, wd)
+        assert torch.allclose(out.float(), ref, atol=5e-2, rtol=3e-2), (mode, n_out, k_in)
 
 
 @pytest.mark.cuda
