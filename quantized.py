@@ -54,6 +54,7 @@ to the session that wrote them); the CPU paths are tested against ``dequantize_*
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -330,6 +331,19 @@ class Int4Linear(nn.Module):
 
 # --------------------------------------------------------------------------------------------
 # Whole models and checkpoints
+
+
+def parse_weights(spec: str) -> tuple[str, int | None]:
+    """A benchmark's ``--weights`` mode: ``float``, ``int8`` or ``int4-g<G>`` -> (mode,
+    groupsize).
+
+    Raises:
+        ConfigError: anything else, or G not in ``GROUPSIZES``."""
+    m = re.fullmatch(r"float|int8|int4-g(\d+)", spec)
+    if not m or (m.group(1) and int(m.group(1)) not in GROUPSIZES):
+        raise ConfigError(f"--weights: {spec!r} is not float, int8 or int4-g<G> with G in "
+                          f"{', '.join(map(str, GROUPSIZES))}")
+    return (spec, None) if not m.group(1) else ("int4", int(m.group(1)))
 
 
 def classifier_mode(mode: str, classifier: str) -> str | None:

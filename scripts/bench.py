@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import re
 import sys
 import time
 from pathlib import Path
@@ -81,16 +80,7 @@ from evals.peers import PEERS, run_transformers
 from generate import generate, release_caches
 from measure import check_memory, check_run_memory, device_name
 from model import CONFIGS, ConfigError
-from quantized import GROUPSIZES, quantize_model
-
-
-def parse_weights(spec: str) -> tuple[str, int | None]:
-    """``float``, ``int8`` or ``int4-g<G>`` -> (mode, groupsize). ConfigError otherwise."""
-    m = re.fullmatch(r"float|int8|int4-g(\d+)", spec)
-    if not m or (m.group(1) and int(m.group(1)) not in GROUPSIZES):
-        raise ConfigError(f"--weights: {spec!r} is not float, int8 or int4-g<G> with G in "
-                          f"{', '.join(map(str, GROUPSIZES))}")
-    return (spec, None) if not m.group(1) else ("int4", int(m.group(1)))
+from quantized import parse_weights, quantize_model
 
 
 def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype):

@@ -20,6 +20,12 @@ step's graph; on CPU by wall clock. Rows go to ``--json`` (default
 ``results/<device>/bench_dense-<time>.json``), saved after every shape. The configuration the
 decode step launches is the module's current one (``default: true`` rows); a better one found
 here is set in ``kernels/dense.py`` by hand, with this file's rows committed beside the change.
+
+``--weights int8 int4-g128`` times the same launches on quantized weights (``quantize.py``'s
+formats, dequantized in the kernel), against what the model runs without our kernels:
+``Int8Linear`` (int8 converted in the matmul) and ``Int4Linear`` in torch's own int4 layout
+(tinygemm on CUDA); ``weight_bytes`` are then the quantized bytes, scales included. Rows carry
+``weights``.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from cli import OneLineParser, command_line, write_json
 from evals.bench import measure_bandwidth, resolve_run, results_dir
 from measure import device_name, percentile, sync
 from model import CONFIGS, ConfigError, ModelArgs, precompute_rope
+from quantized import Int4Linear, Int8Linear, parse_weights, quantize_int4, quantize_int8
 
 GRIDS = {  # (TARGET_PROGRAMS, MAX_BLOCK_N, K block, NUM_WARPS) tried beside the default
     "none": [],
@@ -49,21 +56,44 @@ GRIDS = {  # (TARGET_PROGRAMS, MAX_BLOCK_N, K block, NUM_WARPS) tried beside the
 KNOBS = ("TARGET_PROGRAMS", "MAX_BLOCK_N", "K_BLOCK", "NUM_WARPS")
 
 
-def shapes(args: ModelArgs, batch: int, device, dtype, seed: int) -> list[tuple]:
-    """(name, K, weight rows, call, reference) per projection: ``call()`` runs our kernel,
-    ``reference()`` the plain matmul of the same weight."""
+def shapes(args: ModelArgs, batch: int, device, dtype, seed: int, weights: str = "float"
+           ) -> list[tuple]:
+    """(name, K, weight rows, weight bytes, call, reference) per projection: ``call()`` runs
+    our kernel, ``reference()`` the plain matmul of the same weight (for quantized
+    ``weights``, the model's quantized layer without our kernels)."""
     g = torch.Generator(device=device).manual_seed(seed)
+    mode, group = parse_weights(weights)
 
     def rand(*size):
         return (torch.randn(*size, generator=g, device=device) / size[-1] ** 0.5).to(dtype)
+
+    def layer(w):
+        """(weight, scales, groupsize) for our kernel, the reference on x, weight bytes."""
+        if mode == "float":
+            return (w, None, 0), lambda x: F.linear(x, w), w.numel() * w.element_size()
+        if mode == "int8":
+            ref = Int8Linear(*quantize_int8(w), dtype)
+            ours = (ref.weight, ref.scales, 0)
+        else:
+            packed, sz = quantize_int4(w, group)
+            previous = kernels.set_mode("off")  # torch's own int4 layout for the reference
+            try:
+                ref = Int4Linear(packed, sz, group, device, dtype)
+            finally:
+                kernels.set_mode(previous)
+            ours = (packed, sz.to(dtype).contiguous(), group)
+        return ours, ref, sum(t.numel() * t.element_size() for t in ours[:2])
 
     H, Hkv, D, dim, inter = (args.n_heads, args.n_kv_heads, args.head_dim, args.dim,
                              args.intermediate_size)
     x, res = rand(batch, 1, dim), rand(batch, 1, dim)
     y, g_in = rand(batch, 1, H * D), rand(batch, 1, inter)
     norm = torch.ones(dim, device=device, dtype=dtype)
-    wqkv, wo = rand((H + 2 * Hkv) * D, dim), rand(dim, H * D)
-    w13, w2, head = rand(2 * inter, dim), rand(dim, inter), rand(args.vocab_size, dim)
+    (wqkv, sqkv, gqkv), r_qkv, b_qkv = layer(rand((H + 2 * Hkv) * D, dim))
+    (wo, so, go), r_o, b_o = layer(rand(dim, H * D))
+    (w13, s13, g13), r_13, b_13 = layer(rand(2 * inter, dim))
+    (w2, s2, g2), r_2, b_2 = layer(rand(dim, inter))
+    (head, sh, gh), r_h, b_h = layer(rand(args.vocab_size, dim))
     k_cache = torch.zeros(batch, Hkv, 64, D, device=device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     pos = torch.tensor([17], device=device)
@@ -71,17 +101,19 @@ def shapes(args: ModelArgs, batch: int, device, dtype, seed: int) -> list[tuple]
     store = (k_cache, v_cache, pos, None, *kernels.no_aux(k_cache))
     eps = args.norm_eps
     return [
-        ("qkv_store", dim, wqkv.shape[0], lambda: kernels.qkv_store(x, norm, eps, wqkv, None,
-                                                                     rope, store, H),
-         lambda: F.linear(x, wqkv)),
-        ("wo+residual", H * D, dim, lambda: kernels.linear(y, wo, residual=res),
-         lambda: F.linear(y, wo)),
-        ("w13+swiglu", dim, 2 * inter, lambda: kernels.linear(x, w13, norm, eps, swiglu=True),
-         lambda: F.linear(x, w13)),
-        ("w2+residual", inter, dim, lambda: kernels.linear(g_in, w2, residual=res),
-         lambda: F.linear(g_in, w2)),
-        ("lm_head", dim, args.vocab_size, lambda: kernels.linear(x, head, norm, eps),
-         lambda: F.linear(x, head)),
+        ("qkv_store", dim, (H + 2 * Hkv) * D, b_qkv,
+         lambda: kernels.qkv_store(x, norm, eps, wqkv, None, rope, store, H, sqkv, gqkv),
+         lambda: r_qkv(x)),
+        ("wo+residual", H * D, dim, b_o,
+         lambda: kernels.linear(y, wo, residual=res, scales=so, groupsize=go), lambda: r_o(y)),
+        ("w13+swiglu", dim, 2 * inter, b_13,
+         lambda: kernels.linear(x, w13, norm, eps, swiglu=True, scales=s13, groupsize=g13),
+         lambda: r_13(x)),
+        ("w2+residual", inter, dim, b_2,
+         lambda: kernels.linear(g_in, w2, residual=res, scales=s2, groupsize=g2),
+         lambda: r_2(g_in)),
+        ("lm_head", dim, args.vocab_size, b_h,
+         lambda: kernels.linear(x, head, norm, eps, scales=sh, groupsize=gh), lambda: r_h(x)),
     ]
 
 
@@ -142,6 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--weights", nargs="+", default=["float"],
+                   help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
     p.add_argument("--json", metavar="PATH", help="rows (default results/<device>/"
                                                   "bench_dense-<time>.json)")
     args = p.parse_args(argv)
@@ -153,6 +187,8 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--{flag} must be positive")
         if any(b <= 0 for b in args.batch_sizes):
             raise ConfigError("--batch-sizes must be positive")
+        for spec in args.weights:
+            parse_weights(spec)
         previous = kernels.set_mode("force")  # the kernels on this device, whatever it is
         if kernels.ops() is None:
             raise ConfigError(f"the kernels need triton: {kernels.missing()}")
@@ -178,19 +214,21 @@ def main(argv=None) -> int:
                           "command": command_line("bench_dense.py", argv), "results": rows})
 
     with torch.no_grad():
-        for batch in args.batch_sizes:
+        for spec, batch in itertools.product(args.weights, args.batch_sizes):
             configs = [dict(zip(KNOBS, default[:2] + ((default[2] if batch == 1 else
                                                          default_dot),) + default[3:]))]
             configs += [dict(zip(KNOBS, c)) for c in GRIDS[args.grid]]
-            for name, K, n_rows, call, reference in shapes(margs, batch, device, dtype,
-                                                           args.seed):
-                nbytes = n_rows * K * torch.finfo(dtype).bits // 8
+            for name, K, n_rows, nbytes, call, reference in shapes(margs, batch, device, dtype,
+                                                                   args.seed, spec):
                 ref_us = time_us(reference, device, args.iters, args.reps)
-                base = {"shape": name, "batch_size": batch, "K": K, "weight_rows": n_rows,
-                        "weight_bytes": nbytes, "bandwidth_gbps": bandwidth}
-                rows.append({**base, "kernel": "F.linear", "us_median": ref_us,
+                base = {"shape": name, "weights": spec, "batch_size": batch, "K": K,
+                        "weight_rows": n_rows, "weight_bytes": nbytes,
+                        "bandwidth_gbps": bandwidth}
+                ref_name = "F.linear" if spec == "float" else f"torch {spec}"
+                rows.append({**base, "kernel": ref_name, "us_median": ref_us,
                              "gbps": nbytes / ref_us / 1e3,
                              "of_bandwidth": nbytes / ref_us / 1e3 / bandwidth})
+                mine = []
                 for i, config in enumerate(configs):
                     set_config(dense, tuple(config.values()), batch)
                     try:
@@ -203,16 +241,14 @@ def main(argv=None) -> int:
                     finally:
                         set_config(dense, default, 1)
                         dense.K_BLOCK_DOT = default_dot
-                    rows.append({**base, "kernel": "ours", "config": config, "default": i == 0,
+                    mine.append({**base, "kernel": "ours", "config": config, "default": i == 0,
                                  "us_median": us, "gbps": nbytes / us / 1e3,
                                  "of_bandwidth": nbytes / us / 1e3 / bandwidth,
                                  "vs_reference": us / ref_us})
-                best = min((r for r in rows if r.get("shape") == name and
-                            r.get("batch_size") == batch and "us_median" in r and
-                            r["kernel"] == "ours"), key=lambda r: r["us_median"], default=None)
-                dflt = next((r for r in rows if r.get("shape") == name and r.get("default")
-                             and r.get("batch_size") == batch and "us_median" in r), None)
-                print(f"{name:12s} batch {batch:3d}: F.linear {ref_us:8.1f} us"
+                    rows.append(mine[-1])
+                best = min(mine, key=lambda r: r["us_median"], default=None)
+                dflt = next((r for r in mine if r["default"]), None)
+                print(f"{name:12s} {spec:9s} batch {batch:3d}: {ref_name} {ref_us:8.1f} us"
                       + (f"  ours (default) {dflt['us_median']:8.1f} us" if dflt else "")
                       + (f"  best {best['us_median']:8.1f} us {best['config']}" if best else ""),
                       flush=True)

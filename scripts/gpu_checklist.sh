@@ -17,6 +17,8 @@
 # kd: the dense kernels alone against cuBLAS at the llama-3.1-8b projections over a grid of
 #    launch configurations (scripts/bench_dense.py): batch 1 over the full grid, batch 16 over
 #    the quick one; the best configuration is then set in kernels/dense.py
+# kq: the dense kernels on int8 and int4 (group 128) weights against the model's quantized layers
+#    without them (int8 converted in the matmul, tinygemm), batch 1 and 16, quick grid
 # p: peers side by side (item 4): transformers' static cache beside our full and rocketkv@256
 #    at 32K and 128K in one bench call (check_targets compares rows of one run), then int8 and
 #    int4 weights with full and rocketkv@256 at 32K and 128K (item 5)
@@ -36,7 +38,7 @@
 # device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
 # `pip install -e .`): PYTHONPATH puts the repository root on the path for scripts/ and evals/.
 set -o pipefail
-part=${1:?part k, k2, ks, kd, p, g1, g2, a, b, c, d, e or f}
+part=${1:?part k, k2, ks, kd, kq, p, g1, g2, a, b, c, d, e or f}
 out=${2:-${OUT:?no OUTDIR and no \$OUT}}
 py=${PYTHON:-python3}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -84,6 +86,11 @@ kd)
     step "dense kernels against cuBLAS, batch 16, quick grid"
     timeout 170 $py scripts/bench_dense.py --batch-sizes 16 --grid quick \
         --json "$out/bench_dense-b16.json"
+    ;;
+kq)
+    step "dense kernels on int8 and int4-g128 weights against torch's quantized matmuls"
+    timeout 560 $py scripts/bench_dense.py --batch-sizes 1 16 --grid quick \
+        --weights int8 int4-g128 --json "$out/bench_dense-quantized.json"
     ;;
 p)
     step int8 and int4 CUDA kernels against dequantized matmuls

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import kernels
+from model import CONFIGS
 from scripts.bench_dense import GRIDS, main
 
 pytestmark = pytest.mark.skipif(kernels.ops() is None, reason=f"triton: {kernels.missing()}")
@@ -42,3 +43,28 @@ def test_rows_per_shape_and_configuration(tmp_path, monkeypatch):
 def test_bad_counts_are_refused_in_one_line(capsys):
     assert main(["--device", "cpu", "--iters", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --iters must be positive"
+
+
+def test_quantized_weights_rows(tmp_path, monkeypatch):
+    """``--weights int8 int4-g32``: each projection's reference row is the quantized layer
+    without our kernels, our rows read the quantized bytes (scales and zeros included), and
+    every launch runs (a stories260K-like shape whose widths take groups of 32)."""
+    monkeypatch.setitem(CONFIGS, "tiny-q", dict(CONFIGS["stories260K"], intermediate_size=128,
+                                                vocab_size=256))
+    out = tmp_path / "dense.json"
+    assert main(["--device", "cpu", "--checkpoint", "tiny-q", "--batch-sizes", "1",
+                 "--grid", "none", "--weights", "int8", "int4-g32", "--iters", "1", "--reps",
+                 "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["weights"], r["kernel"]) for r in rows[:2]] == [("int8", "torch int8"),
+                                                               ("int8", "ours")]
+    assert all("error" not in r for r in rows) and len(rows) == 2 * 5 * 2
+    head = {r["weights"]: r for r in rows if r["shape"] == "lm_head" and r["kernel"] == "ours"}
+    dim, vocab = 64, 256  # int8: a byte a weight and a float32 scale a row (CPU: bfloat16)
+    assert head["int8"]["weight_bytes"] == vocab * dim + vocab * 2
+    assert head["int4-g32"]["weight_bytes"] == vocab * dim // 2 + (dim // 32) * vocab * 2 * 4
+
+
+def test_unknown_weights_are_refused_in_one_line(capsys):
+    assert main(["--device", "cpu", "--weights", "int3"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --weights: 'int3' is not float")
