@@ -20,6 +20,7 @@ def test_rows_per_shape_and_configuration(tmp_path, monkeypatch):
     is back to its defaults afterwards."""
     dense = DENSE
     monkeypatch.setitem(GRIDS, "one", [(64, 8, 64, 2)])
+    monkeypatch.setattr(dense, "TARGET_PROGRAMS", 16)  # the default row: few programs
     before = (dense.TARGET_PROGRAMS, dense.MAX_BLOCK_N, dense.K_BLOCK_GEMV, dense.NUM_WARPS)
     out = tmp_path / "dense.json"
     assert main(["--device", "cpu", "--checkpoint", "stories260K", "--batch-sizes", "1",
@@ -51,6 +52,7 @@ def test_quantized_weights_rows(tmp_path, monkeypatch):
     every launch runs (a stories260K-like shape whose widths take groups of 32)."""
     monkeypatch.setitem(CONFIGS, "tiny-q", dict(CONFIGS["stories260K"], intermediate_size=128,
                                                 vocab_size=256))
+    monkeypatch.setattr(DENSE, "TARGET_PROGRAMS", 4)  # fewer, larger programs: interpreted
     out = tmp_path / "dense.json"
     assert main(["--device", "cpu", "--checkpoint", "tiny-q", "--batch-sizes", "1",
                  "--grid", "none", "--weights", "int8", "int4-g32", "--iters", "1", "--reps",

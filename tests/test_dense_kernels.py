@@ -47,6 +47,13 @@ def tolerance(dtype):
     return dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
 
 
+@pytest.fixture
+def few_programs(monkeypatch):
+    """Larger blocks, fewer programs: the whole-model tests' launches at these small shapes
+    (the interpreter's time grows with the programs; the launch tests cover the blocks)."""
+    monkeypatch.setattr(DENSE, "TARGET_PROGRAMS", 8)
+
+
 @pytest.fixture(params=[512, 3], ids=["rows-1", "rows-many"])
 def programs(request, monkeypatch):
     """``TARGET_PROGRAMS``: 512 gives one weight row per program at these shapes, 3 the
@@ -85,10 +92,12 @@ def test_linear_equals_the_formula(batch, dtype, programs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_weights_equal_the_dequantized_formula(mode, batch, dtype, programs):
+def test_quantized_weights_equal_the_dequantized_formula(mode, batch, dtype, monkeypatch):
     """int8 (per-row scales) and int4 (nibbles, scales and zeros per group of 32) weights,
     dequantized in the kernel: each launch equals the formula on ``quantized.py``'s
-    dequantized weights (norm, residual, SwiGLU and the q/k/v store)."""
+    dequantized weights (norm, residual, SwiGLU and the q/k/v store); the largest blocks,
+    with a partial last one."""
+    monkeypatch.setattr(DENSE, "TARGET_PROGRAMS", 3)
     from quantized import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
     g = torch.Generator().manual_seed(7 + batch)
@@ -282,7 +291,7 @@ def small_model(shape, **overrides):
                          [("sparq", "gqa", {"sparq_reallocate": True})],
                          ids=lambda v: "reallocate" if v == {"sparq_reallocate": True} else
                          None if isinstance(v, dict) else v)
-def test_every_method_decodes_alike_with_the_kernels(method, shape, options):
+def test_every_method_decodes_alike_with_the_kernels(method, shape, options, few_programs):
     """The model's decode steps with every kernel (dense and sparse) equal the PyTorch path's
     (fp32): for a cache that offers ``token_store`` the q/k/v kernel writes the token where
     its own write would (its buffers equal after the steps; the selectors' auxiliary keys
@@ -314,7 +323,7 @@ def test_every_method_decodes_alike_with_the_kernels(method, shape, options):
 
 @interpreted
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_model_decodes_alike_with_the_kernels(mode, monkeypatch):
+def test_quantized_model_decodes_alike_with_the_kernels(mode, monkeypatch, few_programs):
     """A quantized model (``quantize_model``: int8, or int4 in groups of 32 with the int8
     classifier) decodes through the dense kernels (every layer fused, the int8 LM head too;
     int4 in the nibble layout it has on CUDA where they run) with the PyTorch path's logits,
@@ -343,7 +352,7 @@ def test_quantized_model_decodes_alike_with_the_kernels(mode, monkeypatch):
 
 
 @interpreted
-def test_bfloat16_decode_step_is_within_rounding_of_the_pytorch_path():
+def test_bfloat16_decode_step_is_within_rounding_of_the_pytorch_path(few_programs):
     """A bfloat16 model (its RoPE table cast with it): the first decode step's logits with
     every kernel are within bfloat16 rounding of the PyTorch path's, for the full cache and a
     compressed one; each rounds differently (the kernels once per projection, the PyTorch
@@ -357,7 +366,7 @@ def test_bfloat16_decode_step_is_within_rounding_of_the_pytorch_path():
 
 
 @interpreted
-def test_generate_reports_which_kernels_ran():
+def test_generate_reports_which_kernels_ran(few_programs):
     """``generate`` through the kernels (interpreted, eager) gives the PyTorch path's greedy
     tokens and says so in its result: ``fused_kernels`` and ``dense_kernels``; with the dense
     kernels off only the sparse ones ran."""
