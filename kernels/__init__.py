@@ -148,16 +148,16 @@ def sparse_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor |
     ``v_mean`` SparQ's mean-value reallocation (``select_attend_reallocated``, which updates
     it, and attends in one program per KV head whatever k). Returns (B, H, 1, D) in the
     cache's dtype."""
+    if v_mean is None and ops().attention_splits(k) > 1:
+        return select_then_attend(q, k_cache, v_cache, rows, last, mode=mode,
+                                  two_bounds=two_bounds, r=r, k=k, page_size=page_size,
+                                  offset=offset)
     by_token = rows is None
     splits = _splits(k_cache, rows, k, page_size)
     if v_mean is not None:
         return torch.ops.rocketkv.select_attend_reallocated(
             q, k_cache if by_token else rows, k_cache, v_cache, last, v_mean, r, k, by_token,
             offset, splits)
-    if ops().attention_splits(k) > 1:
-        return select_then_attend(q, k_cache, v_cache, rows, last, mode=mode,
-                                  two_bounds=two_bounds, r=r, k=k, page_size=page_size,
-                                  offset=offset)
     return torch.ops.rocketkv.select_attend(q, k_cache if by_token else rows, k_cache, v_cache,
                                             last, mode, two_bounds, r, k, page_size, by_token,
                                             offset, splits)
@@ -179,8 +179,7 @@ def _splits(k_cache: Tensor, rows: Tensor | None, k: int, page_size: int) -> int
     """The selection's programs per KV head (``kernels.sparse.selection_splits``) over the
     pages of ``rows`` (the summary, (B, H_kv, rows, P)) or the tokens of ``k_cache``."""
     n_pages = k_cache.shape[2] if rows is None else rows.shape[3]
-    return max(1, ops().selection_splits(n_pages, k, page_size))  # 0 (nothing fits): one
-    # program choosing in passes over memory, where a test forces the kernels (selection_fits)
+    return ops().selection_splits(n_pages, k, page_size)
 
 
 def prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor,

@@ -715,8 +715,9 @@ def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: b
         mode: ``MODE_SOFTMAX`` (hybrid, SparQ, Exact-TopK with r = D) or ``MODE_BOUND``
             (Quest).
         r: dims read (``MODE_SOFTMAX``); k: tokens to choose (at most the valid ones).
-        splits: programs per KV head (``selection_splits``): 1, one program scores and
-            chooses; more, the split selection (``_split_selection``), 2-3 kernels.
+        splits: programs per KV head (``selection_splits``): more than 1, the split
+            selection (``_split_selection``, 2-3 kernels); else one program scores and
+            chooses (in registers up to ``SELECT_REGISTER_PAGES`` pages, else in passes).
     Returns:
         pages (B, H_kv, M) int32 and take (B, H_kv, M) int32, M = ``selected_pages``: the
         chosen pages in ascending order, each with the count of its first slots to attend
@@ -1014,20 +1015,19 @@ def _attend_realloc(pid, q_ptr, k_cache, v_cache, last_ptr, off_ptr, pages_ptr, 
     selection's last kernel) over its page list, in one split; with ``REALLOC`` SparQ's
     mean-value reallocation (its running mean of values updated with the token written at
     the slot ``last`` first, as the reference's write does)."""
+    qs = None
+    inv_t = None
+    vm = None
     if REALLOC:
         _, _, qf, _, vb = _program_group(pid, q_ptr, k_cache, v_cache, s_qb, s_qh, s_cb, s_ch,
                                          H_kv, G, D, G_BLOCK, D_BLOCK)
         _, _, qs, inv_t = _softmax_terms(qf, G, D, R, False, G_BLOCK, D_BLOCK)
         vm = _running_mean(vm_ptr + pid.to(tl.int64) * D, vb,
                            _last_slot(last_ptr, off_ptr, HAS_OFFSET), s_cs, D, D_BLOCK)
-        _attend_chosen(pid, 0, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, out_ptr, out_ptr,
-                       out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D, M,
-                       PAGE_SIZE, M, scale, 1, DOT, G_BLOCK, D_BLOCK, CHUNK, PAGES_BLOCK,
-                       qs, inv_t, lse, vm, True)
-    else:
-        _attend_chosen(pid, 0, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, out_ptr, out_ptr,
-                       out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D, M,
-                       PAGE_SIZE, M, scale, 1, DOT, G_BLOCK, D_BLOCK, CHUNK, PAGES_BLOCK)
+    _attend_chosen(pid, 0, q_ptr, k_cache, v_cache, pages_ptr, take_ptr, out_ptr, out_ptr,
+                   out_ptr, s_qb, s_qh, s_cb, s_ch, s_cs, s_ob, s_oh, H_kv, G, D, M, PAGE_SIZE,
+                   M, scale, 1, DOT, G_BLOCK, D_BLOCK, CHUNK, PAGES_BLOCK, qs, inv_t, lse, vm,
+                   REALLOC)
 
 
 @torch.library.triton_op("rocketkv::select_attend", mutates_args=())

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+import quantized
 from checkpoint import random_model
 from compression import METHODS, build_caches, smallest_budget
 from compression.hybrid import Hybrid
@@ -25,6 +26,14 @@ from compression.sparq import SparQ
 from generate import generate
 from kv_cache import CompressedKVCache, FullKVCache
 from model import ModelArgs, RMSNorm, Transformer, apply_rope, kernel_weight, precompute_rope
+from quantized import (
+    Int4Linear,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+)
 
 OPS = kernels.ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"triton: {kernels.missing()}")
@@ -98,8 +107,6 @@ def test_quantized_weights_equal_the_dequantized_formula(mode, batch, dtype, mon
     dequantized weights (norm, residual, SwiGLU and the q/k/v store); the largest blocks,
     with a partial last one."""
     monkeypatch.setattr(DENSE, "TARGET_PROGRAMS", 3)
-    from quantized import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
-
     g = torch.Generator().manual_seed(7 + batch)
     K, N, G = 96, 40, 32  # three groups; N not a multiple of the blocks
 
@@ -328,11 +335,9 @@ def test_quantized_model_decodes_alike_with_the_kernels(mode, monkeypatch, few_p
     classifier) decodes through the dense kernels (every layer fused, the int8 LM head too;
     int4 in the nibble layout it has on CUDA where they run) with the PyTorch path's logits,
     within the bfloat16 rounding of the PyTorch path's quantized matmuls on CPU."""
-    import quantized
-
     monkeypatch.setattr(quantized, "int4_layout", lambda *a: "nibbles")
-    model = quantized.quantize_model(small_model("gqa", intermediate_size=96), mode,
-                                     32 if mode == "int4" else None)
+    model = quantize_model(small_model("gqa", intermediate_size=96), mode,
+                           32 if mode == "int4" else None)
     assert all(kernel_weight(m) is not None for layer in model.layers
                for m in (layer.attention.wqkv, layer.feed_forward.w2)) and \
         kernel_weight(model.output) is not None
@@ -397,8 +402,6 @@ def test_what_the_dense_kernels_leave_to_pytorch():
     handle.remove()
     layer.feed_forward.w2 = nn.Linear(80, 64, bias=True)
     assert not layer.fusable()
-    from quantized import Int4Linear, quantize_int4
-
     packed, sz = quantize_int4(torch.randn(64, 64), 32)  # the CPU int4 kernel's layout
     assert Int4Linear(packed, sz, 32, "cpu", torch.float32).kernel_weight() is None
     caches = build_caches("gptfast_dense", model.args, batch_size=1, prompt_len=8,
@@ -509,8 +512,6 @@ def test_cuda_real_shapes(batch):
 def test_cuda_quantized_real_shapes(mode, batch):
     """int8 and int4 (group 128) weights at llama-3.1-8b's gate/up and down projections in
     bf16, against the formula on the dequantized weights."""
-    from quantized import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
-
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(1)
     for n_out, k_in, swiglu in ((14336, 4096, True), (4096, 14336, False)):

@@ -94,6 +94,8 @@ def main() -> int:
             out[name] = trace(name.removesuffix("_split"), k)
         except Exception as e:  # noqa: BLE001 (a graph break or trace failure is the finding)
             out[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0]}"
+        finally:
+            ops.SPLIT_PAGES = default
     print(json.dumps(out))
     return 0
 
