@@ -3,12 +3,22 @@
 #
 #   bash scripts/gpu_checklist.sh PART OUTDIR      (on the GPU machine; OUTDIR defaults to $OUT)
 #
+# A session's 30 minutes of device time hold three calls: k, t and q come first, in that order.
+# Their rows use --compile-regime graphs (each row's eager step, our Triton kernels, captured in
+# a CUDA graph in about a second instead of compiled in 47-88 s), so one call holds the rows the
+# issues' targets need; check_targets judges each regime on its own rows, and k2 and p measure
+# the static-compile regime of the same rows afterwards.
+#
 # k: the fused Triton kernels of the decode step (kernels/sparse.py, kernels/dense.py): their
-#    CUDA tests at real shapes (item 1), then kernels per step and layer of rocketkv@256 and
-#    hybrid@256 at 32K with every kernel (default), rocketkv with the sparse kernels only
-#    (--kernels sparse: cuBLAS projections) and with the PyTorch path (--kernels off: the
-#    count before). Run it first.
-# k2: the selecting methods and full at 32K with every kernel (item 2), then full and
+#    CUDA tests at real shapes (item 1); kernels per step and layer at 32K of full, rocketkv@256
+#    and hybrid@256 with every kernel, and of rocketkv on the PyTorch path (--kernels off: the
+#    count before); then full and the selecting methods @256 at 32K (item 2)
+# t: the targets' rows (items 2, 4 and 6): full and rocketkv@256 beside transformers' static
+#    cache at 32K and 128K in one bench call (check_targets pairs peer rows with ours of the
+#    same run), then 16K and 64K, then batch 16 at 32K
+# q: int8 and int4 (group 128) weights (item 5): their CUDA tests, then full and rocketkv@256
+#    at 32K and 128K
+# k2: the selecting methods and full at 32K compiled (static regime), then full and
 #    rocketkv@256 at 32K and 128K with --kernels sparse: our projection kernels against cuBLAS
 # ks: one layer's selection and attention (scripts/bench_step.py) of rocketkv, hybrid, sparq
 #    and exact_topk @256 at 32K and 128K with the fused selection split at 1024-8192 pages a
@@ -19,26 +29,29 @@
 #    the quick one; the best configuration is then set in kernels/dense.py
 # kq: the dense kernels on int8 and int4 (group 128) weights against the model's quantized layers
 #    without them (int8 converted in the matmul, tinygemm), batch 1 and 16, quick grid
-# p: peers side by side (item 4): transformers' static cache beside our full and rocketkv@256
-#    at 32K and 128K in one bench call (check_targets compares rows of one run), then int8 and
-#    int4 weights with full and rocketkv@256 at 32K and 128K (item 5)
+# p: part t's peers and part q's weights compiled (static regime): transformers' static cache
+#    beside our full and rocketkv@256 at 32K and 128K in one bench call, then int8 and int4
+#    weights with full and rocketkv@256 at 32K and 128K
 # g1, g2: the paper's grid (full, gptfast_dense, rocketkv @256-4096; 16K-64K, then 96K and
-#    128K) with --compile-regime graphs: each row's eager step captured in a CUDA graph (about
-#    a second) instead of compiled (47-88 s), so the grid fits two calls; the static-regime rows
+#    128K) with --compile-regime graphs, so the grid fits two calls; the static-regime rows
 #    of parts b and c say what compiling adds
 # a: nvidia-smi, versions, the CUDA-only tests, the smoke runs (item 1), the kernel profile of
 #    full and rocketkv@256 at 128K (item 5)
 # b: the targets' rows: full, rocketkv@256 and gptfast_dense at 96K and 128K (item 2)
 # c: the rest of the sweep that fits one call, 16K-64K (item 2); every row compiles its own
 #    static graph (47-88 s on the H200; the dynamic regime took 407 s for its first row)
-# d: batch 16 at 32K (item 3), then every method at 32K (item 4) in d, e and f: a row compiles
-#    for 31-94 s on the H200, so the 14 rows take three calls
+# d: batch 16 at 32K (item 3), then every method at 32K (item 4), 1 of 3: a row compiles for
+#    31-94 s on the H200, so the 14 rows take three calls
+# e, f: every method at 32K, 2 and 3 of 3
 # Every step has its own time limit, so a slow step leaves the next ones their time; bench.py
 # saves its rows after every configuration. Plots are drawn afterwards from the JSON (the
 # device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
 # `pip install -e .`): PYTHONPATH puts the repository root on the path for scripts/ and evals/.
+# tests/test_gpu_checklist.py runs every part here with a Python that records its arguments,
+# and parses them with each script's own parser: a mistyped flag or method fails on CPU, not
+# in a GPU call.
 set -o pipefail
-part=${1:?part k, k2, ks, kd, kq, p, g1, g2, a, b, c, d, e or f}
+part=${1:?part k, t, q, k2, ks, kd, kq, p, g1, g2, a, b, c, d, e or f}
 out=${2:-${OUT:?no OUTDIR and no \$OUT}}
 py=${PYTHON:-python3}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -46,6 +59,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 M="--checkpoint llama-3.1-8b --no-plots --out $out"
+G="$M --compile-regime graphs"
 step() { echo "=== $(date +%T) $*"; }
 {
 case $part in
@@ -55,16 +69,36 @@ k)
     step kernel tests on CUDA
     timeout 230 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         tests/test_dense_kernels.py -k cuda
-    step kernels per step: rocketkv@256, every kernel, the sparse ones, the PyTorch path
-    timeout 150 $py scripts/profile_step.py --context 32768 --methods rocketkv hybrid --budgets 256 \
-        --out "$out" | grep -v "^|" | head -20
-    timeout 100 $py scripts/profile_step.py --context 32768 --methods rocketkv --budgets 256 \
-        --kernels sparse --out "$out/sparse" | grep -v "^|" | head -12
-    timeout 100 $py scripts/profile_step.py --context 32768 --methods rocketkv --budgets 256 \
-        --kernels off --out "$out/pytorch" | grep -v "^|" | head -12
+    step "kernels per step at 32K: every kernel (full, rocketkv, hybrid), the PyTorch path"
+    timeout 120 $py scripts/profile_step.py --context 32768 --methods full rocketkv hybrid \
+        --budgets 256 --compile-regime graphs --out "$out" | grep -v "^|" | head -24
+    timeout 80 $py scripts/profile_step.py --context 32768 --methods rocketkv --budgets 256 \
+        --compile-regime graphs --kernels off --out "$out/pytorch" | grep -v "^|" | head -12
+    step "full and the selecting methods @256 at 32K"
+    timeout 130 $py scripts/bench.py $G --context 32768 --methods full rocketkv hybrid quest \
+        sparq exact_topk --budgets 256 --time-limit 90
+    ;;
+t)
+    step "full and rocketkv@256 beside transformers at 32K and 128K, one run"
+    timeout 340 $py scripts/bench.py $G --context 32768 131008 --methods full rocketkv \
+        transformers --budgets 256 --time-limit 250
+    step "full and rocketkv@256 at 16K and 64K"
+    timeout 100 $py scripts/bench.py $G --context 16384 65536 --methods full rocketkv \
+        --budgets 256 --time-limit 60
+    step "batch 16 at 32K"
+    timeout 130 $py scripts/bench.py $G --batch-sizes 16 --context 32768 --methods full \
+        rocketkv --budgets 256 --time-limit 60
+    ;;
+q)
+    step int8 and int4 CUDA kernels against dequantized matmuls
+    timeout 100 $py -m pytest -q -p no:cacheprovider tests/test_quantize.py \
+        tests/test_dense_kernels.py -k "cuda_kernels or cuda_quantized"
+    step "int8 and int4-g128 weights: full and rocketkv@256 at 32K and 128K"
+    timeout 450 $py scripts/bench.py $G --context 32768 131008 --methods full rocketkv \
+        --budgets 256 --weights int4-g128 int8 --time-limit 380
     ;;
 k2)
-    step selecting methods at 32K with every kernel
+    step selecting methods at 32K with every kernel, compiled
     timeout 300 $py scripts/bench.py $M --context 32768 --methods full rocketkv hybrid quest \
         sparq exact_topk --budgets 256 --time-limit 240
     step "full and rocketkv@256 with the sparse kernels only (cuBLAS projections)"

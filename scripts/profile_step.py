@@ -5,12 +5,13 @@
 
 For each method (and budget) a random-weight model at a named shape prefills ``--context``
 tokens, decodes through ``generate()`` exactly as ``bench.py`` does (compiled, CUDA graphs on
-GPU), and ``torch.profiler`` records ``--steps`` decode steps after the warm-up (compilation
-and graph capture are not recorded; the host waits for the device before the profiler starts
-and before it stops, so the trace holds exactly those steps). Kernels are grouped by name and
-ranked by their device time per step (microseconds). Writes ``profile-<context>.json`` (every
-kernel) and ``profile-<context>.md`` (the ``--top`` kernels per method, with the share of the
-step each takes) under ``--out``.
+GPU; ``--compile-regime graphs``: the eager step captured in a CUDA graph, as ``bench.py
+--compile-regime graphs``), and ``torch.profiler`` records ``--steps`` decode steps after the
+warm-up (compilation and graph capture are not recorded; the host waits for the device
+before the profiler starts and before it stops, so the trace holds exactly those steps).
+Kernels are grouped by name and ranked by their device time per step (microseconds). Writes
+``profile-<context>.json`` (every kernel) and ``profile-<context>.md`` (the ``--top`` kernels
+per method, with the share of the step each takes) under ``--out``.
 
 On CPU (tests, no GPU) the profiler records CPU operators instead of kernels; the figures are
 then CPU times and the files say so (``activity: cpu``).
@@ -52,9 +53,10 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
     cuda = device.type == "cuda"
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.args.vocab_size, (1, context), generator=gen)
-    if args.compile:
+    graphs = args.compile and args.compile_regime == "graphs"
+    if args.compile and not graphs:
         torch._dynamo.reset()  # this configuration's own static graph, as bench.py's rows
-    warm = 3 + 2  # generate()'s compile warm-up, then two untimed steps: not recorded
+    warm = (2 if graphs else 3) + 2  # generate()'s warm-up, then two untimed steps: unrecorded
     prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
 
     def window(tokens):  # the host waits for the device at both edges: exactly `steps` steps
@@ -68,8 +70,8 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
                 prof.stop()
 
     r = generate(model, prompt, method=method, budget=budget,
-                 max_new_tokens=warm + steps + 2, compile=args.compile,
-                 method_options=options_for(method, args), on_token=window)
+                 max_new_tokens=warm + steps + 2, compile=args.compile and not graphs,
+                 cuda_graphs=graphs, method_options=options_for(method, args), on_token=window)
     kernels = {}
     for e in prof.key_averages():
         us = _device_us(e, cuda)
@@ -85,9 +87,13 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
     return {"method": method, "budget": budget, "context": context, "steps": steps,
             "activity": "cuda" if cuda else "cpu", "total_us_per_step": total,
             "decode_ms_median": r["decode_ms_median"], "compiled": r["compiled"],
+            "compile_regime": "graphs" if graphs else "static" if r["compiled"] else "eager",
             "fused_kernels": r["fused_kernels"], "dense_kernels": r["dense_kernels"],
             "kernels_per_step": launches,
             "kernels_per_layer": launches / model.args.n_layers, "kernels": rows}
+
+
+REGIMES = {"static": "compiled", "graphs": "a CUDA graph of the eager step", "eager": "eager"}
 
 
 def markdown(results: list[dict], top: int, header: str) -> str:
@@ -100,7 +106,8 @@ def markdown(results: list[dict], top: int, header: str) -> str:
         lines += [f"### {label}, context {res['context']}: {res['total_us_per_step']:.0f} us of "
                   f"{unit} time per step (decode median {res['decode_ms_median']:.3f} ms)", "",
                   f"{res['kernels_per_step']:.0f} {unit}s per step, "
-                  f"{res['kernels_per_layer']:.1f} per layer ({fused}).", "",
+                  f"{res['kernels_per_layer']:.1f} per layer ({fused}; "
+                  f"{REGIMES[res.get('compile_regime', 'static')]}).", "",
                   f"| {unit} | us / step | calls / step | share |", "|---|---|---|---|"]
         for k in res["kernels"][:top]:
             name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
@@ -126,12 +133,18 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
+    p.add_argument("--compile-regime", choices=["static", "graphs"], default="static",
+                   help="static: each configuration compiles its own graph (bench.py's "
+                   "default); graphs: no torch.compile, the eager step captured in a CUDA graph "
+                   "(CUDA only)")
     add_kernels_option(p)
     p.add_argument("--out", default="results", help="directory for profile-<context>.{json,md}")
     deprecated_alias(p, "--model", "--checkpoint")
     args = p.parse_args(argv)
     try:
         device, dtype = resolve_run(args)
+        if args.compile_regime == "graphs" and device.type != "cuda":
+            raise ConfigError(f"--compile-regime graphs needs a CUDA device, not {device.type}")
         check_methods(args.methods)
         for flag in ("context", "steps", "top"):
             if getattr(args, flag) <= 0:

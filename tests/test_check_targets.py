@@ -2,7 +2,7 @@
 
 import json
 
-from scripts.check_targets import evaluate, load_rows, main
+from scripts.check_targets import by_regime, evaluate, load_rows, main
 
 GB = 1e9
 
@@ -50,13 +50,18 @@ def test_all_targets_pass():
     results = evaluate(passing_rows())
     assert len(results) == N_TARGETS
     assert [t["status"] for t in results] == ["pass"] * 6 + ["not measured", "pass"] + \
-        ["pass"] * 4 + ["not measured", "FAIL", "not measured"], results
-    assert results[13]["measured"].startswith("30.0 s (transformers")  # its compile counts
+        ["pass"] * 4 + ["not measured", "pass", "not measured"], results
+    # the peer's own 30 s compile is not ours to judge; our worst is 15 s
+    assert results[13]["measured"].startswith("15.0 s (")
 
 
 def test_issue_27_and_28_targets_each_fail(tmp_path):
     rows = [dict(r, compile_s=10.0) for r in passing_rows()]
     assert evaluate(rows)[13]["status"] == "pass"
+    slow_capture = [dict(r, compiled=False, compile_regime="graphs", compile_s=25.0)
+                    if r["method"] == "hybrid" else r for r in rows]
+    assert evaluate(slow_capture)[13]["status"] == "FAIL"  # a graph's capture counts too
+    assert "25.0 s (hybrid" in evaluate(slow_capture)[13]["measured"]
     slow_quest = [dict(r, decode_ms_median=10.0) if r["method"] == "quest" else r for r in rows]
     assert evaluate(slow_quest)[8]["status"] == "FAIL"
     assert evaluate(slow_quest)[9]["status"] == "pass"  # rocketkv alone is still 1.2x
@@ -184,3 +189,36 @@ def test_int4_target_from_quantized_rows():
     # quantized rows never stand in for the float targets
     assert evaluate(rows + [dict(q, method="full", budget=None, decode_ms_median=0.1)])[0] \
         ["status"] == "pass"
+
+
+def test_each_compile_regime_is_judged_on_its_own_rows(tmp_path, capsys):
+    """The same configurations compiled and as CUDA graphs of the eager step: two tables, a
+    later file's graph rows replace no compiled row, and a peer's rows join the regimes of
+    their own run."""
+    static = passing_rows()
+    graphs = [dict(r, compiled=False, compile_regime="graphs", compile_s=1.0,
+                   decode_ms_median=2 * r["decode_ms_median"], date="20261125-000000")
+              for r in static if r["method"] != "transformers"]
+    skipped = {k: v for k, v in graphs[0].items() if k in ("device", "model", "dtype", "date")}
+    skipped.update(method="omnikv", budget=256, context=32768, batch_size=1,
+                   error="skipped: --time-limit 60 s reached")  # says no regime: its run's
+    groups = by_regime(static + graphs + [skipped])
+    assert list(groups) == ["static", "graphs"]
+    assert skipped in groups["graphs"] and skipped not in groups["static"]
+    peers = [r for r in static if r["method"] == "transformers"]
+    assert all(p in groups["static"] and p not in groups["graphs"] for p in peers)
+    assert all(p in by_regime(static + [dict(r, date=p["date"]) for r in graphs])["graphs"]
+               for p in peers)
+    res = {g: evaluate(rs) for g, rs in groups.items()}
+    assert res["static"][0]["status"] == "pass" and res["graphs"][0]["status"] == "FAIL"
+    assert res["static"][13]["measured"].startswith("15.0 s")
+    assert res["graphs"][13]["status"] == "pass"  # captured in 1 s
+    a, b = tmp_path / "static.json", tmp_path / "graphs.json"
+    a.write_text(json.dumps(static))
+    b.write_text(json.dumps(graphs))
+    assert main([str(a), str(b), "--json", str(tmp_path / "t.json")]) == 1
+    out = capsys.readouterr().out
+    assert "rows: static" in out and "rows: graphs" in out
+    judged = json.loads((tmp_path / "t.json").read_text())
+    assert len(judged) == 2 * N_TARGETS and {t["regime"] for t in judged} == {"static", "graphs"}
+    assert main([str(a)]) == 0  # the static rows alone pass

@@ -16,7 +16,7 @@ def test_profile_records_exactly_the_asked_steps(tmp_path, capsys):
     assert [(r["method"], r["budget"]) for r in data["results"]] == [("full", None),
                                                                     ("rocketkv", 64)]
     for r in data["results"]:
-        assert r["activity"] == "cpu" and r["steps"] == 3
+        assert r["activity"] == "cpu" and r["steps"] == 3 and r["compile_regime"] == "eager"
         ops = {k["name"]: k for k in r["kernels"]}
         assert not any(name.startswith("ProfilerStep") for name in ops)
         # five layers: rmsnorm's rsqrt twice per layer, plus the final norm, every step
@@ -28,3 +28,6 @@ def test_profile_records_exactly_the_asked_steps(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--steps must be positive" in err
     assert "note: --model is deprecated; use --checkpoint" in err
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--compile-regime",
+                 "graphs"]) == 2
+    assert "--compile-regime graphs needs a CUDA device" in capsys.readouterr().err
