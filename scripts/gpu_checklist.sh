@@ -10,7 +10,7 @@
 # the static-compile regime of the same rows afterwards.
 #
 # k: the fused Triton kernels of the decode step (kernels/sparse.py, kernels/dense.py): their
-#    CUDA tests at real shapes (item 1); kernels per step and layer at 32K of full, rocketkv@256
+#    CUDA tests at real shapes and the CUDA graph of the eager step with them (item 1); kernels per step and layer at 32K of full, rocketkv@256
 #    and hybrid@256 with every kernel, and of rocketkv on the PyTorch path (--kernels off: the
 #    count before); then full and the selecting methods @256 at 32K (item 2)
 # t: the targets' rows (items 2, 4 and 6): full and rocketkv@256 beside transformers' static
@@ -66,9 +66,9 @@ case $part in
 k)
     step env; nvidia-smi
     $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
-    step kernel tests on CUDA
+    step "kernel tests on CUDA, and the CUDA graph of the eager step (--compile-regime graphs)"
     timeout 230 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-        tests/test_dense_kernels.py -k cuda
+        tests/test_dense_kernels.py tests/test_generate.py -k "cuda and not cli and not before"
     step "kernels per step at 32K: every kernel (full, rocketkv, hybrid), the PyTorch path"
     timeout 120 $py scripts/profile_step.py --context 32768 --methods full rocketkv hybrid \
         --budgets 256 --compile-regime graphs --out "$out" | grep -v "^|" | head -24

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import kernels
 import quantized
@@ -248,10 +249,14 @@ ARGS = {
 }
 
 
-def decode_logits(model, method, fused, T=72, steps=2, batch=2, **options):
+def decode_logits(model, method, fused, T=72, steps=2, batch=2, replay=False, **options):
     """Logits (steps, B, vocab) of greedy decode steps after a prefill of ``T`` random
     tokens, with every kernel (``fused``) or none: the PyTorch path; ``options`` the
-    method's (``build_caches``)."""
+    method's (``build_caches``). ``replay``: as a CUDA graph of the eager step runs it
+    (``generate.GraphStep``): the first step is traced (``make_fx``: what the step reads of
+    Python values is frozen into the trace, as a capture freezes its kernels' arguments; a
+    sync with the host fails the trace, as it fails a capture) and the later steps replay
+    the trace, the token and the position tensor advanced in place."""
     args = model.args
     budget = None
     if METHODS[method].budgeted:  # compressing: below prompt + new tokens
@@ -266,14 +271,23 @@ def decode_logits(model, method, fused, T=72, steps=2, batch=2, **options):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab_size, (batch, T), generator=g)
     previous = kernels.set_mode("force" if fused else "off")
+
+    def step(tok, pos, logits):  # the step writes its logits where the trace can return them
+        return logits.copy_(model(tok, pos).reshape(logits.shape))
+
     try:
         with torch.no_grad():
             tok = model.prefill(tokens).argmax(-1, keepdim=True)
+            pos, logits, trace = torch.tensor([T]), torch.empty(batch, 1, args.vocab_size), None
             out = []
-            for t in range(T, T + steps):
-                logits = model(tok, torch.tensor([t]))
-                out.append(logits)
-                tok = logits.argmax(-1, keepdim=True)
+            for _ in range(steps):
+                if replay and trace is None:
+                    trace = make_fx(step)(tok, pos, logits)
+                else:
+                    (trace or step)(tok, pos, logits)
+                out.append(logits.clone())
+                tok.copy_(logits.argmax(-1))
+                pos += 1
     finally:
         kernels.set_mode(previous)
     return torch.stack(out), caches
@@ -556,3 +570,23 @@ def test_cuda_compiled_decode_with_every_kernel_equals_the_pytorch_path(method, 
                               compile=True)
     assert runs["auto"]["dense_kernels"] and not runs["off"]["fused_kernels"]
     assert runs["auto"]["token_ids"] == runs["off"]["token_ids"]
+
+
+@interpreted
+@pytest.mark.parametrize("method,fused,options", [
+    *[pytest.param(m, False, {}, id=f"{m}-pytorch") for m in METHODS],
+    *[pytest.param(m, True, {}, id=f"{m}-kernels") for m in (
+        "full", "rocketkv", "hybrid", "quest", "exact_topk", "h2o", "omnikv")],
+    pytest.param("sparq", True, {"sparq_reallocate": True}, id="sparq-kernels-reallocate")])
+def test_a_replayed_step_decodes_as_the_eager_one(method, fused, options, few_programs):
+    """``--compile-regime graphs`` captures the eager step once and replays it
+    (``GraphStep``): every value that changes from step to step must live in a tensor the
+    step reads, never in a Python value its kernels take. A traced first step replayed for
+    the later ones gives the eager steps' logits exactly, through the kernels and through
+    the PyTorch path (which ``--kernels off`` captures), for every method that compiles."""
+    model = small_model("gqa")
+    ref, caches = decode_logits(model, method, fused, steps=3, batch=1, **options)
+    if not all(c.compilable for c in caches):
+        pytest.skip(f"{method}'s decode step synchronizes with the host: it runs eagerly")
+    out, _ = decode_logits(model, method, fused, steps=3, batch=1, replay=True, **options)
+    assert torch.equal(out, ref), (out - ref).abs().amax(dim=(1, 2, 3))

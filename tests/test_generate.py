@@ -608,10 +608,13 @@ def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(sto
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the GPU machine)")
-@pytest.mark.parametrize("method,budget", [("full", None), ("rocketkv", 64)])
+@pytest.mark.parametrize("method,budget", [("full", None), ("rocketkv", 64), ("hybrid", 64),
+                                           ("quest", 64), ("sparq", 64), ("exact_topk", 64),
+                                           ("h2o", 64)])
 def test_cuda_graph_of_the_eager_step_gives_the_eager_tokens(method, budget):
     """--cuda-graphs (GraphStep): the eager step captured once and replayed gives the tokens of
-    the eager loop, with 2 warm-up steps apart."""
+    the eager loop, with 2 warm-up steps apart (our kernels where they run; the CPU twin, a
+    traced step replayed, is test_dense_kernels' test_a_replayed_step_decodes_as_the_eager_one)."""
     model = load_model("random:stories260K", "cuda", torch.float32)
     prompt = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(0))
     runs = [generate(model, prompt, method=method, budget=budget, max_new_tokens=12,
