@@ -33,14 +33,20 @@ end; int4 nibbles (N, K / 2), a K block within one group of G features giving
 scale sum_k x_k (q_nk - 8) + zero sum_k x_k (even features in the high nibble).
 
 One batch row uses a multiply-and-sum per block (a GEMV); several use ``tl.dot`` on blocks of
-16 rows. Block sizes are fixed by rule (``launch_config`` from the module's constants),
-untuned: ``scripts/bench_dense.py`` times a grid of them against cuBLAS on a GPU, and
-``--kernels sparse`` keeps the PyTorch projections for the whole-step comparison. Registered with
+16 rows. Block sizes follow a rule (``launch_config``) from four knobs: the module's constants,
+or, on a GPU that ``kernels/tuned/*.json`` names, the knobs measured fastest there for that
+launch (``launch_knobs``: per epilogue, weight format, one or several batch rows, K and N).
+``scripts/bench_dense.py --tuned PATH`` times a grid of them against cuBLAS on a GPU and
+writes such a file; ``--kernels sparse`` keeps the PyTorch projections for the whole-step
+comparison. Registered with
 ``torch.library.triton_op`` as the sparse kernels are; tested against the PyTorch modules in
 Triton's interpreter on CPU (``tests/test_dense_kernels.py``).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -64,6 +70,64 @@ MAX_BLOCK_N = 32  # weight rows per program and row set, at most
 K_BLOCK_GEMV = 256  # columns per loop iteration, one batch row
 K_BLOCK_DOT = 64  # columns per loop iteration, tl.dot over batch rows
 NUM_WARPS = 4  # per program (scripts/bench_dense.py times the alternatives on a GPU)
+
+KNOBS = ("TARGET_PROGRAMS", "MAX_BLOCK_N", "K_BLOCK", "NUM_WARPS")  # a tuned entry's config
+EPI_NAMES = {EPI_PLAIN: "plain", EPI_RESIDUAL: "residual", EPI_SWIGLU: "swiglu", EPI_QKV: "qkv"}
+QUANT_NAMES = {QUANT_NONE: "float", QUANT_INT8: "int8", QUANT_INT4: "int4"}
+TUNED_DIR = Path(__file__).with_name("tuned")  # launch knobs measured per GPU (bench_dense)
+_tables: dict[str, dict[str, dict[str, int]]] = {}  # GPU name -> launch key -> knobs
+
+
+def launch_key(epi: int, quant: int, M: int, K: int, n: int) -> str:
+    """The name of a launch in a tuned table: epilogue, weight format, one batch row or
+    several, input features K and output rows n (e.g. ``swiglu/int4/M=1/K=4096/n=28672``)."""
+    return f"{EPI_NAMES[epi]}/{QUANT_NAMES[quant]}/M={1 if M == 1 else 'many'}/K={K}/n={n}"
+
+
+def _read_table(path: Path, gpu: str) -> dict[str, dict[str, int]]:
+    """The entries of one tuned file that name ``gpu`` ({} for another GPU's file).
+
+    Raises:
+        ValueError: not a tuned table, or a config that is not four positive integers with
+            power-of-two blocks."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("device") != gpu:
+            return {}
+        table = {e["key"]: {k: e["config"][k] for k in KNOBS} for e in data["launches"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a tuned launch table ({type(e).__name__}: {e})") from None
+    for key, config in table.items():
+        if not all(isinstance(v, int) and v > 0 for v in config.values()) or any(
+                config[k] & (config[k] - 1) for k in ("MAX_BLOCK_N", "K_BLOCK", "NUM_WARPS")):
+            raise ValueError(f"{path}: {key}: knobs must be positive integers, blocks and "
+                             f"warps powers of two: {config}")
+    return table
+
+
+def tuned_table(device: torch.device) -> dict[str, dict[str, int]]:
+    """Launch key -> knobs measured on ``device``'s GPU: every ``kernels/tuned/*.json`` whose
+    ``device`` is its name (``torch.cuda.get_device_name``), a later file (by name) over an
+    earlier one; {} off CUDA or for a GPU no file names. Read once per GPU name.
+
+    Raises:
+        ValueError: a file that is not a valid table (``_read_table``)."""
+    if device.type != "cuda":
+        return {}
+    gpu = torch.cuda.get_device_name(device)
+    if gpu not in _tables:
+        table: dict[str, dict[str, int]] = {}
+        for path in sorted(TUNED_DIR.glob("*.json")):
+            table.update(_read_table(path, gpu))
+        _tables[gpu] = table
+    return _tables[gpu]
+
+
+def launch_knobs(device: torch.device, epi: int, quant: int, M: int, K: int, n: int
+                 ) -> dict[str, int] | None:
+    """The tuned knobs of this launch on ``device`` (``tuned_table``), or None: the module's
+    constants."""
+    return tuned_table(device).get(launch_key(epi, quant, M, K, n))
 
 
 @triton.jit
@@ -241,28 +305,31 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
             tl.store(a + (d[None, :] + 1) * s_ar + slot * s_ac, kb, mask=km_)
 
 
-def _block_n(units: int, limit: int) -> int:
-    """Weight rows per program and row set: the power of two that keeps about
-    ``TARGET_PROGRAMS`` programs over ``units`` output rows (RoPE pairs for ``qkv_store``),
-    from 1 to ``limit``."""
-    return min(1 << max(0, (units // TARGET_PROGRAMS).bit_length() - 1), limit)
+def _block_n(units: int, limit: int, programs: int) -> int:
+    """Weight rows per program and row set: the power of two that keeps about ``programs``
+    programs over ``units`` output rows (RoPE pairs for ``qkv_store``), from 1 to ``limit``."""
+    return min(1 << max(0, (units // programs).bit_length() - 1), limit)
 
 
-def launch_config(epi: int, M: int, K: int, n: int, head_dim: int = 2
-                  ) -> tuple[int, int, int, tuple[int, int]]:
+def launch_config(epi: int, M: int, K: int, n: int, head_dim: int = 2,
+                  knobs: dict[str, int] | None = None) -> tuple[int, int, int, tuple[int, int]]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, grid) of a launch over ``M`` batch rows, ``K`` input
     features and ``n`` output rows (for ``EPI_QKV`` the weight's rows, taken in RoPE pairs
-    that must not cross a head of ``head_dim``)."""
+    that must not cross a head of ``head_dim``), from ``knobs`` (``KNOBS``; its ``K_BLOCK``
+    for whichever of the GEMV and the ``tl.dot`` path runs) or the module's constants."""
     units = n // 2 if epi == EPI_QKV else n
-    limit = MAX_BLOCK_N
+    programs = knobs["TARGET_PROGRAMS"] if knobs else TARGET_PROGRAMS
+    limit = knobs["MAX_BLOCK_N"] if knobs else MAX_BLOCK_N
     if epi == EPI_QKV:  # a program's pairs lie in one head: the largest power of two
         limit = min(limit, (head_dim // 2) & -(head_dim // 2))  # dividing D / 2
     if M > 1 and min(limit, _pow2(units)) >= 16 and K >= 16:  # tl.dot over blocks of rows
-        block_m, block_k = min(64, max(16, _pow2(M))), min(K_BLOCK_DOT, _pow2(K))
-        block_n = max(16, _block_n(units, limit))
+        k_block = knobs["K_BLOCK"] if knobs else K_BLOCK_DOT
+        block_m, block_k = min(64, max(16, _pow2(M))), min(k_block, _pow2(K))
+        block_n = max(16, _block_n(units, limit, programs))
     else:  # one batch row per program: a GEMV
-        block_m, block_k = 1, min(K_BLOCK_GEMV, _pow2(K))
-        block_n = _block_n(units, limit)
+        k_block = knobs["K_BLOCK"] if knobs else K_BLOCK_GEMV
+        block_m, block_k = 1, min(k_block, _pow2(K))
+        block_n = _block_n(units, limit, programs)
     return block_m, block_n, block_k, (triton.cdiv(units, block_n), triton.cdiv(M, block_m))
 
 
@@ -279,7 +346,9 @@ def _launch(x2: Tensor, weight: Tensor, out: Tensor, *, norm: Tensor | None, eps
     int4 nibbles with ``scales`` (``quant_kind``)."""
     quant = quant_kind(weight, scales, groupsize)
     M, K = x2.shape  # int(): under a dynamic-shape compile the blocks (constexprs) specialize
-    block_m, block_n, block_k, grid = launch_config(epi, int(M), int(K), int(n), head_dim)
+    M, K, n = int(M), int(K), int(n)
+    knobs = launch_knobs(x2.device, epi, quant, M, K, n)
+    block_m, block_n, block_k, grid = launch_config(epi, M, K, n, head_dim, knobs)
     if quant == QUANT_INT4:  # a K block within one group
         block_k = min(block_k, groupsize)
     sc = k_cache.stride() if k_cache is not None else (0, 0, 0, 0)
@@ -300,7 +369,8 @@ def _launch(x2: Tensor, weight: Tensor, out: Tensor, *, norm: Tensor | None, eps
         NORM=norm is not None, BIAS=bias is not None, EPI=epi, AUX=aux_kind,
         HAS_OFFSET=offset is not None, QUANT=quant, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT=_dot_mode(weight if quant == QUANT_NONE else x2), num_warps=NUM_WARPS)
+        DOT=_dot_mode(weight if quant == QUANT_NONE else x2),
+        num_warps=knobs["NUM_WARPS"] if knobs else NUM_WARPS)
 
 
 def quant_kind(weight: Tensor, scales: Tensor | None, groupsize: int) -> int:

@@ -18,8 +18,14 @@ time / the reference's). On CUDA a launch is timed inside a CUDA graph of ``--re
 replayed ``--iters`` times (CUDA events), so launch overhead is not counted, as in the decode
 step's graph; on CPU by wall clock. Rows go to ``--json`` (default
 ``results/<device>/bench_dense-<time>.json``), saved after every shape. The configuration the
-decode step launches is the module's current one (``default: true`` rows); a better one found
-here is set in ``kernels/dense.py`` by hand, with this file's rows committed beside the change.
+decode step launches (``default: true`` rows) is the tuned table's entry for the launch on this
+GPU (``kernels/tuned/*.json``, ``tuned: true``) or else the module's constants; the grid's rows
+time the constants with the table set aside.
+
+``--tuned PATH`` also writes the fastest configuration of each launch (its ``key``: epilogue,
+weight format, one batch row or several, K, N) as a tuned table for this GPU, with the times
+behind it; committed as ``kernels/tuned/<name>.json`` it is what the kernels launch on a GPU of
+that name from then on (``kernels.dense.launch_knobs``). Tables are read only on CUDA.
 
 ``--weights int8 int4-g128`` times the same launches on quantized weights (``quantize.py``'s
 formats, dequantized in the kernel), against what the model runs without our kernels:
@@ -53,7 +59,6 @@ GRIDS = {  # (TARGET_PROGRAMS, MAX_BLOCK_N, K block, NUM_WARPS) tried beside the
     "full": list(itertools.product((256, 512, 1024, 2048), (16, 32, 64), (256, 512, 1024),
                                    (4, 8))),
 }
-KNOBS = ("TARGET_PROGRAMS", "MAX_BLOCK_N", "K_BLOCK", "NUM_WARPS")
 
 
 def shapes(args: ModelArgs, batch: int, device, dtype, seed: int, weights: str = "float"
@@ -150,15 +155,39 @@ def time_us(fn, device: torch.device, iters: int, reps: int) -> float:
     return percentile(times, 50)
 
 
-def set_config(dense, config: tuple, batch: int) -> None:
-    """Point the launch rule at ``config`` (its K block is the GEMV's at one batch row, the
-    tl.dot path's at more)."""
-    programs, block_n, k_block, warps = config
-    dense.TARGET_PROGRAMS, dense.MAX_BLOCK_N, dense.NUM_WARPS = programs, block_n, warps
-    if batch == 1:
-        dense.K_BLOCK_GEMV = k_block
-    else:
-        dense.K_BLOCK_DOT = k_block
+def launch_key(call, dense) -> str:
+    """The tuned-table key (``dense.launch_key``) of the one launch ``call`` makes."""
+    keys, original = [], dense.launch_key
+
+    def spy(*a):
+        keys.append(original(*a))
+        return keys[-1]
+
+    dense.launch_key = spy
+    try:
+        call()
+    finally:
+        dense.launch_key = original
+    if len(keys) != 1:
+        raise RuntimeError(f"expected one dense launch, saw {len(keys)}")
+    return keys[0]
+
+
+def tuned_entries(rows: list[dict]) -> list[dict]:
+    """Per launch key, the fastest of our rows: its knobs (``config``) and the times behind
+    the choice (the default's and the reference's, microseconds)."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["kernel"] != "ours" or "error" in r:
+            continue
+        e = out.setdefault(r["key"], {"key": r["key"], "shape": r["shape"],
+                                      "weights": r["weights"], "batch_size": r["batch_size"],
+                                      "us": float("inf")})
+        if r["default"]:
+            e["default_us"], e["reference_us"] = r["us_median"], r["reference_us"]
+        if r["us_median"] < e["us"]:
+            e["config"], e["us"] = r["config"], r["us_median"]
+    return list(out.values())
 
 
 def main(argv=None) -> int:
@@ -178,6 +207,8 @@ def main(argv=None) -> int:
                    help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
     p.add_argument("--json", metavar="PATH", help="rows (default results/<device>/"
                                                   "bench_dense-<time>.json)")
+    p.add_argument("--tuned", metavar="PATH", help="also write each launch's fastest "
+                   "configuration here, a table for kernels/tuned/")
     args = p.parse_args(argv)
     args.compile, args.kernels = None, None  # resolve_run's other flags: not read here
     try:
@@ -200,37 +231,47 @@ def main(argv=None) -> int:
         return 2
     dense = importlib.import_module("kernels.dense")  # imported by kernels.ops() above
 
-    default = (dense.TARGET_PROGRAMS, dense.MAX_BLOCK_N, dense.K_BLOCK_GEMV, dense.NUM_WARPS)
-    default_dot = dense.K_BLOCK_DOT
+    knobs = dense.launch_knobs
     margs = ModelArgs.from_name(args.checkpoint)
     bandwidth = measure_bandwidth(device)
     rows = []
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = args.json or str(results_dir("results", device) / f"bench_dense-{stamp}.json")
 
+    meta = {"device": device_name(device), "torch_version": torch.__version__,
+            "model": args.checkpoint, "dtype": str(dtype).removeprefix("torch."),
+            "command": command_line("bench_dense.py", argv)}
+
     def save() -> None:  # after every shape: a run cut off keeps the rows it has
-        write_json(path, {"device": device_name(device), "torch_version": torch.__version__,
-                          "model": args.checkpoint, "dtype": str(dtype).removeprefix("torch."),
-                          "command": command_line("bench_dense.py", argv), "results": rows})
+        write_json(path, {**meta, "results": rows})
+        if args.tuned:  # named as the kernels look it up (torch.cuda.get_device_name)
+            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else meta["device"]
+            write_json(args.tuned, {**meta, "device": gpu, "rows": path,
+                                    "launches": tuned_entries(rows)})
 
     with torch.no_grad():
         for spec, batch in itertools.product(args.weights, args.batch_sizes):
-            configs = [dict(zip(KNOBS, default[:2] + ((default[2] if batch == 1 else
-                                                         default_dot),) + default[3:]))]
-            configs += [dict(zip(KNOBS, c)) for c in GRIDS[args.grid]]
+            configs = [{"TARGET_PROGRAMS": dense.TARGET_PROGRAMS, "MAX_BLOCK_N": dense.MAX_BLOCK_N,
+                        "K_BLOCK": dense.K_BLOCK_GEMV if batch == 1 else dense.K_BLOCK_DOT,
+                        "NUM_WARPS": dense.NUM_WARPS}]  # the module's constants
+            configs += [dict(zip(dense.KNOBS, c)) for c in GRIDS[args.grid]]
             for name, K, n_rows, nbytes, call, reference in shapes(margs, batch, device, dtype,
                                                                    args.seed, spec):
                 ref_us = time_us(reference, device, args.iters, args.reps)
+                key = launch_key(call, dense)
+                tuned = dense.tuned_table(device).get(key)
+                # the decode step launches the table's knobs where it has them: the default's
+                launches = [dict(tuned) if tuned else configs[0], *configs[1:]]
                 base = {"shape": name, "weights": spec, "batch_size": batch, "K": K,
-                        "weight_rows": n_rows, "weight_bytes": nbytes,
-                        "bandwidth_gbps": bandwidth}
+                        "weight_rows": n_rows, "weight_bytes": nbytes, "key": key,
+                        "bandwidth_gbps": bandwidth, "reference_us": ref_us}
                 ref_name = "F.linear" if spec == "float" else f"torch {spec}"
                 rows.append({**base, "kernel": ref_name, "us_median": ref_us,
                              "gbps": nbytes / ref_us / 1e3,
                              "of_bandwidth": nbytes / ref_us / 1e3 / bandwidth})
                 mine = []
-                for i, config in enumerate(configs):
-                    set_config(dense, tuple(config.values()), batch)
+                for i, config in enumerate(launches):
+                    dense.launch_knobs = lambda *_, c=config: c  # this launch's knobs
                     try:
                         us = time_us(call, device, args.iters, args.reps)
                     except Exception as e:  # noqa: BLE001 (a configuration that fails is a row)
@@ -239,9 +280,9 @@ def main(argv=None) -> int:
                                      f"{str(e).splitlines()[0] if str(e) else ''}"})
                         continue
                     finally:
-                        set_config(dense, default, 1)
-                        dense.K_BLOCK_DOT = default_dot
+                        dense.launch_knobs = knobs
                     mine.append({**base, "kernel": "ours", "config": config, "default": i == 0,
+                                 "tuned": i == 0 and tuned is not None,
                                  "us_median": us, "gbps": nbytes / us / 1e3,
                                  "of_bandwidth": nbytes / us / 1e3 / bandwidth,
                                  "vs_reference": us / ref_us})

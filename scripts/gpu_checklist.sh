@@ -26,9 +26,11 @@
 #    unmeasured)
 # kd: the dense kernels alone against cuBLAS at the llama-3.1-8b projections over a grid of
 #    launch configurations (scripts/bench_dense.py): batch 1 over the full grid, batch 16 over
-#    the quick one; the best configuration is then set in kernels/dense.py
+#    the quick one; each launch's fastest knobs come back as tables (tuned-*.json) to commit
+#    under kernels/tuned/ (the kernels read them on that GPU from then on)
 # kq: the dense kernels on int8 and int4 (group 128) weights against the model's quantized layers
-#    without them (int8 converted in the matmul, tinygemm), batch 1 and 16, quick grid
+#    without them (int8 converted in the matmul, tinygemm), batch 1 and 16, quick grid, and
+#    their fastest knobs as a table for kernels/tuned/
 # p: part t's peers and part q's weights compiled (static regime): transformers' static cache
 #    beside our full and rocketkv@256 at 32K and 128K in one bench call, then int8 and int4
 #    weights with full and rocketkv@256 at 32K and 128K
@@ -116,15 +118,16 @@ ks)
 kd)
     step "dense kernels against cuBLAS, batch 1, full grid"
     timeout 380 $py scripts/bench_dense.py --batch-sizes 1 --grid full \
-        --json "$out/bench_dense-b1.json"
+        --json "$out/bench_dense-b1.json" --tuned "$out/tuned-float-b1.json"
     step "dense kernels against cuBLAS, batch 16, quick grid"
     timeout 170 $py scripts/bench_dense.py --batch-sizes 16 --grid quick \
-        --json "$out/bench_dense-b16.json"
+        --json "$out/bench_dense-b16.json" --tuned "$out/tuned-float-b16.json"
     ;;
 kq)
     step "dense kernels on int8 and int4-g128 weights against torch's quantized matmuls"
     timeout 560 $py scripts/bench_dense.py --batch-sizes 1 16 --grid quick \
-        --weights int8 int4-g128 --json "$out/bench_dense-quantized.json"
+        --weights int8 int4-g128 --json "$out/bench_dense-quantized.json" \
+        --tuned "$out/tuned-quantized.json"
     ;;
 p)
     step int8 and int4 CUDA kernels against dequantized matmuls

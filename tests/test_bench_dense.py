@@ -7,7 +7,7 @@ import json
 import pytest
 
 import kernels
-from model import CONFIGS
+from model import CONFIGS, ModelArgs
 from scripts.bench_dense import GRIDS, main
 
 pytestmark = pytest.mark.skipif(kernels.ops() is None, reason=f"triton: {kernels.missing()}")
@@ -16,16 +16,45 @@ DENSE = importlib.import_module("kernels.dense") if kernels.ops() is not None el
 
 def test_rows_per_shape_and_configuration(tmp_path, monkeypatch):
     """A reference row and one row per configuration for each projection, the default
-    configuration marked, every row's bytes and bandwidth share; the module's launch rule
-    is back to its defaults afterwards."""
+    configuration marked, every row's bytes and bandwidth share, each timed launch given
+    its row's knobs; the module's launch rule is back to its defaults afterwards; --tuned
+    writes each launch's fastest knobs under its key, a table kernels.dense reads."""
     dense = DENSE
     monkeypatch.setitem(GRIDS, "one", [(64, 8, 64, 2)])
     monkeypatch.setattr(dense, "TARGET_PROGRAMS", 16)  # the default row: few programs
-    before = (dense.TARGET_PROGRAMS, dense.MAX_BLOCK_N, dense.K_BLOCK_GEMV, dense.NUM_WARPS)
-    out = tmp_path / "dense.json"
+    before = (dense.TARGET_PROGRAMS, dense.MAX_BLOCK_N, dense.K_BLOCK_GEMV, dense.NUM_WARPS,
+              dense.launch_knobs)
+    launched = []
+    config = dense.launch_config
+
+    def spy(epi, M, K, n, head_dim=2, knobs=None):
+        launched.append(knobs)
+        return config(epi, M, K, n, head_dim, knobs)
+
+    monkeypatch.setattr(dense, "launch_config", spy)
+    out, table = tmp_path / "dense.json", tmp_path / "tuned.json"
     assert main(["--device", "cpu", "--checkpoint", "stories260K", "--batch-sizes", "1",
-                 "--grid", "one", "--iters", "1", "--reps", "1", "--json", str(out)]) == 0
+                 "--grid", "one", "--iters", "1", "--reps", "1", "--json", str(out),
+                 "--tuned", str(table)]) == 0
     rows = json.loads(out.read_text())["results"]
+    ours = [r for r in rows if r["kernel"] == "ours"]
+    assert {json.dumps(r["config"], sort_keys=True) for r in ours} == {
+        json.dumps(k, sort_keys=True) for k in launched if k is not None}
+    tuned = json.loads(table.read_text())
+    assert tuned["device"] == "cpu" and tuned["rows"] == str(out)
+    a = ModelArgs.from_name("stories260K")
+    qkv, dim, hidden = (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, a.dim, a.intermediate_size
+    assert [e["key"] for e in tuned["launches"]] == [
+        f"qkv/float/M=1/K={dim}/n={qkv}", f"residual/float/M=1/K={dim}/n={dim}",
+        f"swiglu/float/M=1/K={dim}/n={hidden}", f"residual/float/M=1/K={hidden}/n={dim}",
+        f"plain/float/M=1/K={dim}/n={a.vocab_size}"]
+    for e in tuned["launches"]:
+        mine = [r for r in ours if r["key"] == e["key"]]
+        assert e["us"] == min(r["us_median"] for r in mine)
+        assert e["config"] == next(r["config"] for r in mine if r["us_median"] == e["us"])
+        assert e["default_us"] == next(r["us_median"] for r in mine if r["default"])
+    assert dense._read_table(table, "cpu") == {e["key"]: e["config"]
+                                               for e in tuned["launches"]}
     names = ["qkv_store", "wo+residual", "w13+swiglu", "w2+residual", "lm_head"]
     assert [r["shape"] for r in rows] == [n for n in names for _ in range(3)]
     for i in range(0, len(rows), 3):
@@ -38,7 +67,7 @@ def test_rows_per_shape_and_configuration(tmp_path, monkeypatch):
         assert default["vs_reference"] == pytest.approx(default["us_median"] /
                                                         ref["us_median"])
     assert (dense.TARGET_PROGRAMS, dense.MAX_BLOCK_N, dense.K_BLOCK_GEMV,
-            dense.NUM_WARPS) == before
+            dense.NUM_WARPS, dense.launch_knobs) == before
 
 
 def test_bad_counts_are_refused_in_one_line(capsys):

@@ -10,7 +10,9 @@ the GPU machine (``pytest -m cuda``).
 
 import dataclasses
 import importlib
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -590,3 +592,71 @@ def test_a_replayed_step_decodes_as_the_eager_one(method, fused, options, few_pr
         pytest.skip(f"{method}'s decode step synchronizes with the host: it runs eagerly")
     out, _ = decode_logits(model, method, fused, steps=3, batch=1, replay=True, **options)
     assert torch.equal(out, ref), (out - ref).abs().amax(dim=(1, 2, 3))
+
+
+# ---- launch knobs measured per GPU (kernels/tuned/) ------------------------------------
+
+
+def write_table(path, gpu, entries):
+    path.write_text(json.dumps({"device": gpu, "launches": [
+        {"key": k, "config": c, "us": 1.0} for k, c in entries.items()]}))
+
+
+def test_a_tuned_table_gives_the_launch_knobs_on_the_gpu_it_names(tmp_path, monkeypatch):
+    """``kernels/tuned/*.json``: the entries of the files naming this GPU give a launch its
+    knobs (a later file over an earlier one); another GPU's file, a launch without an entry
+    and CPU tensors keep the module's constants; the knobs shape the blocks and grid; a
+    malformed table is refused with its file named."""
+    monkeypatch.setattr(DENSE, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(DENSE, "_tables", {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    epi, quant = DENSE.EPI_SWIGLU, DENSE.QUANT_INT4
+    key = DENSE.launch_key(epi, quant, 1, 4096, 14336)
+    assert key == "swiglu/int4/M=1/K=4096/n=14336"
+    assert DENSE.launch_key(epi, quant, 16, 4096, 14336) == "swiglu/int4/M=many/K=4096/n=14336"
+    knobs = {"TARGET_PROGRAMS": 128, "MAX_BLOCK_N": 16, "K_BLOCK": 512, "NUM_WARPS": 8}
+    write_table(tmp_path / "a.json", "NVIDIA H100", {key: dict(knobs, NUM_WARPS=2)})
+    write_table(tmp_path / "b.json", "NVIDIA H100", {key: knobs})  # later: it wins
+    write_table(tmp_path / "c.json", "NVIDIA H200", {key: dict(knobs, K_BLOCK=64)})
+    gpu = torch.device("cuda")
+    assert DENSE.launch_knobs(gpu, epi, quant, 1, 4096, 14336) == knobs
+    assert DENSE.launch_knobs(gpu, epi, quant, 16, 4096, 14336) is None
+    assert DENSE.launch_knobs(torch.device("cpu"), epi, quant, 1, 4096, 14336) is None
+    # 14336 rows at about 128 programs, at most 16 rows a program: 896 programs
+    assert DENSE.launch_config(epi, 1, 4096, 14336, knobs=knobs) == (1, 16, 512, (896, 1))
+    assert DENSE.launch_config(epi, 1, 4096, 14336)[2] == DENSE.K_BLOCK_GEMV  # the constants
+    monkeypatch.setattr(DENSE, "_tables", {})
+    write_table(tmp_path / "d.json", "NVIDIA H100", {key: dict(knobs, NUM_WARPS=3)})
+    with pytest.raises(ValueError, match="d.json: swiglu/int4.*powers of two"):
+        DENSE.launch_knobs(gpu, epi, quant, 1, 4096, 14336)
+    (tmp_path / "d.json").write_text('{"device": "NVIDIA H100", "launches": [{"key": 1}]}')
+    with pytest.raises(ValueError, match="d.json: not a tuned launch table"):
+        DENSE.tuned_table(gpu)
+
+
+@interpreted
+def test_a_launch_takes_its_tuned_knobs(monkeypatch):
+    """The knobs ``launch_knobs`` gives reach the launch (its blocks and warps), and the
+    result is still the formula's."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 1, 48, generator=g), torch.randn(40, 48, generator=g) / 7
+    knobs = {"TARGET_PROGRAMS": 2, "MAX_BLOCK_N": 16, "K_BLOCK": 16, "NUM_WARPS": 2}
+    key = DENSE.launch_key(DENSE.EPI_PLAIN, DENSE.QUANT_NONE, 1, 48, 40)
+    monkeypatch.setattr(DENSE, "tuned_table", lambda device: {key: knobs})
+    seen = []
+    config = DENSE.launch_config
+    monkeypatch.setattr(DENSE, "launch_config", lambda *a: seen.append(config(*a)) or seen[-1])
+    with torch.no_grad():
+        out = kernels.linear(x, w)
+    assert seen == [(1, 16, 16, (3, 1))]  # 40 rows, 16 a program; K in blocks of 16
+    assert torch.allclose(out, F.linear(x, w), **tolerance(torch.float32))
+
+
+def test_every_committed_tuned_table_is_valid():
+    """Each ``kernels/tuned/*.json`` reads as a table for the GPU it names, every key one
+    ``launch_key`` could give."""
+    pattern = re.compile(r"^(plain|residual|swiglu|qkv)/(float|int8|int4)/M=(1|many)/K=\d+/"
+                         r"n=\d+$")
+    for path in sorted(DENSE.TUNED_DIR.glob("*.json")):
+        table = DENSE._read_table(path, json.loads(path.read_text())["device"])
+        assert table and all(pattern.match(k) for k in table), path
