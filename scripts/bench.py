@@ -99,8 +99,6 @@ def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype)
 
 def run_one(model, batch: int, context: int, method: str, budget, args, bandwidth: float,
             device: torch.device) -> dict:
-    if method in PEERS:
-        return run_peer(model, batch, context, method, args, bandwidth, device)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.args.vocab_size, (batch, context), generator=gen)
     best = None
@@ -143,16 +141,12 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
 
 
 def run_peer(model, batch: int, context: int, method: str, args, bandwidth: float,
-             device: torch.device) -> dict:
-    """A row of another engine (``evals.peers``) at ``model``'s shape, dtype and device, with
-    the fields of ``run_one``'s rows (best of ``--repeats``)."""
-    dtype = next(model.parameters()).dtype
-    if model.quantization is not None:
-        raise ConfigError(f"{method}: rows run float weights only (drop --weights "
-                          f"{model.quantization})")
-    release_caches(model)  # our last row's caches: their memory is the peer's now
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+             device: torch.device, dtype: torch.dtype) -> dict:
+    """A row of another engine (``evals.peers``) at ``model``'s shape in ``dtype`` on
+    ``device``, with the fields of ``run_one``'s rows (best of ``--repeats``). The peers run
+    after every row of ours, with our weights freed (``free_weights``): the whole device is
+    theirs."""
+    free_weights(model, device)
     # its float weights and a full-size static cache
     check_memory(model.args, dtype, device, batch, context + args.new_tokens)
     best = None
@@ -170,6 +164,15 @@ def run_peer(model, batch: int, context: int, method: str, args, bandwidth: floa
             "roofline_ms": roofline, "ideal_roofline_ms": roofline,
             # transformers compiles its static-cache forward itself, whatever our regime
             "compile_regime": "static" if best["compiled"] else "eager"}
+
+
+def free_weights(model, device: torch.device) -> None:
+    """Our model's caches and weights given back to ``device`` (moved to the meta device:
+    the shapes stay for the peers' rows, which come after ours)."""
+    release_caches(model)
+    model.to("meta")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _find(rows, **kw):
@@ -428,9 +431,10 @@ def main(argv=None) -> int:
     configs = [(w, batch, context, method, budget) for w in args.weights
                for batch in args.batch_sizes for context in args.context
                for method, budget in pairs if method not in PEERS or w == "float"]
+    configs.sort(key=lambda c: c[3] in PEERS)  # the peers last: our weights freed for them
     for weights, batch, context, method, budget in tqdm(configs, desc="bench", unit="config",
                                                          disable=args.no_progress):
-        if getattr(model, "_bench_weights", args.weights[0]) != weights:
+        if method not in PEERS and getattr(model, "_bench_weights", args.weights[0]) != weights:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -451,7 +455,9 @@ def main(argv=None) -> int:
                     check_run_memory(model, method, batch=batch, prompt_len=context,
                                      new_tokens=args.new_tokens, budget=budget,
                                      options=options_for(method, args))
-                row = run_one(model, batch, context, method, budget, args, bandwidth, device)
+                row = run_peer(model, batch, context, method, args, bandwidth, device, dtype) \
+                    if method in PEERS else \
+                    run_one(model, batch, context, method, budget, args, bandwidth, device)
             except (ConfigError, torch.OutOfMemoryError) as e:
                 row = {"device": device_name(device), "model": model.args.name,
                        "method": method, "budget": budget, "context": context,

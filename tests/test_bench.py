@@ -180,13 +180,18 @@ def test_charts_draw_a_line_only_for_series_at_several_contexts(tmp_path, monkey
 def test_transformers_peer_rows_beside_ours(tmp_path):
     """``--methods transformers``: Hugging Face transformers at the model's shape with its
     static cache, in the same run, with the fields of our rows and its version; its static
-    cache holds context + new tokens for every layer."""
-    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64", "--methods",
-               "full", "transformers", "--new-tokens", "6", "--out", str(tmp_path),
+    cache holds context + new tokens for every layer. The peer's rows come after all of
+    ours, whatever the order asked (our weights are freed for them)."""
+    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64", "48",
+               "--methods", "transformers", "full", "--new-tokens", "6", "--out", str(tmp_path),
                "--no-plots", "--no-progress"])
     assert rc == 0
     (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
-    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    every = json.loads(out.read_text())
+    assert [(r["method"], r["context"]) for r in every] == [
+        ("full", 64), ("full", 48), ("transformers", 64), ("transformers", 48)]
+    assert all("error" not in r for r in every)
+    rows = {r["method"]: r for r in every if r["context"] == 64}
     peer, ours = rows["transformers"], rows["full"]
     for key in KEYS:
         assert key in peer, key
