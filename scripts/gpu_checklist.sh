@@ -36,7 +36,8 @@
 #    weights with full and rocketkv@256 at 32K and 128K
 # g1, g2: the paper's grid (full, gptfast_dense, rocketkv @256-4096; 16K-64K, then 96K and
 #    128K) with --compile-regime graphs, so the grid fits two calls; the static-regime rows
-#    of parts b and c say what compiling adds
+#    of parts b and c say what compiling adds; scripts/plot_bench.py --regime graphs draws
+#    the charts from both runs afterwards
 # a: nvidia-smi, versions, the CUDA-only tests, the smoke runs (item 1), the kernel profile of
 #    full and rocketkv@256 at 128K (item 5)
 # b: the targets' rows: full, rocketkv@256 and gptfast_dense at 96K and 128K (item 2)
