@@ -47,7 +47,8 @@
 #    31-94 s on the H200, so the 14 rows take three calls
 # e, f: every method at 32K, 2 and 3 of 3
 # Every step has its own time limit, so a slow step leaves the next ones their time; bench.py
-# saves its rows after every configuration. Plots are drawn afterwards from the JSON (the
+# saves its rows after every configuration; pytest is stopped with SIGINT, so a test run cut
+# off still prints which tests passed and failed. Plots are drawn afterwards from the JSON (the
 # device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
 # `pip install -e .`): PYTHONPATH puts the repository root on the path for scripts/ and evals/.
 # tests/test_gpu_checklist.py runs every part here with a Python that records its arguments,
@@ -70,7 +71,7 @@ k)
     step env; nvidia-smi
     $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
     step "kernel tests on CUDA, and the CUDA graph of the eager step (--compile-regime graphs)"
-    timeout 230 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+    timeout -s INT -k 20 230 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         tests/test_dense_kernels.py tests/test_generate.py -k "cuda and not cli and not before"
     step "kernels per step at 32K: every kernel (full, rocketkv, hybrid), the PyTorch path"
     timeout 120 $py scripts/profile_step.py --context 32768 --methods full rocketkv hybrid \
@@ -94,7 +95,7 @@ t)
     ;;
 q)
     step int8 and int4 CUDA kernels against dequantized matmuls
-    timeout 100 $py -m pytest -q -p no:cacheprovider tests/test_quantize.py \
+    timeout -s INT -k 20 100 $py -m pytest -q -p no:cacheprovider tests/test_quantize.py \
         tests/test_dense_kernels.py -k "cuda_kernels or cuda_quantized"
     step "int8 and int4-g128 weights: full and rocketkv@256 at 32K and 128K"
     timeout 450 $py scripts/bench.py $G --context 32768 131008 --methods full rocketkv \
@@ -132,7 +133,7 @@ kq)
     ;;
 p)
     step int8 and int4 CUDA kernels against dequantized matmuls
-    timeout 100 $py -m pytest -q -p no:cacheprovider tests/test_quantize.py \
+    timeout -s INT -k 20 100 $py -m pytest -q -p no:cacheprovider tests/test_quantize.py \
         tests/test_dense_kernels.py -k "cuda_kernels or cuda_quantized"
     step peers: transformers beside full and rocketkv@256
     timeout 290 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
@@ -151,7 +152,7 @@ a)
     step env; nvidia-smi
     $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
     step cuda tests
-    timeout 150 $py -m pytest -q -p no:cacheprovider tests/test_kv_cache.py tests/test_keydiff_omnikv.py tests/test_kernels.py tests/test_dense_kernels.py -k cuda
+    timeout -s INT -k 20 150 $py -m pytest -q -p no:cacheprovider tests/test_kv_cache.py tests/test_keydiff_omnikv.py tests/test_kernels.py tests/test_dense_kernels.py -k cuda
     for m in "full" "rocketkv --budget 256"; do
         step smoke $m
         timeout 150 $py generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 \
