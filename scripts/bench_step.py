@@ -26,12 +26,19 @@ Per row:
   ``roofline_ms`` of each at the bandwidth a device-to-device copy reaches in the same run.
 
 Compile regime: with ``--compile`` every row compiles its own step with static shapes (the
-compile cache is reset between rows), so no row runs a symbolic-shape graph left by another.
+compile cache is reset between rows), so no row runs a symbolic-shape graph left by another;
+with ``--cuda-graphs`` (CUDA only) the eager step is captured in a CUDA graph once per row
+(about a second, no compile) and the timed steps replay it.
 
-``--split-pages N ...`` repeats every configuration with the fused selection split at N pages
-a program (``kernels.sparse.SPLIT_PAGES``: one program per KV head up to N pages, above that
-the split selection), to choose that constant on a GPU; each row records ``split_pages`` and
-``fused_kernels`` (whether the Triton kernels ran: CUDA with triton).
+``--knob NAME=V1,V2,...`` (repeatable) repeats every configuration at each combination of the
+fused kernels' launch constants (``kernels.sparse``: ``SPLIT_PAGES``, the pages one program
+chooses over before the selection splits; ``PREFIX_SPLIT`` and ``PREFIX_PROGRAMS``, the
+split of Full-KV's attention over the sequence; ``ATTEND_TOKENS``, slots an attention loop
+iteration loads; ``SPLIT_TOKENS``, selections that attend in one program; ``SCORE_BLOCK``,
+pages a scoring iteration takes; ``NUM_WARPS``), to choose them on a GPU; ``--split-pages N
+...`` is ``--knob SPLIT_PAGES=N,...``. Each row records ``knobs`` (every constant's value as
+it ran), ``split_pages`` and ``fused_kernels`` (whether the Triton kernels ran: CUDA with
+triton).
 
 Methods whose layers differ (omnikv, duoattention) have no single representative layer and are
 refused; use ``scripts/bench.py``. Results: ``--json`` (default
@@ -59,6 +66,9 @@ from evals.harness import configurations
 from measure import device_name, percentile, sync
 from model import CONFIGS, ConfigError, ModelArgs
 
+KNOBS = ("SPLIT_PAGES", "PREFIX_SPLIT", "PREFIX_PROGRAMS", "ATTEND_TOKENS", "SPLIT_TOKENS",
+         "SCORE_BLOCK", "NUM_WARPS")  # kernels.sparse's launch constants that --knob sets
+POW2_KNOBS = {"ATTEND_TOKENS": 16, "SCORE_BLOCK": 16, "NUM_WARPS": 1}  # powers of two, >= this
 HETEROGENEOUS = ("omnikv", "duoattention")  # layers differ: no one layer stands for the model
 GATHER_OPS = ("gather", "index", "index_select", "index_copy", "index_put", "scatter", "take")
 VIEW_OPS = ("view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "transpose", "permute",
@@ -116,6 +126,42 @@ def fill_cache(cache, args: ModelArgs, batch: int, context: int, dtype, device, 
         cache.store_recorded_prompt(k, v, q_obs, sums, {})
 
 
+def parse_knob(text: str) -> tuple[str, list[int]]:
+    """``NAME=V1,V2,...`` -> (NAME, [V1, V2, ...]) for ``--knob``.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown name, or a value that is not a positive integer
+            (a power of two of at least the minimum for ``POW2_KNOBS``)."""
+    name, _, values = text.partition("=")
+    if name not in KNOBS:
+        raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(KNOBS)}")
+    try:
+        vals = [int(v) for v in values.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: values must be integers, as "
+                                         f"{name}=256,512") from None
+    low = POW2_KNOBS.get(name)
+    for v in vals:
+        if v <= 0 or (low is not None and (v < low or v & (v - 1))):
+            rule = f"a power of two, at least {low}" if low else "positive"
+            raise argparse.ArgumentTypeError(f"{name}={v}: must be {rule}")
+    return name, list(dict.fromkeys(vals))
+
+
+def knob_settings(knobs: list[tuple[str, list[int]]]) -> list[dict[str, int]]:
+    """Every combination of the ``--knob`` values, as name -> value ([{}] for none).
+
+    Raises:
+        ConfigError: a knob given twice."""
+    names = [n for n, _ in knobs]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--knob {max(names, key=names.count)} given twice")
+    settings = [{}]
+    for name, vals in knobs:
+        settings = [{**s, name: v} for s in settings for v in vals]
+    return settings
+
+
 def decode_step(cache, q, k, v, pos):
     """The timed function: one decode step of one layer's cache."""
     return cache.decode(q, k, v, pos)
@@ -149,6 +195,13 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
             if i == 0:  # an eager step under the op counter (it writes position `context`)
                 ops = count_ops(decode_step, cache, q, k, v, pos)
                 pos.add_(1)
+                if opts.cuda_graphs:  # captured, not run; each later step replays it
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        decode_step(cache, q, k, v, pos)
+
+                    def step(*_, graph=graph):
+                        graph.replay()
                 continue
             sync(device)
             if device.type == "cuda":
@@ -174,7 +227,8 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
         "device": device_name(device), "torch_version": torch.__version__,
         "model": args.name, "dtype": str(dtype).removeprefix("torch."), "method": method,
         "budget": budget, "context": context, "batch_size": B, "compiled": bool(opts.compile),
-        "compile_regime": "static per row" if opts.compile else "eager",
+        "compile_regime": "graphs" if opts.cuda_graphs else "static per row" if opts.compile
+        else "eager",
         "steps": len(times), "step_ms_median": percentile(times, 50),
         "step_ms_p10": percentile(times, 10), "step_ms_p90": percentile(times, 90),
         "aten_ops": sum(n for op, n in ops.items() if op not in VIEW_OPS),
@@ -186,6 +240,8 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
         "kv_cache_bytes": cache.allocated_bytes(), "bandwidth_gbps": bandwidth,
         "fused_kernels": kernels.in_use(device),
         "split_pages": kernels.ops().SPLIT_PAGES if kernels.in_use(device) else None,
+        "knobs": {n: getattr(kernels.ops(), n) for n in KNOBS} if kernels.in_use(device)
+        else None,
         "roofline_ms": read / (bandwidth * 1e9) * 1e3,
         "ideal_roofline_ms": ideal / (bandwidth * 1e9) * 1e3,
         "method_params": cache.method_params(),
@@ -193,8 +249,12 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
 
 
 def summary(rows: list[dict]) -> str:
+    """The rows as a Markdown table; the last column is the knobs that differ between rows
+    (``--knob``), else the split selection's pages a program."""
+    sets = [r["knobs"] for r in rows if r.get("knobs")]
+    varied = [n for n in KNOBS if len({k[n] for k in sets}) > 1]
     head = ("| method | budget | context | step ms (p10-p90) | aten ops | top-k | gathers | "
-            "bytes read | ideal bytes | roofline ms | split pages |\n"
+            f"bytes read | ideal bytes | roofline ms | {' '.join(varied) or 'split pages'} |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
@@ -208,7 +268,7 @@ def summary(rows: list[dict]) -> str:
             f"{r['aten_ops']} | {r['topk_ops']} | {r['gather_ops']} | "
             f"{r['bytes_read_per_step'] / 2**20:.2f} MiB | "
             f"{r['ideal_bytes_per_step'] / 2**20:.2f} MiB | {r['roofline_ms']:.4f} | "
-            f"{r['split_pages'] or '-'} |")
+            f"{' '.join(str(r['knobs'][n]) for n in varied) or r['split_pages'] or '-'} |")
     return "\n".join(lines)
 
 
@@ -233,11 +293,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the step (default: on for cuda, with CUDA graphs)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="no compile: the eager step captured in a CUDA graph, replayed (CUDA)")
     p.add_argument("--json", metavar="PATH",
                    help="rows JSON (default results/<device>/bench_step-<time>.json)")
     p.add_argument("--split-pages", type=int, nargs="+", metavar="N",
                    help="repeat each configuration with the fused selection split at N pages "
                         "a program (kernels.sparse.SPLIT_PAGES; where the kernels run)")
+    p.add_argument("--knob", type=parse_knob, action="append", default=[],
+                   metavar="NAME=V1,V2", help="repeat each configuration at every combination "
+                   f"of these launch constants of the fused kernels ({', '.join(KNOBS)}; "
+                   "where the kernels run)")
     add_method_options(p.add_argument_group("method options"))
     deprecated_alias(p, "--model", "--checkpoint")
     deprecated_alias(p, "--out", "--json")
@@ -260,16 +326,25 @@ def main(argv=None) -> int:
         if bad:
             raise ConfigError(f"{', '.join(bad)}: its layers differ, so one layer does not "
                               "stand for the step; use scripts/bench.py")
+        if opts.cuda_graphs and opts.compile:
+            raise ConfigError("--cuda-graphs captures the eager step: drop --compile")
         device, dtype = resolve_run(opts)
+        if opts.cuda_graphs:
+            if device.type != "cuda":
+                raise ConfigError(f"--cuda-graphs needs a CUDA device, not {device.type}")
+            opts.compile = False
         args = ModelArgs.from_name(opts.checkpoint)
         if opts.split_pages:
+            opts.knob.append(("SPLIT_PAGES", opts.split_pages))
+        settings = knob_settings(opts.knob)
+        if opts.knob:
             if not kernels.in_use(device):
-                raise ConfigError("--split-pages sets the fused selection's split, and the "
-                                  f"kernels do not run on {device.type} "
+                raise ConfigError("--knob and --split-pages set the fused kernels' launch "
+                                  f"constants, and the kernels do not run on {device.type} "
                                   f"({kernels.missing() or 'CUDA with triton only'})")
             limit = kernels.ops().SELECT_REGISTER_PAGES
-            if not all(0 < n <= limit for n in opts.split_pages):
-                raise ConfigError(f"--split-pages must be 1 to {limit} (pages a program "
+            if not all(0 < s.get("SPLIT_PAGES", 1) <= limit for s in settings):
+                raise ConfigError(f"SPLIT_PAGES must be 1 to {limit} (pages a program "
                                   "chooses over in registers)")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -282,10 +357,11 @@ def main(argv=None) -> int:
     bandwidth = measure_bandwidth(device)
     command = command_line("bench_step.py", argv)
     rows = []
-    default = kernels.ops().SPLIT_PAGES if kernels.in_use(device) else None
-    for split_pages in opts.split_pages or [default]:
-        if split_pages is not None:
-            kernels.ops().SPLIT_PAGES = split_pages
+    module = kernels.ops() if kernels.in_use(device) else None
+    default = {n: getattr(module, n) for n in KNOBS} if module is not None else {}
+    for setting in settings:
+        for name, value in setting.items():
+            setattr(module, name, value)
         try:
             for context in opts.context:
                 for method, budget in configurations(opts.methods, opts.budgets):
@@ -294,13 +370,15 @@ def main(argv=None) -> int:
                                       bandwidth)
                     except (ConfigError, torch.OutOfMemoryError) as e:
                         row = {"method": method, "budget": budget, "context": context,
-                               "split_pages": split_pages, "error": str(e).splitlines()[0]}
+                               "split_pages": setting.get("SPLIT_PAGES"),
+                               "knobs": {**default, **setting} if module else None,
+                               "error": str(e).splitlines()[0]}
                     row["command"] = command
                     rows.append(row)
                     write_json(out, rows)
         finally:
-            if default is not None:
-                kernels.ops().SPLIT_PAGES = default
+            for name, value in default.items():
+                setattr(module, name, value)
     print(summary(rows))
     print(f"copy bandwidth {bandwidth:.1f} GB/s on {device_name(device)}")
     print(f"wrote {out}")

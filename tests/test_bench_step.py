@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from scripts.bench_step import main
 
 
@@ -33,7 +35,8 @@ def test_refuses_methods_whose_layers_differ(capsys):
     assert "its layers differ" in capsys.readouterr().err
     assert main(["--device", "cpu", "--checkpoint", "stories260K", "--steps", "0"]) == 2
     assert main(["--device", "cpu", "--checkpoint", "stories260K", "--split-pages", "512"]) == 2
-    assert "--split-pages sets the fused selection's split" in capsys.readouterr().err
+    assert "--knob and --split-pages set the fused kernels' launch constants" in \
+        capsys.readouterr().err
 
 
 def test_old_flag_spellings_still_work_with_a_note(capsys):
@@ -44,3 +47,52 @@ def test_old_flag_spellings_still_work_with_a_note(capsys):
     assert err[:2] == ["note: --model is deprecated; use --checkpoint",
                        "note: --out is deprecated; use --json"]
     assert "--steps must be positive" in err[2]
+
+
+def test_knobs_repeat_each_configuration_and_reach_the_kernels(tmp_path, capsys, monkeypatch):
+    """``--knob NAME=V1,V2`` (Triton's interpreter): one row per combination, each recording
+    the constants as they ran and launching with them (Full-KV's split over the sequence),
+    the module's constants restored afterwards; bad knobs are one error line."""
+    import kernels
+
+    previous = kernels.set_mode("force")
+    try:
+        module = kernels.ops()
+        before = {n: getattr(module, n) for n in ("PREFIX_SPLIT", "PREFIX_PROGRAMS")}
+        seen, splits = [], module.prefix_splits
+
+        def spy(*a):
+            seen.append(splits(*a))
+            return seen[-1]
+
+        monkeypatch.setattr(module, "prefix_splits", spy)
+        out = tmp_path / "step.json"
+        # qwen2.5-0.5b's layer: 2 KV heads of 64 dims (the kernels need 16 at least)
+        assert main(["--device", "cpu", "--checkpoint", "qwen2.5-0.5b", "--context", "300",
+                     "--methods", "full", "--steps", "1", "--warmup", "0", "--knob",
+                     "PREFIX_SPLIT=64", "--knob", "PREFIX_PROGRAMS=2,16", "--json",
+                     str(out)]) == 0
+        rows = json.loads(out.read_text())
+        assert [(r["knobs"]["PREFIX_SPLIT"], r["knobs"]["PREFIX_PROGRAMS"]) for r in rows] == \
+            [(64, 2), (64, 16)]
+        assert all(r["fused_kernels"] and "error" not in r for r in rows)
+        # 2 programs in all: one split a KV head; 16: 364 slots // 64 = 5, a power of two: 8
+        assert seen[0] == 1 and seen[-1] == 8
+        assert {n: getattr(module, n) for n in before} == before
+    finally:
+        kernels.set_mode(previous)
+    table = capsys.readouterr().out  # the knob that varied is the last column
+    assert "| roofline ms | PREFIX_PROGRAMS |" in table and table.count(" | 16 |") == 1
+    for knob, message in (("SPLITS=2", "'SPLITS' is not one of SPLIT_PAGES"),
+                          ("ATTEND_TOKENS=48", "ATTEND_TOKENS=48: must be a power of two"),
+                          ("NUM_WARPS=4,x", "values must be integers")):
+        with pytest.raises(SystemExit) as stop:  # argparse's own exit, one line
+            main(["--device", "cpu", "--checkpoint", "stories260K", "--knob", knob])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and "\n" not in err
+        assert err.startswith("error: argument --knob") and message in err, err
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--knob", "NUM_WARPS=4",
+                 "--knob", "NUM_WARPS=8"]) == 2
+    assert "--knob NUM_WARPS given twice" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--cuda-graphs"]) == 2
+    assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
