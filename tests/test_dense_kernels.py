@@ -579,13 +579,19 @@ def test_cuda_compiled_decode_with_every_kernel_equals_the_pytorch_path(method, 
     *[pytest.param(m, False, {}, id=f"{m}-pytorch") for m in METHODS],
     *[pytest.param(m, True, {}, id=f"{m}-kernels") for m in (
         "full", "rocketkv", "hybrid", "quest", "exact_topk", "h2o", "omnikv")],
-    pytest.param("sparq", True, {"sparq_reallocate": True}, id="sparq-kernels-reallocate")])
+    pytest.param("sparq", True, {"sparq_reallocate": True}, id="sparq-kernels-reallocate"),
+    *[pytest.param(m, "sparse", {}, id=f"{m}-sparse-kernels") for m in (
+        "full", "rocketkv", "sparq")]])
 def test_a_replayed_step_decodes_as_the_eager_one(method, fused, options, few_programs):
     """``--compile-regime graphs`` captures the eager step once and replays it
     (``GraphStep``): every value that changes from step to step must live in a tensor the
     step reads, never in a Python value its kernels take. A traced first step replayed for
-    the later ones gives the eager steps' logits exactly, through the kernels and through
-    the PyTorch path (which ``--kernels off`` captures), for every method that compiles."""
+    the later ones gives the eager steps' logits exactly, through the kernels, through the
+    sparse ones alone (``--kernels sparse``; the caches' own ``decode``, which
+    ``bench_step.py --cuda-graphs`` captures) and through the PyTorch path (which
+    ``--kernels off`` captures), for every method that compiles."""
+    if fused == "sparse":
+        kernels.set_dense(False)  # the autouse fixture restores it
     model = small_model("gqa")
     ref, caches = decode_logits(model, method, fused, steps=3, batch=1, **options)
     if not all(c.compilable for c in caches):
