@@ -26,9 +26,10 @@ dense decode attention:
       GEMV over the summary; the newest page always ranks first.
 
     Then the k tokens: the largest threshold tau of the page scores whose pages hold at least
-    k valid tokens (a 32-step bisection on the scores' order-preserving int32 keys, each page
-    weighted by its written slots); pages above tau give all their written slots, pages at
-    tau their first slots in page order until k are taken. That is the set of the reference's
+    k valid tokens (a bisection on the scores' order-preserving int32 keys, each page
+    weighted by its written slots, its bounds snapping to the keys: at most 32 steps);
+    pages above tau give all their written slots, pages at tau their first slots in page
+    order until k are taken. That is the set of the reference's
     page-first top-k (``compression.selection.top_pages_to_tokens``), ties aside, without a
     sort. The chosen pages are written compacted, with how many of their first slots to read:
     at most M = min(P, ceil(k / page_size) + 1) pages (k for pages of one slot).
@@ -80,8 +81,9 @@ MODE_SOFTMAX = 0  # hybrid / SparQ / Exact-TopK scores
 MODE_BOUND = 1  # Quest page bounds
 
 SCORE_BLOCK = 64  # pages scored per loop iteration of paged_select
-SELECT_REGISTER_PAGES = 8192  # up to this many pages the choice of k runs in registers (32
-# bisection steps, each one block reduction; compiles for sm_90 without spills); more pages:
+SELECT_REGISTER_PAGES = 8192  # up to this many pages the choice of k runs in registers (at
+# most 32 bisection steps, each one block reduction; compiles for sm_90, 0-28 bytes spilled
+# at 8192); more pages:
 # passes over the scores, which the selectors leave to the PyTorch path (kernels.selection_fits)
 SELECT_BLOCK = 1024  # scores per loop iteration of those passes
 SPLIT_PAGES = 2048  # pages one program scores and chooses over: more pages split the selection
@@ -431,20 +433,35 @@ def _take(key, cnt, tau, room):
 
 
 @triton.jit
+def _count_snap(c1, up1, dn1, c2, up2, dn2):
+    """Combine of ``_choose``'s reduction: slots summed, the smallest key at or above the
+    midpoint and the largest key below it."""
+    return c1 + c2, tl.minimum(up1, up2), tl.maximum(dn1, dn2)
+
+
+@triton.jit
 def _choose(key, cnt, page, k_eff, pages_ptr, take_ptr, limit):
     """The choice of ``k_eff`` slots among pages held in registers (order keys ``key``
     int64, ``cnt`` slots each, ids ``page``): tau, the largest order key whose pages
-    (key >= tau) hold at least k_eff slots, by a 32-step bisection, each step one block
-    reduction; pages above tau give all their slots, pages at tau their first slots in
-    register order while the k last. The chosen pages and their counts are written in
-    register order to ``pages_ptr``/``take_ptr`` (at most ``limit``); returns how many."""
+    (key >= tau) hold at least k_eff slots, by a bisection over the int32 key range whose
+    bounds snap to the pages' keys (each step one block reduction giving the slots at or
+    above the midpoint, the smallest key there and the largest key below it: tau is a key,
+    so lo moves up to the first and hi down to the second), until lo = hi: at most 32
+    steps, fewer where the keys are sparse in their range (each step at least halves it;
+    a page without slots may bound the range, never end as tau). Pages above tau give all
+    their slots, pages at tau their first slots in register order while the k last. The
+    chosen pages and their counts are written in register order to ``pages_ptr``/
+    ``take_ptr`` (at most ``limit``); returns how many."""
     lo = tl.full((), -2147483648, tl.int64)
     hi = tl.full((), 2147483647, tl.int64)
-    for _ in range(32):
+    while lo < hi:  # invariant: slots(key >= lo) >= k_eff > slots(key > hi)
         mid = (lo + hi + 1) // 2
-        big = tl.sum(tl.where(key >= mid, cnt, 0)) >= k_eff
-        lo = tl.where(big, mid, lo)
-        hi = tl.where(big, hi, mid - 1)
+        at = key >= mid
+        n, up, dn = tl.reduce((tl.where(at, cnt, 0), tl.where(at, key, hi),
+                               tl.where(at, lo, key)), 0, _count_snap)
+        big = n >= k_eff
+        lo = tl.where(big, up, lo)  # tau >= mid, so at least the first key there
+        hi = tl.where(big, hi, dn)  # tau < mid, so at most the last key below it
     above = tl.sum(tl.where(key > lo, cnt, 0))
     take, _ = _take(key, cnt, lo, k_eff - above)
     chosen = (take > 0).to(tl.int32)

@@ -597,3 +597,70 @@ def test_cuda_graph_captures_the_kernels():
         for _ in range(3):  # warm-up and capture; the same token rewritten each time
             got = step(*ins, pos).float()
     assert (got - want).abs().max() < 0.05
+
+
+# ---- the choice of k slots among scored pages, alone -------------------------------------
+
+if OPS is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _choose_probe(key_ptr, cnt_ptr, pages_ptr, take_ptr, n_ptr, k_eff, N: tl.constexpr,
+                      LIMIT: tl.constexpr):
+        p = tl.arange(0, N)
+        n = OPS._choose(tl.load(key_ptr + p), tl.load(cnt_ptr + p), p, k_eff, pages_ptr,
+                        take_ptr, LIMIT)
+        tl.store(n_ptr, n)
+
+
+def choice_reference(key: list[int], cnt: list[int], k: int) -> list[tuple[int, int]]:
+    """(page, slots) of the page-first choice of k slots: tau the largest key whose pages
+    hold at least k slots (the smallest key when none does); pages above tau give all their
+    slots, pages at tau their first slots in page order while the k last."""
+    live = sorted({x for x, c in zip(key, cnt) if c > 0}, reverse=True)
+    tau = next((t for t in live if sum(c for x, c in zip(key, cnt) if x >= t) >= k),
+               -2**31 if not live else None)
+    if tau is None:  # fewer than k slots in all: every page with slots
+        tau = live[-1]
+    room = k - sum(c for x, c in zip(key, cnt) if x > tau)
+    out = []
+    for p, (x, c) in enumerate(zip(key, cnt)):
+        take = c if x > tau else min(c, max(room, 0)) if x == tau else 0
+        room -= c if x == tau else 0
+        if take > 0:
+            out.append((p, take))
+    return out
+
+
+@interpreted
+@pytest.mark.parametrize("case", ["random", "ties", "extremes", "sparse", "k-past-all",
+                                  "no-slots"])
+def test_the_choice_takes_the_reference_slots(case):
+    """``_choose`` (the snapping bisection over order keys) on crafted keys: the chosen
+    pages and their slots equal the page-first reference, with ties broken in page order,
+    keys at the int32 extremes, pages without slots never chosen, and k past every slot."""
+    g = torch.Generator().manual_seed(7)
+    N, k = 64, 40
+    key = torch.randint(-2**31, 2**31 - 1, (N,), generator=g, dtype=torch.int64)
+    cnt = torch.randint(1, 9, (N,), generator=g, dtype=torch.int32)
+    if case == "ties":
+        key = torch.randint(-2, 3, (N,), generator=g, dtype=torch.int64)
+    elif case == "extremes":
+        key[:8] = 2**31 - 1
+        key[8:16] = -2**31
+        k = 60
+    elif case == "sparse":
+        cnt[::3] = 0  # pages past the written slots: any key, no slots
+    elif case == "k-past-all":
+        k = int(cnt.sum()) + 5
+    elif case == "no-slots":
+        cnt[:] = 0
+    k_eff = min(k, int(cnt.sum()))
+    pages = torch.full((N,), -1, dtype=torch.int32)
+    take = torch.full((N,), -1, dtype=torch.int32)
+    n = torch.zeros(1, dtype=torch.int32)
+    _choose_probe[(1,)](key, cnt, pages, take, n, k_eff, N=N, LIMIT=N)
+    got = list(zip(pages[:int(n)].tolist(), take[:int(n)].tolist()))
+    assert got == choice_reference(key.tolist(), cnt.tolist(), k_eff)
+    assert sum(t for _, t in got) == k_eff
