@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from types import ModuleType
 
 import torch
 from torch import Tensor
+
+from kernels import tuning
 
 MODES = ("auto", "off", "force")
 _mode = "off" if os.environ.get("ROCKETKV_KERNELS", "1") == "0" else "auto"
@@ -81,17 +84,25 @@ def missing() -> str | None:
 def enabled(x: Tensor) -> bool:
     """Whether a decode step on ``x``'s device runs the kernels: CUDA (or any device with
     ``set_mode("force")``), a head dim of at least 16 (``tl.dot``'s smallest tile) and
-    triton importable."""
+    triton importable. On a GPU a tuned table names, its constants are set first
+    (``kernels.tuning.apply_constants``, once a process)."""
     if _mode == "off" or x.shape[-1] < 16:
         return False
     if _mode == "auto" and x.device.type != "cuda":
         return False
-    return ops() is not None
+    return in_use(x.device)
 
 
 def in_use(device: torch.device) -> bool:
-    """Whether decode steps on ``device`` run the kernels (for a head dim of at least 16)."""
-    return _mode != "off" and (_mode == "force" or device.type == "cuda") and ops() is not None
+    """Whether decode steps on ``device`` run the kernels (for a head dim of at least 16); on
+    a GPU a tuned table names, its constants are set first (once a process).
+
+    Raises:
+        ValueError: a tuned table that is not valid (``kernels.tuning.read_table``)."""
+    if _mode == "off" or (_mode != "force" and device.type != "cuda") or ops() is None:
+        return False
+    tuning.apply_constants(device, {"sparse": _ops, "dense": sys.modules["kernels.dense"]})
+    return True
 
 
 def dense_in_use(device: torch.device) -> bool:

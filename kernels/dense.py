@@ -45,15 +45,12 @@ Triton's interpreter on CPU (``tests/test_dense_kernels.py``).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import AUX_NONE
+from kernels import AUX_NONE, tuning
 from kernels.sparse import _dot_mode, _last_slot, _pow2, _summary_update
 
 EPI_PLAIN = 0  # store x @ W^T
@@ -71,11 +68,9 @@ K_BLOCK_GEMV = 256  # columns per loop iteration, one batch row
 K_BLOCK_DOT = 64  # columns per loop iteration, tl.dot over batch rows
 NUM_WARPS = 4  # per program (scripts/bench_dense.py times the alternatives on a GPU)
 
-KNOBS = ("TARGET_PROGRAMS", "MAX_BLOCK_N", "K_BLOCK", "NUM_WARPS")  # a tuned entry's config
+KNOBS = tuning.LAUNCH_KNOBS  # a launch's config: TARGET_PROGRAMS, MAX_BLOCK_N, K_BLOCK, NUM_WARPS
 EPI_NAMES = {EPI_PLAIN: "plain", EPI_RESIDUAL: "residual", EPI_SWIGLU: "swiglu", EPI_QKV: "qkv"}
 QUANT_NAMES = {QUANT_NONE: "float", QUANT_INT8: "int8", QUANT_INT4: "int4"}
-TUNED_DIR = Path(__file__).with_name("tuned")  # launch knobs measured per GPU (bench_dense)
-_tables: dict[str, dict[str, dict[str, int]]] = {}  # GPU name -> launch key -> knobs
 
 
 def launch_key(epi: int, quant: int, M: int, K: int, n: int) -> str:
@@ -84,43 +79,13 @@ def launch_key(epi: int, quant: int, M: int, K: int, n: int) -> str:
     return f"{EPI_NAMES[epi]}/{QUANT_NAMES[quant]}/M={1 if M == 1 else 'many'}/K={K}/n={n}"
 
 
-def _read_table(path: Path, gpu: str) -> dict[str, dict[str, int]]:
-    """The entries of one tuned file that name ``gpu`` ({} for another GPU's file).
-
-    Raises:
-        ValueError: not a tuned table, or a config that is not four positive integers with
-            power-of-two blocks."""
-    try:
-        data = json.loads(path.read_text())
-        if data.get("device") != gpu:
-            return {}
-        table = {e["key"]: {k: e["config"][k] for k in KNOBS} for e in data["launches"]}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: not a tuned launch table ({type(e).__name__}: {e})") from None
-    for key, config in table.items():
-        if not all(isinstance(v, int) and v > 0 for v in config.values()) or any(
-                config[k] & (config[k] - 1) for k in ("MAX_BLOCK_N", "K_BLOCK", "NUM_WARPS")):
-            raise ValueError(f"{path}: {key}: knobs must be positive integers, blocks and "
-                             f"warps powers of two: {config}")
-    return table
-
-
 def tuned_table(device: torch.device) -> dict[str, dict[str, int]]:
-    """Launch key -> knobs measured on ``device``'s GPU: every ``kernels/tuned/*.json`` whose
-    ``device`` is its name (``torch.cuda.get_device_name``), a later file (by name) over an
-    earlier one; {} off CUDA or for a GPU no file names. Read once per GPU name.
+    """Launch key -> knobs measured on ``device``'s GPU (``kernels.tuning.table``); {} off
+    CUDA or for a GPU no table names.
 
     Raises:
-        ValueError: a file that is not a valid table (``_read_table``)."""
-    if device.type != "cuda":
-        return {}
-    gpu = torch.cuda.get_device_name(device)
-    if gpu not in _tables:
-        table: dict[str, dict[str, int]] = {}
-        for path in sorted(TUNED_DIR.glob("*.json")):
-            table.update(_read_table(path, gpu))
-        _tables[gpu] = table
-    return _tables[gpu]
+        ValueError: a table that is not valid (``kernels.tuning.read_table``)."""
+    return tuning.table(device).launches
 
 
 def launch_knobs(device: torch.device, epi: int, quant: int, M: int, K: int, n: int

@@ -1110,6 +1110,7 @@ def _select_attend(q: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor, la
 
 PREFIX_SPLIT = 1024  # slots per program of attend_prefix, at least (untuned)
 PREFIX_PROGRAMS = 512  # programs (sequences x KV heads x splits) attend_prefix aims at
+PREFIX_WARPS = 8  # per program of attend_prefix (untuned)
 
 
 def prefix_splits(batch_kv_heads: int, slots: int) -> int:
@@ -1149,7 +1150,7 @@ def attend_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), Hkv, G, D, split_len, 1.0 / math.sqrt(D),
         SPLITS=splits, HAS_OFFSET=offset is not None, DOT=_dot_mode(k_cache),
-        G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK, TOK=ATTEND_TOKENS, num_warps=NUM_WARPS)
+        G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK, TOK=ATTEND_TOKENS, num_warps=PREFIX_WARPS)
     if splits > 1:
         torch.library.wrap_triton(_merge_splits_kernel)[(B * Hkv,)](
             o, lse, out, out.stride(0), out.stride(1), Hkv, G, D, SPLITS=splits,

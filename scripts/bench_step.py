@@ -35,10 +35,14 @@ fused kernels' launch constants (``kernels.sparse``: ``SPLIT_PAGES``, the pages 
 chooses over before the selection splits; ``PREFIX_SPLIT`` and ``PREFIX_PROGRAMS``, the
 split of Full-KV's attention over the sequence; ``ATTEND_TOKENS``, slots an attention loop
 iteration loads; ``SPLIT_TOKENS``, selections that attend in one program; ``SCORE_BLOCK``,
-pages a scoring iteration takes; ``NUM_WARPS``), to choose them on a GPU; ``--split-pages N
+pages a scoring iteration takes; ``PREFIX_WARPS``, warps of Full-KV's attention;
+``NUM_WARPS``, of the other sparse kernels), to choose them on a GPU; ``--split-pages N
 ...`` is ``--knob SPLIT_PAGES=N,...``. Each row records ``knobs`` (every constant's value as
-it ran), ``split_pages`` and ``fused_kernels`` (whether the Triton kernels ran: CUDA with
-triton).
+it ran), ``setting`` (its combination's index), ``split_pages`` and ``fused_kernels`` (whether
+the Triton kernels ran: CUDA with triton). ``--tuned PATH`` also writes the combination whose
+rows' median step times sum least (among those whose every row ran) as a tuned table for this
+GPU, with every combination's sum; committed under ``kernels/tuned/`` its constants are what
+``kernels.sparse`` runs with on a GPU of that name (``kernels.tuning``).
 
 Methods whose layers differ (omnikv, duoattention) have no single representative layer and are
 refused; use ``scripts/bench.py``. Results: ``--json`` (default
@@ -63,12 +67,11 @@ from cli import DTYPES, OneLineParser, command_line, deprecated_alias, rows_exit
 from compression import add_method_options, build_caches, check_methods, options_for
 from evals.bench import measure_bandwidth, resolve_run, results_dir
 from evals.harness import configurations
+from kernels import tuning
 from measure import device_name, percentile, sync
 from model import CONFIGS, ConfigError, ModelArgs
 
-KNOBS = ("SPLIT_PAGES", "PREFIX_SPLIT", "PREFIX_PROGRAMS", "ATTEND_TOKENS", "SPLIT_TOKENS",
-         "SCORE_BLOCK", "NUM_WARPS")  # kernels.sparse's launch constants that --knob sets
-POW2_KNOBS = {"ATTEND_TOKENS": 16, "SCORE_BLOCK": 16, "NUM_WARPS": 1}  # powers of two, >= this
+KNOBS = tuple(tuning.CONSTANTS["sparse"])  # kernels.sparse's launch constants --knob sets
 HETEROGENEOUS = ("omnikv", "duoattention")  # layers differ: no one layer stands for the model
 GATHER_OPS = ("gather", "index", "index_select", "index_copy", "index_put", "scatter", "take")
 VIEW_OPS = ("view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "transpose", "permute",
@@ -131,7 +134,7 @@ def parse_knob(text: str) -> tuple[str, list[int]]:
 
     Raises:
         argparse.ArgumentTypeError: an unknown name, or a value that is not a positive integer
-            (a power of two of at least the minimum for ``POW2_KNOBS``)."""
+            (a power of two of at least its minimum in ``kernels.tuning.CONSTANTS``)."""
     name, _, values = text.partition("=")
     if name not in KNOBS:
         raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(KNOBS)}")
@@ -140,11 +143,9 @@ def parse_knob(text: str) -> tuple[str, list[int]]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: values must be integers, as "
                                          f"{name}=256,512") from None
-    low = POW2_KNOBS.get(name)
     for v in vals:
-        if v <= 0 or (low is not None and (v < low or v & (v - 1))):
-            rule = f"a power of two, at least {low}" if low else "positive"
-            raise argparse.ArgumentTypeError(f"{name}={v}: must be {rule}")
+        if (why := tuning.value_error(name, v, tuning.CONSTANTS["sparse"][name])) is not None:
+            raise argparse.ArgumentTypeError(why)
     return name, list(dict.fromkeys(vals))
 
 
@@ -160,6 +161,21 @@ def knob_settings(knobs: list[tuple[str, list[int]]]) -> list[dict[str, int]]:
     for name, vals in knobs:
         settings = [{**s, name: v} for s in settings for v in vals]
     return settings
+
+
+def best_setting(rows: list[dict], settings: list[dict[str, int]]) -> tuple[dict, list[dict]]:
+    """The ``--knob`` setting whose rows' median step times sum least, among the settings
+    whose every configuration ran; and each setting's sum (``step_ms_total``, None where a row
+    failed). Returns ({}, ...) when none ran whole."""
+    totals = []
+    for i, setting in enumerate(settings):
+        mine = [r for r in rows if r.get("setting") == i]
+        ok = mine and all("error" not in r for r in mine)
+        totals.append({"knobs": setting, "rows": len(mine), "step_ms_total":
+                       sum(r["step_ms_median"] for r in mine) if ok else None})
+    done = [t for t in totals if t["step_ms_total"] is not None]
+    best = min(done, key=lambda t: t["step_ms_total"])["knobs"] if done else {}
+    return best, totals
 
 
 def decode_step(cache, q, k, v, pos):
@@ -300,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-pages", type=int, nargs="+", metavar="N",
                    help="repeat each configuration with the fused selection split at N pages "
                         "a program (kernels.sparse.SPLIT_PAGES; where the kernels run)")
+    p.add_argument("--tuned", metavar="PATH", help="also write the --knob setting whose rows "
+                   "ran fastest in all (summed) as a table for kernels/tuned/")
     p.add_argument("--knob", type=parse_knob, action="append", default=[],
                    metavar="NAME=V1,V2", help="repeat each configuration at every combination "
                    f"of these launch constants of the fused kernels ({', '.join(KNOBS)}; "
@@ -337,6 +355,8 @@ def main(argv=None) -> int:
         if opts.split_pages:
             opts.knob.append(("SPLIT_PAGES", opts.split_pages))
         settings = knob_settings(opts.knob)
+        if opts.tuned and not opts.knob:
+            raise ConfigError("--tuned chooses among --knob settings: give --knob")
         if opts.knob:
             if not kernels.in_use(device):
                 raise ConfigError("--knob and --split-pages set the fused kernels' launch "
@@ -359,7 +379,7 @@ def main(argv=None) -> int:
     rows = []
     module = kernels.ops() if kernels.in_use(device) else None
     default = {n: getattr(module, n) for n in KNOBS} if module is not None else {}
-    for setting in settings:
+    for index, setting in enumerate(settings):
         for name, value in setting.items():
             setattr(module, name, value)
         try:
@@ -373,12 +393,19 @@ def main(argv=None) -> int:
                                "split_pages": setting.get("SPLIT_PAGES"),
                                "knobs": {**default, **setting} if module else None,
                                "error": str(e).splitlines()[0]}
-                    row["command"] = command
+                    row.update(command=command, setting=index)
                     rows.append(row)
                     write_json(out, rows)
         finally:
             for name, value in default.items():
                 setattr(module, name, value)
+    if opts.tuned:  # named as the kernels look it up (torch.cuda.get_device_name)
+        best, totals = best_setting(rows, settings)
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+            device_name(device)
+        write_json(opts.tuned, {"device": gpu, "command": command, "rows": str(out),
+                                "constants": {"sparse": best} if best else {},
+                                "settings": totals})
     print(summary(rows))
     print(f"copy bandwidth {bandwidth:.1f} GB/s on {device_name(device)}")
     print(f"wrote {out}")

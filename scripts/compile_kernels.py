@@ -77,7 +77,7 @@ def configurations(sparse) -> list[tuple]:
                                                   last_ptr="*i64", off_ptr="*i64", o_ptr="*fp32",
                                                   lse_ptr="*fp32", out_ptr=BF16, scale="fp32"),
                     {"SPLITS": splits, "HAS_OFFSET": splits == 1, "DOT": "native",
-                     "G_BLOCK": 16, "D_BLOCK": 128, "TOK": S.ATTEND_TOKENS}, S.NUM_WARPS))
+                     "G_BLOCK": 16, "D_BLOCK": 128, "TOK": S.ATTEND_TOKENS}, S.PREFIX_WARPS))
     out.append((S._merge_splits_kernel, dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr=BF16),
                 {"SPLITS": 64, "G_BLOCK": 16, "D_BLOCK": 128}, 4))
     # the split selection: hybrid's pages (4 splits at 128K), SparQ's and Exact-TopK's tokens

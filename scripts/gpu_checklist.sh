@@ -22,10 +22,10 @@
 #    rocketkv@256 at 32K and 128K with --kernels sparse: our projection kernels against cuBLAS
 # ks: one layer's selection and attention (scripts/bench_step.py, CUDA graphs of the eager
 #    step) of rocketkv, hybrid, sparq and exact_topk @256 at 32K and 128K with the fused
-#    selection split at 1024-8192 pages a program (--knob SPLIT_PAGES): the value to set for
-#    kernels/sparse.py's SPLIT_PAGES (2048, unmeasured); then Full-KV's attention over a grid
-#    of its launch constants (PREFIX_PROGRAMS, ATTEND_TOKENS, NUM_WARPS: unmeasured), the
-#    values to set there
+#    selection split at 1024-8192 pages a program (--knob SPLIT_PAGES; 2048, unmeasured);
+#    then Full-KV's attention over a grid of its launch constants (PREFIX_PROGRAMS,
+#    ATTEND_TOKENS, PREFIX_WARPS: unmeasured); the fastest of each comes back as a table
+#    (tuned-*.json) to commit under kernels/tuned/
 # kd: the dense kernels alone against cuBLAS at the llama-3.1-8b projections over a grid of
 #    launch configurations (scripts/bench_dense.py): batch 1 over the full grid, batch 16 over
 #    the quick one; each launch's fastest knobs come back as tables (tuned-*.json) to commit
@@ -112,17 +112,16 @@ k2)
         --budgets 256 --kernels sparse --time-limit 190
     ;;
 ks)
-    for ctx in 32768 131008; do
-        step "the selection's split at $ctx tokens: 1024, 2048, 4096 and 8192 pages a program"
-        timeout 180 $py scripts/bench_step.py --context $ctx --methods rocketkv hybrid sparq \
-            exact_topk --budgets 256 --knob SPLIT_PAGES=1024,2048,4096,8192 --cuda-graphs \
-            --steps 20 --json "$out/bench_step-split-$ctx.json" | tail -20
-    done
+    step "the selection's split at 32K and 128K: 1024, 2048, 4096 and 8192 pages a program"
+    timeout 330 $py scripts/bench_step.py --context 32768 131008 --methods rocketkv hybrid \
+        sparq exact_topk --budgets 256 --knob SPLIT_PAGES=1024,2048,4096,8192 --cuda-graphs \
+        --steps 20 --json "$out/bench_step-split.json" --tuned "$out/tuned-split.json" \
+        | tail -34
     step "Full-KV's attention at 32K and 128K: programs, slots an iteration, warps"
-    timeout 200 $py scripts/bench_step.py --context 32768 131008 --methods full \
+    timeout 220 $py scripts/bench_step.py --context 32768 131008 --methods full \
         --knob PREFIX_PROGRAMS=256,512,1024,2048 --knob ATTEND_TOKENS=32,64,128 \
-        --knob NUM_WARPS=4,8 --cuda-graphs --steps 20 --json "$out/bench_step-prefix.json" \
-        | tail -50
+        --knob PREFIX_WARPS=4,8 --cuda-graphs --steps 20 --json "$out/bench_step-prefix.json" \
+        --tuned "$out/tuned-prefix.json" | tail -50
     ;;
 kd)
     step "dense kernels against cuBLAS, batch 1, full grid"

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import kernels
+from kernels import tuning
 from model import CONFIGS, ModelArgs
 from scripts.bench_dense import GRIDS, main
 
@@ -53,8 +54,8 @@ def test_rows_per_shape_and_configuration(tmp_path, monkeypatch):
         assert e["us"] == min(r["us_median"] for r in mine)
         assert e["config"] == next(r["config"] for r in mine if r["us_median"] == e["us"])
         assert e["default_us"] == next(r["us_median"] for r in mine if r["default"])
-    assert dense._read_table(table, "cpu") == {e["key"]: e["config"]
-                                               for e in tuned["launches"]}
+    assert tuning.read_table(table, "cpu").launches == {e["key"]: e["config"]
+                                                        for e in tuned["launches"]}
     names = ["qkv_store", "wo+residual", "w13+swiglu", "w2+residual", "lm_head"]
     assert [r["shape"] for r in rows] == [n for n in names for _ in range(3)]
     for i in range(0, len(rows), 3):

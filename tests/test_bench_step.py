@@ -71,8 +71,15 @@ def test_knobs_repeat_each_configuration_and_reach_the_kernels(tmp_path, capsys,
         assert main(["--device", "cpu", "--checkpoint", "qwen2.5-0.5b", "--context", "300",
                      "--methods", "full", "--steps", "1", "--warmup", "0", "--knob",
                      "PREFIX_SPLIT=64", "--knob", "PREFIX_PROGRAMS=2,16", "--json",
-                     str(out)]) == 0
+                     str(out), "--tuned", str(tmp_path / "tuned.json")]) == 0
         rows = json.loads(out.read_text())
+        tuned = json.loads((tmp_path / "tuned.json").read_text())
+        totals = [r["step_ms_median"] for r in rows]
+        assert [t["step_ms_total"] for t in tuned["settings"]] == totals
+        fastest = 2 if totals[0] <= totals[1] else 16
+        assert tuned["constants"] == {"sparse": {"PREFIX_SPLIT": 64,
+                                                 "PREFIX_PROGRAMS": fastest}}
+        assert tuned["device"] == "cpu" and tuned["rows"] == str(out)
         assert [(r["knobs"]["PREFIX_SPLIT"], r["knobs"]["PREFIX_PROGRAMS"]) for r in rows] == \
             [(64, 2), (64, 16)]
         assert all(r["fused_kernels"] and "error" not in r for r in rows)
@@ -84,7 +91,8 @@ def test_knobs_repeat_each_configuration_and_reach_the_kernels(tmp_path, capsys,
     table = capsys.readouterr().out  # the knob that varied is the last column
     assert "| roofline ms | PREFIX_PROGRAMS |" in table and table.count(" | 16 |") == 1
     for knob, message in (("SPLITS=2", "'SPLITS' is not one of SPLIT_PAGES"),
-                          ("ATTEND_TOKENS=48", "ATTEND_TOKENS=48: must be a power of two"),
+                          ("ATTEND_TOKENS=48", "ATTEND_TOKENS must be a power of two of at "
+                                               "least 16, got 48"),
                           ("NUM_WARPS=4,x", "values must be integers")):
         with pytest.raises(SystemExit) as stop:  # argparse's own exit, one line
             main(["--device", "cpu", "--checkpoint", "stories260K", "--knob", knob])
@@ -96,3 +104,5 @@ def test_knobs_repeat_each_configuration_and_reach_the_kernels(tmp_path, capsys,
     assert "--knob NUM_WARPS given twice" in capsys.readouterr().err
     assert main(["--device", "cpu", "--checkpoint", "stories260K", "--cuda-graphs"]) == 2
     assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--tuned", "t.json"]) == 2
+    assert "--tuned chooses among --knob settings" in capsys.readouterr().err
