@@ -43,6 +43,7 @@ class Table:
 
     launches: dict[str, dict[str, int]] = field(default_factory=dict)
     constants: dict[str, dict[str, int]] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)  # the files merged, in order
 
 
 _tables: dict[str, Table] = {}  # GPU name -> its merged table
@@ -106,6 +107,7 @@ def table(device: torch.device) -> Table:
         for path in sorted(TUNED_DIR.glob("*.json")):
             t = read_table(path, gpu)
             if t is not None:
+                merged.files.append(path.name)
                 merged.launches.update(t.launches)
                 for module, values in t.constants.items():
                     merged.constants.setdefault(module, {}).update(values)
@@ -129,3 +131,13 @@ def apply_constants(device: torch.device, modules: dict[str, ModuleType]) -> Non
     for module, values in table(device).constants.items():
         for name, value in values.items():
             setattr(modules[module], name, value)
+
+
+def describe(device: torch.device) -> dict | None:
+    """What the kernels on ``device`` run with from the tables, for a result row: the files,
+    the constants and how many launches have knobs; None where no table applies (off CUDA,
+    or a GPU no file names)."""
+    t = table(device)
+    if not t.files:
+        return None
+    return {"files": t.files, "constants": t.constants, "launches": len(t.launches)}

@@ -78,6 +78,7 @@ from evals.bench import (
 from evals.harness import configurations
 from evals.peers import PEERS, run_transformers
 from generate import generate, release_caches
+from kernels import tuning
 from measure import check_memory, check_run_memory, device_name
 from model import CONFIGS, ConfigError
 from quantized import parse_weights, quantize_model
@@ -131,6 +132,7 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         "roofline_ms": step_bytes / (bandwidth * 1e9) * 1e3,
         "method_params": best["method_params"], "compiled": best["compiled"],
         "fused_kernels": best["fused_kernels"], "dense_kernels": best["dense_kernels"],
+        "kernel_tuning": tuning.describe(device) if best["fused_kernels"] else None,
         "compile_regime": args.compile_regime if best["compiled"] or best["cuda_graphs"]
         else "eager",
         "kv_ideal_bytes_per_step": best["kv_ideal_bytes_per_step"],

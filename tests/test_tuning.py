@@ -46,6 +46,11 @@ def test_tables_merge_for_the_gpu_they_name(gpu, tmp_path):
     assert t.constants == {"sparse": {"SPLIT_PAGES": 4096, "PREFIX_WARPS": 4}}
     empty = tuning.table(torch.device("cpu"))
     assert empty.launches == {} and empty.constants == {}
+    # what a bench row records of them
+    assert tuning.describe(gpu) == {"files": ["a.json", "b.json"], "launches": 1,
+                                    "constants": {"sparse": {"SPLIT_PAGES": 4096,
+                                                             "PREFIX_WARPS": 4}}}
+    assert tuning.describe(torch.device("cpu")) is None
 
 
 def test_constants_are_set_once_a_process(gpu, tmp_path):
