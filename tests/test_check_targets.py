@@ -83,6 +83,15 @@ def test_issue_27_and_28_targets_each_fail(tmp_path):
         bench = tmp_path / "bench.json"
         bench.write_text(json.dumps(rows))
         assert evaluate(load_rows([str(bench), str(path)]))[14]["status"] == status
+    # the PyTorch path's profile (the count before the kernels) beside the kernels' one
+    before = tmp_path / "pytorch" / "profile-33.json"
+    before.parent.mkdir()
+    before.write_text(json.dumps(profile(33.0, fused=False)))
+    ok = tmp_path / "profile-5.0.json"
+    got = evaluate(load_rows([str(bench), str(ok), str(before)]))[14]
+    assert got["status"] == "pass" and got["measured"].startswith("5.0 ")
+    alone = evaluate(load_rows([str(bench), str(before)]))[14]
+    assert alone["status"] == "FAIL" and "fused kernels off" in alone["measured"]
 
 
 def test_each_target_can_fail():
