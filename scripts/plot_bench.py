@@ -24,17 +24,18 @@ from pathlib import Path
 
 from cli import OneLineParser
 from scripts.bench import plot
-from scripts.check_targets import load_rows, regime
+from scripts.check_targets import engine_rows, load_rows, regime
 
 
 def select(rows: list[dict], wanted: str | None, weights: str) -> tuple[list[dict], str]:
     """The rows of one regime (``wanted``, or the only one present) and weights mode, peers'
-    rows with them (they compile themselves), profiles left out. Returns the rows and the
-    regime.
+    rows with them (they compile themselves), profiles left out, and of a configuration
+    measured with fewer kernels too (``--kernels sparse``) the rows with the most
+    (``check_targets.engine_rows``). Returns the rows and the regime.
 
     Raises:
         ValueError: no bench row, several regimes and none chosen, or none left."""
-    rows = [r for r in rows if not r.get("profile")]
+    rows = engine_rows([r for r in rows if not r.get("profile")])
     present = sorted({g for r in rows if (g := regime(r)) is not None})
     if not present:
         raise ValueError("no bench rows in these files")

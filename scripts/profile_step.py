@@ -31,6 +31,7 @@ from compression import check_methods, options_for
 from evals.bench import resolve_run
 from evals.harness import configurations
 from generate import generate
+from kernels import tuning
 from measure import device_name
 from model import CONFIGS, ConfigError
 
@@ -89,6 +90,7 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
             "decode_ms_median": r["decode_ms_median"], "compiled": r["compiled"],
             "compile_regime": "graphs" if graphs else "static" if r["compiled"] else "eager",
             "fused_kernels": r["fused_kernels"], "dense_kernels": r["dense_kernels"],
+            "kernel_tuning": tuning.describe(device) if r["fused_kernels"] else None,
             "kernels_per_step": launches,
             "kernels_per_layer": launches / model.args.n_layers, "kernels": rows}
 

@@ -45,3 +45,19 @@ def test_rows_of_two_runs_merge_and_bad_input_is_one_line(tmp_path, capsys):
     assert "no directory" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "g")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_configuration_measured_with_fewer_kernels_draws_its_full_kernel_row():
+    """``bench.py --kernels sparse`` rows beside the default's: the chart takes the rows that
+    ran every kernel (a sparse-only row of a configuration measured no other way stays)."""
+    from scripts.plot_bench import select
+
+    base = {"device": "NVIDIA H100", "model": "llama-3.1-8b", "dtype": "bfloat16",
+            "method": "full", "budget": None, "batch_size": 1, "compile_regime": "graphs",
+            "decode_ms_median": 9.0}
+    every = dict(base, context=32768, fused_kernels=True, dense_kernels=True)
+    sparse = dict(base, context=32768, fused_kernels=True, dense_kernels=False,
+                  decode_ms_median=11.0)
+    only = dict(base, context=131008, fused_kernels=True, dense_kernels=False)
+    rows, regime = select([sparse, every, only], None, "float")
+    assert regime == "graphs" and rows == [every, only]
