@@ -3,16 +3,21 @@
 #
 #   bash scripts/gpu_checklist.sh PART OUTDIR      (on the GPU machine; OUTDIR defaults to $OUT)
 #
-# A session's 30 minutes of device time hold three calls: k, t and q come first, in that order.
+# A session's 30 minutes of device time hold three calls: k, t and q come first, in that order
+# (commit k's tuned-dense-b1.json under kernels/tuned/ before t: the device runs a copy of the
+# working tree, so t and q then launch with its knobs).
 # Their rows use --compile-regime graphs (each row's eager step, our Triton kernels, captured in
 # a CUDA graph in about a second instead of compiled in 47-88 s), so one call holds the rows the
 # issues' targets need; check_targets judges each regime on its own rows, and k2 and p measure
 # the static-compile regime of the same rows afterwards.
 #
 # k: the fused Triton kernels of the decode step (kernels/sparse.py, kernels/dense.py): their
-#    CUDA tests at real shapes and the CUDA graph of the eager step with them (item 1); kernels per step and layer at 32K of full, rocketkv@256
-#    and hybrid@256 with every kernel, and of rocketkv on the PyTorch path (--kernels off: the
-#    count before); then full and the selecting methods @256 at 32K (item 2)
+#    CUDA tests at real shapes and the CUDA graph of the eager step with them (item 1); the
+#    dense kernels' knobs at batch 1 over the quick grid, as a table (tuned-dense-b1.json)
+#    the rest of the call uses and the session commits under kernels/tuned/ for t and q;
+#    kernels per step and layer at 32K of full and rocketkv@256 with every kernel, and of
+#    rocketkv on the PyTorch path (--kernels off: the count before); then full and the
+#    selecting methods @256 at 32K (item 2)
 # t: the targets' rows (items 2, 4 and 6): full and rocketkv@256 beside transformers' static
 #    cache at 32K and 128K in one bench call (check_targets pairs peer rows with ours of the
 #    same run), then 16K and 64K, then batch 16 at 32K
