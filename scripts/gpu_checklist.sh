@@ -80,14 +80,20 @@ k)
     step "kernel tests on CUDA, and the CUDA graph of the eager step (--compile-regime graphs)"
     timeout -s INT -k 20 230 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         tests/test_dense_kernels.py tests/test_generate.py -k "cuda and not cli and not before"
-    step "kernels per step at 32K: every kernel (full, rocketkv, hybrid), the PyTorch path"
-    timeout 120 $py scripts/profile_step.py --context 32768 --methods full rocketkv hybrid \
-        --budgets 256 --compile-regime graphs --out "$out" | grep -v "^|" | head -24
-    timeout 80 $py scripts/profile_step.py --context 32768 --methods rocketkv --budgets 256 \
+    step "the dense kernels' knobs at batch 1 (quick grid): a table this call's rows use"
+    timeout 110 $py scripts/bench_dense.py --batch-sizes 1 --grid quick \
+        --json "$out/bench_dense-k.json" --tuned "$out/tuned-dense-b1.json" | tail -6
+    [ -s "$out/tuned-dense-b1.json" ] && cp "$out/tuned-dense-b1.json" \
+        kernels/tuned/0-session-dense-b1.json  # the launches it measured, even if cut off
+    step "kernels per step at 32K: every kernel (full, rocketkv), the PyTorch path"
+    timeout 90 $py scripts/profile_step.py --context 32768 --methods full rocketkv \
+        --budgets 256 --compile-regime graphs --out "$out" | grep -v "^|" | head -20
+    timeout 70 $py scripts/profile_step.py --context 32768 --methods rocketkv --budgets 256 \
         --compile-regime graphs --kernels off --out "$out/pytorch" | grep -v "^|" | head -12
     step "full and the selecting methods @256 at 32K"
-    timeout 130 $py scripts/bench.py $G --context 32768 --methods full rocketkv hybrid quest \
-        sparq exact_topk --budgets 256 --time-limit 90
+    timeout 120 $py scripts/bench.py $G --context 32768 --methods full rocketkv hybrid quest \
+        sparq exact_topk --budgets 256 --time-limit 80
+    rm -f kernels/tuned/0-session-*.json  # this call's copy: the committed table serves later
     ;;
 t)
     step "full and rocketkv@256 beside transformers at 32K and 128K, one run"
