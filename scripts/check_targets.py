@@ -72,7 +72,7 @@ def regime(r: dict) -> str | None:
         return None
     if r.get("compile_regime"):
         return r["compile_regime"]
-    if "compiled" in r:
+    if r.get("compiled") is not None:
         return "static" if r["compiled"] else "eager"
     return None
 
