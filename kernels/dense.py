@@ -119,13 +119,11 @@ def _int_weights(w, act, DOT: tl.constexpr):
 
 
 @triton.jit
-def _int4_block(x_ptr, w_ptr, sz_ptr, m, mm, row, n, nm, k0, K, GROUP, s_xm, s_sg, norm_ptr,
-                NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT: tl.constexpr):
-    """One K block (within one group of ``GROUP`` input features) of int4 weights rows
-    ``row`` (byte offsets) / ``n`` (output rows): (scale sum_k x_k (q_nk - 8) + zero sum_k
-    x_k) (BLOCK_M, BLOCK_N) float32, and sum_k x_k^2 of the block (un-normed, for RMSNorm).
-    Even input features sit in the high nibble, odd ones in the low."""
+def _int4_x(x_ptr, m, mm, k0, K, s_xm, norm_ptr, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A K block of x for int4 weights (within one group): its even and odd input features
+    (BLOCK_M, BLOCK_K / 2) float32, times the norm's weight when ``NORM``; their sum per
+    row; sum_k x_k^2 of the block (un-normed, for RMSNorm); and the byte columns ``j`` of
+    the block with their mask. Loaded once for both row sets of a two-set epilogue."""
     j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     jm = j < K // 2
     xm = mm[:, None] & jm[None, :]
@@ -136,15 +134,23 @@ def _int4_block(x_ptr, w_ptr, sz_ptr, m, mm, row, n, nm, k0, K, GROUP, s_xm, s_s
     if NORM:
         xe = xe * tl.load(norm_ptr + 2 * j, mask=jm, other=0.0).to(tl.float32)[None, :]
         xo = xo * tl.load(norm_ptr + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)[None, :]
+    return xe, xo, tl.sum(xe + xo, axis=1), ss, j, jm
+
+
+@triton.jit
+def _int4_dot(xe, xo, xsum, j, jm, w_ptr, sz_ptr, row, n, nm, k0, GROUP, s_sg, act,
+              BLOCK_M: tl.constexpr, DOT: tl.constexpr):
+    """One K block (``_int4_x``'s) of int4 weight rows ``row`` (byte offsets) / ``n`` (output
+    rows): scale sum_k x_k (q_nk - 8) + zero sum_k x_k, (BLOCK_M, BLOCK_N) float32. Even
+    input features sit in the high nibble, odd ones in the low."""
     b = tl.load(w_ptr + row[:, None] + j[None, :], mask=nm[:, None] & jm[None, :],
                 other=8 * 16 + 8).to(tl.int32)
-    act = x_ptr.dtype.element_ty
     part = _accumulate(xe, _int_weights((b >> 4) - 8, act, DOT), BLOCK_M, DOT) + \
         _accumulate(xo, _int_weights((b & 15) - 8, act, DOT), BLOCK_M, DOT)
     g = (k0 // GROUP).to(tl.int64) * s_sg + 2 * n.to(tl.int64)
     scale = tl.load(sz_ptr + g, mask=nm, other=0.0).to(tl.float32)
     zero = tl.load(sz_ptr + g + 1, mask=nm, other=0.0).to(tl.float32)
-    return part * scale[None, :] + tl.sum(xe + xo, axis=1)[:, None] * zero[None, :], ss
+    return part * scale[None, :] + xsum[:, None] * zero[None, :]
 
 
 @triton.jit
@@ -179,14 +185,15 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if QUANT == 2:  # int4: a block lies in one group (BLOCK_K divides GROUP)
-            part, ss_k = _int4_block(x_ptr, w_ptr, sz_ptr, m, mm, row_a, na, ma, k0, K, GROUP,
-                                     s_xm, s_sg, norm_ptr, NORM, BLOCK_M, BLOCK_K, DOT)
-            acc_a += part
+            xe, xo, xsum, ss_k, j, jm = _int4_x(x_ptr, m, mm, k0, K, s_xm, norm_ptr, NORM,
+                                                BLOCK_K)
             ss += ss_k
-            if EPI >= 2:
-                part, _ = _int4_block(x_ptr, w_ptr, sz_ptr, m, mm, row_b, nb, ma, k0, K,
-                                      GROUP, s_xm, s_sg, norm_ptr, NORM, BLOCK_M, BLOCK_K, DOT)
-                acc_b += part
+            act = x_ptr.dtype.element_ty
+            acc_a += _int4_dot(xe, xo, xsum, j, jm, w_ptr, sz_ptr, row_a, na, ma, k0, GROUP,
+                               s_sg, act, BLOCK_M, DOT)
+            if EPI >= 2:  # the second row set reads the same x
+                acc_b += _int4_dot(xe, xo, xsum, j, jm, w_ptr, sz_ptr, row_b, nb, ma, k0,
+                                   GROUP, s_sg, act, BLOCK_M, DOT)
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < K
