@@ -40,9 +40,10 @@ pages a scoring iteration takes; ``PREFIX_WARPS``, warps of Full-KV's attention;
 ...`` is ``--knob SPLIT_PAGES=N,...``. Each row records ``knobs`` (every constant's value as
 it ran), ``setting`` (its combination's index), ``split_pages`` and ``fused_kernels`` (whether
 the Triton kernels ran: CUDA with triton). ``--tuned PATH`` also writes the combination whose
-rows' median step times sum least (among those whose every row ran) as a tuned table for this
-GPU, with every combination's sum; committed under ``kernels/tuned/`` its constants are what
-``kernels.sparse`` runs with on a GPU of that name (``kernels.tuning``).
+steps are fastest relative to each configuration's best (``best_setting``; among those whose
+every row ran) as a tuned table for this GPU, with every combination's figures; committed
+under ``kernels/tuned/`` its constants are what ``kernels.sparse`` runs with on a GPU of that
+name (``kernels.tuning``).
 
 Methods whose layers differ (omnikv, duoattention) have no single representative layer and are
 refused; use ``scripts/bench.py``. Results: ``--json`` (default
@@ -164,17 +165,29 @@ def knob_settings(knobs: list[tuple[str, list[int]]]) -> list[dict[str, int]]:
 
 
 def best_setting(rows: list[dict], settings: list[dict[str, int]]) -> tuple[dict, list[dict]]:
-    """The ``--knob`` setting whose rows' median step times sum least, among the settings
-    whose every configuration ran; and each setting's sum (``step_ms_total``, None where a row
-    failed). Returns ({}, ...) when none ran whole."""
+    """The ``--knob`` setting whose steps are fastest relative to each configuration's best
+    (``relative``: the mean over configurations of its median step time / the least any
+    setting took there, so each method and context weighs alike, whatever its step time),
+    among the settings whose every configuration ran; and each setting's ``relative`` and
+    ``step_ms_total`` (None where a row failed). Returns ({}, ...) when none ran whole."""
+    def config(r):
+        return r["method"], r["budget"], r["context"]
+
+    of = [[r for r in rows if r.get("setting") == i] for i in range(len(settings))]
+    whole = [bool(mine) and all("error" not in r for r in mine) for mine in of]
+    fastest: dict[tuple, float] = {}  # over the settings that ran whole
+    for mine, ok in zip(of, whole):
+        for r in mine if ok else []:
+            fastest[config(r)] = min(fastest.get(config(r), r["step_ms_median"]),
+                                     r["step_ms_median"])
     totals = []
-    for i, setting in enumerate(settings):
-        mine = [r for r in rows if r.get("setting") == i]
-        ok = mine and all("error" not in r for r in mine)
-        totals.append({"knobs": setting, "rows": len(mine), "step_ms_total":
-                       sum(r["step_ms_median"] for r in mine) if ok else None})
-    done = [t for t in totals if t["step_ms_total"] is not None]
-    best = min(done, key=lambda t: t["step_ms_total"])["knobs"] if done else {}
+    for setting, mine, ok in zip(settings, of, whole):
+        totals.append({"knobs": setting, "rows": len(mine),
+                       "step_ms_total": sum(r["step_ms_median"] for r in mine) if ok else None,
+                       "relative": sum(r["step_ms_median"] / fastest[config(r)]
+                                       for r in mine) / len(mine) if ok else None})
+    done = [t for t in totals if t["relative"] is not None]
+    best = min(done, key=lambda t: t["relative"])["knobs"] if done else {}
     return best, totals
 
 
@@ -316,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-pages", type=int, nargs="+", metavar="N",
                    help="repeat each configuration with the fused selection split at N pages "
                         "a program (kernels.sparse.SPLIT_PAGES; where the kernels run)")
-    p.add_argument("--tuned", metavar="PATH", help="also write the --knob setting whose rows "
-                   "ran fastest in all (summed) as a table for kernels/tuned/")
+    p.add_argument("--tuned", metavar="PATH", help="also write the --knob setting whose steps "
+                   "ran fastest (relative to each configuration's best) as a table for "
+                   "kernels/tuned/")
     p.add_argument("--knob", type=parse_knob, action="append", default=[],
                    metavar="NAME=V1,V2", help="repeat each configuration at every combination "
                    f"of these launch constants of the fused kernels ({', '.join(KNOBS)}; "

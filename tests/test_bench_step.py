@@ -74,8 +74,9 @@ def test_knobs_repeat_each_configuration_and_reach_the_kernels(tmp_path, capsys,
                      str(out), "--tuned", str(tmp_path / "tuned.json")]) == 0
         rows = json.loads(out.read_text())
         tuned = json.loads((tmp_path / "tuned.json").read_text())
-        totals = [r["step_ms_median"] for r in rows]
+        totals = [r["step_ms_median"] for r in rows]  # one configuration, two settings
         assert [t["step_ms_total"] for t in tuned["settings"]] == totals
+        assert [t["relative"] for t in tuned["settings"]] == [t / min(totals) for t in totals]
         fastest = 2 if totals[0] <= totals[1] else 16
         assert tuned["constants"] == {"sparse": {"PREFIX_SPLIT": 64,
                                                  "PREFIX_PROGRAMS": fastest}}
@@ -106,3 +107,23 @@ def test_knobs_repeat_each_configuration_and_reach_the_kernels(tmp_path, capsys,
     assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
     assert main(["--device", "cpu", "--checkpoint", "stories260K", "--tuned", "t.json"]) == 2
     assert "--tuned chooses among --knob settings" in capsys.readouterr().err
+
+
+def test_the_tuned_setting_weighs_each_configuration_alike():
+    """``best_setting``: a setting 20% slower on a slow configuration but twice as fast on a
+    quick one wins (the sum of step times would pick the other); a setting with a failed row
+    is never chosen."""
+    from scripts.bench_step import best_setting
+
+    def row(setting, method, ms):
+        return {"setting": setting, "method": method, "budget": 256, "context": 32768,
+                "step_ms_median": ms}
+
+    rows = [row(0, "exact_topk", 10.0), row(0, "rocketkv", 1.0),
+            row(1, "exact_topk", 12.0), row(1, "rocketkv", 0.5),
+            row(2, "exact_topk", 1.0), dict(row(2, "rocketkv", 0.1), error="out of memory")]
+    settings = [{"SPLIT_PAGES": 1024}, {"SPLIT_PAGES": 2048}, {"SPLIT_PAGES": 4096}]
+    best, totals = best_setting(rows, settings)
+    assert best == {"SPLIT_PAGES": 2048}
+    assert [t["step_ms_total"] for t in totals] == [11.0, 12.5, None]
+    assert [t["relative"] for t in totals][:2] == [(1.0 + 2.0) / 2, (1.2 + 1.0) / 2]
