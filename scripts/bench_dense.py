@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from cli import OneLineParser, command_line, write_json
+from cli import OneLineParser, check_json_path, command_line, write_json
 from evals.bench import measure_bandwidth, resolve_run, results_dir
 from measure import device_name, percentile, sync
 from model import CONFIGS, ConfigError, ModelArgs, precompute_rope
@@ -220,6 +220,8 @@ def main(argv=None) -> int:
             raise ConfigError("--batch-sizes must be positive")
         for spec in args.weights:
             parse_weights(spec)
+        check_json_path(args.json)
+        check_json_path(args.tuned, "--tuned")
         previous = kernels.set_mode("force")  # the kernels on this device, whatever it is
         if kernels.ops() is None:
             raise ConfigError(f"the kernels need triton: {kernels.missing()}")

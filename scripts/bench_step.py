@@ -64,7 +64,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
-from cli import DTYPES, OneLineParser, command_line, deprecated_alias, rows_exit_status, write_json
+from cli import (
+    DTYPES,
+    OneLineParser,
+    check_json_path,
+    command_line,
+    deprecated_alias,
+    rows_exit_status,
+    write_json,
+)
 from compression import add_method_options, build_caches, check_methods, options_for
 from evals.bench import measure_bandwidth, resolve_run, results_dir
 from evals.harness import configurations
@@ -371,6 +379,7 @@ def main(argv=None) -> int:
         settings = knob_settings(opts.knob)
         if opts.tuned and not opts.knob:
             raise ConfigError("--tuned chooses among --knob settings: give --knob")
+        check_json_path(opts.tuned, "--tuned")
         if opts.knob:
             if not kernels.in_use(device):
                 raise ConfigError("--knob and --split-pages set the fused kernels' launch "

@@ -74,6 +74,8 @@ def test_rows_per_shape_and_configuration(tmp_path, monkeypatch):
 def test_bad_counts_are_refused_in_one_line(capsys):
     assert main(["--device", "cpu", "--iters", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --iters must be positive"
+    assert main(["--device", "cpu", "--tuned", "/nonexistent/dir/t.json"]) == 2
+    assert "--tuned: directory /nonexistent/dir does not exist" in capsys.readouterr().err
 
 
 def test_quantized_weights_rows(tmp_path, monkeypatch):

@@ -107,6 +107,13 @@ def test_knobs_repeat_each_configuration_and_reach_the_kernels(tmp_path, capsys,
     assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
     assert main(["--device", "cpu", "--checkpoint", "stories260K", "--tuned", "t.json"]) == 2
     assert "--tuned chooses among --knob settings" in capsys.readouterr().err
+    previous = kernels.set_mode("force")
+    try:  # an unwritable table is refused before the run
+        assert main(["--device", "cpu", "--checkpoint", "qwen2.5-0.5b", "--knob",
+                     "PREFIX_PROGRAMS=2", "--tuned", "/nonexistent/dir/t.json"]) == 2
+    finally:
+        kernels.set_mode(previous)
+    assert "--tuned: directory /nonexistent/dir does not exist" in capsys.readouterr().err
 
 
 def test_the_tuned_setting_weighs_each_configuration_alike():
