@@ -41,8 +41,8 @@ Rows are judged per compile regime (``compile_regime``: ``static``, ``dynamic``,
 ``eager``; rows from before the field are ``static`` when compiled): the same configuration
 measured compiled and as a CUDA graph of the eager step is two measurements, and a table mixing
 them would judge neither. One table per regime present; a peer's rows (``transformers``, which
-compiles itself) join every table, paired with ours by run as before. Exit status 1 when any
-table has a FAIL.
+compiles itself) join the tables of their own run's regimes, paired with ours by run as before.
+Exit status 1 when any table has a FAIL.
 
 Only rows of the targets' setting count: the llama-3.1-8b shape in bfloat16 on a GPU (not
 ``cpu``). Rows of another model, dtype or device make every target "not applicable" (with what
