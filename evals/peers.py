@@ -10,6 +10,10 @@ our engine: per-step times between consecutive decode steps (CUDA events, or the
 wall clock on CPU, recorded by a logits processor, i.e. once per step of ``generate``'s
 loop), when compiling the first ``WARMUP_STEPS`` (compilation and graph capture) left out of
 the median and reported as ``compile_s``; peak memory per phase by ``measure.MemoryMeter``.
+Prompts past ``CHUNK_FROM`` tokens prefill in chunks (``generate``'s ``prefill_chunk_size``,
+``prefill_chunk``): in one forward, its static cache's prefill builds a dense mask of prompt x
+cache slots (17 GB at 128K in bool) beside 17 GB of cache and the MLP's activations, more than
+an 80 GB GPU holds; the decode steps timed are the same either way.
 transformers is imported only when such a row runs (it is a test requirement here and
 installed on the GPU machine).
 """
@@ -26,6 +30,19 @@ from measure import MemoryMeter, StepTimer, device_name, float_weight_bytes, per
 from model import ConfigError, ModelArgs
 
 PEERS = ("transformers",)
+CHUNK_FROM = 32768  # longer prompts prefill in chunks of at most PREFILL_CHUNK tokens
+PREFILL_CHUNK = 8192
+
+
+def prefill_chunk(context: int) -> int | None:
+    """The peer's prefill chunk for a ``context``-token prompt: None (one forward) up to
+    ``CHUNK_FROM`` tokens; past it the largest divisor of ``context`` of at most
+    ``PREFILL_CHUNK`` (equal chunks: one compiled shape), or ``PREFILL_CHUNK`` itself where
+    that divisor is under an eighth of it."""
+    if context <= CHUNK_FROM:
+        return None
+    best = max(d for d in range(1, PREFILL_CHUNK + 1) if context % d == 0)
+    return best if best >= PREFILL_CHUNK // 8 else PREFILL_CHUNK
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype):
@@ -117,9 +134,12 @@ def run_transformers(args: ModelArgs, batch: int, context: int, new_tokens: int,
         return scores
 
     processor = transformers.LogitsProcessorList([on_step])
+    chunk = prefill_chunk(context)
     gen_kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                       cache_implementation="static", logits_processor=processor,
                       pad_token_id=0, disable_compile=not compile)
+    if chunk is not None:
+        gen_kwargs["prefill_chunk_size"] = chunk
     meter.reset()
     phase["start"] = time.perf_counter()
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), **gen_kwargs)
@@ -152,7 +172,8 @@ def run_transformers(args: ModelArgs, batch: int, context: int, new_tokens: int,
         "kv_ideal_bytes_per_step": kv, "weight_bytes": weights,
         "weight_bytes_per_step": weights - (0 if args.tie_word_embeddings else emb),
         "method_params": {"cache": "transformers StaticCache", "max_cache_len":
-                          context + new_tokens, "attn_implementation": "sdpa"},
+                          context + new_tokens, "attn_implementation": "sdpa",
+                          "prefill_chunk_size": chunk},
         "compiled": compiled, "fused_kernels": False, "dense_kernels": False, "warmup_steps": warm,
         "decode_steps": len(timed),
     }

@@ -5,6 +5,7 @@ import json
 import torch
 import transformers
 
+from evals import peers
 from evals.peers import hf_model
 from measure import float_weight_bytes
 from model import ModelArgs, rope_inv_freq
@@ -215,3 +216,32 @@ def test_transformers_peer_config_matches_our_shapes():
         inv = hf.model.rotary_emb.inv_freq.float()
         assert torch.allclose(inv, rope_inv_freq(args).float(), rtol=1e-6), name
         assert (type(hf).__name__ == "Qwen2ForCausalLM") == args.qkv_bias
+
+
+def test_the_peer_prefills_long_prompts_in_equal_chunks(monkeypatch):
+    """Past ``CHUNK_FROM`` tokens transformers prefills in chunks (the largest divisor of the
+    prompt up to ``PREFILL_CHUNK``, so every chunk has one compiled shape): its forward sees
+    the chunks, and the row records the size; shorter prompts prefill in one forward."""
+    assert [peers.prefill_chunk(c) for c in (32768, 65536, 98304, 131008)] == \
+        [None, 8192, 8192, 8188]  # 131008 = 16 x 8188
+    assert peers.prefill_chunk(40009) == 8192  # a prime: no divisor near the chunk size
+    monkeypatch.setattr(peers, "CHUNK_FROM", 32)
+    monkeypatch.setattr(peers, "PREFILL_CHUNK", 16)
+    build, lengths = peers.hf_model, []
+
+    def counted(*a, **kw):
+        model = build(*a, **kw)
+        model.model.register_forward_pre_hook(
+            lambda _, args, kwargs: lengths.append((kwargs.get("input_ids") if kwargs.get(
+                "input_ids") is not None else args[0]).shape[1]), with_kwargs=True)
+        return model
+
+    monkeypatch.setattr(peers, "hf_model", counted)
+    args = ModelArgs.from_name("stories260K")
+    for context, chunks in ((64, [16] * 4), (24, [24])):
+        lengths.clear()
+        row = peers.run_transformers(args, 1, context, 4, device=torch.device("cpu"),
+                                     dtype=torch.float32, compile=False)
+        assert lengths[:len(chunks)] == chunks and set(lengths[len(chunks):]) == {1}
+        assert row["method_params"]["prefill_chunk_size"] == (16 if context > 32 else None)
+        assert row["decode_steps"] == 3
