@@ -135,6 +135,8 @@ def run_transformers(args: ModelArgs, batch: int, context: int, new_tokens: int,
 
     processor = transformers.LogitsProcessorList([on_step])
     chunk = prefill_chunk(context)
+    if not hasattr(transformers.GenerationConfig(), "prefill_chunk_size"):
+        chunk = None  # a transformers without chunked prefill: one forward (it may not fit)
     gen_kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                       cache_implementation="static", logits_processor=processor,
                       pad_token_id=0, disable_compile=not compile)
