@@ -153,8 +153,14 @@ def run_peer(model, batch: int, context: int, method: str, args, bandwidth: floa
     check_memory(model.args, dtype, device, batch, context + args.new_tokens)
     best = None
     for _ in range(args.repeats):
-        r = run_transformers(model.args, batch, context, args.new_tokens, device=device,
-                             dtype=dtype, seed=args.seed, compile=args.compile)
+        try:
+            r = run_transformers(model.args, batch, context, args.new_tokens, device=device,
+                                 dtype=dtype, seed=args.seed, compile=args.compile)
+        except (ConfigError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 (another engine's failure is its row's result)
+            raise ConfigError(f"{method} failed: {type(e).__name__}: "
+                              f"{(str(e).splitlines() or [''])[0]}") from None
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
     step_bytes = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]

@@ -245,3 +245,21 @@ def test_the_peer_prefills_long_prompts_in_equal_chunks(monkeypatch):
         assert lengths[:len(chunks)] == chunks and set(lengths[len(chunks):]) == {1}
         assert row["method_params"]["prefill_chunk_size"] == (16 if context > 32 else None)
         assert row["decode_steps"] == 3
+
+
+def test_a_peer_that_fails_is_its_rows_error(tmp_path, monkeypatch):
+    """An exception inside transformers ends the peer's row as an error line, not the run."""
+    import scripts.bench as bench
+
+    def broken(*a, **kw):
+        raise RuntimeError("Dynamo failed to run FX node\nmore text")
+
+    monkeypatch.setattr(bench, "run_transformers", broken)
+    main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64", "--methods",
+          "full", "transformers", "--new-tokens", "6", "--out", str(tmp_path), "--no-plots",
+          "--no-progress"])
+    (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    assert "error" not in rows["full"]
+    assert rows["transformers"]["error"] == ("transformers failed: RuntimeError: Dynamo failed "
+                                             "to run FX node")
