@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -175,6 +176,19 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command a result records: ``python scripts/SCRIPT.py`` and the arguments as given
     (``argv``, or the process's own when None)."""
     return " ".join([f"python scripts/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def row_error(e: BaseException) -> str:
+    """A failed benchmark row's ``error``: the first line of a ``ConfigError`` or an
+    out-of-memory error (expected outcomes: a configuration refused, or too large); for any
+    other exception (a kernel that fails to compile or to capture on a GPU) its type and first
+    line, with the whole traceback printed to stderr for the log, so the run goes on to its
+    other rows."""
+    first = (str(e).splitlines() or [""])[0]
+    if isinstance(e, (ConfigError, torch.OutOfMemoryError)):
+        return first
+    traceback.print_exception(e, file=sys.stderr)
+    return f"{type(e).__name__}: {first}"
 
 
 def rows_exit_status(rows: Sequence[dict[str, Any]], what: str = "configurations") -> int:

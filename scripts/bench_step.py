@@ -70,6 +70,7 @@ from cli import (
     check_json_path,
     command_line,
     deprecated_alias,
+    row_error,
     rows_exit_status,
     write_json,
 )
@@ -411,11 +412,11 @@ def main(argv=None) -> int:
                     try:
                         row = run_one(args, method, budget, context, opts, dtype, device,
                                       bandwidth)
-                    except (ConfigError, torch.OutOfMemoryError) as e:
+                    except Exception as e:  # noqa: BLE001 (a failed row: row_error)
                         row = {"method": method, "budget": budget, "context": context,
                                "split_pages": setting.get("SPLIT_PAGES"),
                                "knobs": {**default, **setting} if module else None,
-                               "error": str(e).splitlines()[0]}
+                               "error": row_error(e)}
                     row.update(command=command, setting=index)
                     rows.append(row)
                     write_json(out, rows)

@@ -247,19 +247,32 @@ def test_the_peer_prefills_long_prompts_in_equal_chunks(monkeypatch):
         assert row["decode_steps"] == 3
 
 
-def test_a_peer_that_fails_is_its_rows_error(tmp_path, monkeypatch):
-    """An exception inside transformers ends the peer's row as an error line, not the run."""
+def test_a_row_that_fails_is_its_error_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """An unexpected exception in a row (ours, or inside transformers) ends that row as its
+    type and first line, with the traceback on stderr for the log; the other rows run and the
+    exit status says a row failed."""
     import scripts.bench as bench
 
     def broken(*a, **kw):
         raise RuntimeError("Dynamo failed to run FX node\nmore text")
 
     monkeypatch.setattr(bench, "run_transformers", broken)
-    main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64", "--methods",
-          "full", "transformers", "--new-tokens", "6", "--out", str(tmp_path), "--no-plots",
-          "--no-progress"])
+    one = bench.run_one
+
+    def ours(model, batch, context, method, *a, **kw):
+        if method == "snapkv":
+            raise IndexError("index 7 is out of bounds")
+        return one(model, batch, context, method, *a, **kw)
+
+    monkeypatch.setattr(bench, "run_one", ours)
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64",
+                 "--methods", "snapkv", "full", "transformers", "--budgets", "70",
+                 "--new-tokens", "6", "--out", str(tmp_path), "--no-plots",
+                 "--no-progress"]) == 1
     (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
     rows = {r["method"]: r for r in json.loads(out.read_text())}
     assert "error" not in rows["full"]
-    assert rows["transformers"]["error"] == ("transformers failed: RuntimeError: Dynamo failed "
-                                             "to run FX node")
+    assert rows["snapkv"]["error"] == "IndexError: index 7 is out of bounds"
+    assert rows["transformers"]["error"] == "RuntimeError: Dynamo failed to run FX node"
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "more text" in err and "2 of 3 configurations failed" in err
