@@ -462,6 +462,8 @@ def main(argv=None) -> int:
                     if method in PEERS else \
                     run_one(model, batch, context, method, budget, args, bandwidth, device)
             except Exception as e:  # noqa: BLE001 (a row that fails is a row: row_error)
+                if world > 1 and not isinstance(e, (ConfigError, torch.OutOfMemoryError)):
+                    raise  # under torchrun the other ranks wait in a collective: end them all
                 row = {"device": device_name(device), "model": model.args.name,
                        "method": method, "budget": budget, "context": context,
                        "batch_size": batch, "weights": weights, "error": row_error(e)}
