@@ -578,10 +578,9 @@ def test_cuda_compiled_decode_with_every_kernel_equals_the_pytorch_path(method, 
 @pytest.mark.parametrize("method,fused,options", [
     *[pytest.param(m, False, {}, id=f"{m}-pytorch") for m in METHODS],
     *[pytest.param(m, True, {}, id=f"{m}-kernels") for m in (
-        "full", "rocketkv", "hybrid", "quest", "exact_topk", "h2o", "omnikv")],
+        "full", "rocketkv", "hybrid", "quest", "exact_topk", "h2o")],
     pytest.param("sparq", True, {"sparq_reallocate": True}, id="sparq-kernels-reallocate"),
-    *[pytest.param(m, "sparse", {}, id=f"{m}-sparse-kernels") for m in (
-        "full", "rocketkv", "sparq")]])
+    *[pytest.param(m, "sparse", {}, id=f"{m}-sparse-kernels") for m in ("full", "rocketkv")]])
 def test_a_replayed_step_decodes_as_the_eager_one(method, fused, options, few_programs):
     """``--compile-regime graphs`` captures the eager step once and replays it
     (``GraphStep``): every value that changes from step to step must live in a tensor the
