@@ -48,6 +48,21 @@ class Table:
 
 _tables: dict[str, Table] = {}  # GPU name -> its merged table
 _applied: set[str] = set()  # GPU names whose constants this process has set
+_names: dict[torch.device, str] = {}  # device -> its GPU's name, asked once (the decode
+# step asks for the table at every launch where it runs eagerly)
+
+
+def gpu_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name(device)``, looked up once per device."""
+    if device not in _names:
+        _names[device] = torch.cuda.get_device_name(device)
+    return _names[device]
+
+
+def table_device(device: torch.device) -> str:
+    """The ``device`` a table measured on ``device`` records: its GPU's name, which the
+    kernels look tables up by; off CUDA the device type (such a table never applies)."""
+    return gpu_name(device) if device.type == "cuda" else device.type
 
 
 def value_error(name: str, value, low: int | None) -> str | None:
@@ -101,7 +116,7 @@ def table(device: torch.device) -> Table:
         ValueError: a file ``read_table`` refuses."""
     if device.type != "cuda":
         return Table()
-    gpu = torch.cuda.get_device_name(device)
+    gpu = gpu_name(device)
     if gpu not in _tables:
         merged = Table()
         for path in sorted(TUNED_DIR.glob("*.json")):
@@ -124,7 +139,7 @@ def apply_constants(device: torch.device, modules: dict[str, ModuleType]) -> Non
         ValueError: a file ``read_table`` refuses."""
     if device.type != "cuda":
         return
-    gpu = torch.cuda.get_device_name(device)
+    gpu = gpu_name(device)
     if gpu in _applied:
         return
     _applied.add(gpu)

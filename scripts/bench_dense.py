@@ -49,6 +49,7 @@ import torch.nn.functional as F
 import kernels
 from cli import OneLineParser, check_json_path, command_line, write_json
 from evals.bench import measure_bandwidth, resolve_run, results_dir
+from kernels import tuning
 from measure import device_name, percentile, sync
 from model import CONFIGS, ConfigError, ModelArgs, precompute_rope
 from quantized import Int4Linear, Int8Linear, parse_weights, quantize_int4, quantize_int8
@@ -246,9 +247,8 @@ def main(argv=None) -> int:
 
     def save() -> None:  # after every shape: a run cut off keeps the rows it has
         write_json(path, {**meta, "results": rows})
-        if args.tuned:  # named as the kernels look it up (torch.cuda.get_device_name)
-            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else meta["device"]
-            write_json(args.tuned, {**meta, "device": gpu, "rows": path,
+        if args.tuned:
+            write_json(args.tuned, {**meta, "device": tuning.table_device(device), "rows": path,
                                     "launches": tuned_entries(rows)})
 
     with torch.no_grad():

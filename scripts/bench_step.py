@@ -423,11 +423,10 @@ def main(argv=None) -> int:
         finally:
             for name, value in default.items():
                 setattr(module, name, value)
-    if opts.tuned:  # named as the kernels look it up (torch.cuda.get_device_name)
+    if opts.tuned:
         best, totals = best_setting(rows, settings)
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-            device_name(device)
-        write_json(opts.tuned, {"device": gpu, "command": command, "rows": str(out),
+        write_json(opts.tuned, {"device": tuning.table_device(device), "command": command,
+                                "rows": str(out),
                                 "constants": {"sparse": best} if best else {},
                                 "settings": totals})
     print(summary(rows))

@@ -56,7 +56,7 @@ import sys
 from pathlib import Path
 
 from cli import OneLineParser, write_json
-from evals.bench import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, DEFAULT_METHODS
+from evals.bench import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, DEFAULT_METHODS, REGIMES
 from evals.peers import PEERS
 
 K96, K128, K32 = 98304, 131072, 32768
@@ -339,17 +339,12 @@ def _evaluate(every_row: list[dict]) -> list[dict]:
     return out
 
 
-REGIMES = {"static": "compiled, one static graph per row", "dynamic": "compiled with "
-           "dynamic shapes", "graphs": "a CUDA graph of the eager step (no torch.compile)",
-           "eager": "eager, no graph", "-": "no rows"}
-
-
 def markdown(results: dict[str, list[dict]], rows: list[dict]) -> str:
     """One table per regime (``results``: regime -> ``evaluate``'s results)."""
     devices = sorted({r.get("device", "?") for r in rows}) or ["none"]
     lines = [f"device: {', '.join(devices)}"]
     for g, res in results.items():
-        lines += ["", f"rows: {g} ({REGIMES.get(g, g)})", "",
+        lines += ["", f"rows: {g} ({REGIMES.get(g, 'no rows' if g == '-' else g)})", "",
                   "| target | limit | measured | status |", "|---|---|---|---|"]
         for t in res:
             lines.append(f"| {t['target']} | {t['limit']} | {t['measured'] or '-'} | "

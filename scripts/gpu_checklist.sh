@@ -72,11 +72,14 @@ export PYTHONUNBUFFERED=1
 M="--checkpoint llama-3.1-8b --no-plots --out $out"
 G="$M --compile-regime graphs"
 step() { echo "=== $(date +%T) $*"; }
+environment() {  # the first lines of a session's log: the GPU and the versions
+    step env; nvidia-smi
+    $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
+}
 {
 case $part in
 k)
-    step env; nvidia-smi
-    $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
+    environment
     step "kernel tests on CUDA, and the CUDA graph of the eager step (--compile-regime graphs)"
     timeout -s INT -k 20 230 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         tests/test_dense_kernels.py tests/test_generate.py -k "cuda and not cli and not before"
@@ -166,8 +169,7 @@ g1|g2)
         --budgets 256 512 1024 2048 4096 --compile-regime graphs --time-limit 500
     ;;
 a)
-    step env; nvidia-smi
-    $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
+    environment
     step cuda tests
     timeout -s INT -k 20 150 $py -m pytest -q -p no:cacheprovider tests/test_kv_cache.py tests/test_keydiff_omnikv.py tests/test_kernels.py tests/test_dense_kernels.py -k cuda
     for m in "full" "rocketkv --budget 256"; do

@@ -28,7 +28,7 @@ import torch
 from checkpoint import RANDOM_PREFIX, load_model
 from cli import OneLineParser, add_kernels_option, command_line, deprecated_alias, write_json
 from compression import check_methods, options_for
-from evals.bench import resolve_run
+from evals.bench import REGIMES, resolve_run
 from evals.harness import configurations
 from generate import generate
 from kernels import tuning
@@ -93,9 +93,6 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
             "kernel_tuning": tuning.describe(device) if r["fused_kernels"] else None,
             "kernels_per_step": launches,
             "kernels_per_layer": launches / model.args.n_layers, "kernels": rows}
-
-
-REGIMES = {"static": "compiled", "graphs": "a CUDA graph of the eager step", "eager": "eager"}
 
 
 def markdown(results: list[dict], top: int, header: str) -> str:

@@ -609,6 +609,7 @@ def test_a_tuned_table_gives_the_launch_knobs_on_the_gpu_it_names(tmp_path, monk
     (The files themselves: tests/test_tuning.py.)"""
     monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(tuning, "_tables", {})
+    monkeypatch.setattr(tuning, "_names", {})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
     epi, quant = DENSE.EPI_SWIGLU, DENSE.QUANT_INT4
     key = DENSE.launch_key(epi, quant, 1, 4096, 14336)

@@ -19,6 +19,7 @@ def gpu(tmp_path, monkeypatch):
     """A fake "NVIDIA H100" whose tables are read from ``tmp_path``."""
     monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(tuning, "_tables", {})
+    monkeypatch.setattr(tuning, "_names", {})
     monkeypatch.setattr(tuning, "_applied", set())
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
     return torch.device("cuda")
