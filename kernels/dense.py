@@ -51,7 +51,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import AUX_NONE, tuning
-from kernels.sparse import _dot_mode, _last_slot, _pow2, _summary_update
+from kernels.sparse import _dot_mode, _last_slot, _pow2, _summary_update, wrap
 
 EPI_PLAIN = 0  # store x @ W^T
 EPI_RESIDUAL = 1  # store residual + x @ W^T
@@ -326,7 +326,7 @@ def _launch(x2: Tensor, weight: Tensor, out: Tensor, *, norm: Tensor | None, eps
     sc = k_cache.stride() if k_cache is not None else (0, 0, 0, 0)
     sa = aux.stride() if aux is not None and aux_kind != AUX_NONE else (0, 0, 0, 0)
     dummy = out  # pointer arguments an epilogue does not read
-    torch.library.wrap_triton(_linear_kernel)[grid](
+    wrap(_linear_kernel)[grid](
         x2, weight, out, norm if norm is not None else dummy,
         bias if bias is not None else dummy, residual if residual is not None else dummy,
         rope if rope is not None else dummy, pos if pos is not None else dummy,

@@ -103,6 +103,19 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
+def wrap(kernel):
+    """``torch.library.wrap_triton(kernel)``, which a ``triton_op`` launches through so
+    ``torch.compile`` traces the launch; under ``TRITON_INTERPRET=1`` (``triton.jit`` then
+    gives an ``InterpretedFunction``) the kernel itself, as torch 2.13 returns it. torch 2.11
+    and 2.12 refuse to wrap an interpreted kernel (RuntimeError), which would fail every
+    interpreter test there; a GPU never interprets."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kernel, InterpretedFunction):
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
 def _dot_mode(x: Tensor) -> str:
     """How the kernels' ``tl.dot`` reads operands loaded from ``x`` (``_dot``): "native" for
     bfloat16/float16 on a GPU (the tensor cores' bf16 path with float32 accumulation, as the
@@ -171,7 +184,7 @@ def write_token(k_cache: Tensor, v_cache: Tensor, aux: Tensor, k: Tensor, v: Ten
     """
     B, Hkv, _, D = k_cache.shape
     sa = aux.stride() if aux_kind != AUX_NONE else (0, 0, 0, 0)
-    torch.library.wrap_triton(_write_token_kernel)[(B * Hkv,)](
+    wrap(_write_token_kernel)[(B * Hkv,)](
         k_cache, v_cache, aux, k, v, slot,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), sa[0], sa[1], sa[2], sa[3], Hkv, D, page_size,
@@ -685,12 +698,12 @@ def _split_selection(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bound
     ml = torch.empty(B * Hkv * splits * 2 * G_BLOCK if mode == MODE_SOFTMAX else 1,
                      dtype=torch.float32, device=q.device)
     if mode == MODE_SOFTMAX:
-        torch.library.wrap_triton(_split_lse_kernel)[(B * Hkv, splits)](
+        wrap(_split_lse_kernel)[(B * Hkv, splits)](
             q, rows, last, off, ml, logits, *strides, Hkv, G, D, P, r, per, page_size,
             SPLITS=splits, TWO_BOUNDS=two_bounds, HAS_OFFSET=offset is not None, STORE=store,
             DOT=_dot_mode(rows), G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK, BLOCK=SCORE_BLOCK,
             num_warps=NUM_WARPS)
-    torch.library.wrap_triton(_split_choose_kernel)[(B * Hkv, splits)](
+    wrap(_split_choose_kernel)[(B * Hkv, splits)](
         q, rows, last, off, ml, logits, scores, cand_pages, cand_take, *strides,
         Hkv, G, D, P, r, k, MS, per, page_size, MODE=mode, SPLITS=splits,
         TWO_BOUNDS=two_bounds, HAS_OFFSET=offset is not None, LOAD=store, DOT=_dot_mode(rows),
@@ -701,7 +714,7 @@ def _split_selection(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bound
         else None
     chunk, pages_block = _attend_blocks(page_size)
     o = out if out is not None else scores
-    torch.library.wrap_triton(_split_merge_kernel)[(B * Hkv,)](
+    wrap(_split_merge_kernel)[(B * Hkv,)](
         q, k_cache, v_cache, last, off, scores, cand_pages, cand_take, pages, take, o, ml,
         v_mean if v_mean is not None else ml, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1), Hkv, G, D, P, r, k,
@@ -749,7 +762,7 @@ def paged_select(q: Tensor, rows: Tensor, last: Tensor, mode: int, two_bounds: b
     Hkv, P, s_row, s_page, M, scores, pages, take = _selection_buffers(q, rows, k, page_size,
                                                                        by_token)
     G = H // Hkv
-    torch.library.wrap_triton(_paged_select_kernel)[(B * Hkv,)](
+    wrap(_paged_select_kernel)[(B * Hkv,)](
         q, rows, last, offset if offset is not None else last, scores, pages, take,
         q.stride(0), q.stride(1), rows.stride(0), rows.stride(1), s_row, s_page,
         Hkv, G, D, P, r, k, M, page_size,
@@ -986,7 +999,7 @@ def attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, pages: Tensor, tak
     per_split = -(-M // splits)
     out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device)
     o, lse = _partials(B * Hkv, splits, G_BLOCK, D_BLOCK, q.device)
-    torch.library.wrap_triton(_attend_pages_kernel)[(B * Hkv, splits)](
+    wrap(_attend_pages_kernel)[(B * Hkv, splits)](
         q, k_cache, v_cache, pages, take, o, lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), Hkv, G, D, M, page_size, per_split,
@@ -994,7 +1007,7 @@ def attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, pages: Tensor, tak
         D_BLOCK=D_BLOCK,
         CHUNK=chunk, PAGES_BLOCK=pages_block, num_warps=NUM_WARPS)
     if splits > 1:
-        torch.library.wrap_triton(_merge_splits_kernel)[(B * Hkv,)](
+        wrap(_merge_splits_kernel)[(B * Hkv,)](
             o, lse, out, out.stride(0), out.stride(1), Hkv, G, D, SPLITS=splits,
             G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK)
     return out
@@ -1095,7 +1108,7 @@ def _select_attend(q: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor, la
     G = H // Hkv
     chunk, pages_block = _attend_blocks(page_size)
     out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device)
-    torch.library.wrap_triton(_select_attend_kernel)[(B * Hkv,)](
+    wrap(_select_attend_kernel)[(B * Hkv,)](
         q, rows, k_cache, v_cache, last, offset if offset is not None else last, scores, pages,
         take, out, v_mean if v_mean is not None else scores, q.stride(0), q.stride(1),
         rows.stride(0), rows.stride(1), s_row, s_page,
@@ -1145,14 +1158,14 @@ def attend_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor,
     split_len = -(-S // splits)
     out = torch.empty(B, H, 1, D, dtype=v_cache.dtype, device=q.device)
     o, lse = _partials(B * Hkv, splits, G_BLOCK, D_BLOCK, q.device)
-    torch.library.wrap_triton(_attend_prefix_kernel)[(B * Hkv, splits)](
+    wrap(_attend_prefix_kernel)[(B * Hkv, splits)](
         q, k_cache, v_cache, last, offset if offset is not None else last, o, lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), Hkv, G, D, split_len, 1.0 / math.sqrt(D),
         SPLITS=splits, HAS_OFFSET=offset is not None, DOT=_dot_mode(k_cache),
         G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK, TOK=ATTEND_TOKENS, num_warps=PREFIX_WARPS)
     if splits > 1:
-        torch.library.wrap_triton(_merge_splits_kernel)[(B * Hkv,)](
+        wrap(_merge_splits_kernel)[(B * Hkv,)](
             o, lse, out, out.stride(0), out.stride(1), Hkv, G, D, SPLITS=splits,
             G_BLOCK=G_BLOCK, D_BLOCK=D_BLOCK)
     return out
