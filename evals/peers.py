@@ -175,7 +175,10 @@ def run_transformers(args: ModelArgs, batch: int, context: int, new_tokens: int,
         "weight_bytes_per_step": weights - (0 if args.tie_word_embeddings else emb),
         "method_params": {"cache": "transformers StaticCache", "max_cache_len":
                           context + new_tokens, "attn_implementation": "sdpa",
-                          "prefill_chunk_size": chunk},
+                          "prefill_chunk_size": chunk,
+                          # chunks prefill through the compiled forward: its compile for the
+                          # chunk's shape is inside prefill_s, not compile_s
+                          "prefill_compiled": chunk is not None and compiled},
         "compiled": compiled, "fused_kernels": False, "dense_kernels": False, "warmup_steps": warm,
         "decode_steps": len(timed),
     }

@@ -244,6 +244,7 @@ def test_the_peer_prefills_long_prompts_in_equal_chunks(monkeypatch):
                                      dtype=torch.float32, compile=False)
         assert lengths[:len(chunks)] == chunks and set(lengths[len(chunks):]) == {1}
         assert row["method_params"]["prefill_chunk_size"] == (16 if context > 32 else None)
+        assert row["method_params"]["prefill_compiled"] is False  # compile=False
         assert row["decode_steps"] == 3
 
 
