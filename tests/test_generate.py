@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import ROOT, SHARED
 
-from checkpoint import load_model, random_model
+from checkpoint import random_model
 from compression import build_caches
 from generate import generate, sample
 from measure import percentile
@@ -613,11 +613,16 @@ def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(sto
                                            ("h2o", 64)])
 def test_cuda_graph_of_the_eager_step_gives_the_eager_tokens(method, budget):
     """--cuda-graphs (GraphStep): the eager step captured once and replayed gives the tokens of
-    the eager loop, with 2 warm-up steps apart (our kernels where they run; the CPU twin, a
-    traced step replayed, is test_dense_kernels' test_a_replayed_step_decodes_as_the_eager_one)."""
-    model = load_model("random:stories260K", "cuda", torch.float32)
-    prompt = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(0))
+    the eager loop, with 2 warm-up steps apart, every kernel on (head dim 64 in bfloat16: the
+    kernels never run under head dim 16, so stories260K's 8 would test the PyTorch path; the
+    selections over 600 tokens; the CPU twin, a traced step replayed, is test_dense_kernels'
+    test_a_replayed_step_decodes_as_the_eager_one)."""
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=512,
+                     vocab_size=1000, max_seq_len=1024)
+    model = random_model(args, "cuda", torch.bfloat16)
+    prompt = torch.randint(3, 1000, (1, 600), generator=torch.Generator().manual_seed(0))
     runs = [generate(model, prompt, method=method, budget=budget, max_new_tokens=12,
                      compile=False, cuda_graphs=g) for g in (False, True)]
     assert runs[0]["token_ids"] == runs[1]["token_ids"]
     assert runs[1]["cuda_graphs"] and runs[1]["warmup_steps"] == 2
+    assert runs[1]["fused_kernels"] and runs[1]["dense_kernels"]

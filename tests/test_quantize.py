@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
+import kernels
 from checkpoint import load_model, random_model
 from compression import METHODS
 from generate import generate
@@ -191,20 +192,28 @@ LLAMA8B_LINEARS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 def test_cuda_kernels_match_dequantized_matmul(mode, shape, rows):
     """The CUDA paths at the real shapes, eager (and compiled for a decode step): int8
     (``F.linear`` on the int8 weight cast to bfloat16, times the scales; compiled, one kernel
-    reading int8) and int4 (tinygemm ``_weight_int4pack_mm``, groups of 128 and 32) against
-    a float32 matmul of the dequantized weights."""
+    reading int8) and int4, groups of 128 and 32: tinygemm ``_weight_int4pack_mm`` where the
+    dense decode kernels are off, and the stored nibbles (dequantized here; the kernels read
+    them in the decode step, test_dense_kernels) where they run; each against a float32
+    matmul of the dequantized weights."""
     w = _weights(*shape, seed=rows)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
     x = x.to("cuda", torch.bfloat16)
-    for groupsize in ((None,) if mode == "int8" else (128, 32)):
+    layouts = {"cuda": False, "nibbles": True}  # the layout, whether the dense kernels run
+    cases = [(None, None)] if mode == "int8" else [(g, k) for g in (128, 32) for k in layouts]
+    for groupsize, layout in cases:
         if mode == "int8":
             q, s = quantize_int8(w)
             layer = Int8Linear(q.cuda(), s, torch.bfloat16)
             deq = dequantize_int8(q, layer.scales.float().cpu())
         else:
             packed, sz = quantize_int4(w, groupsize)
-            layer = Int4Linear(packed, sz, groupsize, "cuda", torch.bfloat16)
-            assert layer.layout == "cuda"
+            dense = kernels.set_dense(layouts[layout])
+            try:
+                layer = Int4Linear(packed, sz, groupsize, "cuda", torch.bfloat16)
+            finally:
+                kernels.set_dense(dense)
+            assert layer.layout == (layout if kernels.ops() is not None else "cuda")
             deq = dequantize_int4(packed, sz, groupsize, torch.bfloat16)
         ref = F.linear(x.float(), deq.float().cuda())
         compiled = (torch.compile(layer, fullgraph=True),) if rows == 1 else ()
