@@ -74,6 +74,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import AUX_NONE
 
@@ -109,8 +110,6 @@ def wrap(kernel):
     gives an ``InterpretedFunction``) the kernel itself, as torch 2.13 returns it. torch 2.11
     and 2.12 refuse to wrap an interpreted kernel (RuntimeError), which would fail every
     interpreter test there; a GPU never interprets."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     if isinstance(kernel, InterpretedFunction):
         return kernel
     return torch.library.wrap_triton(kernel)

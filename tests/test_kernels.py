@@ -122,11 +122,11 @@ def reference_scores(cache, q, valid, dtype=None):
     top_r = top_r_dims if dtype is None else kernel_top_r
     q = f(q)
     if isinstance(sel, ExactTopK):
-        return exact_scores(q, f(cache.k_cache), valid)
+        return exact_scores(q, f(cache.k_cache), valid).float()
     if isinstance(sel, SparQ):
         keys = f(sel.k_dims if sel.dim_major else cache.k_cache)
         s = sparq_scores(q, keys, top_r(q, cache.n_kv_heads, sel.r), valid, sel.dim_major)
-        return s.sum(dim=2).masked_fill(~valid, float("-inf"))
+        return s.sum(dim=2).masked_fill(~valid, float("-inf")).float()
     counts = sel.page_counts(valid)
     if isinstance(sel, Quest):
         pages = page_bounds(q, f(sel.rows(cache)))
@@ -182,11 +182,10 @@ def check_selection(ref_cache, ker_cache, q, t, k, exact):
                                                   splits)
     assert pages.shape[-1] == OPS.selected_pages(min(k, S), ps, S // ps, splits)
     got = chosen_slots(pages.cpu(), take.cpu(), ps, S)
-    n_valid = t + 1
-    assert (got.sum(-1) == min(k, n_valid)).all()
+    n = min(k, t + 1)  # slots 0..t are written
+    assert (got.sum(-1) == n).all()
     assert not (got & ~valid.cpu()).any()
     same = torch.zeros(got.shape[:2], dtype=torch.bool)
-    n = min(k, n_valid)
     for b in range(got.shape[0]):
         for h in range(got.shape[1]):
             s = scores[b, h]
