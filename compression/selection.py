@@ -23,8 +23,15 @@ def group_sum(x: Tensor, n_kv_heads: int) -> Tensor:
 
 
 def top_r_dims(q: Tensor, n_kv_heads: int, r: int) -> Tensor:
-    """Indices (B, H_kv, r) of the r largest dims of |q| summed over each query group."""
-    return group_sum(q[:, :, 0].abs().float(), n_kv_heads).topk(r, dim=-1, sorted=False).indices
+    """Indices (B, H_kv, r) int64 of the r largest dims of |q| summed over each query group
+    (q: (B, H, 1, D)), largest first (RocketKV Alg. 2, first line: argtopk(sum(|q|, group), r)).
+
+    Equal sums go to the lower dim, the rule of the fused kernels (``kernels.sparse``): 16-bit
+    queries tie often (their group sums have few mantissa bits), and topk breaks ties its own
+    way, so without one rule the PyTorch path and the kernels could score other dims and choose
+    other pages for the same query."""
+    a = group_sum(q[:, :, 0].abs().float(), n_kv_heads)
+    return a.sort(dim=-1, descending=True, stable=True).indices[..., :r]
 
 
 def query_dims(q: Tensor, dims: Tensor) -> Tensor:

@@ -105,27 +105,18 @@ def decode(cache, mode, q, k, v, t):
         kernels.set_mode(previous)
 
 
-def kernel_top_r(q, n_kv_heads, r):
-    """``top_r_dims`` with the kernels' rule for equal sums: the lower dim first (topk's
-    choice among them is its own; 16-bit queries tie often, sums of few 8-bit mantissas)."""
-    a = group_sum(q[:, :, 0].abs().float(), n_kv_heads)
-    return a.sort(dim=-1, descending=True, stable=True).indices[..., :r]
-
-
 def reference_scores(cache, q, valid, dtype=None):
     """The reference's token scores (B, H_kv, S) float32 of the cache's selector: page-constant
     for paged selectors, -inf at unwritten slots; with ``dtype`` computed from the query and
-    keys cast to it (float32: what the kernels compute from 16-bit data) and the top-r dims
-    tied as the kernels tie them (``kernel_top_r``)."""
+    keys cast to it (float32: what the kernels compute from 16-bit data)."""
     sel = cache.selector
     f = (lambda x: x) if dtype is None else (lambda x: x.to(dtype))
-    top_r = top_r_dims if dtype is None else kernel_top_r
     q = f(q)
     if isinstance(sel, ExactTopK):
         return exact_scores(q, f(cache.k_cache), valid).float()
     if isinstance(sel, SparQ):
         keys = f(sel.k_dims if sel.dim_major else cache.k_cache)
-        s = sparq_scores(q, keys, top_r(q, cache.n_kv_heads, sel.r), valid, sel.dim_major)
+        s = sparq_scores(q, keys, top_r_dims(q, cache.n_kv_heads, sel.r), valid, sel.dim_major)
         return s.sum(dim=2).masked_fill(~valid, float("-inf")).float()
     counts = sel.page_counts(valid)
     if isinstance(sel, Quest):
@@ -134,7 +125,7 @@ def reference_scores(cache, q, valid, dtype=None):
         pages = pages.masked_fill(newest, float("inf"))
     else:
         pages = hybrid_page_scores(q, f(sel.rows(cache)),
-                                   top_r(q, cache.n_kv_heads, sel.r), counts)
+                                   top_r_dims(q, cache.n_kv_heads, sel.r), counts)
     s = pages.repeat_interleave(sel.page_size, dim=-1)
     return s.masked_fill(~valid, float("-inf")).float()
 
@@ -359,6 +350,25 @@ def test_bfloat16_selection_and_output(name, k, split, monkeypatch):
         assert (got - want).abs().max() < 0.1, t
         if "realloc" not in name:  # exact attention over the slots chosen (no mean-V term)
             assert (got - attention_over(ker, ins[0], chosen)).abs().max() < 0.05, t
+
+
+@interpreted
+@pytest.mark.parametrize("name,k", [("hybrid", 6), ("hybrid_page1", 9), ("sparq", 10),
+                                    ("sparq_strided", 10)])
+def test_equal_query_sums_choose_the_same_dims_on_both_paths(name, k):
+    """Queries of small integers, whose group sums of |q| tie in most head dims (as 16-bit
+    queries often do): the kernels and the PyTorch path rank the tied dims alike (the lower dim
+    first, ``top_r_dims``), so they score the same dims and give the same output."""
+    ref, ker, (q, kk, v) = twin_caches(name, k, model_args(8, 2, 32), 40, 3, torch.float32,
+                                       "cpu", seed=5)
+    q = (q * 1.5).round()
+    sums = group_sum(q.abs(), 2)[:, :, 40:]  # (B, H_kv, steps, D)
+    assert all(len(set(s.tolist())) < 20 for s in sums.reshape(-1, 32))  # ties in every head
+    for t in range(40, 43):
+        ins = q[:, :, t:t + 1], kk[:, :, t:t + 1], v[:, :, t:t + 1]
+        want = decode(ref, "off", *ins, t)
+        got = decode(ker, "force", *ins, t)
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (t, (got - want).abs().max())
 
 
 @interpreted

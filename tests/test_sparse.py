@@ -10,7 +10,7 @@ import torch
 from compression.exact_topk import ExactTopK, exact_scores
 from compression.hybrid import Hybrid, hybrid_page_scores
 from compression.quest import Quest, page_bounds
-from compression.selection import page_summary, top_pages_to_tokens
+from compression.selection import page_summary, top_pages_to_tokens, top_r_dims
 from compression.sparq import SparQ, sparq_scores
 from kv_cache import CompressedKVCache, FullKVCache, Selector
 from model import ModelArgs
@@ -44,6 +44,23 @@ def test_exact_scores_and_topk_indices():
         assert torch.isinf(s[0, kv, 15:]).all()
         top = set(s[0, kv].topk(5).indices.tolist())
         assert top == set(ref[:15].topk(5).indices.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_r_dims_rank_equal_sums_by_the_lower_dim(dtype):
+    """The r largest group sums of |q|, largest first, equal sums to the lower dim (the fused
+    kernels' rule): queries of small integers tie in most dims, as 16-bit queries often do."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-3, 4, (2, 8, 1, 32), generator=g).to(dtype)  # 2 KV heads of 4
+    r = 11
+    dims = top_r_dims(q, 2, r)
+    assert dims.shape == (2, 2, r) and dims.dtype == torch.int64
+    for b in range(2):
+        for kv in range(2):
+            sums = [sum(abs(float(q[b, h, 0, i])) for h in range(kv * 4, kv * 4 + 4))
+                    for i in range(32)]
+            want = sorted(range(32), key=lambda i: (-sums[i], i))[:r]
+            assert dims[b, kv].tolist() == want, (b, kv)
 
 
 def test_quest_page_bounds_bound_every_token():
