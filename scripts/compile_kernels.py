@@ -1,12 +1,15 @@
 """Compile every fused kernel (kernels/sparse.py, kernels/dense.py) for a GPU architecture
 without a GPU.
 
-    python scripts/compile_kernels.py                  # sm_90 (H100/H200), bfloat16
+    python scripts/compile_kernels.py                  # sm_90 (H100/H200), llama-3.1-8b, bf16
     python scripts/compile_kernels.py --arch 100 --json /tmp/regs.json
+    python scripts/compile_kernels.py --checkpoint qwen2.5-0.5b --dtype float32
 
 Triton's front end and the ``ptxas`` its wheel bundles turn each kernel, at the configurations
-the engine launches (llama-3.1-8b's head dim 128 and query group of 4, padded to 16; its
-projections at batch 1 and 16), into GPU
+the engine launches for a model's shape (``--checkpoint``, a named config: its head dim and
+query group, padded to powers of two and the group to at least 16; its projections at batch 1
+and 16, with q/k/v biases where the model has them) and cache dtype (``--dtype``: 16-bit data
+meets the tensor cores' 16-bit dots, float32 the "ieee" ones), into GPU
 code, and ``ptxas -v`` reports registers and spills per thread. This catches what Triton's
 interpreter (the CPU tests) does not check: code that only the GPU compiler rejects, and
 register spills. It says nothing about speed. Exit status 1 when a kernel fails to compile,
@@ -26,35 +29,42 @@ from pathlib import Path
 
 import kernels
 from cli import OneLineParser, write_json
+from model import CONFIGS, ModelArgs
 
-BF16 = "*bf16"
+DTYPES = {"bfloat16": ("*bf16", "native"), "float16": ("*fp16", "native"),  # pointers, tl.dot
+          "float32": ("*fp32", "ieee")}  # (cli.DTYPES: what --dtype accepts)
 
 
-def configurations(sparse) -> list[tuple]:
+def configurations(sparse, head_dim: int = 128, group: int = 4,
+                   dtype: str = "bfloat16") -> list[tuple]:
     """(kernel, pointer dtypes, constexprs, num_warps) for every launch shape the engine uses
-    on a 16-bit cache of head dim 128."""
+    on a cache of ``head_dim`` and ``dtype`` read by query groups of ``group`` heads
+    (``kernels.sparse``'s blocks: ``D_BLOCK`` the head dim's power of two, ``G_BLOCK`` the
+    group's, at least 16)."""
     S = sparse
+    T, dot = DTYPES[dtype]
+    D, G = S._pow2(head_dim), max(16, S._pow2(group))
     out = []
     for aux in (kernels.AUX_SUMMARY, kernels.AUX_DIM_MAJOR):
-        out.append((S._write_token_kernel, dict(k_cache=BF16, v_cache=BF16, aux=BF16,
-                                                k_new=BF16, v_new=BF16, slot_ptr="*i64"),
-                    {"AUX": aux, "D_BLOCK": 128}, 4))
+        out.append((S._write_token_kernel, dict(k_cache=T, v_cache=T, aux=T,
+                                                k_new=T, v_new=T, slot_ptr="*i64"),
+                    {"AUX": aux, "D_BLOCK": D}, 4))
     for mode, two in ((S.MODE_SOFTMAX, True), (S.MODE_SOFTMAX, False), (S.MODE_BOUND, True),
                       (S.MODE_BOUND, False)):
-        out.append((S._paged_select_kernel, dict(q_ptr=BF16, rows_ptr=BF16, last_ptr="*i64",
+        out.append((S._paged_select_kernel, dict(q_ptr=T, rows_ptr=T, last_ptr="*i64",
                                                  off_ptr="*i64", scores_ptr="*fp32",
                                                  pages_ptr="*i32", take_ptr="*i32"),
-                    {"MODE": mode, "TWO_BOUNDS": two, "HAS_OFFSET": True, "DOT": "native",
-                     "G_BLOCK": 16, "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK,
+                    {"MODE": mode, "TWO_BOUNDS": two, "HAS_OFFSET": True, "DOT": dot,
+                     "G_BLOCK": G, "D_BLOCK": D, "BLOCK": S.SCORE_BLOCK,
                      "PR": 0 if two else S.SELECT_REGISTER_PAGES, "SEL": S.SELECT_BLOCK},
                     S.NUM_WARPS))
     for splits, page in ((1, 5), (1, 1), (4, 23), (1, 1024)):
         chunk = min(S._pow2(page), S.ATTEND_TOKENS)
-        out.append((S._attend_pages_kernel, dict(q_ptr=BF16, k_cache=BF16, v_cache=BF16,
+        out.append((S._attend_pages_kernel, dict(q_ptr=T, k_cache=T, v_cache=T,
                                                  pages_ptr="*i32", take_ptr="*i32",
-                                                 o_ptr="*fp32", lse_ptr="*fp32", out_ptr=BF16,
+                                                 o_ptr="*fp32", lse_ptr="*fp32", out_ptr=T,
                                                  scale="fp32"),
-                    {"SPLITS": splits, "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128,
+                    {"SPLITS": splits, "DOT": dot, "G_BLOCK": G, "D_BLOCK": D,
                      "CHUNK": chunk, "PAGES_BLOCK": S.ATTEND_TOKENS // chunk}, S.NUM_WARPS))
     for mode, two, page, realloc in ((S.MODE_SOFTMAX, True, 16, False),
                                      (S.MODE_SOFTMAX, False, 1, False),
@@ -63,31 +73,31 @@ def configurations(sparse) -> list[tuple]:
                                      (S.MODE_SOFTMAX, False, 1, True)):  # SparQ reallocating
         chunk, pages_block = S._attend_blocks(page)
         out.append((S._select_attend_kernel,
-                    dict(q_ptr=BF16, rows_ptr=BF16, k_cache=BF16, v_cache=BF16,
+                    dict(q_ptr=T, rows_ptr=T, k_cache=T, v_cache=T,
                          last_ptr="*i64", off_ptr="*i64", scores_ptr="*fp32",
-                         pages_ptr="*i32", take_ptr="*i32", out_ptr=BF16, vm_ptr="*fp32",
+                         pages_ptr="*i32", take_ptr="*i32", out_ptr=T, vm_ptr="*fp32",
                          scale="fp32"),
                     {"MODE": mode, "TWO_BOUNDS": two, "HAS_OFFSET": True, "REALLOC": realloc,
-                     "DOT_S": "native",
-                     "DOT_A": "native", "G_BLOCK": 16, "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK,
+                     "DOT_S": dot,
+                     "DOT_A": dot, "G_BLOCK": G, "D_BLOCK": D, "BLOCK": S.SCORE_BLOCK,
                      "PR": S.SELECT_REGISTER_PAGES if two else 0, "SEL": S.SELECT_BLOCK,
                      "CHUNK": chunk, "PAGES_BLOCK": pages_block}, S.NUM_WARPS))
     for splits in (1, 64):
-        out.append((S._attend_prefix_kernel, dict(q_ptr=BF16, k_cache=BF16, v_cache=BF16,
+        out.append((S._attend_prefix_kernel, dict(q_ptr=T, k_cache=T, v_cache=T,
                                                   last_ptr="*i64", off_ptr="*i64", o_ptr="*fp32",
-                                                  lse_ptr="*fp32", out_ptr=BF16, scale="fp32"),
-                    {"SPLITS": splits, "HAS_OFFSET": splits == 1, "DOT": "native",
-                     "G_BLOCK": 16, "D_BLOCK": 128, "TOK": S.ATTEND_TOKENS}, S.PREFIX_WARPS))
-    out.append((S._merge_splits_kernel, dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr=BF16),
-                {"SPLITS": 64, "G_BLOCK": 16, "D_BLOCK": 128}, 4))
+                                                  lse_ptr="*fp32", out_ptr=T, scale="fp32"),
+                    {"SPLITS": splits, "HAS_OFFSET": splits == 1, "DOT": dot,
+                     "G_BLOCK": G, "D_BLOCK": D, "TOK": S.ATTEND_TOKENS}, S.PREFIX_WARPS))
+    out.append((S._merge_splits_kernel, dict(o_ptr="*fp32", lse_ptr="*fp32", out_ptr=T),
+                {"SPLITS": 64, "G_BLOCK": G, "D_BLOCK": D}, 4))
     # the split selection: hybrid's pages (4 splits at 128K), SparQ's and Exact-TopK's tokens
     # (16 at 32K, 64 at 128K; Exact-TopK stores its logits in pass 1 and reads them in pass 2)
-    sel_ptrs = dict(q_ptr=BF16, rows_ptr=BF16, last_ptr="*i64", off_ptr="*i64", ml_ptr="*fp32",
+    sel_ptrs = dict(q_ptr=T, rows_ptr=T, last_ptr="*i64", off_ptr="*i64", ml_ptr="*fp32",
                     logits_ptr="*fp32")
     for splits, two, store in ((4, True, False), (64, False, False), (16, False, True)):
         out.append((S._split_lse_kernel, sel_ptrs,
                     {"SPLITS": splits, "TWO_BOUNDS": two, "HAS_OFFSET": True, "STORE": store,
-                     "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK},
+                     "DOT": dot, "G_BLOCK": G, "D_BLOCK": D, "BLOCK": S.SCORE_BLOCK},
                     S.NUM_WARPS))
     for mode, splits, two, load in ((S.MODE_SOFTMAX, 4, True, False),
                                     (S.MODE_SOFTMAX, 64, False, False),
@@ -96,39 +106,45 @@ def configurations(sparse) -> list[tuple]:
         out.append((S._split_choose_kernel,
                     dict(sel_ptrs, scores_ptr="*fp32", cand_pages="*i32", cand_take="*i32"),
                     {"MODE": mode, "SPLITS": splits, "TWO_BOUNDS": two, "HAS_OFFSET": True,
-                     "LOAD": load, "DOT": "native", "G_BLOCK": 16, "D_BLOCK": 128,
+                     "LOAD": load, "DOT": dot, "G_BLOCK": G, "D_BLOCK": D,
                      "BLOCK": S.SCORE_BLOCK, "PR": S.SPLIT_PAGES}, S.NUM_WARPS))
     for attend, page, realloc in ((True, 23, False), (True, 1, False), (False, 1, False),
                                   (True, 1, True)):
         chunk, pages_block = S._attend_blocks(page)
         out.append((S._split_merge_kernel,
-                    dict(q_ptr=BF16, k_cache=BF16, v_cache=BF16, last_ptr="*i64",
+                    dict(q_ptr=T, k_cache=T, v_cache=T, last_ptr="*i64",
                          off_ptr="*i64", scores_ptr="*fp32", cand_pages="*i32",
-                         cand_take="*i32", pages_ptr="*i32", take_ptr="*i32", out_ptr=BF16,
+                         cand_take="*i32", pages_ptr="*i32", take_ptr="*i32", out_ptr=T,
                          ml_ptr="*fp32", vm_ptr="*fp32", scale="fp32"),
                     {"SPLITS": 16, "HAS_OFFSET": True, "ATTEND": attend, "REALLOC": realloc,
-                     "DOT": "native", "G_BLOCK": 16,
-                     "D_BLOCK": 128, "BLOCK": S.SCORE_BLOCK, "CR": S.SELECT_CANDIDATES,
+                     "DOT": dot, "G_BLOCK": G,
+                     "D_BLOCK": D, "BLOCK": S.SCORE_BLOCK, "CR": S.SELECT_CANDIDATES,
                      "CHUNK": chunk, "PAGES_BLOCK": pages_block}, S.NUM_WARPS))
     return out
 
 
-def dense_configurations(dense) -> list[tuple]:
-    """The dense kernels' launches at the llama-3.1-8b shape (``launch_config``'s blocks), one
-    batch row (the GEMV) and 16 (``tl.dot``): q/k/v with each auxiliary-key format, the output
-    and down projections with the residual, gate/up with SwiGLU, the LM head after the norm;
-    then int8 and int4 (group 128) weights at q/k/v and gate/up, batch 1 and 16."""
+def dense_configurations(dense, args: ModelArgs | None = None,
+                         dtype: str = "bfloat16") -> list[tuple]:
+    """The dense kernels' launches at the shape of ``args`` (default llama-3.1-8b;
+    ``launch_config``'s blocks) in ``dtype``, one batch row (the GEMV) and 16 (``tl.dot``):
+    q/k/v with each auxiliary-key format (with the model's biases), the output and down
+    projections with the residual, gate/up with SwiGLU, the LM head after the norm; then int8
+    and int4 (group 128, the stored nibbles that ``quantized.int4_layout`` keeps where these
+    kernels run, in any dtype) weights at q/k/v and gate/up, batch 1 and 16."""
     E = dense
-    D, dim, inter, vocab, qkv = 128, 4096, 14336, 128256, (32 + 2 * 8) * 128
-    pointers = {name: BF16 for name in ("x_ptr", "w_ptr", "out_ptr", "norm_ptr", "bias_ptr",
-                                        "res_ptr", "kc_ptr", "vc_ptr", "aux_ptr")}
-    pointers.update(rope_ptr="*fp32", pos_ptr="*i64", off_ptr="*i64", eps="fp32",
-                    sz_ptr=BF16)
+    a = args or ModelArgs.from_name("llama-3.1-8b")
+    T, dot = DTYPES[dtype]
+    D, dim, inter, vocab = a.head_dim, a.dim, a.intermediate_size, a.vocab_size
+    qkv, bias = (a.n_heads + 2 * a.n_kv_heads) * D, a.qkv_bias
+    pointers = {name: T for name in ("x_ptr", "w_ptr", "out_ptr", "norm_ptr", "bias_ptr",
+                                     "res_ptr", "kc_ptr", "vc_ptr", "aux_ptr")}
+    pointers.update(rope_ptr="*fp32", pos_ptr="*i64", off_ptr="*i64", eps="fp32", sz_ptr=T)
     launches = [(E.EPI_QKV, dim, qkv, True, aux) for aux in (kernels.AUX_NONE,
                                                              kernels.AUX_SUMMARY,
                                                              kernels.AUX_DIM_MAJOR)]
-    launches += [(E.EPI_RESIDUAL, 32 * D, dim, False, 0), (E.EPI_SWIGLU, dim, inter, True, 0),
-                 (E.EPI_RESIDUAL, inter, dim, False, 0), (E.EPI_PLAIN, dim, vocab, True, 0)]
+    launches += [(E.EPI_RESIDUAL, a.n_heads * D, dim, False, 0),
+                 (E.EPI_SWIGLU, dim, inter, True, 0), (E.EPI_RESIDUAL, inter, dim, False, 0),
+                 (E.EPI_PLAIN, dim, vocab, True, 0)]
     out = []
     for M in (1, 16):
         for epi, K, n, norm, aux in launches:
@@ -136,9 +152,9 @@ def dense_configurations(dense) -> list[tuple]:
                 continue
             bm, bn, bk, _ = E.launch_config(epi, M, K, n, D)
             out.append((E._linear_kernel, pointers,
-                        {"NORM": norm, "BIAS": False, "EPI": epi, "AUX": aux,
-                         "HAS_OFFSET": aux > 0, "QUANT": E.QUANT_NONE, "BLOCK_M": bm,
-                         "BLOCK_N": bn, "BLOCK_K": bk, "DOT": "native"}, E.NUM_WARPS))
+                        {"NORM": norm, "BIAS": bias and epi == E.EPI_QKV, "EPI": epi,
+                         "AUX": aux, "HAS_OFFSET": aux > 0, "QUANT": E.QUANT_NONE,
+                         "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOT": dot}, E.NUM_WARPS))
     for quant, w in ((E.QUANT_INT8, "*i8"), (E.QUANT_INT4, "*u8")):
         for M in (1, 16):
             for epi, K, n, aux in ((E.EPI_QKV, dim, qkv, kernels.AUX_SUMMARY),
@@ -147,9 +163,9 @@ def dense_configurations(dense) -> list[tuple]:
                 if quant == E.QUANT_INT4:
                     bk = min(bk, 128)
                 out.append((E._linear_kernel, dict(pointers, w_ptr=w),
-                            {"NORM": True, "BIAS": False, "EPI": epi, "AUX": aux,
-                             "HAS_OFFSET": aux > 0, "QUANT": quant, "BLOCK_M": bm,
-                             "BLOCK_N": bn, "BLOCK_K": bk, "DOT": "native"}, E.NUM_WARPS))
+                            {"NORM": True, "BIAS": bias and epi == E.EPI_QKV, "EPI": epi,
+                             "AUX": aux, "HAS_OFFSET": aux > 0, "QUANT": quant, "BLOCK_M": bm,
+                             "BLOCK_N": bn, "BLOCK_K": bk, "DOT": dot}, E.NUM_WARPS))
     return out
 
 
@@ -187,8 +203,14 @@ def compile_one(kernel, pointers: dict, constexprs: dict, num_warps: int, arch: 
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90)")
+    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=[
+        n for n in CONFIGS if ModelArgs.from_name(n).head_dim >= 16], metavar="NAME",
+        help="the model shape, a named config (default llama-3.1-8b)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                   help="the model's and cache's dtype (default bfloat16)")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     args = p.parse_args(argv)
+    shape = ModelArgs.from_name(args.checkpoint)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: TRITON_INTERPRET=1 is set: the kernels would be interpreted, not "
               "compiled", file=sys.stderr)
@@ -204,8 +226,10 @@ def main(argv=None) -> int:
         print(f"error: no ptxas at {ptxas}", file=sys.stderr)
         return 2
     dense = importlib.import_module("kernels.dense")  # imported by kernels.ops() above
+    group = shape.n_heads // shape.n_kv_heads
     rows = [compile_one(*c, arch=args.arch, ptxas=ptxas)
-            for c in configurations(sparse) + dense_configurations(dense)]
+            for c in configurations(sparse, shape.head_dim, group, args.dtype)
+            + dense_configurations(dense, shape, args.dtype)]
     for r in rows:
         if "error" in r:
             print(f"FAIL {r['kernel']}: {r['error']}")

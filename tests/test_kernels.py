@@ -524,16 +524,26 @@ def compiled_triton(script: Path, *args: str) -> subprocess.CompletedProcess:
                           env=env, cwd=ROOT, timeout=300)
 
 
-def test_every_kernel_compiles_for_hopper(tmp_path):
-    """The GPU path (bf16 dots on the tensor cores, which the interpreter never runs) compiles
-    for sm_90 at every launch configuration, through triton's own ptxas, without a GPU;
-    register spills stay small (scripts/compile_kernels.py)."""
+@pytest.mark.parametrize("checkpoint,dtype,n,biased", [("llama-3.1-8b", "bfloat16", 49, 0),
+                                                      ("qwen2.5-0.5b", "bfloat16", 49, 8),
+                                                      ("qwen2.5-0.5b", "float32", 49, 8)])
+def test_every_kernel_compiles_for_hopper(checkpoint, dtype, n, biased, tmp_path):
+    """The GPU path (bf16 dots on the tensor cores, float32 "ieee" dots: neither runs in the
+    interpreter) compiles for sm_90 at every launch configuration, through triton's own
+    ptxas, without a GPU, at llama-3.1-8b's shape and at Qwen2.5-0.5B's (head dim 64, query
+    groups of 7, q/k/v biases: ``biased`` q/k/v launches); register spills stay small
+    (scripts/compile_kernels.py)."""
     out = tmp_path / "regs.json"
-    r = compiled_triton(ROOT / "scripts" / "compile_kernels.py", "--json", str(out))
+    r = compiled_triton(ROOT / "scripts" / "compile_kernels.py", "--json", str(out),
+                        "--checkpoint", checkpoint, "--dtype", dtype)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
-    assert len(rows) == 49 and all(row["registers"] for row in rows)
+    assert len(rows) == n and all(row["registers"] for row in rows)
     assert max(row["spill_bytes"] for row in rows) <= 512, rows
+    head_dim = 64 if checkpoint.startswith("qwen") else 128
+    assert {f"'D_BLOCK': {head_dim}" in row["kernel"] for row in rows if
+            "_linear_kernel" not in row["kernel"]} == {True}
+    assert sum("'BIAS': True" in row["kernel"] for row in rows) == biased
 
 
 def test_the_compiled_decode_step_holds_the_kernels_whole():
