@@ -17,7 +17,8 @@ Per row:
 * ``step_ms_median/p10/p90``: the cache's ``decode`` (write the new token, select, attend).
 * ``aten_ops`` and ``aten_op_counts``: the ATen operators one eager step dispatches (a
   ``TorchDispatchMode`` count), ``aten_ops`` without the metadata-only ones (views, counted
-  in ``view_ops``), so each is at least one kernel launch in eager mode; ``topk_ops`` and
+  in ``view_ops``), so each is at least one kernel launch in eager mode; ``topk_ops`` (topk
+  and sort: the top-r dims are a stable sort, ``compression.selection.top_r_dims``) and
   ``gather_ops`` (gather, index, index_select, index_copy, scatter) singled out.
 * ``cuda_kernels`` (CUDA only): kernels the profiler sees in one step of the timed function
   (compiled or eager, as timed).
@@ -271,7 +272,7 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
         "step_ms_p10": percentile(times, 10), "step_ms_p90": percentile(times, 90),
         "aten_ops": sum(n for op, n in ops.items() if op not in VIEW_OPS),
         "view_ops": sum(n for op, n in ops.items() if op in VIEW_OPS),
-        "topk_ops": ops.get("topk", 0),
+        "topk_ops": ops.get("topk", 0) + ops.get("sort", 0),
         "gather_ops": sum(ops.get(n, 0) for n in GATHER_OPS),
         "aten_op_counts": dict(sorted(ops.items())), "cuda_kernels": n_kernels,
         "bytes_read_per_step": read, "ideal_bytes_per_step": ideal,

@@ -21,8 +21,8 @@ def test_rows_counts_and_bytes(tmp_path, capsys):
         assert r["bytes_read_per_step"] >= r["ideal_bytes_per_step"] > 0
         assert r["aten_ops"] > 0 and r["device"] == "cpu" and r["cuda_kernels"] is None
         assert r["fused_kernels"] is False and r["split_pages"] is None  # CPU: PyTorch path
-    # one top-k for the oracle and Quest (pages), two for SparQ and hybrid (dims, then
-    # tokens or pages), none for the full cache
+    # one top-k for the oracle and Quest (pages), two for SparQ and hybrid (the dims' sort,
+    # then the tokens' or pages' top-k), none for the full cache
     assert [rows[m]["topk_ops"] for m in ("full", "exact_topk", "quest", "sparq", "hybrid")] \
         == [0, 1, 1, 2, 2]
     assert rows["full"]["bytes_read_per_step"] == rows["full"]["kv_cache_bytes"]
