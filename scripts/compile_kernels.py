@@ -35,15 +35,13 @@ DTYPES = {"bfloat16": ("*bf16", "native"), "float16": ("*fp16", "native"),  # po
           "float32": ("*fp32", "ieee")}  # (cli.DTYPES: what --dtype accepts)
 
 
-def configurations(sparse, head_dim: int = 128, group: int = 4,
-                   dtype: str = "bfloat16") -> list[tuple]:
+def configurations(sparse, args: ModelArgs, dtype: str) -> list[tuple]:
     """(kernel, pointer dtypes, constexprs, num_warps) for every launch shape the engine uses
-    on a cache of ``head_dim`` and ``dtype`` read by query groups of ``group`` heads
-    (``kernels.sparse``'s blocks: ``D_BLOCK`` the head dim's power of two, ``G_BLOCK`` the
-    group's, at least 16)."""
+    on a cache of ``dtype`` at the shape of ``args`` (``kernels.sparse``'s blocks: ``D_BLOCK``
+    the head dim's power of two, ``G_BLOCK`` the query group's, at least 16)."""
     S = sparse
     T, dot = DTYPES[dtype]
-    D, G = S._pow2(head_dim), max(16, S._pow2(group))
+    D, G = S._pow2(args.head_dim), max(16, S._pow2(args.n_heads // args.n_kv_heads))
     out = []
     for aux in (kernels.AUX_SUMMARY, kernels.AUX_DIM_MAJOR):
         out.append((S._write_token_kernel, dict(k_cache=T, v_cache=T, aux=T,
@@ -123,26 +121,24 @@ def configurations(sparse, head_dim: int = 128, group: int = 4,
     return out
 
 
-def dense_configurations(dense, args: ModelArgs | None = None,
-                         dtype: str = "bfloat16") -> list[tuple]:
-    """The dense kernels' launches at the shape of ``args`` (default llama-3.1-8b;
-    ``launch_config``'s blocks) in ``dtype``, one batch row (the GEMV) and 16 (``tl.dot``):
-    q/k/v with each auxiliary-key format (with the model's biases), the output and down
-    projections with the residual, gate/up with SwiGLU, the LM head after the norm; then int8
-    and int4 (group 128, the stored nibbles that ``quantized.int4_layout`` keeps where these
-    kernels run, in any dtype) weights at q/k/v and gate/up, batch 1 and 16."""
+def dense_configurations(dense, args: ModelArgs, dtype: str) -> list[tuple]:
+    """The dense kernels' launches at the shape of ``args`` (``launch_config``'s blocks) in
+    ``dtype``, one batch row (the GEMV) and 16 (``tl.dot``): q/k/v with each auxiliary-key
+    format (with the model's biases), the output and down projections with the residual,
+    gate/up with SwiGLU, the LM head after the norm; then int8 and int4 (group 128, the stored
+    nibbles that ``quantized.int4_layout`` keeps where these kernels run, in any dtype)
+    weights at q/k/v and gate/up, batch 1 and 16."""
     E = dense
-    a = args or ModelArgs.from_name("llama-3.1-8b")
     T, dot = DTYPES[dtype]
-    D, dim, inter, vocab = a.head_dim, a.dim, a.intermediate_size, a.vocab_size
-    qkv, bias = (a.n_heads + 2 * a.n_kv_heads) * D, a.qkv_bias
+    D, dim, inter, vocab = args.head_dim, args.dim, args.intermediate_size, args.vocab_size
+    qkv, bias = (args.n_heads + 2 * args.n_kv_heads) * D, args.qkv_bias
     pointers = {name: T for name in ("x_ptr", "w_ptr", "out_ptr", "norm_ptr", "bias_ptr",
                                      "res_ptr", "kc_ptr", "vc_ptr", "aux_ptr")}
     pointers.update(rope_ptr="*fp32", pos_ptr="*i64", off_ptr="*i64", eps="fp32", sz_ptr=T)
     launches = [(E.EPI_QKV, dim, qkv, True, aux) for aux in (kernels.AUX_NONE,
                                                              kernels.AUX_SUMMARY,
                                                              kernels.AUX_DIM_MAJOR)]
-    launches += [(E.EPI_RESIDUAL, a.n_heads * D, dim, False, 0),
+    launches += [(E.EPI_RESIDUAL, args.n_heads * D, dim, False, 0),
                  (E.EPI_SWIGLU, dim, inter, True, 0), (E.EPI_RESIDUAL, inter, dim, False, 0),
                  (E.EPI_PLAIN, dim, vocab, True, 0)]
     out = []
@@ -226,9 +222,8 @@ def main(argv=None) -> int:
         print(f"error: no ptxas at {ptxas}", file=sys.stderr)
         return 2
     dense = importlib.import_module("kernels.dense")  # imported by kernels.ops() above
-    group = shape.n_heads // shape.n_kv_heads
     rows = [compile_one(*c, arch=args.arch, ptxas=ptxas)
-            for c in configurations(sparse, shape.head_dim, group, args.dtype)
+            for c in configurations(sparse, shape, args.dtype)
             + dense_configurations(dense, shape, args.dtype)]
     for r in rows:
         if "error" in r:

@@ -539,7 +539,7 @@ def test_every_kernel_compiles_for_hopper(checkpoint, dtype, n, biased, tmp_path
     rows = json.loads(out.read_text())
     assert len(rows) == n and all(row["registers"] for row in rows)
     assert max(row["spill_bytes"] for row in rows) <= 512, rows
-    head_dim = 64 if checkpoint.startswith("qwen") else 128
+    head_dim = ModelArgs.from_name(checkpoint).head_dim
     assert {f"'D_BLOCK': {head_dim}" in row["kernel"] for row in rows if
             "_linear_kernel" not in row["kernel"]} == {True}
     assert sum("'BIAS': True" in row["kernel"] for row in rows) == biased
