@@ -804,8 +804,12 @@ def _is_gguf_path(checkpoint: str) -> bool:
 
 def check_new_directory(out: str | Path) -> Path:
     """``out`` as a Path; ConfigError when it exists and is not an empty directory, or when it
-    cannot be made: its nearest existing ancestor is not a directory, or not writable (called
-    before expensive work, and again by ``write_directory``; nothing is created here)."""
+    cannot be made: its nearest existing ancestor is not a directory, or a directory cannot be
+    created in it (permissions, a read-only filesystem, or one such as ``/proc`` that takes no
+    new directories whatever its permission bits say). Called before expensive work, and again
+    by ``write_directory``; a probe directory is made in that ancestor and removed at once."""
+    import tempfile
+
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty directory")
@@ -817,6 +821,11 @@ def check_new_directory(out: str | Path) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {out}: {parent} is not writable (permissions or a read-only "
                           "filesystem)")
+    try:  # os.access says yes to root on /proc and on some mounts: try it
+        os.rmdir(tempfile.mkdtemp(prefix=".probe.", dir=parent))
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create a directory in {parent} "
+                          f"({e.strerror or e})") from None
     return out
 
 
@@ -826,14 +835,19 @@ def write_directory(out: str | Path, fill) -> Path:
     to ``out``. If ``fill`` fails, nothing is left behind.
 
     Raises:
-        ConfigError: ``out`` exists and is not an empty directory (checked before ``fill``).
+        ConfigError: ``out`` exists and is not an empty directory, or cannot be made (checked
+            before ``fill``); the filesystem refuses the directory or a file ``fill`` writes
+            (the OS's reason, e.g. a full disk). ``fill``'s own errors propagate as they are.
     """
     import shutil
     import tempfile
 
     out = check_new_directory(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
     try:
         fill(tmp)
         for f in tmp.iterdir():
@@ -842,6 +856,9 @@ def write_directory(out: str | Path, fill) -> Path:
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

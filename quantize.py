@@ -5,8 +5,9 @@
 
 ``CKPT`` is anything ``generate.py --checkpoint`` takes: a Hugging Face directory, a GGUF file, a
 converted directory, a short name, or ``random:NAME`` (random weights at a named config's shapes,
-for benchmarks). The output directory (default: beside the source, ``<name>-int8`` or
-``<name>-int4-g<G>``; ``checkpoints/random-<NAME>-...`` for random weights) is a converted
+for benchmarks). The output directory (default: in the current directory, ``<name>-int8`` or
+``<name>-int4-g<G>``, never beside the source; ``checkpoints/random-<NAME>-...`` for random
+weights) is a converted
 checkpoint (``model_args.json`` + ``model.safetensors``) plus ``quantization.json``, which
 records the mode, the group size and the quantized layers, and the source's tokenizer.
 Everything is written under a temporary name and renamed at the end: a failed run leaves
@@ -49,13 +50,14 @@ from tokenizer import TOKENIZER_FILES, HFTokenizer, has_tokenizer, load_tokenize
 
 
 def default_out(checkpoint: str, mode: str, groupsize: int | None) -> Path:
-    """``<source>-int8`` / ``<source>-int4-g<G>`` beside the source (its stem for a file);
+    """``<source>-int8`` / ``<source>-int4-g<G>`` in the current directory (the source's stem
+    for a file): never beside the source, whose folder may be read-only or shared;
     ``checkpoints/random-<NAME>-...`` for ``random:NAME``."""
     tag = mode if mode == "int8" else f"{mode}-g{groupsize}"
     if checkpoint.startswith(RANDOM_PREFIX):
         return Path("checkpoints") / f"random-{checkpoint[len(RANDOM_PREFIX):]}-{tag}"
     src = Path(checkpoint)
-    return src.parent / f"{src.stem if src.is_file() else src.name}-{tag}"
+    return Path(f"{src.stem if src.is_file() else src.name}-{tag}")
 
 
 def _save_tokenizer(source: str, out: Path) -> list[str]:
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", required=True, choices=MODES)
     p.add_argument("--groupsize", type=int, choices=GROUPSIZES,
                    help="int4 only: input features per scale/zero group")
-    p.add_argument("--out", help="output directory (new or empty; default beside the source)")
+    p.add_argument("--out", help="output directory (new or empty; default: ./<source name>-<mode>)")
     p.add_argument("--classifier", choices=CLASSIFIER_CHOICES, default="int8",
                    help="the classifier in int8 (default), in the layers' mode (same) or float")
     p.add_argument("--dtype", choices=list(DTYPES),

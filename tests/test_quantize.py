@@ -6,6 +6,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -392,6 +393,33 @@ def test_cli_checks_the_output_location_before_any_work(tmp_path, capsys, monkey
     rc, _, err = _main(capsys, "--checkpoint", "random:stories260K", "--mode", "int8",
                        "--out", tmp_path / "new" / "out")
     assert rc == 2 and "not writable" in err and not (tmp_path / "new").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_cli_refuses_an_output_the_filesystem_refuses_before_any_work(capsys, monkeypatch):
+    """/proc passes os.access for root but takes no new directory: one line, exit 2, before
+    the checkpoint is read (it used to quantize for 25 s and then print a traceback)."""
+    def read(*a, **kw):
+        raise AssertionError("the checkpoint was read before the output was checked")
+
+    monkeypatch.setattr("quantize.read_checkpoint", read)
+    rc, _, err = _main(capsys, "--checkpoint", "random:stories260K", "--mode", "int8",
+                       "--out", "/proc/rocketkv-out")
+    assert rc == 2 and err.startswith("error: --out /proc/rocketkv-out: cannot create")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_default_output_is_in_the_current_directory_not_beside_the_source(tmp_path,
+                                                                            monkeypatch):
+    from quantize import default_out
+
+    src = tmp_path / "models" / "m.Q4_1.gguf"
+    src.parent.mkdir()
+    src.write_bytes(b"")
+    assert default_out(str(src), "int4", 32) == Path("m.Q4_1-int4-g32")
+    assert default_out(str(tmp_path / "models"), "int8", None) == Path("models-int8")
+    assert default_out("random:stories260K", "int8", None) == \
+        Path("checkpoints/random-stories260K-int8")
 
 
 def test_ctrl_c_in_quantize_is_one_line_and_leaves_nothing(tmp_path):
