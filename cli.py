@@ -70,6 +70,22 @@ def write_json(path: str | Path, obj: Any) -> None:
         raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
 
 
+def write_stdout(text: str) -> bool:
+    """Write ``text`` to stdout and flush; False once the reader has gone (``generate.py ... |
+    head``): stdout is then pointed at the null device, so later writes and the interpreter's
+    final flush neither raise nor print a ``BrokenPipeError`` traceback, and the run goes on to
+    its report and ``--json`` file."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+        return False
+
+
 def check_json_path(path: str | None, flag: str = "--json") -> None:
     """Fail before a run whose JSON destination cannot be written: a missing directory, a
     directory in the file's place, or no write permission (a read-only filesystem included).

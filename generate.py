@@ -46,6 +46,7 @@ from cli import (
     read_prompt,
     resolve_device,
     write_json,
+    write_stdout,
 )
 from compression import (
     METHODS,
@@ -699,15 +700,13 @@ class TextStreamer:
     def __call__(self, tokens: Tensor) -> None:
         text = self.tok.decode([t for t in tokens[0].tolist() if t not in self.stop])
         if text.startswith(self.shown) and not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(self.shown):])
-            sys.stdout.flush()
+            write_stdout(text[len(self.shown):])
             self.shown = text
 
     def finish(self, text: str) -> None:
         """End the streamed text with what is still missing of ``text`` and a newline."""
         rest = text[len(self.shown):] if text.startswith(self.shown) else "\n" + text
-        sys.stdout.write(rest + "\n")
-        sys.stdout.flush()
+        write_stdout(rest + "\n")
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -935,10 +934,9 @@ def _main(args: argparse.Namespace) -> int:
         streamer.finish(result["text"][0])
     elif result["text"] is not None:
         for i, text in enumerate(result["text"]):
-            if len(result["text"]) > 1:
-                print(f"==> sequence {i} <==")
-            print(text)
-    sys.stdout.flush()
+            header = f"==> sequence {i} <==\n" if len(result["text"]) > 1 else ""
+            write_stdout(f"{header}{text}\n")
+    write_stdout("")
     print(format_report(result), file=sys.stderr)
     if args.json:
         try:

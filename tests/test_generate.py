@@ -238,6 +238,25 @@ def test_cli_end_to_end_json(stories_dir, tmp_path):
     assert r["kv_bytes_per_step"] == r["kv_cache_bytes"] > 0
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_closed_stdout_ends_quietly_with_the_json_written(stories_dir, tmp_path, stream):
+    """`generate.py ... | head -c 10`: the reader is gone before the text is written (the
+    pipe's read end is closed at once). Exit 0, no BrokenPipeError traceback, the report on
+    stderr and the --json file written (it used to end in a 21-line traceback, JSON lost)."""
+    out = tmp_path / "run.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "generate.py"), "--checkpoint", str(stories_dir),
+         "--prompt-text", "Once upon a time", "--max-new-tokens", "12", "--json", str(out),
+         *([] if stream else ["--no-stream"])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    assert "prompt tokens 5  generated 12" in err
+    assert json.loads(out.read_text())["new_tokens"] == 12
+
+
 def test_cli_stdin_chat_batch_and_random_prompt(stories_dir):
     p = run_cli("--checkpoint", stories_dir, "--prompt", "-", "--chat", "--batch-size", 2,
                 "--max-new-tokens", 5, stdin="Tell me a story")
