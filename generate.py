@@ -671,17 +671,41 @@ PROGRESS_TOKENS = 512  # prompts from this many tokens show a prefill progress b
 
 
 def prefill_bar(n_layers: int, tokens: int, disabled: bool):
-    """A tqdm bar over the prefill's layers on stderr, or None: with ``disabled``
-    (``--no-progress``), a prompt under ``PROGRESS_TOKENS`` tokens, a stderr that is not a
-    terminal, or no tqdm installed."""
-    if disabled or tokens < PROGRESS_TOKENS or not sys.stderr.isatty():
+    """Prefill progress on stderr, called once per layer (``bar.update()``, ``bar.close()``),
+    or None with ``disabled`` (``--no-progress``) or a prompt under ``PROGRESS_TOKENS``
+    tokens: a tqdm bar over the layers when stderr is a terminal, else ``PlainProgress`` (a
+    log file or a pipe: one plain line every few seconds, not a bar's carriage returns)."""
+    if disabled or tokens < PROGRESS_TOKENS:
         return None
+    if not sys.stderr.isatty():
+        return PlainProgress(n_layers, f"prefill {tokens} tokens")
     try:
         from tqdm import tqdm
     except ImportError:
-        return None
+        return PlainProgress(n_layers, f"prefill {tokens} tokens")
     return tqdm(total=n_layers, desc=f"prefill {tokens} tokens", unit="layer", leave=False,
                 file=sys.stderr)
+
+
+class PlainProgress:
+    """Progress for a stderr that is not a terminal: ``<what>: layer i/N, s elapsed`` at most
+    every ``every`` seconds (a Qwen 8K prefill on a log file was silent for 6-8 minutes)."""
+
+    def __init__(self, total: int, what: str, every: float = 5.0):
+        self.total, self.what, self.every = total, what, every
+        self.done, self.start = 0, time.perf_counter()
+        self.last = self.start
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last >= self.every and self.done < self.total:
+            self.last = now
+            print(f"{self.what}: layer {self.done}/{self.total}, {now - self.start:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
 
 
 def _bar_step(bar):
@@ -709,13 +733,16 @@ class TextStreamer:
         write_stdout(rest + "\n")
 
 
-def format_report(r: dict[str, Any]) -> str:
+def format_report(r: dict[str, Any], load_line: bool = True) -> str:
+    """The text report of a ``generate`` result (what the CLI prints on stderr); without
+    ``load_line`` the load time is left out (the CLI prints it when the load ends)."""
     def mb(x):
         return f"{x / 2**20:.1f} MiB"
 
     lines = [
         f"method {r['method']}  budget {r['budget']}  params {r['method_params']}",
-        *([f"load (weights and tokenizer) {r['load_s']:.1f} s"] if r.get("load_s") else []),
+        *([f"load (weights and tokenizer) {r['load_s']:.1f} s"]
+          if load_line and r.get("load_s") else []),
         f"prompt tokens {r['prompt_tokens']}  generated {r['new_tokens']} ({r['stop_reason']})"
         f"  batch {r['batch_size']}",
         f"prefill (time to first token) {r['prefill_s'] * 1e3:.1f} ms",
@@ -811,6 +838,9 @@ def _main(args: argparse.Namespace) -> int:
         if not math.isfinite(args.temperature) or args.temperature < 0:
             raise ConfigError(f"--temperature must be a finite number >= 0, got "
                               f"{args.temperature}")
+        if args.temperature == 0 and (args.top_k or args.top_p is not None) and rank == 0:
+            print("note: --top-k and --top-p shape sampling; at --temperature 0 (greedy, the "
+                  "default) they change nothing", file=sys.stderr)
         method = METHODS[args.method]
         check_budget(args.method, args.budget)
         options = given_options(args)
@@ -872,6 +902,8 @@ def _main(args: argparse.Namespace) -> int:
                          len(ids) + args.max_new_tokens)
         model = load_model(checkpoint, device, dtype, shard=(rank, world))
         load_s = time.perf_counter() - t_load
+        if rank == 0:  # now, not after the prefill: a long prefill would hide a finished load
+            print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
         prompt = torch.tensor([ids] * args.batch_size)
         if room < args.max_new_tokens:
             print(f"note: --max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the "
@@ -937,7 +969,7 @@ def _main(args: argparse.Namespace) -> int:
             header = f"==> sequence {i} <==\n" if len(result["text"]) > 1 else ""
             write_stdout(f"{header}{text}\n")
     write_stdout("")
-    print(format_report(result), file=sys.stderr)
+    print(format_report(result, load_line=False), file=sys.stderr)
     if args.json:
         try:
             write_json(args.json, result)

@@ -257,6 +257,42 @@ def test_a_closed_stdout_ends_quietly_with_the_json_written(stories_dir, tmp_pat
     assert json.loads(out.read_text())["new_tokens"] == 12
 
 
+def test_prefill_progress_on_a_log_file_is_plain_lines(capsys, monkeypatch):
+    """stderr not a terminal (a log file): prefill progress is plain lines, at most one per
+    interval, never tqdm's carriage returns; none for a short prompt or --no-progress."""
+    import generate as g
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert g.prefill_bar(4, g.PROGRESS_TOKENS - 1, False) is None
+    assert g.prefill_bar(4, 9000, True) is None
+    bar = g.prefill_bar(4, 9000, False)
+    bar.every = 0.0
+    for _ in range(4):
+        bar.update()
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert err.splitlines() == [f"prefill 9000 tokens: layer {i}/4, 0 s" for i in (1, 2, 3)]
+    slow = g.prefill_bar(4, 9000, False)  # the default interval: nothing within a second
+    slow.update()
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_prints_the_load_line_when_the_load_ends_and_notes_ignored_sampling_flags(
+        stories_dir):
+    p = run_cli("--checkpoint", stories_dir, "--prompt-text", "Once upon a time",
+                "--max-new-tokens", 3, "--top-k", 5)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    loads = [i for i, ln in enumerate(lines) if ln.startswith("load (weights and tokenizer)")]
+    assert len(loads) == 1 and loads[0] < lines.index(next(ln for ln in lines
+                                                           if ln.startswith("method full")))
+    assert sum(ln.startswith("note: --top-k and --top-p") for ln in lines) == 1
+    p = run_cli("--checkpoint", stories_dir, "--prompt-text", "Once upon a time",
+                "--max-new-tokens", 3, "--top-k", 5, "--temperature", 0.7)
+    assert p.returncode == 0 and "note: --top-k" not in p.stderr
+
+
 def test_cli_stdin_chat_batch_and_random_prompt(stories_dir):
     p = run_cli("--checkpoint", stories_dir, "--prompt", "-", "--chat", "--batch-size", 2,
                 "--max-new-tokens", 5, stdin="Tell me a story")
@@ -599,6 +635,7 @@ def test_a_run_that_replaces_the_caches_resets_its_memory_peak_after_freeing_the
 
 def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(stories_model,
                                                                              monkeypatch):
+    """The tqdm bar only on a terminal; elsewhere plain lines (the test above)."""
     import io
 
     import generate as g
@@ -612,7 +649,7 @@ def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(sto
              on_prefill_layer=seen.append)
     assert seen == list(range(stories_model.args.n_layers))
     monkeypatch.setattr(g.sys, "stderr", io.StringIO())  # not a terminal
-    assert g.prefill_bar(5, 4096, disabled=False) is None
+    assert isinstance(g.prefill_bar(5, 4096, disabled=False), g.PlainProgress)
     tty = io.StringIO()
     tty.isatty = lambda: True
     monkeypatch.setattr(g.sys, "stderr", tty)
