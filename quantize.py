@@ -35,6 +35,7 @@ from checkpoint import (
     write_directory,
 )
 from cli import DTYPES, OneLineParser
+from gguf_reader import is_gguf
 from model import ConfigError
 from quantized import (
     CLASSIFIER_CHOICES,
@@ -88,7 +89,7 @@ def quantize_checkpoint(checkpoint: str, mode: str, groupsize: int | None, out: 
     """Write the quantized checkpoint directory ``out`` for ``checkpoint`` (module docstring).
 
     ``dtype``: the dtype of the tensors kept in float (embedding, norms, a float classifier):
-    default as stored (float32 for GGUF's dequantized tensors, bfloat16 for random weights).
+    default as stored, except bfloat16 for a GGUF's dequantized tensors and random weights.
     ``device``: where the quantization arithmetic runs.
 
     Raises:
@@ -107,6 +108,11 @@ def quantize_checkpoint(checkpoint: str, mode: str, groupsize: int | None, out: 
         raise ConfigError(f"{checkpoint} is already quantized ({QUANT_CONFIG}); quantize its "
                           "float source instead")
     check_quantizable(checkpoint_args(source), mode, groupsize, classifier)  # before reading
+    if dtype is None and not source.startswith(RANDOM_PREFIX) and is_gguf(source):
+        # a GGUF's float tensors are dequantized blocks: float32 would store the embedding at
+        # 2-8x its file's size (an int4 SmolLM2 was 2.2x its Q4_1 source); bfloat16's rounding
+        # (2^-9 relative) is far below a 4-bit block's step and about an 8-bit block's
+        dtype = torch.bfloat16
     args, sd, _ = read_checkpoint(source, dtype=dtype, random_dtype=dtype or torch.bfloat16)
 
     names = quantized_linears(args, mode, classifier)
@@ -149,7 +155,7 @@ def main(argv=None) -> int:
                    help="the classifier in int8 (default), in the layers' mode (same) or float")
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="dtype of the tensors kept in float (default: as stored; bfloat16 "
-                        "for random weights)")
+                        "for a GGUF source and random weights)")
     p.add_argument("--device", default="cpu", help="where to run the arithmetic (cpu, cuda)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)

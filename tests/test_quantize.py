@@ -488,6 +488,17 @@ def test_smollm2_quantized_checkpoint_keeps_its_tokenizer_and_chat(smollm2_int8_
     assert r.returncode == 0, r.stderr
 
 
+def test_smollm2_quantized_checkpoint_keeps_float_tensors_in_bfloat16(smollm2_int8_dir):
+    """A GGUF's float tensors are dequantized blocks: kept in bfloat16 by default, not
+    float32 (the int4 checkpoint was 2.2x its Q4_1 source for its float32 embedding)."""
+    from safetensors import safe_open
+
+    cfg = json.loads((smollm2_int8_dir / QUANT_CONFIG).read_text())
+    assert cfg["float_dtype"] == "bfloat16"
+    with safe_open(smollm2_int8_dir / "model.safetensors", "pt") as f:
+        assert f.get_slice("tok_embeddings.weight").get_dtype() == "BF16"
+
+
 def _essay_window(tok, n=640):
     text = sorted(shared_file(ESSAYS).glob("*.txt"))[0].read_text()
     return tok.encode(text, bos=False)[:n]
