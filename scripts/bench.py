@@ -40,7 +40,10 @@ static cache, decoding as its documentation recommends (``generate`` with
 in the same run, timing window and memory meter; its rows record ``transformers_version``.
 Results go to ``results/<device>/bench-<timestamp>.json`` (a list of rows, rewritten after
 every configuration so a run cut short keeps what it measured; ``--time-limit`` stops starting
-new configurations after that many seconds) with four charts:
+new configurations after that many seconds; a row that fails records its ``error`` and the sweep
+goes on, except after a CUDA error (``cli.device_fault``: an illegal address makes every later
+CUDA call fail), which ends the run with the rows after it listed as not run, one ``error:``
+line naming the row, and exit status 1) with four charts:
 (a) decode speedup vs Full-KV per context and budget, (b) peak-memory saving (decode phase and
 whole run), (c) per-step latency vs context with the roofline, (d) all methods at one context.
 """
