@@ -96,7 +96,7 @@ first)
     environment
     step "the kernels' self-check beside the CUDA tests, one process a test file"
     (timeout 120 $py -m kernels.check --device cuda; echo "exit $? (kernels.check: 0 passed; 1 absent or failed; 124 cut off)") > "$out/run-check.txt" 2>&1 &
-    for f in $(grep -l "^@pytest.mark.cuda" tests/test_*.py); do
+    for f in $(grep -lE "pytest\.mark\.cuda\b" tests/test_*.py); do
         (timeout -s INT -k 10 140 $py -m pytest -q -p no:cacheprovider -m cuda "$f"; echo "exit $?") > "$out/run-$(basename "$f" .py).txt" 2>&1 &
     done
     wait

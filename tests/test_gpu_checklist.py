@@ -157,7 +157,11 @@ def test_cuda_only_tests_carry_the_cuda_marker():
     """``first`` runs the CUDA tests by their marker (``pytest -m cuda``): a test skipped
     without CUDA but not marked would never run on the GPU."""
     for path in sorted((ROOT / "tests").glob("test_*.py")):
-        decorators = re.findall(r"((?:^@.*\n)+)def (test_\w+)", path.read_text(), flags=re.M)
+        text = path.read_text()
+        if re.search(r"^pytestmark = .*pytest\.mark\.cuda\b", text, flags=re.M):
+            continue  # every test of the file carries it
+        # a test's decorators: the lines after a blank one up to its def (continuations too)
+        decorators = re.findall(r"^\n((?:[@ \t)\]].*\n)+)def (test_\w+)", text, flags=re.M)
         for block, name in decorators:
             if re.search(r"skipif\(not (CUDA|torch\.cuda\.is_available\(\))", block):
                 assert re.search(r"^@pytest\.mark\.cuda$", block, flags=re.M), \
