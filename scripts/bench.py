@@ -521,7 +521,7 @@ def fault_line(fault: tuple[str, BaseException], rows: list[dict], path) -> str:
     done = sum("error" not in r for r in rows)
     rest = sum(str(r.get("error", "")).startswith("skipped: not run after") for r in rows)
     return (f"error: {label}: {type(e).__name__}: {first}; the device is unusable after it, so "
-            f"the run stopped ({done} rows measured and {rest} not run, saved in {path})")
+            f"the run stopped (rows measured: {done}, not run: {rest}; saved in {path})")
 
 
 if __name__ == "__main__":
