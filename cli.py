@@ -199,12 +199,46 @@ def row_error(e: BaseException) -> str:
     out-of-memory error (expected outcomes: a configuration refused, or too large); for any
     other exception (a kernel that fails to compile or to capture on a GPU) its type and first
     line, with the whole traceback printed to stderr for the log, so the run goes on to its
-    other rows."""
+    other rows (a CUDA error, ``device_fault``, prints no traceback: it is asynchronous)."""
     first = (str(e).splitlines() or [""])[0]
     if isinstance(e, (ConfigError, torch.OutOfMemoryError)):
         return first
-    traceback.print_exception(e, file=sys.stderr)
+    if not device_fault(e):  # a CUDA error is asynchronous: its stack is not where it arose
+        traceback.print_exception(e, file=sys.stderr)
     return f"{type(e).__name__}: {first}"
+
+
+# Messages of CUDA errors: the runtime's own ("CUDA error: an illegal memory access was
+# encountered", torch.AcceleratorError from torch 2.8, RuntimeError before) and those of a
+# Triton launch ("Triton Error [CUDA]: ...").
+_CUDA_ERRORS = ("CUDA error", "Triton Error [CUDA]", "device-side assert", "cudaError")
+
+
+def device_fault(e: BaseException) -> bool:
+    """Whether ``e`` is a CUDA error, after which the process's CUDA context may be unusable
+    (an illegal address, a misaligned access or a device-side assert are sticky: every later
+    CUDA call raises again, ``torch.cuda.empty_cache()`` included). An out-of-memory error is
+    not one (the allocator recovers); neither is a compile or Python error."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    if isinstance(e, getattr(torch, "AcceleratorError", ())):
+        return True
+    return any(s in str(e) for s in _CUDA_ERRORS)
+
+
+def release_device(device: torch.device) -> Exception | None:
+    """After a failed row: wait for ``device``'s queued work and give the allocator's free
+    blocks back (``torch.cuda.synchronize``, ``torch.cuda.empty_cache``); nothing on CPU.
+    Never raises: returns the exception a broken device raised (an asynchronous error of the
+    row surfaces here), else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001 (the caller's error handler must not raise)
+        return e
+    return None
 
 
 def rows_exit_status(rows: Sequence[dict[str, Any]], what: str = "configurations") -> int:

@@ -40,7 +40,10 @@ static cache, decoding as its documentation recommends (``generate`` with
 in the same run, timing window and memory meter; its rows record ``transformers_version``.
 Results go to ``results/<device>/bench-<timestamp>.json`` (a list of rows, rewritten after
 every configuration so a run cut short keeps what it measured; ``--time-limit`` stops starting
-new configurations after that many seconds) with four charts:
+new configurations after that many seconds; a row that fails records its ``error`` and the sweep
+goes on, except after a CUDA error (``cli.device_fault``: an illegal address makes every later
+CUDA call fail), which ends the run with the rows after it listed as not run, one ``error:``
+line naming the row, and exit status 1) with four charts:
 (a) decode speedup vs Full-KV per context and budget, (b) peak-memory saving (decode phase and
 whole run), (c) per-step latency vs context with the roofline, (d) all methods at one context.
 """
@@ -63,6 +66,8 @@ from cli import (
     add_kernels_option,
     command_line,
     deprecated_alias,
+    device_fault,
+    release_device,
     row_error,
     rows_exit_status,
     write_json,
@@ -435,24 +440,27 @@ def main(argv=None) -> int:
                for batch in args.batch_sizes for context in args.context
                for method, budget in pairs if method not in PEERS or w == "float"]
     configs.sort(key=lambda c: c[3] in PEERS)  # the peers last: our weights freed for them
+    name = device_name(device)  # asked once: after a CUDA error no CUDA call is safe
+    fault = None  # (the failing row's label, its error) once the device is unusable
     for weights, batch, context, method, budget in tqdm(configs, desc="bench", unit="config",
                                                          disable=args.no_progress):
-        if method not in PEERS and getattr(model, "_bench_weights", args.weights[0]) != weights:
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            try:
-                model = load_weights(ckpt, weights, device, dtype)
-            except ConfigError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-        model._bench_weights = weights
-        if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
-            row = {"device": device_name(device), "model": model.args.name, "method": method,
-                   "budget": budget, "context": context, "batch_size": batch,
-                   "weights": weights,
-                   "error": f"skipped: --time-limit {args.time_limit:g} s reached"}
+        base = {"device": name, "model": model.args.name, "method": method, "budget": budget,
+                "context": context, "batch_size": batch, "weights": weights}
+        if fault is not None:
+            row = {**base, "error": f"skipped: not run after the CUDA error of {fault[0]}"}
+        elif args.time_limit is not None and time.perf_counter() - start > args.time_limit:
+            row = {**base, "error": f"skipped: --time-limit {args.time_limit:g} s reached"}
         else:
+            if method not in PEERS and getattr(model, "_bench_weights", args.weights[0]) \
+                    != weights:
+                del model
+                release_device(device)
+                try:
+                    model = load_weights(ckpt, weights, device, dtype)
+                except ConfigError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
+            model._bench_weights = weights
             try:
                 if method not in PEERS:  # (a peer's row checks its own memory)
                     check_run_memory(model, method, batch=batch, prompt_len=context,
@@ -464,11 +472,11 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 (a row that fails is a row: row_error)
                 if world > 1 and not isinstance(e, (ConfigError, torch.OutOfMemoryError)):
                     raise  # under torchrun the other ranks wait in a collective: end them all
-                row = {"device": device_name(device), "model": model.args.name,
-                       "method": method, "budget": budget, "context": context,
-                       "batch_size": batch, "weights": weights, "error": row_error(e)}
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                row = {**base, "error": row_error(e)}
+                # nothing here may raise: a CUDA error makes every later CUDA call raise
+                broken = e if device_fault(e) else release_device(device)
+                if broken is not None:
+                    fault = (row_label(row), broken)
         row.setdefault("compile_regime", args.compile_regime if args.compile else "eager")
         row.update(date=stamp, command=command,
                    elapsed_s=round(time.perf_counter() - start, 1), world_size=world)
@@ -490,8 +498,30 @@ def main(argv=None) -> int:
     print(summary(rows))
     print(f"measured copy bandwidth {bandwidth:.1f} GB/s")
     print(f"wrote {prefix.with_suffix('.json')}" + "".join(f"\n      {p}" for p in pngs))
+    if fault is not None:
+        print(fault_line(fault, rows, prefix.with_suffix(".json")), file=sys.stderr)
+        return 1
     tp.shutdown()
     return rows_exit_status(rows)
+
+
+def row_label(row: dict) -> str:
+    """``rocketkv @256 at 32768 tokens, batch 1`` (with ``, int8 weights`` when not float): the
+    configuration of a row, as an error line names it."""
+    budget = f" @{row['budget']}" if row.get("budget") is not None else ""
+    weights = f", {row['weights']} weights" if row.get("weights", "float") != "float" else ""
+    return f"{row['method']}{budget} at {row['context']} tokens, batch {row['batch_size']}" \
+        + weights
+
+
+def fault_line(fault: tuple[str, BaseException], rows: list[dict], path) -> str:
+    """The one stderr line of a run a CUDA error ended: the row, the error, what was saved."""
+    label, e = fault
+    first = (str(e).splitlines() or [""])[0]
+    done = sum("error" not in r for r in rows)
+    rest = sum(str(r.get("error", "")).startswith("skipped: not run after") for r in rows)
+    return (f"error: {label}: {type(e).__name__}: {first}; the device is unusable after it, so "
+            f"the run stopped (rows measured: {done}, not run: {rest}; saved in {path})")
 
 
 if __name__ == "__main__":

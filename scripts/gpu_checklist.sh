@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# ../shared/GPU_CHECKLIST.md in calls that fit a lent GPU's 10-minute command limit.
+# ../shared/GPU_CHECKLIST.md in calls that fit a lent GPU's limits.
 #
 #   bash scripts/gpu_checklist.sh PART OUTDIR      (on the GPU machine; OUTDIR defaults to $OUT)
 #
-# A session's 30 minutes of device time hold three calls: k, t and q come first, in that order
-# (commit k's tuned-dense-b1.json under kernels/tuned/ before t: the device runs a copy of the
-# working tree, so t and q then launch with its knobs).
-# Their rows use --compile-regime graphs (each row's eager step, our Triton kernels, captured in
-# a CUDA graph in about a second instead of compiled in 47-88 s), so one call holds the rows the
-# issues' targets need; check_targets judges each regime on its own rows, and k2 and p measure
-# the static-compile regime of the same rows afterwards.
+# The budget: a session has 15 minutes of device time in all, the machine's start (1-2 minutes)
+# included, at most 10 minutes a command, and 8 files back from $OUT. So a GPU visit is ONE
+# call, `first` (its step limits add up to at most 8 minutes), leaving time for one short rerun;
+# every other part is one call of a later visit (its step limits add up to under 10 minutes),
+# once `first` has run on the commit. tests/test_gpu_checklist.py adds up the `timeout` limits
+# of each part from this text (a `timeout ... &` step runs beside the others up to the next
+# `wait`: that group costs its longest limit) and fails when `first` reaches 500 s or another
+# part 600 s, so every Python or device command here runs under its own `timeout`.
+# Rows use --compile-regime graphs where they can (each row's eager step, our Triton kernels,
+# captured in a CUDA graph in about a second instead of compiled in 47-88 s); check_targets
+# judges each regime on its own rows, and k2 and p measure the static-compile regime after.
 #
-# k: the fused Triton kernels of the decode step (kernels/sparse.py, kernels/dense.py): their
-#    CUDA tests at real shapes and the CUDA graph of the eager step with them (item 1); the
-#    dense kernels' knobs at batch 1 over the quick grid, as a table (tuned-dense-b1.json)
-#    the rest of the call uses and the session commits under kernels/tuned/ for t and q;
-#    kernels per step and layer at 32K of full and rocketkv@256 with every kernel, and of
-#    rocketkv on the PyTorch path (--kernels off: the count before); then full and the
-#    selecting methods @256 at 32K (item 2)
+# first: the first call of every GPU visit: nvidia-smi, the versions and the C compiler
+#    (Triton builds its launchers with one); the kernels' self-check (python -m kernels.check;
+#    the call goes on, saying so, when it is absent or fails) beside the CUDA tests
+#    (pytest -m cuda), one process a test file, all at once, so a sticky CUDA error stays in
+#    the file that raised it; kernels per step and layer at 32K of full and rocketkv@256
+#    (profile_step.py, graphs regime); then full and rocketkv@256 beside transformers' static
+#    cache at 32K and 131008 (bench.py, graphs regime; rows saved as each finishes, the
+#    peers last). Files back: log-first.txt, profile-32768.{json,md}, <device>/bench-*.json
+# k: the dense kernels' knobs at batch 1 over the quick grid, as a table
+#    (tuned-dense-b1.json) the rest of the call uses and the session commits under
+#    kernels/tuned/ for t and q; kernels per step and layer at 32K of full and rocketkv@256
+#    with every kernel, and of rocketkv on the PyTorch path (--kernels off: the count before);
+#    then full and the selecting methods @256 at 32K (first runs the CUDA tests)
 # t: the targets' rows (items 2, 4 and 6): full and rocketkv@256 beside transformers' static
 #    cache at 32K and 128K in one bench call (check_targets pairs peer rows with ours of the
 #    same run), then 16K and 64K, then batch 16 at 32K
@@ -45,8 +55,8 @@
 #    128K) with --compile-regime graphs, so the grid fits two calls; the static-regime rows
 #    of parts b and c say what compiling adds; scripts/plot_bench.py --regime graphs draws
 #    the charts from both runs afterwards
-# a: nvidia-smi, versions, the CUDA-only tests, the smoke runs (item 1), the kernel profile of
-#    full and rocketkv@256 at 128K (item 5)
+# a: nvidia-smi and the versions, the smoke runs of generate.py at 32K (full, rocketkv@256),
+#    the kernel profile of full and rocketkv@256 at 128K (first runs the CUDA tests)
 # b: the targets' rows: full, rocketkv@256 and gptfast_dense at 96K and 128K (item 2)
 # c: the rest of the sweep that fits one call, 16K-64K (item 2); every row compiles its own
 #    static graph (47-88 s on the H200; the dynamic regime took 407 s for its first row)
@@ -54,15 +64,16 @@
 #    31-94 s on the H200, so the 14 rows take three calls
 # e, f: every method at 32K, 2 and 3 of 3
 # Every step has its own time limit, so a slow step leaves the next ones their time; bench.py
-# saves its rows after every configuration; pytest is stopped with SIGINT, so a test run cut
-# off still prints which tests passed and failed. Plots are drawn afterwards from the JSON (the
-# device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
+# and profile_step.py save their rows after every configuration (a CUDA error ends their run
+# with the rows saved and one line naming the row); pytest is stopped with SIGINT, so a test run
+# cut off still prints which tests passed and failed. Plots are drawn afterwards from the JSON
+# (the device returns at most 8 files). The GPU machine runs a bare copy of the tree (no
 # `pip install -e .`): PYTHONPATH puts the repository root on the path for scripts/ and evals/.
 # tests/test_gpu_checklist.py runs every part here with a Python that records its arguments,
 # and parses them with each script's own parser: a mistyped flag or method fails on CPU, not
 # in a GPU call.
 set -o pipefail
-part=${1:?part k, t, q, k2, ks, kd, kq, p, g1, g2, a, b, c, d, e or f}
+part=${1:?part first, k, t, q, k2, ks, kd, kq, p, g1, g2, a, b, c, d, e or f}
 out=${2:-${OUT:?no OUTDIR and no \$OUT}}
 py=${PYTHON:-python3}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -71,18 +82,34 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 M="--checkpoint llama-3.1-8b --no-plots --out $out"
 G="$M --compile-regime graphs"
+export TRITON_INTERPRET=0  # the kernels compiled for the GPU, never the interpreter
 step() { echo "=== $(date +%T) $*"; }
-environment() {  # the first lines of a session's log: the GPU and the versions
-    step env; nvidia-smi
-    $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB')"
+environment() {  # the first lines of a session's log: the GPU, the versions, the C compiler
+    step env
+    timeout 10 nvidia-smi
+    timeout 30 $py -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, p.name, p.multi_processor_count, 'SMs', p.total_memory >> 20, 'MiB', 'sm_%d%d' % (p.major, p.minor))"
+    timeout 5 bash -c 'c=$(command -v cc || command -v gcc || command -v clang) && echo "C compiler: $c" && "$c" --version | head -1 || echo "no C compiler: Triton cannot build its launchers"'
 }
 {
 case $part in
+first)
+    environment
+    step "the kernels' self-check beside the CUDA tests, one process a test file"
+    (timeout 120 $py -m kernels.check --device cuda; echo "exit $? (kernels.check: 0 passed; 1 absent or failed; 124 cut off)") > "$out/run-check.txt" 2>&1 &
+    for f in $(grep -lE "pytest\.mark\.cuda\b" tests/test_*.py); do
+        (timeout -s INT -k 10 140 $py -m pytest -q -p no:cacheprovider -m cuda "$f"; echo "exit $?") > "$out/run-$(basename "$f" .py).txt" 2>&1 &
+    done
+    wait
+    for f in "$out"/run-*.txt; do step "${f##*/run-}"; cat "$f"; rm -f "$f"; done
+    step "kernels per step and layer at 32K: full and rocketkv@256, CUDA graphs of the eager step"
+    timeout 75 $py scripts/profile_step.py --context 32768 --methods full rocketkv \
+        --budgets 256 --compile-regime graphs --out "$out" | grep -v "^|"
+    step "full and rocketkv@256 beside transformers at 32K and 131008, graphs regime"
+    timeout 210 $py scripts/bench.py $G --context 32768 131008 --methods full rocketkv \
+        transformers --budgets 256 --time-limit 160
+    ;;
 k)
     environment
-    step "kernel tests on CUDA, and the CUDA graph of the eager step (--compile-regime graphs)"
-    timeout -s INT -k 20 230 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-        tests/test_dense_kernels.py tests/test_generate.py -k "cuda and not cli and not before"
     step "the dense kernels' knobs at batch 1 (quick grid): a table this call's rows use"
     timeout 110 $py scripts/bench_dense.py --batch-sizes 1 --grid quick \
         --json "$out/bench_dense-k.json" --tuned "$out/tuned-dense-b1.json" | tail -6
@@ -153,14 +180,14 @@ kq)
     ;;
 p)
     step int8 and int4 CUDA kernels against dequantized matmuls
-    timeout -s INT -k 20 100 $py -m pytest -q -p no:cacheprovider tests/test_quantize.py \
+    timeout -s INT -k 10 90 $py -m pytest -q -p no:cacheprovider tests/test_quantize.py \
         tests/test_dense_kernels.py -k "cuda_kernels or cuda_quantized"
     step peers: transformers beside full and rocketkv@256
-    timeout 290 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
-        transformers --budgets 256 --time-limit 230
+    timeout 280 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
+        transformers --budgets 256 --time-limit 220
     step quantized weights
-    timeout 200 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
-        --budgets 256 --weights int8 int4-g128 --time-limit 150
+    timeout 190 $py scripts/bench.py $M --context 32768 131008 --methods full rocketkv \
+        --budgets 256 --weights int8 int4-g128 --time-limit 140
     ;;
 g1|g2)
     if [ "$part" = g1 ]; then ctx="16384 32768 65536"; else ctx="98304 131008"; fi
@@ -170,13 +197,13 @@ g1|g2)
     ;;
 a)
     environment
-    step cuda tests
-    timeout -s INT -k 20 150 $py -m pytest -q -p no:cacheprovider tests/test_kv_cache.py tests/test_keydiff_omnikv.py tests/test_kernels.py tests/test_dense_kernels.py -k cuda
-    for m in "full" "rocketkv --budget 256"; do
-        step smoke $m
-        timeout 150 $py generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 \
-            --max-new-tokens 64 --method $m --json "$out/smoke-${m%% *}.json" | tail -8
-    done
+    step smoke full
+    timeout 120 $py generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 \
+        --max-new-tokens 64 --method full --json "$out/smoke-full.json" | tail -8
+    step smoke rocketkv --budget 256
+    timeout 120 $py generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 \
+        --max-new-tokens 64 --method rocketkv --budget 256 --json "$out/smoke-rocketkv.json" \
+        | tail -8
     step profile 128K
     timeout 230 $py scripts/profile_step.py --context 131008 --methods full rocketkv --budgets 256 \
         --out "$out" | grep -v "^|" | head -20

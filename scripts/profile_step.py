@@ -11,7 +11,11 @@ warm-up (compilation and graph capture are not recorded; the host waits for the 
 before the profiler starts and before it stops, so the trace holds exactly those steps).
 Kernels are grouped by name and ranked by their device time per step (microseconds). Writes
 ``profile-<context>.json`` (every kernel) and ``profile-<context>.md`` (the ``--top`` kernels
-per method, with the share of the step each takes) under ``--out``.
+per method, with the share of the step each takes) under ``--out``, both rewritten whole after
+every method, so a run cut off keeps the methods it finished. A method that fails is a row with
+its ``error`` (the run goes on; exit status 1 at the end); a CUDA error (``cli.device_fault``:
+an illegal address leaves every later CUDA call failing) ends the run there, the methods after
+it listed as not run, with one ``error:`` line naming the method and exit status 1.
 
 On CPU (tests, no GPU) the profiler records CPU operators instead of kernels; the figures are
 then CPU times and the files say so (``activity: cpu``).
@@ -20,13 +24,25 @@ then CPU times and the files say so (``activity: cpu``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from checkpoint import RANDOM_PREFIX, load_model
-from cli import OneLineParser, add_kernels_option, command_line, deprecated_alias, write_json
+from cli import (
+    OneLineParser,
+    add_kernels_option,
+    check_json_path,
+    command_line,
+    deprecated_alias,
+    device_fault,
+    release_device,
+    row_error,
+    rows_exit_status,
+    write_json,
+)
 from compression import check_methods, options_for
 from evals.bench import REGIMES, resolve_run
 from evals.harness import configurations
@@ -95,15 +111,23 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
             "kernels_per_layer": launches / model.args.n_layers, "kernels": rows}
 
 
+def label(res: dict) -> str:
+    """``rocketkv @256`` or ``full``: a row's method and budget."""
+    return res["method"] + (f" @{res['budget']}" if res["budget"] is not None else "")
+
+
 def markdown(results: list[dict], top: int, header: str) -> str:
     lines = [header, ""]
     for res in results:
-        label = res["method"] + (f" @{res['budget']}" if res["budget"] is not None else "")
+        if "error" in res:
+            lines += [f"### {label(res)}, context {res['context']}: error: {res['error']}", ""]
+            continue
         unit = "kernel" if res["activity"] == "cuda" else "CPU operator"
         fused = "all fused kernels" if res.get("dense_kernels") else \
             "sparse fused kernels" if res.get("fused_kernels") else "PyTorch path"
-        lines += [f"### {label}, context {res['context']}: {res['total_us_per_step']:.0f} us of "
-                  f"{unit} time per step (decode median {res['decode_ms_median']:.3f} ms)", "",
+        lines += [f"### {label(res)}, context {res['context']}: "
+                  f"{res['total_us_per_step']:.0f} us of {unit} time per step (decode median "
+                  f"{res['decode_ms_median']:.3f} ms)", "",
                   f"{res['kernels_per_step']:.0f} {unit}s per step, "
                   f"{res['kernels_per_layer']:.1f} per layer ({fused}; "
                   f"{REGIMES[res.get('compile_regime', 'static')]}).", "",
@@ -148,32 +172,58 @@ def main(argv=None) -> int:
         for flag in ("context", "steps", "top"):
             if getattr(args, flag) <= 0:
                 raise ConfigError(f"--{flag} must be positive")
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--out {out}: {e.strerror or e}") from None
+        check_json_path(str(out / f"profile-{args.context}.json"), "--out")
         model = load_model(RANDOM_PREFIX + args.checkpoint, device, dtype)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = []
-    for method, budget in configurations(args.methods, args.budgets):
-        try:
-            results.append(profile_one(model, method, budget, args.context, args.steps, args,
-                                       device))
-        except ConfigError as e:
-            print(f"error: {method} {budget}: {e}", file=sys.stderr)
-            return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     command = command_line("profile_step.py", argv)
     meta = {"device": device_name(device), "torch_version": torch.__version__,
             "model": args.checkpoint, "dtype": str(dtype).removeprefix("torch."),
             "command": command}
-    write_json(out / f"profile-{args.context}.json", {**meta, "results": results})
     header = (f"Kernels of one decode step by time, {meta['device']}, torch "
               f"{meta['torch_version']}, {meta['model']} random weights, {meta['dtype']}, batch 1, "
               f"mean over {args.steps} steps.\n\n`{command}`")
-    text = markdown(results, args.top, header)
-    (out / f"profile-{args.context}.md").write_text(text + "\n")
-    print(text)
-    return 0
+    results, fault = [], None  # fault: (the failing row's label, its error): the device broke
+
+    def save():  # every finished row on disk at once: a run cut off later keeps it
+        write_json(out / f"profile-{args.context}.json", {**meta, "results": results})
+        md = out / f"profile-{args.context}.md"
+        tmp = md.with_name(md.name + ".tmp")
+        tmp.write_text(markdown(results, args.top, header) + "\n")
+        os.replace(tmp, md)
+
+    for method, budget in configurations(args.methods, args.budgets):
+        base = {"method": method, "budget": budget, "context": args.context}
+        if fault is not None:
+            results.append({**base, "error": f"skipped: not run after the CUDA error of "
+                                             f"{fault[0]}"})
+            continue
+        try:
+            results.append(profile_one(model, method, budget, args.context, args.steps, args,
+                                       device))
+        except Exception as e:  # noqa: BLE001 (a method that fails is a row: row_error)
+            results.append({**base, "error": row_error(e)})
+            # nothing here may raise: a CUDA error makes every later CUDA call raise
+            broken = e if device_fault(e) else release_device(device)
+            if broken is not None:
+                fault = (label(results[-1]) + f" at {args.context} tokens", broken)
+        save()
+    if fault is not None:  # the rows after the fault, listed as not run
+        save()
+    print(markdown(results, args.top, header))
+    if fault is not None:
+        e = fault[1]
+        print(f"error: {fault[0]}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}; "
+              f"the device is unusable after it, so the run stopped (rows so far saved in "
+              f"{out / f'profile-{args.context}.json'})", file=sys.stderr)
+        return 1
+    return rows_exit_status(results, "methods")
 
 
 if __name__ == "__main__":

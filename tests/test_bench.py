@@ -277,3 +277,59 @@ def test_a_row_that_fails_is_its_error_and_the_run_goes_on(tmp_path, monkeypatch
     assert rows["transformers"]["error"] == "RuntimeError: Dynamo failed to run FX node"
     err = capsys.readouterr().err
     assert "Traceback" in err and "more text" in err and "2 of 3 configurations failed" in err
+
+
+def test_a_cuda_error_ends_the_sweep_with_the_rows_saved(tmp_path, monkeypatch, capsys):
+    """A sticky CUDA error (an illegal address: every later CUDA call raises again, the
+    allocator's ``empty_cache`` included) in the 2nd of 3 rows: the 1st row stays in the JSON
+    as measured, the 2nd records the error, the 3rd is listed as not run, and the run ends with
+    exit status 1 and one stderr line naming the failing row (no traceback, no second line)."""
+    import scripts.bench as bench
+
+    one, calls = bench.run_one, []
+
+    def faulty(model, batch, context, *a, **kw):
+        calls.append(context)
+        if len(calls) == 2:
+            def broken():
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            monkeypatch.setattr(torch.cuda, "empty_cache", broken)
+            monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: broken())
+            broken()
+        return one(model, batch, context, *a, **kw)
+
+    monkeypatch.setattr(bench, "run_one", faulty)
+    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "48", "64", "80",
+               "--methods", "full", "--new-tokens", "4", "--out", str(tmp_path), "--no-plots",
+               "--no-progress"])
+    assert rc == 1 and calls == [48, 64]  # the sweep stopped at the fault
+    (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
+    rows = json.loads(out.read_text())
+    assert [r["context"] for r in rows] == [48, 64, 80]
+    assert "error" not in rows[0] and rows[0]["decode_ms_median"] > 0
+    assert rows[1]["error"] == "RuntimeError: CUDA error: an illegal memory access was " \
+        "encountered"
+    assert rows[2]["error"].startswith("skipped:") and "full at 64 tokens" in rows[2]["error"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "full at 64 tokens" in err[0]
+    assert "illegal memory access" in err[0] and str(out) in err[0]
+
+
+def test_the_error_handler_cannot_raise(monkeypatch):
+    """``release_device`` after a failed row on CUDA: a device whose every call raises (a
+    sticky error) gives the exception back instead of raising it; ``device_fault`` tells a
+    CUDA error from an out-of-memory one and from an ordinary failure."""
+    from cli import device_fault, release_device
+
+    def broken(*_):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    monkeypatch.setattr(torch.cuda, "empty_cache", broken)
+    e = release_device(torch.device("cuda"))
+    assert isinstance(e, RuntimeError) and device_fault(e)
+    assert release_device(torch.device("cpu")) is None
+    assert device_fault(torch.AcceleratorError("CUDA error: misaligned address"))
+    assert device_fault(RuntimeError("Triton Error [CUDA]: an illegal memory access"))
+    assert not device_fault(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert not device_fault(RuntimeError("Dynamo failed to run FX node"))

@@ -364,6 +364,7 @@ def test_smollm2_runs_keydiff_and_omnikv_at_128_to_1024(smollm2_model):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU machine)")
 def test_omnikv_offload_on_cuda_equals_in_memory():
     """The pinned host bank and the packed asynchronous copy on a real device."""

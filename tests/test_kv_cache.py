@@ -132,6 +132,7 @@ def test_flex_decode_attention_merges_whole_blocks_and_the_written_tail():
                                   atol=1e-5)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the GPU machine)")
 @pytest.mark.parametrize("H,Hkv", [(32, 8), (8, 8)])
 def test_cuda_prefill_block_takes_flash_with_the_lower_right_mask(H, Hkv):
@@ -156,6 +157,7 @@ def test_cuda_prefill_block_takes_flash_with_the_lower_right_mask(H, Hkv):
     assert torch.allclose(flash.float(), explicit, atol=2e-2)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the GPU machine)")
 def test_cuda_compiled_decode_attention_matches_eager():
     """The flex decoding path under CUDA graphs (llama-3.1-8b head shapes, bf16) equals the

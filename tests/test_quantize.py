@@ -186,6 +186,7 @@ def test_int4_linear_matches_dequantized_matmul(dtype, groupsize, rows):
 LLAMA8B_LINEARS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the GPU machine)")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("shape", LLAMA8B_LINEARS)
