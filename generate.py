@@ -230,6 +230,26 @@ def release_caches(model: Transformer) -> None:
         layer.attention.kv_cache = None
 
 
+def rewind_conversation(model: Transformer, position: int) -> None:
+    """Make the next ``continue_conversation`` call write from ``position`` (tokens fed so
+    far, at most the conversation's current one) with no pending generated token: the turns
+    after ``position`` are forgotten by the positions. Whatever the method's caches changed
+    since (an evicting cache's slots, running scores) is the caller's to restore
+    (``rocketkv.Document`` snapshots it).
+
+    Raises:
+        ConfigError: no conversation in ``model``'s caches, or ``position`` outside it.
+    """
+    state = _cache_state(model)
+    conv = None if state is None else state.conversation
+    if conv is None:
+        raise ConfigError("no conversation to rewind: the caches were replaced since")
+    if not 0 < position <= conv["end"]:
+        raise ConfigError(f"cannot rewind to position {position} (the conversation holds "
+                          f"{conv['end']} positions)")
+    state.conversation = {**conv, "pending": None, "position": position}
+
+
 def _prepare_caches(model: Transformer, spec: dict[str, Any],
                     meter: MemoryMeter | None = None) -> _CacheState:
     """Attach caches for ``spec``; reuse the model's current ones when ``generate`` built them
@@ -610,6 +630,85 @@ def _report(model: Transformer, spec: dict[str, Any], prompt: Tensor, run: dict[
 
 
 # --------------------------------------------------------------------------------------------
+# Checks and the tokenizer, shared by the CLI and the Python API (``rocketkv.py``)
+
+NO_TOKENIZER = ("a text prompt needs a tokenizer: the checkpoint has none ("
+                f"{', '.join(TOKENIZER_FILES)} or GGUF tokenizer metadata); pass --tokenizer "
+                "FILE or use --prompt-tokens N")
+
+
+def check_request(method: str, budget: int | None, options: dict[str, Any], *,
+                  max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                  top_p: float | None = None) -> None:
+    """Every check of a run's settings that needs neither the prompt nor the model: sampling,
+    the method's name, budget and options (``compression.check_budget``, ``check_options``).
+
+    Raises:
+        ConfigError: the CLI's wording (``--max-new-tokens must be positive, got 0``).
+    """
+    for flag, value in (("max-new-tokens", max_new_tokens), ("top-k", top_k)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag} must be positive, got {value}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ConfigError(f"--top-p must lie in (0, 1], got {top_p}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"--temperature must be a finite number >= 0, got {temperature}")
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    check_budget(method, budget)
+    if not METHODS[method].budgeted and options:
+        raise ConfigError(f"method {method} takes no method options ({', '.join(options)})")
+    check_options(method, options)
+
+
+def check_fit(method: str, margs, prompt_len: int, max_new_tokens: int, budget: int | None,
+              options: dict[str, Any]) -> int:
+    """The room (tokens) the model's context leaves after a ``prompt_len``-token prompt, after
+    checking the method's setting for this run (``compression.plan`` with the new tokens that
+    fit): everything that needs the prompt's length but no weights.
+
+    Raises:
+        ConfigError: no room left, or what ``plan`` rejects (a budget too small...).
+    """
+    room = margs.max_seq_len - prompt_len
+    if room <= 0:
+        raise ConfigError(f"the prompt ({prompt_len} tokens) leaves no room in the model's "
+                          f"context ({margs.max_seq_len} tokens)")
+    plan(method, margs, prompt_len=prompt_len, max_new_tokens=min(max_new_tokens, room),
+         budget=budget, **options)
+    return room
+
+
+def checkpoint_tokenizer(checkpoint: str, margs, tokenizer: str | None = None
+                         ) -> Tokenizer | None:
+    """The tokenizer of a run: ``tokenizer`` (a file or directory) when given, else the
+    checkpoint's own (None for ``random:`` and checkpoints without one).
+
+    Raises:
+        ConfigError: an unreadable tokenizer, or one with more tokens than the model.
+    """
+    tok: Tokenizer | None = None
+    if tokenizer:
+        tok = load_tokenizer(tokenizer)
+    elif not checkpoint.startswith(RANDOM_PREFIX) and has_tokenizer(checkpoint):
+        tok = load_tokenizer(checkpoint)
+    if tok is not None and tok.vocab_size > margs.vocab_size:
+        raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only "
+                          f"{margs.vocab_size}")
+    return tok
+
+
+def result_text(tok: Tokenizer | None, token_ids: Sequence[Sequence[int]],
+                stop_ids: Sequence[int]) -> list[str] | None:
+    """The text of each sequence's generated ``token_ids``, stop tokens left out (None
+    without a tokenizer)."""
+    if tok is None:
+        return None
+    stop = set(stop_ids)
+    return [tok.decode([t for t in row if t not in stop]) for row in token_ids]
+
+
+# --------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -659,6 +758,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="print the text as it is decoded (default; batch 1 with a tokenizer). "
                         "A host sync per token: --no-stream for timing runs")
+    p.add_argument("--questions", metavar="FILE",
+                   help="questions about the --prompt document, one a line (or JSON lines "
+                        "with a \"question\" key): the document is prefilled once and each "
+                        "question answered from its cache, rewound after each answer")
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     p.add_argument("--no-progress", action="store_true",
                    help="no prefill progress bar (shown on stderr when it is a terminal and "
@@ -803,22 +906,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     rank, world = tp.rank(), 1  # world 1 until torchrun's process group is joined
     try:
-        check_positive(args, "max_new_tokens", "batch_size", "prompt_tokens", "top_k",
-                       "threads")
+        check_positive(args, "batch_size", "prompt_tokens", "threads")
         if args.threads:
             torch.set_num_threads(args.threads)
-        if args.top_p is not None and not 0 < args.top_p <= 1:
-            raise ConfigError(f"--top-p must lie in (0, 1], got {args.top_p}")
-        if not math.isfinite(args.temperature) or args.temperature < 0:
-            raise ConfigError(f"--temperature must be a finite number >= 0, got "
-                              f"{args.temperature}")
-        method = METHODS[args.method]
-        check_budget(args.method, args.budget)
         options = given_options(args)
-        if not method.budgeted and options:
-            raise ConfigError(f"method {args.method} takes no method options "
-                              f"({', '.join(options)})")
-        check_options(args.method, options)
+        check_request(args.method, args.budget, options, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         check_json_path(args.json)
         device = resolve_device(args.device)
         if args.cuda_graphs and device.type != "cuda":
@@ -842,18 +935,17 @@ def _main(args: argparse.Namespace) -> int:
         t_load = time.perf_counter()
         checkpoint = resolve_checkpoint(args.checkpoint)
         margs = checkpoint_args(checkpoint)
-        tok: Tokenizer | None = None
-        if args.tokenizer:
-            tok = load_tokenizer(args.tokenizer)
-        elif not checkpoint.startswith(RANDOM_PREFIX) and has_tokenizer(checkpoint):
-            tok = load_tokenizer(checkpoint)
+        tok = checkpoint_tokenizer(checkpoint, margs, args.tokenizer)
         if tok is None and text is not None:
-            raise ConfigError("a text prompt needs a tokenizer: the checkpoint has none ("
-                              f"{', '.join(TOKENIZER_FILES)} or GGUF tokenizer metadata); pass "
-                              "--tokenizer FILE or use --prompt-tokens N")
-        if tok is not None and tok.vocab_size > margs.vocab_size:
-            raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only "
-                              f"{margs.vocab_size}")
+            raise ConfigError(NO_TOKENIZER)
+        if args.questions is not None:  # one document, many questions: rocketkv.py
+            if world > 1:
+                raise ConfigError("--questions runs in one process, not under torchrun")
+            import rocketkv
+
+            return rocketkv.questions_cli(args, checkpoint=checkpoint, margs=margs, tok=tok,
+                                          text=text, device=device, dtype=dtype,
+                                          options=options, compile=compile, t_load=t_load)
         if text is not None:
             ids = tok.encode_chat(text, system=args.system) if args.chat else tok.encode(text)
         else:
@@ -861,13 +953,9 @@ def _main(args: argparse.Namespace) -> int:
             ids = torch.randint(0, margs.vocab_size, (args.prompt_tokens,),
                                 generator=gen).tolist()
         tp.check_world(margs, world)
-        room = margs.max_seq_len - len(ids)
-        if room <= 0:
-            raise ConfigError(f"the prompt ({len(ids)} tokens) leaves no room in the model's "
-                              f"context ({margs.max_seq_len} tokens)")
         # every method setting is checked here, before the weights load
-        plan(args.method, margs, prompt_len=len(ids),
-             max_new_tokens=min(args.max_new_tokens, room), budget=args.budget, **options)
+        room = check_fit(args.method, margs, len(ids), args.max_new_tokens, args.budget,
+                         options)
         if not is_quantized(checkpoint):
             check_memory(tp.local_args(margs, world), dtype, device, args.batch_size,
                          len(ids) + args.max_new_tokens)
@@ -923,9 +1011,7 @@ def _main(args: argparse.Namespace) -> int:
         tp.shutdown()
         if rank != 0:
             return 0
-    stop_set = set(stop_ids)
-    result["text"] = ([tok.decode([t for t in row if t not in stop_set])
-                       for row in result["token_ids"]] if tok is not None else None)
+    result["text"] = result_text(tok, result["token_ids"], stop_ids)
     result["checkpoint"] = args.checkpoint
     result["model"] = model.args.name
     result["load_s"] = load_s
