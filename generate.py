@@ -57,6 +57,14 @@ from compression import (
     help_epilog,
     plan,
 )
+from documents import (
+    CacheSnapshot,
+    document_ids,
+    prefill_summary,
+    question_ids,
+    read_questions,
+    summary_line,
+)
 from measure import (
     MemoryMeter,
     StepTimer,
@@ -230,23 +238,27 @@ def release_caches(model: Transformer) -> None:
         layer.attention.kv_cache = None
 
 
-def rewind_conversation(model: Transformer, position: int) -> None:
+def rewind_conversation(model: Transformer, position: int,
+                        snapshot: CacheSnapshot | None = None) -> None:
     """Make the next ``continue_conversation`` call write from ``position`` (tokens fed so
-    far, at most the conversation's current one) with no pending generated token: the turns
-    after ``position`` are forgotten by the positions. Whatever the method's caches changed
-    since (an evicting cache's slots, running scores) is the caller's to restore
-    (``rocketkv.Document`` snapshots it).
+    far) with no pending generated token, the caches' state restored from ``snapshot``
+    (taken at ``position``: what the method changed since, an evicting cache's slots, running
+    scores; ``documents.CacheSnapshot``).
 
     Raises:
-        ConfigError: no conversation in ``model``'s caches, or ``position`` outside it.
+        ConfigError: no conversation in ``model``'s caches, caches other than the
+            snapshot's, or ``position`` outside the conversation.
     """
     state = _cache_state(model)
     conv = None if state is None else state.conversation
-    if conv is None:
-        raise ConfigError("no conversation to rewind: the caches were replaced since")
+    if conv is None or (snapshot is not None and not snapshot.holds(model.caches)):
+        raise ConfigError("no conversation to rewind: the caches were replaced since (by "
+                          "another run); prefill the document again")
     if not 0 < position <= conv["end"]:
         raise ConfigError(f"cannot rewind to position {position} (the conversation holds "
                           f"{conv['end']} positions)")
+    if snapshot is not None:
+        snapshot.restore()
     state.conversation = {**conv, "pending": None, "position": position}
 
 
@@ -679,6 +691,24 @@ def check_fit(method: str, margs, prompt_len: int, max_new_tokens: int, budget: 
     return room
 
 
+def check_document(method: str, margs, doc_tokens: int, reserve_tokens: int,
+                   budget: int | None, options: dict[str, Any]) -> None:
+    """``check_fit`` for a document (``--questions``, ``rocketkv.Document``): the document plus
+    ``reserve_tokens`` for a question and its answer fit the context, the method's setting for
+    a ``doc_tokens`` prompt with ``reserve_tokens`` new tokens is valid.
+
+    Raises:
+        ConfigError: naming the sizes; what ``plan`` rejects.
+    """
+    if reserve_tokens <= 0:
+        raise ConfigError(f"reserve_tokens must be positive, got {reserve_tokens}")
+    room = check_fit(method, margs, doc_tokens, reserve_tokens, budget, options)
+    if reserve_tokens > room:
+        raise ConfigError(f"the document ({doc_tokens} tokens) and the room for a question "
+                          f"and its answer ({reserve_tokens} tokens) exceed the model's "
+                          f"context ({margs.max_seq_len} tokens)")
+
+
 def checkpoint_tokenizer(checkpoint: str, margs, tokenizer: str | None = None
                          ) -> Tokenizer | None:
     """The tokenizer of a run: ``tokenizer`` (a file or directory) when given, else the
@@ -941,11 +971,8 @@ def _main(args: argparse.Namespace) -> int:
         if args.questions is not None:  # one document, many questions: rocketkv.py
             if world > 1:
                 raise ConfigError("--questions runs in one process, not under torchrun")
-            import rocketkv
-
-            return rocketkv.questions_cli(args, checkpoint=checkpoint, margs=margs, tok=tok,
-                                          text=text, device=device, dtype=dtype,
-                                          options=options, compile=compile, t_load=t_load)
+            return _answer_questions(args, checkpoint, margs, tok, text, device, dtype,
+                                     options, compile, t_load)
         if text is not None:
             ids = tok.encode_chat(text, system=args.system) if args.chat else tok.encode(text)
         else:
@@ -1033,6 +1060,62 @@ def _main(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
     return 130 if interrupted else 0
+
+
+def _answer_questions(args: argparse.Namespace, checkpoint: str, margs, tok: Tokenizer | None,
+                      text: str | None, device: torch.device, dtype: torch.dtype,
+                      options: dict[str, Any], compile: bool | None, t_load: float) -> int:
+    """``--questions``: the document prefilled once, then per question its answer block on
+    stdout (``==> question i: ... <==``) and a line on stderr, each answered from the
+    document's cache rewound (``rewind_conversation``); the prefill paid once on stderr and
+    in ``--json`` (``document``, one record per question in ``questions``). Everything is
+    checked before the weights load."""
+    if text is None:
+        raise ConfigError("--questions needs a text document (--prompt or --prompt-text)")
+    if args.batch_size != 1:
+        raise ConfigError("--questions answers one sequence: --batch-size must be 1")
+    questions = read_questions(args.questions)
+    doc = document_ids(tok, text, args.chat, args.system)
+    asks = [question_ids(tok, q, args.chat, text, args.system) for q in questions]
+    reserve = min(max(map(len, asks)) + args.max_new_tokens - 1, margs.max_seq_len - len(doc))
+    check_document(args.method, margs, len(doc), reserve, args.budget, options)
+    if not is_quantized(checkpoint):
+        check_memory(margs, dtype, device, 1, len(doc) + reserve)
+    model = load_model(checkpoint, device, dtype)
+    load_s = time.perf_counter() - t_load
+    first = generate(model, doc, method=args.method, budget=args.budget, max_new_tokens=0,
+                     reserve_tokens=reserve, compile=compile, method_options=options)
+    snapshot = CacheSnapshot(model.caches)
+    stop_ids = () if args.ignore_eos else (tok.chat_stop_ids if args.chat else tok.stop_ids)
+    records: list[dict[str, Any]] = []
+    for i, (question, ids) in enumerate(zip(questions, asks), 1):
+        print(f"==> question {i}: {question} <==", flush=True)
+        streamer = TextStreamer(tok, stop_ids) if args.stream else None
+        rewind_conversation(model, len(doc), snapshot)
+        r = generate(model, ids, continue_conversation=True,
+                     max_new_tokens=min(args.max_new_tokens, reserve - len(ids) + 1),
+                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                     seed=args.seed, stop_ids=stop_ids, compile=compile, on_token=streamer)
+        r.update(question=question, text=result_text(tok, r["token_ids"], stop_ids),
+                 document_prefill_s=first["prefill_s"])
+        (streamer.finish if streamer else print)(r["text"][0])
+        records.append(r)
+        print(f"question {i}: {r['prompt_tokens']} tokens prefilled in "
+              f"{r['prefill_s'] * 1e3:.1f} ms, {r['new_tokens']} generated ({r['stop_reason']})",
+              file=sys.stderr)
+        if r["stop_reason"] == "interrupted":
+            break
+    summary = prefill_summary(len(doc), first["prefill_s"], records)
+    print(summary_line(summary), file=sys.stderr)
+    if args.json:
+        try:
+            write_json(args.json, {"checkpoint": args.checkpoint, "model": model.args.name,
+                                   "load_s": load_s, "document": first, **summary,
+                                   "questions": records})
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return 130 if records[-1]["stop_reason"] == "interrupted" else 0
 
 
 if __name__ == "__main__":
