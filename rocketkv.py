@@ -116,8 +116,8 @@ class Engine:
 
     One engine drives one set of caches: a ``generate`` or ``prefill_document`` call replaces
     what the previous one left, so only the latest ``Document`` answers (an older one raises
-    ``ConfigError``). Calling ``generate.generate`` on ``engine.model`` directly does the same
-    without the check.
+    ``ConfigError``). A ``generate.generate`` call on ``engine.model`` itself is noticed when
+    it rebuilt the caches (other shapes), not when it reused them.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, *,
@@ -150,7 +150,7 @@ class Engine:
             ConfigError: an empty prompt, a text prompt without a tokenizer, ``system``
                 without ``chat``, no chat template, a malformed message list.
         """
-        if system is not None and not chat:
+        if system is not None and not chat and isinstance(prompt, str):
             raise ConfigError("--system needs --chat (it is a message of the chat template)")
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -166,6 +166,8 @@ class Engine:
             messages = ([{"role": "system", "content": system}] if system else []) + prompt
             return self._tok().encode_messages(messages)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if system is not None:
+                raise ConfigError("system applies to a text or message prompt, not to ids")
             return prompt
         raise ConfigError("a prompt is a string, a list of messages (dicts with 'role' and "
                           "'content') or a list of token ids")
