@@ -34,6 +34,14 @@ import torch
 
 import generate as _g
 from checkpoint import checkpoint_args, is_quantized, load_model, resolve_checkpoint
+from checks import (
+    NO_TOKENIZER,
+    check_document,
+    check_fit,
+    check_request,
+    checkpoint_tokenizer,
+    result_text,
+)
 from cli import DTYPES, resolve_device
 from documents import CacheSnapshot, document_ids, prefill_summary, question_ids
 from measure import check_memory
@@ -96,7 +104,7 @@ def load(checkpoint: str, *, device: str | torch.device | None = None,
     t0 = time.perf_counter()
     ckpt = resolve_checkpoint(str(checkpoint))
     margs = checkpoint_args(ckpt)
-    tok = _g.checkpoint_tokenizer(ckpt, margs, tokenizer)
+    tok = checkpoint_tokenizer(ckpt, margs, tokenizer)
     if not is_quantized(ckpt):
         check_memory(margs, dtype, device, 1, 1)  # the weights; each run checks its own KV
     model = load_model(ckpt, device, dtype)
@@ -136,7 +144,7 @@ class Engine:
 
     def _tok(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise ConfigError(_g.NO_TOKENIZER)
+            raise ConfigError(NO_TOKENIZER)
         return self.tokenizer
 
     def encode(self, prompt: str | Sequence[dict[str, Any]] | Sequence[int], *,
@@ -203,10 +211,10 @@ class Engine:
                 not read, a prompt that does not fit the context, a budget too small for it.
         """
         options = _options(method_options)
-        _g.check_request(method, budget, options, max_new_tokens=max_new_tokens,
+        check_request(method, budget, options, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p)
         ids = self.encode(prompt, chat=chat, system=system)
-        _g.check_fit(method, self.model.args, len(ids), max_new_tokens, budget, options)
+        check_fit(method, self.model.args, len(ids), max_new_tokens, budget, options)
         stop = self.stop_ids if stop_ids is None else tuple(stop_ids)
         self._document = None
         r = _g.generate(self.model, ids, method=method, budget=budget,
@@ -219,7 +227,7 @@ class Engine:
     def _result(self, r: dict[str, Any], stop: Sequence[int]) -> Result:
         """The CLI's JSON record of a run (``text``, ``checkpoint``, ``model``, ``load_s``
         added) as a ``Result``."""
-        texts = _g.result_text(self.tokenizer, r["token_ids"], stop)
+        texts = result_text(self.tokenizer, r["token_ids"], stop)
         r["text"] = texts
         r["checkpoint"], r["model"], r["load_s"] = self.checkpoint, self.model.args.name, \
             self.load_s
@@ -254,10 +262,10 @@ class Engine:
                 context.
         """
         options = _options(method_options)
-        _g.check_request(method, budget, options, max_new_tokens=1)
+        check_request(method, budget, options, max_new_tokens=1)
         ids = document_ids(self._tok(), text, chat, system) if isinstance(text, str) \
             else self.encode(text)
-        _g.check_document(method, self.model.args, len(ids), reserve_tokens, budget, options)
+        check_document(method, self.model.args, len(ids), reserve_tokens, budget, options)
         self._document = None
         r = _g.generate(self.model, ids, method=method, budget=budget, max_new_tokens=0,
                         reserve_tokens=reserve_tokens, compile=_compile(self.model, compile),
@@ -325,7 +333,7 @@ class Document:
                 by a later ``generate`` or ``prefill_document`` call.
         """
         engine = self.engine
-        _g.check_request(self.method, self.budget, {}, max_new_tokens=max_new_tokens,
+        check_request(self.method, self.budget, {}, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p)
         if engine._document is not self:
             raise ConfigError("this document's cache was replaced by a later generate() or "
