@@ -14,7 +14,6 @@ left out of the latency figures; the prompt is prefilled once.
 from __future__ import annotations
 
 import argparse
-import math
 import signal
 import sys
 import time
@@ -30,11 +29,18 @@ import kernels
 import tp
 from checkpoint import (
     KNOWN_CHECKPOINTS,
-    RANDOM_PREFIX,
     checkpoint_args,
     is_quantized,
     load_model,
     resolve_checkpoint,
+)
+from checks import (
+    NO_TOKENIZER,
+    check_document,
+    check_fit,
+    check_request,
+    checkpoint_tokenizer,
+    result_text,
 )
 from cli import (
     DTYPES,
@@ -52,11 +58,16 @@ from compression import (
     METHODS,
     add_method_options,
     build_caches,
-    check_budget,
-    check_options,
     given_options,
     help_epilog,
-    plan,
+)
+from documents import (
+    CacheSnapshot,
+    document_ids,
+    prefill_summary,
+    question_ids,
+    read_questions,
+    summary_line,
 )
 from measure import (
     MemoryMeter,
@@ -71,7 +82,7 @@ from measure import (
 )
 from model import ConfigError, Transformer
 from prefill import PrefilledPrompt, as_prompt, store_prefilled
-from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
+from tokenizer import Tokenizer
 
 SPREAD_WARN = 4.0  # p90/p10 of decode steps above which the report warns of contention
 WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
@@ -229,6 +240,30 @@ def release_caches(model: Transformer) -> None:
     _STATES.pop(model, None)
     for layer in model.layers:
         layer.attention.kv_cache = None
+
+
+def rewind_conversation(model: Transformer, position: int,
+                        snapshot: CacheSnapshot | None = None) -> None:
+    """Make the next ``continue_conversation`` call write from ``position`` (tokens fed so
+    far) with no pending generated token, the caches' state restored from ``snapshot``
+    (taken at ``position``: what the method changed since, an evicting cache's slots, running
+    scores; ``documents.CacheSnapshot``).
+
+    Raises:
+        ConfigError: no conversation in ``model``'s caches, caches other than the
+            snapshot's, or ``position`` outside the conversation.
+    """
+    state = _cache_state(model)
+    conv = None if state is None else state.conversation
+    if conv is None or (snapshot is not None and not snapshot.holds(model.caches)):
+        raise ConfigError("no conversation to rewind: the caches were replaced since (by "
+                          "another run); prefill the document again")
+    if not 0 < position <= conv["end"]:
+        raise ConfigError(f"cannot rewind to position {position} (the conversation holds "
+                          f"{conv['end']} positions)")
+    if snapshot is not None:
+        snapshot.restore()
+    state.conversation = {**conv, "pending": None, "position": position}
 
 
 def _prepare_caches(model: Transformer, spec: dict[str, Any],
@@ -660,6 +695,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="print the text as it is decoded (default; batch 1 with a tokenizer). "
                         "A host sync per token: --no-stream for timing runs")
+    p.add_argument("--questions", metavar="FILE",
+                   help="questions about the --prompt document, one a line (or JSON lines "
+                        "with a \"question\" key): the document is prefilled once and each "
+                        "question answered from its cache, rewound after each answer")
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     p.add_argument("--no-progress", action="store_true",
                    help="no prefill progress bar (shown on stderr when it is a terminal and "
@@ -829,25 +868,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     rank, world = tp.rank(), 1  # world 1 until torchrun's process group is joined
     try:
-        check_positive(args, "max_new_tokens", "batch_size", "prompt_tokens", "top_k",
-                       "threads")
+        check_positive(args, "batch_size", "prompt_tokens", "threads")
         if args.threads:
             torch.set_num_threads(args.threads)
-        if args.top_p is not None and not 0 < args.top_p <= 1:
-            raise ConfigError(f"--top-p must lie in (0, 1], got {args.top_p}")
-        if not math.isfinite(args.temperature) or args.temperature < 0:
-            raise ConfigError(f"--temperature must be a finite number >= 0, got "
-                              f"{args.temperature}")
+        options = given_options(args)
+        check_request(args.method, args.budget, options, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         if args.temperature == 0 and (args.top_k or args.top_p is not None) and rank == 0:
             print("note: --top-k and --top-p shape sampling; at --temperature 0 (greedy, the "
                   "default) they change nothing", file=sys.stderr)
-        method = METHODS[args.method]
-        check_budget(args.method, args.budget)
-        options = given_options(args)
-        if not method.budgeted and options:
-            raise ConfigError(f"method {args.method} takes no method options "
-                              f"({', '.join(options)})")
-        check_options(args.method, options)
         check_json_path(args.json)
         device = resolve_device(args.device)
         if args.cuda_graphs and device.type != "cuda":
@@ -871,18 +900,14 @@ def _main(args: argparse.Namespace) -> int:
         t_load = time.perf_counter()
         checkpoint = resolve_checkpoint(args.checkpoint)
         margs = checkpoint_args(checkpoint)
-        tok: Tokenizer | None = None
-        if args.tokenizer:
-            tok = load_tokenizer(args.tokenizer)
-        elif not checkpoint.startswith(RANDOM_PREFIX) and has_tokenizer(checkpoint):
-            tok = load_tokenizer(checkpoint)
+        tok = checkpoint_tokenizer(checkpoint, margs, args.tokenizer)
         if tok is None and text is not None:
-            raise ConfigError("a text prompt needs a tokenizer: the checkpoint has none ("
-                              f"{', '.join(TOKENIZER_FILES)} or GGUF tokenizer metadata); pass "
-                              "--tokenizer FILE or use --prompt-tokens N")
-        if tok is not None and tok.vocab_size > margs.vocab_size:
-            raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only "
-                              f"{margs.vocab_size}")
+            raise ConfigError(NO_TOKENIZER)
+        if args.questions is not None:  # one document, many questions: rocketkv.py
+            if world > 1:
+                raise ConfigError("--questions runs in one process, not under torchrun")
+            return _answer_questions(args, checkpoint, margs, tok, text, device, dtype,
+                                     options, compile, t_load)
         if text is not None:
             ids = tok.encode_chat(text, system=args.system) if args.chat else tok.encode(text)
         else:
@@ -890,13 +915,9 @@ def _main(args: argparse.Namespace) -> int:
             ids = torch.randint(0, margs.vocab_size, (args.prompt_tokens,),
                                 generator=gen).tolist()
         tp.check_world(margs, world)
-        room = margs.max_seq_len - len(ids)
-        if room <= 0:
-            raise ConfigError(f"the prompt ({len(ids)} tokens) leaves no room in the model's "
-                              f"context ({margs.max_seq_len} tokens)")
         # every method setting is checked here, before the weights load
-        plan(args.method, margs, prompt_len=len(ids),
-             max_new_tokens=min(args.max_new_tokens, room), budget=args.budget, **options)
+        room = check_fit(args.method, margs, len(ids), args.max_new_tokens, args.budget,
+                         options)
         if not is_quantized(checkpoint):
             check_memory(tp.local_args(margs, world), dtype, device, args.batch_size,
                          len(ids) + args.max_new_tokens)
@@ -954,9 +975,7 @@ def _main(args: argparse.Namespace) -> int:
         tp.shutdown()
         if rank != 0:
             return 0
-    stop_set = set(stop_ids)
-    result["text"] = ([tok.decode([t for t in row if t not in stop_set])
-                       for row in result["token_ids"]] if tok is not None else None)
+    result["text"] = result_text(tok, result["token_ids"], stop_ids)
     result["checkpoint"] = args.checkpoint
     result["model"] = model.args.name
     result["load_s"] = load_s
@@ -977,6 +996,72 @@ def _main(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
     return 130 if interrupted else 0
+
+
+def _answer_questions(args: argparse.Namespace, checkpoint: str, margs, tok: Tokenizer | None,
+                      text: str | None, device: torch.device, dtype: torch.dtype,
+                      options: dict[str, Any], compile: bool | None, t_load: float) -> int:
+    """``--questions``: the document prefilled once, then per question its answer block on
+    stdout (``==> question i: ... <==``) and a line on stderr, each answered from the
+    document's cache rewound (``rewind_conversation``); the prefill paid once on stderr and
+    in ``--json`` (``document``, one record per question in ``questions``). Everything is
+    checked before the weights load."""
+    if text is None:
+        raise ConfigError("--questions needs a text document (--prompt or --prompt-text)")
+    if args.batch_size != 1:
+        raise ConfigError("--questions answers one sequence: --batch-size must be 1")
+    questions = read_questions(args.questions)
+    doc = document_ids(tok, text, args.chat, args.system)
+    asks = [question_ids(tok, q, args.chat, text, args.system) for q in questions]
+    reserve = min(max(map(len, asks)) + args.max_new_tokens - 1, margs.max_seq_len - len(doc))
+    check_document(args.method, margs, len(doc), reserve, args.budget, options)
+    if not is_quantized(checkpoint):
+        check_memory(margs, dtype, device, 1, len(doc) + reserve)
+    model = load_model(checkpoint, device, dtype)
+    load_s = time.perf_counter() - t_load
+    print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
+    bar = prefill_bar(model.args.n_layers, len(doc), args.no_progress)
+    try:
+        first = generate(model, doc, method=args.method, budget=args.budget, max_new_tokens=0,
+                         reserve_tokens=reserve, compile=compile, method_options=options,
+                         on_prefill_layer=None if bar is None else _bar_step(bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    snapshot = CacheSnapshot(model.caches)
+    stop_ids = () if args.ignore_eos else (tok.chat_stop_ids if args.chat else tok.stop_ids)
+    records: list[dict[str, Any]] = []
+    for i, (question, ids) in enumerate(zip(questions, asks), 1):
+        write_stdout(f"==> question {i}: {question} <==\n")
+        streamer = TextStreamer(tok, stop_ids) if args.stream else None
+        rewind_conversation(model, len(doc), snapshot)
+        r = generate(model, ids, continue_conversation=True,
+                     max_new_tokens=min(args.max_new_tokens, reserve - len(ids) + 1),
+                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                     seed=args.seed, stop_ids=stop_ids, compile=compile, on_token=streamer)
+        r.update(question=question, text=result_text(tok, r["token_ids"], stop_ids),
+                 document_prefill_s=first["prefill_s"])
+        if streamer is not None:
+            streamer.finish(r["text"][0])
+        else:
+            write_stdout(r["text"][0] + "\n")
+        records.append(r)
+        print(f"question {i}: {r['prompt_tokens']} tokens prefilled in "
+              f"{r['prefill_s'] * 1e3:.1f} ms, {r['new_tokens']} generated ({r['stop_reason']})",
+              file=sys.stderr)
+        if r["stop_reason"] == "interrupted":
+            break
+    summary = prefill_summary(len(doc), first["prefill_s"], records)
+    print(summary_line(summary), file=sys.stderr)
+    if args.json:
+        try:
+            write_json(args.json, {"checkpoint": args.checkpoint, "model": model.args.name,
+                                   "load_s": load_s, "document": first, **summary,
+                                   "questions": records})
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return 130 if records[-1]["stop_reason"] == "interrupted" else 0
 
 
 if __name__ == "__main__":

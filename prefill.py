@@ -66,7 +66,16 @@ class PromptRecorder(KVCache):
 
 
 def as_prompt(model: Transformer, prompt) -> Tensor:
-    """``prompt`` as a (B, T) int64 tensor on the model's device, its ids checked."""
+    """``prompt`` as a (B, T) int64 tensor on the model's device, its ids checked.
+
+    Raises:
+        ConfigError: text instead of token ids, an empty prompt, ids outside the vocabulary,
+            a prompt that fills the model's context.
+    """
+    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
+                                   and isinstance(prompt[0], str)):
+        raise ConfigError("generate() takes token ids, not text: encode it first "
+                          "(tokenizer.encode), or use rocketkv.load(...).generate(text)")
     device = model.tok_embeddings.weight.device
     prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)
     if prompt.dim() == 1:

@@ -176,8 +176,25 @@ class Tokenizer:
         Raises:
             ConfigError: as ``render_chat``.
         """
-        ids = self.encode_special(self.render_chat(prompt, system))
-        if (not self.chat_template and self.fallback_prepends_bos
+        messages = [{"role": "system", "content": system}] if system else []
+        return self.encode_messages([*messages, {"role": "user", "content": prompt}])
+
+    def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` (dicts with ``role`` and ``content``) rendered with the chat
+        template and the generation prompt, tokenized as ``encode_chat`` tokenizes one turn.
+
+        Raises:
+            ConfigError: as ``apply_chat_template``.
+        """
+        return self.encode_rendered(self.apply_chat_template(messages,
+                                                             add_generation_prompt=True))
+
+    def encode_rendered(self, text: str, first: bool = True) -> list[int]:
+        """Token ids of ``text``, (a piece of) a rendered chat template: special-token text
+        read as those tokens; when ``first`` (the text opens the prompt), the SentencePiece
+        fallback template's BOS is prepended as an id."""
+        ids = self.encode_special(text)
+        if (first and not self.chat_template and self.fallback_prepends_bos
                 and self.bos_id is not None):
             ids = [self.bos_id] + ids
         return ids
