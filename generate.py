@@ -57,6 +57,7 @@ from compression import (
     help_epilog,
     plan,
 )
+from kernels import check as kernel_check
 from measure import (
     MemoryMeter,
     StepTimer,
@@ -433,6 +434,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     if (compile or cuda_graphs) and not all(c.compilable for c in model.caches):
         raise ConfigError("this method's decode step synchronizes with the host and runs "
                           "eagerly: use --no-compile")
+    ran = kernel_check.ensure(model)  # first use: a failing family falls back to PyTorch
     fused = kernels.in_use(device)  # imports the kernels now, outside the graph being traced
     dense = kernels.dense_in_use(device)
     if cuda_graphs:
@@ -461,6 +463,9 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     result["cuda_graphs"] = cuda_graphs
     result["fused_kernels"] = fused
     result["dense_kernels"] = dense and any(layer.fusable() for layer in model.layers)
+    if ran["dense"] == "fused" and not result["dense_kernels"]:
+        ran["dense"] = "pytorch (no layer the dense kernels take)"
+    result["kernels"] = ran  # family -> "fused" or "pytorch (why)" (kernels.report)
     return result
 
 
@@ -759,6 +764,8 @@ def format_report(r: dict[str, Any]) -> str:
         + (f" (compile {r['compile_s']:.1f} s)" if r["compile_s"] else "")
         + "  fused kernels " + ("all" if r.get("dense_kernels") else "sparse" if
                                 r.get("fused_kernels") else "off"),
+        *([f"kernels: {', '.join(f'{k} {v}' for k, v in r['kernels'].items())}"]
+          if r.get("kernels") else []),
     ]
     if r.get("world_size", 1) > 1:
         per = r["per_rank"]
@@ -798,6 +805,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return 128 + signal.SIGTERM if signals and code == 130 else code
+
+
+def _kernel_fault(e: Exception) -> int:
+    """1, after one ``error:`` line, for a kernel's fault that escaped the self-check (a
+    failed ``--kernels on`` self-check, a Triton compile error, a CUDA error:
+    ``kernels.fault``); any other exception is raised again."""
+    reason = kernels.fault(e)
+    if reason is None:
+        raise e
+    print(f"error: {reason}" + ("" if isinstance(e, kernels.KernelCheckError) else
+                                "; --kernels off runs the PyTorch path"), file=sys.stderr)
+    return 1
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -900,18 +919,20 @@ def _main(args: argparse.Namespace) -> int:
         elif tp.launched():  # let rank 0 print before torchrun ends the ranks
             tp.wait_for_rank_0()
         return 2
+    except torch.OutOfMemoryError as e:  # (a RuntimeError: before that clause)
+        print(f"error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     except RuntimeError as e:  # gloo and NCCL report a peer that stopped this way
         if world == 1:
-            raise
+            return _kernel_fault(e)
         print(f"error: rank {rank} of {world}: {tp.failure(e)}", file=sys.stderr)
         tp.exit_now(1)  # a broken process group aborts the interpreter's exit: skip it
     except KeyboardInterrupt:  # before decoding started: nothing generated yet
         if rank == 0:  # torchrun signals every rank, and ends the rest once one has stopped
             print("error: interrupted before any token was generated", file=sys.stderr)
         return 130
-    except torch.OutOfMemoryError as e:
-        print(f"error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
+    except Exception as e:  # a Triton compile error is no RuntimeError
+        return _kernel_fault(e)
 
     result["world_size"] = world
     if world > 1:  # every rank's share (a collective: all ranks take part); rank 0 reports
