@@ -109,7 +109,7 @@ def fault(e: BaseException) -> str | None:
     cuda_error = getattr(torch, "AcceleratorError", ())
     if isinstance(e, cuda_error) or (isinstance(e, RuntimeError) and (
             "CUDA error" in str(e) or "CUDA driver error" in str(e))):
-        return f"CUDA error: {first}"
+        return first if first.startswith("CUDA error") else f"CUDA error: {first}"
     return None
 
 
