@@ -56,6 +56,10 @@ import torch
 from torch import Tensor, nn
 
 import kernels
+from compression import build_caches
+from kv_cache import CompressedKVCache, FullKVCache, Selector
+from model import ModelArgs, apply_rope
+from quantized import dequantize_int4, kernel_dtype, quantize_int4, quantize_int8
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 KV_HEADS = 2  # KV heads of the synthetic inputs (not 1: Triton specializes integers equal to 1)
@@ -112,8 +116,6 @@ def families(model: nn.Module) -> dict[str, list]:
     (one per distinct class and parameters) that override ``Selector.attend`` /
     ``store_token`` (``write``: paged ones, page size > 1); ``dense`` the weight formats of
     the model's linears, where some cache allows the dense kernels (``dense_kernels``)."""
-    from kv_cache import Selector  # kv_cache imports kernels: imported on use
-
     out: dict[str, list] = {"prefix": [None]}
     seen = set()
     for cache in model.caches:
@@ -145,8 +147,6 @@ def _describe(sel) -> str:
 
 
 def _args(head_dim: int, group: int):
-    from model import ModelArgs
-
     H = group * KV_HEADS
     return ModelArgs(dim=H * head_dim, n_layers=1, n_heads=H, n_kv_heads=KV_HEADS,
                      head_dim=head_dim, intermediate_size=8, vocab_size=16, max_seq_len=1 << 20)
@@ -185,8 +185,6 @@ def _decode_case(family: str, device, dtype, head_dim: int, group: int, sel, see
     """One decode step of a tiny cache with only ``family``'s kernels on, against the float64
     PyTorch path: the output's relative error; the written K/V and the selector's buffers of
     the cache dtype must equal the reference's."""
-    from kv_cache import CompressedKVCache, FullKVCache
-
     args = _args(head_dim, group)
     if sel is None:
         T = PROMPT
@@ -234,13 +232,6 @@ def _weight(n: int, k: int, fmt: str, device, dtype, g) -> tuple[Tensor, Tensor 
                                                                   Tensor]:
     """A random (n, k) weight in ``fmt`` as the dense kernels read it (weight, scales,
     groupsize) and as the float64 matrix it stands for."""
-    from quantized import (
-        dequantize_int4,
-        kernel_dtype,
-        quantize_int4,
-        quantize_int8,
-    )
-
     w = torch.randn(n, k, generator=g) / math.sqrt(k)
     if fmt == "float":
         w = w.to(dtype)
@@ -260,8 +251,6 @@ def _weight(n: int, k: int, fmt: str, device, dtype, g) -> tuple[Tensor, Tensor 
 def _dense_case(device, dtype, head_dim: int, group: int, fmt: str, seed: int) -> float:
     """``qkv_store`` and three ``linear`` launches (residual, norm + SwiGLU, norm alone) in
     weight format ``fmt`` against float64 formulas: the largest relative error."""
-    from model import apply_rope
-
     g = torch.Generator().manual_seed(seed)
     H, D = group * KV_HEADS, head_dim
     K = max(64, int(fmt.split("/")[1]) if "/" in fmt else 0)  # input width
@@ -402,8 +391,6 @@ def ensure(model: nn.Module) -> dict[str, str]:
 def _selectors(head_dim: int, group: int, device, dtype) -> list:
     """The selectors of the selecting methods (quest, rocketkv, sparq with and without
     ``--sparq-reallocate``, exact_topk) at a small budget, from the method registry."""
-    from compression import build_caches
-
     args = _args(head_dim, group)
     out = []
     for method, options in (("quest", {}), ("rocketkv", {}), ("sparq", {}),
