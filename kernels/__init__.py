@@ -114,10 +114,11 @@ def fault(e: BaseException) -> str | None:
 
 
 def _key(device: torch.device | str) -> str:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
+    """``device`` as the switches' key: ``type:index`` (no index: 0). No CUDA call: the
+    switches are read inside the traced decode step."""
+    if isinstance(device, str):
+        device = torch.device(device)
+    return f"{device.type}:{device.index or 0}"
 
 
 def switch_off(family: str, device: torch.device | str, reason: str) -> None:
@@ -167,7 +168,7 @@ def family_on(family: str, device: torch.device | str) -> bool:
         return False
     if (family, _key(device)) in _failed or (family == "dense" and not _dense):
         return False
-    return _available(torch.device(device))
+    return _available(torch.device(device) if isinstance(device, str) else device)
 
 
 def report(device: torch.device | str, families=None, head_dim: int | None = None
@@ -188,7 +189,7 @@ def report(device: torch.device | str, families=None, head_dim: int | None = Non
             out[family] = "pytorch (off)"
         elif _mode == "auto" and device.type != "cuda":
             out[family] = "pytorch (cuda only)"
-        elif head_dim is not None and head_dim < 16:
+        elif head_dim is not None and head_dim < 16 and family != "dense":
             out[family] = "pytorch (head dim < 16)"
         elif missing() is not None:
             out[family] = f"pytorch (no triton: {missing()})"

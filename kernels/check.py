@@ -31,7 +31,9 @@ kernels' float32 dots are "ieee"; about 800 float32 units of roundoff), 1e-2 in 
 kernels round attention weights and normed activations to bfloat16 for the tensor cores, as the
 PyTorch path's bfloat16 matmuls do). An all-zero or shuffled output has an error near 1. A
 selection that differs from the reference only by a near-tie would fail a first input; a case
-fails only if a second, independent input fails too.
+fails only if a second, independent input fails too. Where the reference itself cannot run (a
+fault of the check's setup, not of a kernel) the family is left on, the outcome noted
+(``Outcome.note``; ``SKIP`` on the command line).
 
 A failed family is switched off on the device for the rest of the process
 (``kernels.switch_off``) with one ``warning:`` line on stderr naming the device, the family and
@@ -69,13 +71,15 @@ PROMPT = 64  # prompt tokens of the prefix case (and the least of the selectors'
 @dataclass
 class Outcome:
     """One family's self-check: ``error`` the largest relative error over its outputs (None
-    when it raised), ``reason`` why it failed (None: it passed), ``seconds`` its time."""
+    when it raised), ``reason`` why it failed (None: it passed), ``seconds`` its time;
+    ``note`` why it was not checked (the reference itself failed: the family stays on)."""
 
     family: str
     variant: str
     error: float | None
     seconds: float
     reason: str | None = None
+    note: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -153,17 +157,20 @@ def _args(head_dim: int, group: int):
 
 
 def _fresh(sel):
-    """A new selector of ``sel``'s class and parameters, sharing none of its tensors (its
-    buffers are the caches' to allocate)."""
+    """A new selector of ``sel``'s class and parameters: its own dicts of buffers, parameters
+    and submodules, so that the cache's ``allocate`` registers new ones (every selector's
+    per-cache state) without touching the run's."""
     new = copy.copy(sel)
-    for name, value in list(vars(new).items()):
-        if name in ("_parameters", "_buffers", "_modules"):
-            setattr(new, name, {})
-        elif name == "_non_persistent_buffers_set":
-            setattr(new, name, set())
-        elif isinstance(value, Tensor):
-            delattr(new, name)
+    for name in ("_parameters", "_buffers", "_modules"):
+        if name in vars(new):
+            setattr(new, name, dict(getattr(sel, name)))
+    if "_non_persistent_buffers_set" in vars(new):
+        new._non_persistent_buffers_set = set(sel._non_persistent_buffers_set)
     return new
+
+
+class NotChecked(Exception):
+    """The PyTorch reference itself could not run: the family is left as it is."""
 
 
 def relative_error(out: Tensor, ref: Tensor) -> float:
@@ -205,16 +212,19 @@ def _decode_case(family: str, device, dtype, head_dim: int, group: int, sel, see
             c.prefill(*(x[:, :, :T].to(device, dt) for x in (q, k, v)))
         return c
 
-    ref, ker = cache(torch.float64), cache(dtype)
-    ker.k_cache[:, :, T:] = float("nan")  # a kernel reading past the written slots fails
-    ker.v_cache[:, :, T:] = float("nan")
     pos = torch.tensor([T], device=device)
     step = [x[:, :, T:].to(device) for x in (q, k, v)]
-    with torch.no_grad():
-        with kernels.only(None):
+    try:
+        ref = cache(torch.float64)
+        with torch.no_grad(), kernels.only(None):
             want = ref.decode(*(x.double() for x in step), pos)
-        with kernels.only(family):
-            got = ker.decode(*step, pos)
+    except Exception as e:  # the check's own setup, not a kernel
+        raise NotChecked(f"the PyTorch reference failed: {_first_line(e)}") from e
+    ker = cache(dtype)
+    ker.k_cache[:, :, T:] = float("nan")  # a kernel reading past the written slots fails
+    ker.v_cache[:, :, T:] = float("nan")
+    with torch.no_grad(), kernels.only(family):
+        got = ker.decode(*step, pos)
     if got.shape != want.shape:
         raise Mismatch(f"output of shape {tuple(got.shape)}, expected {tuple(want.shape)}")
     slot = T  # the prompt is kept whole: slot offset 0
@@ -317,7 +327,7 @@ def check_family(family: str, device, dtype: torch.dtype, head_dim: int, group: 
         return _outcomes[key]
     tol = TOLERANCE.get(dtype, 3e-2)
     t0 = time.perf_counter()
-    error, reason = None, None
+    error, reason, note = None, None, None
     try:
         for seed in (0, 1):  # fails only if two independent inputs fail
             if family == "dense":
@@ -331,9 +341,11 @@ def check_family(family: str, device, dtype: torch.dtype, head_dim: int, group: 
         else:
             reason = (f"max relative error {error:.2g} > {tol:g}" if math.isfinite(error)
                       else "non-finite output")
+    except NotChecked as e:
+        note = str(e)
     except Exception as e:  # any fault of a kernel is the finding, not a crash
         reason = _first_line(e)
-    out = Outcome(family, name or "", error, time.perf_counter() - t0, reason)
+    out = Outcome(family, name or "", error, time.perf_counter() - t0, reason, note)
     _outcomes[key] = out
     return out
 
@@ -367,20 +379,20 @@ def ensure(model: nn.Module) -> dict[str, str]:
     a = model.args
     head_dim, group = a.head_dim, a.n_heads // a.n_kv_heads
     used = families(model)
-    if head_dim >= 16:
-        for family, variant in _checks(model):
-            if not kernels.family_on(family, device):
-                continue
-            out = check_family(family, device, dtype, head_dim, group, variant)
-            if out.ok:
-                continue
-            what = f"{kernels.FAMILIES[family]}" + (f" [{out.variant}]" if out.variant else "")
-            message = f"kernel self-check on {device_label(device)}: {what} failed: {out.reason}"
-            if kernels.strict():
-                raise kernels.KernelCheckError(message + " (--kernels on)")
-            kernels.switch_off(family, device, out.reason)
-            print(f"warning: {message}; switched off, the run goes on through the PyTorch "
-                  "path", file=sys.stderr)
+    for family, variant in _checks(model):
+        # under head dim 16 only the dense kernels run (``kernels.enabled``)
+        if (head_dim < 16 and family != "dense") or not kernels.family_on(family, device):
+            continue
+        out = check_family(family, device, dtype, head_dim, group, variant)
+        if out.ok:
+            continue
+        what = f"{kernels.FAMILIES[family]}" + (f" [{out.variant}]" if out.variant else "")
+        message = f"kernel self-check on {device_label(device)}: {what} failed: {out.reason}"
+        if kernels.strict():
+            raise kernels.KernelCheckError(message + " (--kernels on)")
+        kernels.switch_off(family, device, out.reason)
+        print(f"warning: {message}; switched off, the run goes on through the PyTorch path",
+              file=sys.stderr)
     return kernels.report(device, used, head_dim)
 
 
@@ -452,9 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         out = check_family(family, device, dtype, args.head_dim, args.group, variant)
         failed += not out.ok
         err = "-" if out.error is None else f"{out.error:.2e}"
-        print(f"{'PASS' if out.ok else 'FAIL'}  {family:<6} {out.variant or '-':<48} "
-              f"max error {err:>9}  {out.seconds:6.2f} s" + ("" if out.ok else
-                                                           f"  {out.reason}"))
+        status = "FAIL" if not out.ok else "SKIP" if out.note else "PASS"
+        print(f"{status}  {family:<6} {out.variant or '-':<48} max error {err:>9}  "
+              f"{out.seconds:6.2f} s" + (f"  {out.reason or out.note}" if status != "PASS"
+                                         else ""))
     return 1 if failed else 0
 
 

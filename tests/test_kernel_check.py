@@ -147,7 +147,9 @@ def test_cli_kernels_on_turns_a_fault_into_one_error_line(tiny_cli, monkeypatch,
     out = tmp_path / "run.json"
     assert g.main([*tiny_cli, "--json", str(out)]) == 0
     err = capsys.readouterr().err
-    assert sum(line.startswith("warning:") for line in err.splitlines()) == 1, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")
+                and "step times vary" not in line]  # the load on this machine, not ours
+    assert len(warnings) == 1 and "self-check" in warnings[0], err
     assert "kernels: sparse unused, write unused, prefix pytorch (self-check: " in err
     saved = json.loads(out.read_text())["kernels"]
     assert saved["prefix"] == "pytorch (self-check: RuntimeError: injected launch failure)"
