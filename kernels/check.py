@@ -38,7 +38,8 @@ fault of the check's setup, not of a kernel) the family is left on, the outcome 
 A failed family is switched off on the device for the rest of the process
 (``kernels.switch_off``) with one ``warning:`` line on stderr naming the device, the family and
 the reason; the run goes on through the PyTorch path. With ``kernels.set_strict(True)``
-(``--kernels on``) it raises ``kernels.KernelCheckError`` instead. Outcomes are cached per process
+(``--kernels on``) it raises ``kernels.KernelCheckError`` instead, as it does after a sticky
+CUDA error (an illegal address), which leaves the process no GPU to fall back on. Outcomes are cached per process
 by (device, dtype, head dim, group, variant: weight format or selector, family).
 """
 
@@ -359,6 +360,19 @@ def device_label(device: torch.device) -> str:
     return f"{device}" + (" (Triton interpreter)" if interp else "")
 
 
+def _device_usable(device: torch.device) -> bool:
+    """Whether ``device`` still runs work after a failed check: False after a sticky CUDA
+    error (an illegal address), which no fallback survives."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.ones(1, device=device).add_(1).item()
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:
+        return False
+
+
 def _checks(model: nn.Module) -> Iterator[tuple[str, object]]:
     for family, variants in families(model).items():
         for variant in variants:
@@ -390,6 +404,9 @@ def ensure(model: nn.Module) -> dict[str, str]:
         message = f"kernel self-check on {device_label(device)}: {what} failed: {out.reason}"
         if kernels.strict():
             raise kernels.KernelCheckError(message + " (--kernels on)")
+        if not _device_usable(device):
+            raise kernels.KernelCheckError(message + "; the CUDA context is lost (a sticky "
+                                           "error): rerun with --kernels off")
         kernels.switch_off(family, device, out.reason)
         print(f"warning: {message}; switched off, the run goes on through the PyTorch path",
               file=sys.stderr)
