@@ -39,8 +39,9 @@ A failed family is switched off on the device for the rest of the process
 (``kernels.switch_off``) with one ``warning:`` line on stderr naming the device, the family and
 the reason; the run goes on through the PyTorch path. With ``kernels.set_strict(True)``
 (``--kernels on``) it raises ``kernels.KernelCheckError`` instead, as it does after a sticky
-CUDA error (an illegal address), which leaves the process no GPU to fall back on. Outcomes are cached per process
-by (device, dtype, head dim, group, variant: weight format or selector, family).
+CUDA error (an illegal address), which leaves the process no GPU to fall back on. Outcomes
+are cached per process by (device, dtype, head dim, group, variant: weight format or
+selector, family).
 """
 
 from __future__ import annotations
