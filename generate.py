@@ -395,13 +395,16 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         ``decode_ms`` (one entry per decode step), summary latencies, ``tokens_per_s`` (tokens
         from decode steps over their time), ``peak_memory_bytes`` {prefill, decode, total},
         ``kv_cache_bytes``, ``kv_bytes_per_step``, ``weight_bytes``, ``bandwidth_gbps``, the
-        method's parameters and ``conversation`` {start, position, room} (positions; room:
-        tokens a continuation may still feed).
+        method's parameters, ``conversation`` {start, position, room} (positions; room:
+        tokens a continuation may still feed) and ``kernels`` (per kernel family what ran:
+        ``kernels.report``, after the first-use self-check ``kernels.check.ensure``).
     Raises:
         ConfigError: empty prompt, prompt that leaves no room in the model's context, bad
             ``max_new_tokens`` or ``reserve_tokens``, unknown method or invalid budget, nothing
             to continue or a turn that does not fit the reserved room, a ``prefilled`` result
             of another prompt.
+        kernels.KernelCheckError: a kernel family failed its self-check with
+            ``kernels.set_strict(True)`` (``--kernels on``), or left a sticky CUDA error.
     """
     device = model.tok_embeddings.weight.device
     prompt = as_prompt(model, prompt)
