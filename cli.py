@@ -29,22 +29,31 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def add_kernels_option(p: argparse.ArgumentParser) -> None:
-    """``--kernels {auto,sparse,off}``: the fused Triton kernels of the decode step
-    (``kernels/``) on CUDA: all of them (auto, the default), the sparse ones only (sparse: the
-    projections through PyTorch and cuBLAS), or none (off: the PyTorch path everywhere, the
-    comparison the kernels are measured against). ``ROCKETKV_KERNELS=0`` is the same as off,
+    """``--kernels {auto,on,sparse,off}``: the fused Triton kernels of the decode step
+    (``kernels/``) on CUDA: all of them behind the first-use self-check (auto, the default:
+    a family that raises or returns wrong numbers on this GPU is switched off with one
+    ``warning:`` line, ``kernels/check.py``), the same with a self-check failure an error
+    (on: for kernel development), the sparse ones only (sparse: the projections through
+    PyTorch and cuBLAS), or none (off: the PyTorch path everywhere, the comparison the kernels
+    are measured against). ``ROCKETKV_KERNELS=0`` is the same as off,
     ``ROCKETKV_KERNELS=sparse`` as sparse."""
-    p.add_argument("--kernels", choices=["auto", "sparse", "off"], default=None,
-                   help="fused Triton kernels of the decode step on CUDA: all (auto, "
-                        "default), the attention and selection only (sparse), or none (off)")
+    p.add_argument("--kernels", choices=["auto", "on", "sparse", "off"], default=None,
+                   help="fused Triton kernels of the decode step on CUDA: all, each family "
+                        "self-checked on first use and switched off if it fails (auto, "
+                        "default), all with a failed self-check an error (on), the attention "
+                        "and selection only (sparse), or none (off)")
 
 
 def apply_kernels_option(args: argparse.Namespace) -> None:
-    """Set the kernel mode ``--kernels`` names (nothing when it was not given)."""
+    """Set the kernel mode ``--kernels`` names (nothing when it was not given); ``on`` keeps
+    ``set_mode("force")`` where it was set (``ROCKETKV_KERNELS=force``: the interpreter on
+    CPU) and makes a failed self-check an error (``kernels.set_strict``)."""
     choice = getattr(args, "kernels", None)
     if choice:
-        kernels.set_mode("off" if choice == "off" else "auto")
-        kernels.set_dense(choice == "auto")
+        forced = choice == "on" and kernels.mode() == "force"
+        kernels.set_mode("off" if choice == "off" else "force" if forced else "auto")
+        kernels.set_dense(choice in ("auto", "on"))
+        kernels.set_strict(choice == "on")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -69,6 +69,7 @@ from documents import (
     read_questions,
     summary_line,
 )
+from kernels import check as kernel_check
 from measure import (
     MemoryMeter,
     StepTimer,
@@ -430,13 +431,16 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         ``decode_ms`` (one entry per decode step), summary latencies, ``tokens_per_s`` (tokens
         from decode steps over their time), ``peak_memory_bytes`` {prefill, decode, total},
         ``kv_cache_bytes``, ``kv_bytes_per_step``, ``weight_bytes``, ``bandwidth_gbps``, the
-        method's parameters and ``conversation`` {start, position, room} (positions; room:
-        tokens a continuation may still feed).
+        method's parameters, ``conversation`` {start, position, room} (positions; room:
+        tokens a continuation may still feed) and ``kernels`` (per kernel family what ran:
+        ``kernels.report``, after the first-use self-check ``kernels.check.ensure``).
     Raises:
         ConfigError: empty prompt, prompt that leaves no room in the model's context, bad
             ``max_new_tokens`` or ``reserve_tokens``, unknown method or invalid budget, nothing
             to continue or a turn that does not fit the reserved room, a ``prefilled`` result
             of another prompt.
+        kernels.KernelCheckError: a kernel family failed its self-check with
+            ``kernels.set_strict(True)`` (``--kernels on``), or left a sticky CUDA error.
     """
     device = model.tok_embeddings.weight.device
     prompt = as_prompt(model, prompt)
@@ -469,6 +473,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     if (compile or cuda_graphs) and not all(c.compilable for c in model.caches):
         raise ConfigError("this method's decode step synchronizes with the host and runs "
                           "eagerly: use --no-compile")
+    ran = kernel_check.ensure(model)  # first use: a failing family falls back to PyTorch
     fused = kernels.in_use(device)  # imports the kernels now, outside the graph being traced
     dense = kernels.dense_in_use(device)
     if cuda_graphs:
@@ -497,6 +502,9 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     result["cuda_graphs"] = cuda_graphs
     result["fused_kernels"] = fused
     result["dense_kernels"] = dense and any(layer.fusable() for layer in model.layers)
+    if ran["dense"] == "fused" and not result["dense_kernels"]:
+        ran["dense"] = "pytorch (no layer the dense kernels take)"
+    result["kernels"] = ran  # family -> "fused" or "pytorch (why)" (kernels.report)
     return result
 
 
@@ -824,6 +832,8 @@ def format_report(r: dict[str, Any], load_line: bool = True) -> str:
         + (f" (compile {r['compile_s']:.1f} s)" if r["compile_s"] else "")
         + "  fused kernels " + ("all" if r.get("dense_kernels") else "sparse" if
                                 r.get("fused_kernels") else "off"),
+        *([f"kernels: {', '.join(f'{k} {v}' for k, v in r['kernels'].items())}"]
+          if r.get("kernels") else []),
     ]
     if r.get("world_size", 1) > 1:
         per = r["per_rank"]
@@ -863,6 +873,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return 128 + signal.SIGTERM if signals and code == 130 else code
+
+
+def _kernel_fault(e: Exception) -> int:
+    """1, after one ``error:`` line, for a kernel's fault that escaped the self-check (a
+    failed ``--kernels on`` self-check, a Triton compile error, a CUDA error:
+    ``kernels.fault``); any other exception is raised again."""
+    reason = kernels.fault(e)
+    if reason is None:
+        raise e
+    print(f"error: {reason}" + ("" if isinstance(e, kernels.KernelCheckError) else
+                                "; --kernels off runs the PyTorch path"), file=sys.stderr)
+    return 1
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -952,18 +974,20 @@ def _main(args: argparse.Namespace) -> int:
         elif tp.launched():  # let rank 0 print before torchrun ends the ranks
             tp.wait_for_rank_0()
         return 2
+    except torch.OutOfMemoryError as e:  # (a RuntimeError: before that clause)
+        print(f"error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     except RuntimeError as e:  # gloo and NCCL report a peer that stopped this way
         if world == 1:
-            raise
+            return _kernel_fault(e)
         print(f"error: rank {rank} of {world}: {tp.failure(e)}", file=sys.stderr)
         tp.exit_now(1)  # a broken process group aborts the interpreter's exit: skip it
     except KeyboardInterrupt:  # before decoding started: nothing generated yet
         if rank == 0:  # torchrun signals every rank, and ends the rest once one has stopped
             print("error: interrupted before any token was generated", file=sys.stderr)
         return 130
-    except torch.OutOfMemoryError as e:
-        print(f"error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
+    except Exception as e:  # a Triton compile error is no RuntimeError
+        return _kernel_fault(e)
 
     result["world_size"] = world
     if world > 1:  # every rank's share (a collective: all ranks take part); rank 0 reports

@@ -259,7 +259,7 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor,
     K/V at 1.40x its bandwidth floor, and one layer's step took 0.349 ms against the formula's
     0.456 ms (``results/NVIDIA-H200/``). ``FLEX_DECODE = False`` keeps the formula on CUDA.
     """
-    if last is not None and kernels.enabled(q):
+    if last is not None and kernels.enabled(q, "prefix"):
         return kernels.prefix_attention(q, k, v, last, offset)
     if FLEX_DECODE and torch.compiler.is_compiling() and q.device.type == "cuda" and \
             q.shape[-1] >= 16:

@@ -167,7 +167,7 @@ class PagedSelector(Selector):
     def store_token(self, cache: CompressedKVCache, slot: Tensor, k: Tensor, v: Tensor) -> None:
         """The token's K/V and its page's min/max in one kernel where the kernels run
         (``kernels.sparse.write_token``), else ``index_copy_`` and ``update``."""
-        if self.page_size > 1 and kernels.enabled(k):
+        if self.page_size > 1 and kernels.enabled(k, "write"):
             torch.ops.rocketkv.write_token(cache.k_cache, cache.v_cache, self.summary, k, v,
                                            slot, kernels.AUX_SUMMARY, self.page_size)
         else:

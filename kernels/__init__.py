@@ -16,6 +16,17 @@ Switches, read when a decode step is traced or run:
       before the first ``ops()`` call).
     * ``ROCKETKV_KERNELS=sparse``, or ``set_dense(False)``: the sparse kernels only, the
       projections through PyTorch (cuBLAS): what the dense kernels are measured against.
+    * ``ROCKETKV_KERNELS=force``: ``set_mode("force")`` from the start (kernel development on
+      CPU, in the interpreter).
+
+Families. The kernels form four families (``FAMILIES``), each switched off on its own for
+the process on a device (``switch_off``) when the first-use self-check (``kernels/check.py``)
+finds it raising or wrong there: ``sparse`` (a selector's selection and attention:
+``sparse_attention``, gated by ``selection_fits``; SparQ's token write with it), ``write``
+(a paged selector's token write with its page summary, ``write_token``), ``prefix`` (Full-KV
+decode attention, ``prefix_attention``) and ``dense`` (the projections, ``dense_in_use``).
+``family_on`` says whether one runs; ``report`` what ran, for a result's ``kernels`` entry.
+With ``set_strict(True)`` (``--kernels on``) a failed self-check is an error instead.
 """
 
 from __future__ import annotations
@@ -31,7 +42,17 @@ from torch import Tensor
 from kernels import tuning
 
 MODES = ("auto", "off", "force")
-_mode = "off" if os.environ.get("ROCKETKV_KERNELS", "1") == "0" else "auto"
+_env = os.environ.get("ROCKETKV_KERNELS", "1")
+_mode = "off" if _env == "0" else "force" if _env == "force" else "auto"
+FAMILIES = {  # name -> what it runs (the warnings and reports name it so)
+    "sparse": "sparse selection and attention (select_attend, paged_select, attend_pages)",
+    "write": "token write with its page summary (write_token)",
+    "prefix": "Full-KV decode attention (attend_prefix)",
+    "dense": "dense projections (linear, qkv_store)",
+}
+_failed: dict[tuple[str, str], str] = {}  # (family, device) -> why the self-check failed
+_only: str | None = None  # the self-check runs one family at a time (``only``)
+_strict = False
 _dense = os.environ.get("ROCKETKV_KERNELS", "1") != "sparse"
 AUX_NONE = 0  # a decoded token's write: no auxiliary keys
 AUX_SUMMARY = 1  # ... and its page's column of the min/max summary (B, H_kv, 2 D, pages)
@@ -51,6 +72,132 @@ def set_mode(mode: str) -> str:
         raise ValueError(f"kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
     previous, _mode = _mode, mode
     return previous
+
+
+def mode() -> str:
+    """The current mode (``MODES``)."""
+    return _mode
+
+
+def set_strict(on: bool) -> bool:
+    """Whether a failed self-check is an error (``KernelCheckError``, ``--kernels on``) rather
+    than a warning and the PyTorch path; returns the previous setting."""
+    global _strict
+    previous, _strict = _strict, bool(on)
+    return previous
+
+
+def strict() -> bool:
+    """Whether a failed self-check is an error (``set_strict``)."""
+    return _strict
+
+
+class KernelCheckError(RuntimeError):
+    """A kernel family failed its self-check with ``set_strict(True)`` (``--kernels on``)."""
+
+
+def fault(e: BaseException) -> str | None:
+    """The one-line reason when ``e`` is a kernel's fault that escaped the self-check: a failed
+    strict self-check (``KernelCheckError``), a Triton compile or launch error (an exception of
+    a ``triton`` module), or a CUDA error (``torch.AcceleratorError``, a ``RuntimeError``
+    naming a CUDA error); None for anything else."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, KernelCheckError):
+        return first
+    if type(e).__module__.split(".")[0] == "triton":
+        return f"Triton {type(e).__name__}: {first}"
+    cuda_error = getattr(torch, "AcceleratorError", ())
+    if isinstance(e, cuda_error) or (isinstance(e, RuntimeError) and (
+            "CUDA error" in str(e) or "CUDA driver error" in str(e))):
+        return first if first.startswith("CUDA error") else f"CUDA error: {first}"
+    return None
+
+
+def _key(device: torch.device | str) -> str:
+    """``device`` as the switches' key: ``type:index`` (no index: 0). No CUDA call: the
+    switches are read inside the traced decode step."""
+    if isinstance(device, str):
+        device = torch.device(device)
+    return f"{device.type}:{device.index or 0}"
+
+
+def switch_off(family: str, device: torch.device | str, reason: str) -> None:
+    """Switch ``family`` (``FAMILIES``) off on ``device`` for the rest of the process: its
+    decode steps run the PyTorch path; ``reason`` is what ``report`` gives.
+
+    Raises:
+        ValueError: an unknown family."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r} ({', '.join(FAMILIES)})")
+    _failed.setdefault((family, _key(device)), reason)
+
+
+def failure(family: str, device: torch.device | str) -> str | None:
+    """Why ``family`` was switched off on ``device`` (``switch_off``), or None."""
+    return _failed.get((family, _key(device)))
+
+
+def reset_failures() -> None:
+    """Forget every ``switch_off`` (tests; the self-check's cache is ``kernels.check``'s)."""
+    _failed.clear()
+
+
+class only:
+    """``with kernels.only("prefix"):`` every other family is off inside (the self-check
+    runs one family at a time, the rest on the PyTorch path); ``only(None)``: every family
+    off."""
+
+    def __init__(self, family: str | None):
+        self.family = family
+
+    def __enter__(self):
+        global _only
+        self.previous, _only = _only, self.family or ""
+        return self
+
+    def __exit__(self, *exc):
+        global _only
+        _only = self.previous
+
+
+def family_on(family: str, device: torch.device | str) -> bool:
+    """Whether decode steps on ``device`` run the kernels of ``family`` (``FAMILIES``):
+    where the kernels run (``in_use``; ``dense`` also needs ``set_dense(True)``), unless the
+    self-check switched it off (``switch_off``)."""
+    if _only is not None and family != _only:
+        return False
+    if (family, _key(device)) in _failed or (family == "dense" and not _dense):
+        return False
+    return _available(torch.device(device) if isinstance(device, str) else device)
+
+
+def report(device: torch.device | str, families=None, head_dim: int | None = None
+           ) -> dict[str, str]:
+    """What runs each family on ``device``, for a result's ``kernels`` entry: ``"fused"``,
+    ``"pytorch (self-check: <reason>)"``, ``"pytorch (off)"`` (``set_mode("off")``,
+    ``--kernels off``, or ``dense`` with ``--kernels sparse``), ``"pytorch (cuda only)"``
+    (``auto`` on another device), ``"pytorch (head dim < 16)"``, ``"pytorch (no triton:
+    <why>)"``, or ``"unused"`` for a family not in ``families`` (when given: those the run
+    launches, ``kernels.check.families``)."""
+    device = torch.device(device)
+    out = {}
+    for family in FAMILIES:
+        why = failure(family, device)
+        if families is not None and family not in families:
+            out[family] = "unused"
+        elif _mode == "off" or (family == "dense" and not _dense):
+            out[family] = "pytorch (off)"
+        elif _mode == "auto" and device.type != "cuda":
+            out[family] = "pytorch (cuda only)"
+        elif head_dim is not None and head_dim < 16 and family != "dense":
+            out[family] = "pytorch (head dim < 16)"
+        elif missing() is not None:
+            out[family] = f"pytorch (no triton: {missing()})"
+        elif why is not None:
+            out[family] = f"pytorch (self-check: {why})"
+        else:
+            out[family] = "fused"
+    return out
 
 
 def set_dense(on: bool) -> bool:
@@ -81,34 +228,44 @@ def missing() -> str | None:
     return _missing
 
 
-def enabled(x: Tensor) -> bool:
-    """Whether a decode step on ``x``'s device runs the kernels: CUDA (or any device with
-    ``set_mode("force")``), a head dim of at least 16 (``tl.dot``'s smallest tile) and
-    triton importable. On a GPU a tuned table names, its constants are set first
+def enabled(x: Tensor, family: str | None = None) -> bool:
+    """Whether a decode step on ``x``'s device runs the kernels of ``family`` (None: of any
+    family but ``dense``): CUDA (or any device with ``set_mode("force")``), a head dim of at
+    least 16 (``tl.dot``'s smallest tile), triton importable and the family not switched off
+    (``family_on``). On a GPU a tuned table names, its constants are set first
     (``kernels.tuning.apply_constants``, once a process)."""
     if _mode == "off" or x.shape[-1] < 16:
         return False
     if _mode == "auto" and x.device.type != "cuda":
         return False
-    return in_use(x.device)
+    return in_use(x.device, family)
 
 
-def in_use(device: torch.device) -> bool:
-    """Whether decode steps on ``device`` run the kernels (for a head dim of at least 16); on
-    a GPU a tuned table names, its constants are set first (once a process).
-
-    Raises:
-        ValueError: a tuned table that is not valid (``kernels.tuning.read_table``)."""
+def _available(device: torch.device) -> bool:
+    """The mode, the device and triton allow the kernels on ``device``; on a GPU a tuned
+    table names, its constants are set first (once a process)."""
     if _mode == "off" or (_mode != "force" and device.type != "cuda") or ops() is None:
         return False
     tuning.apply_constants(device, {"sparse": _ops, "dense": sys.modules["kernels.dense"]})
     return True
 
 
+def in_use(device: torch.device, family: str | None = None) -> bool:
+    """Whether decode steps on ``device`` run the kernels of ``family`` (``family_on``; None:
+    of any family but ``dense``) (for a head dim of at least 16); on a GPU a tuned table
+    names, its constants are set first (once a process).
+
+    Raises:
+        ValueError: a tuned table that is not valid (``kernels.tuning.read_table``)."""
+    if family is not None:
+        return family_on(family, device)
+    return any(family_on(f, device) for f in ("sparse", "write", "prefix"))
+
+
 def dense_in_use(device: torch.device) -> bool:
     """Whether decode steps on ``device`` run the dense kernels: where the kernels run
-    (``in_use``) unless ``set_dense(False)``."""
-    return _dense and in_use(device)
+    unless ``set_dense(False)`` or the self-check switched them off (``family_on``)."""
+    return family_on("dense", device)
 
 
 def no_aux(like: Tensor) -> tuple[Tensor, int, int]:
@@ -143,7 +300,11 @@ def selection_fits(n_pages: int, k: int, page_size: int) -> bool:
     registers, in one program per KV head or split over several
     (``kernels.sparse.selection_splits``). Else the PyTorch path (``torch.topk`` over every
     token) runs: pages of one slot past about 8192 x 8192 / k tokens (Exact-TopK at budget
-    4096 past 16K tokens, at 256 past 256K)."""
+    4096 past 16K tokens, at 256 past 256K). False as well where the ``sparse`` family is
+    off (``family_on``; the selectors call this after ``enabled``, with no device: off on
+    any device counts, a process decodes on one)."""
+    if _only not in (None, "sparse") or any(f == "sparse" for f, _ in _failed):
+        return False
     return ops().selection_splits(n_pages, k, page_size) > 0
 
 

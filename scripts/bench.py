@@ -138,6 +138,7 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         "roofline_ms": step_bytes / (bandwidth * 1e9) * 1e3,
         "method_params": best["method_params"], "compiled": best["compiled"],
         "fused_kernels": best["fused_kernels"], "dense_kernels": best["dense_kernels"],
+        "kernels": best.get("kernels"),  # family -> what ran (generate: kernels.report)
         "kernel_tuning": tuning.describe(device) if best["fused_kernels"] else None,
         "compile_regime": args.compile_regime if best["compiled"] or best["cuda_graphs"]
         else "eager",

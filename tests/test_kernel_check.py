@@ -1,0 +1,201 @@
+"""The first-use self-check of the fused kernels (kernels/check.py): a kernel that raises or
+returns wrong numbers is switched off with one warning and the run gives the PyTorch path's
+tokens; ``--kernels on`` makes the same faults an error. On CPU the kernels run forced in
+Triton's interpreter (conftest.py); the test doubles replace the functions both the self-check
+and the run call (``kernels.prefix_attention``, ``kernels.sparse_attention``,
+``kernels.linear``)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+import generate as g
+import kernels
+from kernels import check
+from model import ModelArgs, Transformer
+
+ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=64,
+                 vocab_size=48, max_seq_len=256, name="tiny")
+PROMPT = torch.randint(0, 48, (80,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+@pytest.fixture(autouse=True)
+def _forced_and_fresh():
+    """Kernels forced (the interpreter), dense ones off unless a test turns them on, and no
+    self-check outcome or switched-off family left from another test."""
+    mode, dense, strict = kernels.set_mode("force"), kernels.set_dense(False), \
+        kernels.set_strict(False)
+    kernels.reset_failures()
+    check._outcomes.clear()
+    yield
+    kernels.set_mode(mode)
+    kernels.set_dense(dense)
+    kernels.set_strict(strict)
+    kernels.reset_failures()
+    check._outcomes.clear()
+
+
+@pytest.fixture
+def few_programs(monkeypatch):
+    """Fewer, larger dense launches: the interpreter runs programs one after another."""
+    monkeypatch.setattr(kernels.ops() and sys.modules["kernels.dense"], "TARGET_PROGRAMS", 8)
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model.eval()
+
+
+def pytorch_tokens(model, method, budget):
+    previous = kernels.set_mode("off")
+    try:
+        return g.generate(model, PROMPT, method=method, budget=budget, max_new_tokens=4,
+                          compile=False)["token_ids"]
+    finally:
+        kernels.set_mode(previous)
+
+
+def inject(monkeypatch, name, fault):
+    """Replace ``kernels.<name>`` by a double that raises, or returns the kernel's output
+    with its head dims reversed and doubled (wrong numbers of the right shape and dtype)."""
+    real = getattr(kernels, name)
+
+    def double(*args, **kwargs):
+        if fault == "raise":
+            raise RuntimeError("injected launch failure")
+        return 2 * real(*args, **kwargs).flip(-1)
+
+    monkeypatch.setattr(kernels, name, double)
+
+
+CASES = [("full", None, "prefix_attention", "prefix"),
+         ("rocketkv", 40, "sparse_attention", "sparse"),
+         ("full", None, "linear", "dense")]
+
+
+@pytest.mark.parametrize("fault", ["raise", "wrong"])
+@pytest.mark.parametrize("method,budget,fn,family", CASES, ids=[c[3] for c in CASES])
+def test_a_faulty_kernel_falls_back_to_the_pytorch_path(method, budget, fn, family, fault,
+                                                        monkeypatch, capsys, few_programs):
+    """The faulty family is switched off with one warning naming the device, the family and
+    the reason; generate's tokens are the PyTorch path's; its result says why."""
+    model = tiny_model()
+    want = pytorch_tokens(model, method, budget)
+    kernels.set_dense(family == "dense")
+    inject(monkeypatch, fn, fault)
+    r = g.generate(model, PROMPT, method=method, budget=budget, max_new_tokens=4,
+                   compile=False)
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, err
+    assert "cpu" in warnings[0] and kernels.FAMILIES[family] in warnings[0]
+    reason = "injected launch failure" if fault == "raise" else "max relative error"
+    assert reason in warnings[0]
+    assert r["token_ids"] == want
+    assert r["kernels"][family].startswith("pytorch (self-check: ") and \
+        reason in r["kernels"][family]
+    others = {f: v for f, v in r["kernels"].items() if f != family}
+    assert all(v in ("fused", "unused", "pytorch (off)") for v in others.values()), others
+    assert not kernels.family_on(family, "cpu")
+
+
+def test_a_family_that_passes_stays_on():
+    """Without a fault the self-check passes and the report says the kernels ran."""
+    r = g.generate(tiny_model(), PROMPT, method="full", max_new_tokens=2, compile=False)
+    assert r["kernels"] == {"sparse": "unused", "write": "unused", "prefix": "fused",
+                            "dense": "pytorch (off)"}
+
+
+def test_strict_mode_makes_a_fault_an_error(monkeypatch):
+    kernels.set_strict(True)
+    inject(monkeypatch, "prefix_attention", "wrong")
+    with pytest.raises(kernels.KernelCheckError, match="max relative error"):
+        g.generate(tiny_model(), PROMPT, method="full", max_new_tokens=2, compile=False)
+
+
+@pytest.fixture
+def tiny_cli(monkeypatch):
+    """generate.main on the tiny model (``--checkpoint random:tiny``)."""
+    monkeypatch.setattr(g, "resolve_checkpoint", lambda c: c)
+    monkeypatch.setattr(g, "checkpoint_args", lambda c: ARGS)
+    monkeypatch.setattr(g, "load_model", lambda *a, **k: tiny_model())
+    return ["--checkpoint", "random:tiny", "--device", "cpu", "--prompt-tokens", "24",
+            "--max-new-tokens", "3", "--no-stream"]
+
+
+def test_cli_kernels_on_turns_a_fault_into_one_error_line(tiny_cli, monkeypatch, capsys,
+                                                          tmp_path):
+    """``--kernels on``: exit 1 with one ``error:`` line; without it (the forced mode here
+    standing for auto on a GPU) the warning, exit 0, and the JSON says why."""
+    inject(monkeypatch, "prefix_attention", "raise")
+    assert g.main([*tiny_cli, "--kernels", "on"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: kernel self-check on cpu") and err.count("\n") == 1, err
+    assert "Traceback" not in err and "injected launch failure" in err
+    check._outcomes.clear()
+    kernels.set_strict(False)  # what --kernels on set (a process runs one command)
+    kernels.set_dense(False)
+    out = tmp_path / "run.json"
+    assert g.main([*tiny_cli, "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")
+                and "step times vary" not in line]  # the load on this machine, not ours
+    assert len(warnings) == 1 and "self-check" in warnings[0], err
+    assert "kernels: sparse unused, write unused, prefix pytorch (self-check: " in err
+    saved = json.loads(out.read_text())["kernels"]
+    assert saved["prefix"] == "pytorch (self-check: RuntimeError: injected launch failure)"
+
+
+def test_cli_turns_an_escaping_kernel_fault_into_one_error_line(tiny_cli, monkeypatch, capsys):
+    """A CUDA error past the self-check (here raised by the decode step's attention after the
+    check passed) is one ``error:`` line and exit 1, not a traceback."""
+    real = kernels.prefix_attention
+    calls = []
+
+    def late_fault(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:  # the self-check's two inputs pass
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "prefix_attention", late_fault)
+    assert g.main(tiny_cli) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: CUDA error: an illegal memory access")
+    assert "Traceback" not in err
+
+
+def test_the_fault_rule_names_kernel_errors_only():
+    class CompilationError(Exception):
+        pass
+
+    CompilationError.__module__ = "triton.compiler.errors"
+    assert kernels.fault(CompilationError("at 12:4: bad")) == \
+        "Triton CompilationError: at 12:4: bad"
+    assert kernels.fault(RuntimeError("CUDA error: misaligned address\nmore")) == \
+        "CUDA error: misaligned address"
+    assert kernels.fault(RuntimeError("shape mismatch")) is None
+    assert kernels.fault(ValueError("CUDA error")) is None
+
+
+def test_the_check_runs_alone_and_passes_every_family_on_cpu():
+    """``python -m kernels.check --device cpu``: one PASS line per family and variant, exit 0
+    (small head dim and group: the interpreter)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)  # the check sets it itself for cpu
+    p = subprocess.run([sys.executable, "-m", "kernels.check", "--device", "cpu",
+                        "--head-dim", "16", "--group", "2", "--groupsize", "32"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()[1:]
+    assert {line.split()[1] for line in lines} == set(kernels.FAMILIES)
+    assert all(line.startswith("PASS") for line in lines), p.stdout
