@@ -139,6 +139,8 @@ def test_cli_kernels_on_turns_a_fault_into_one_error_line(tiny_cli, monkeypatch,
     inject(monkeypatch, "prefix_attention", "raise")
     assert g.main([*tiny_cli, "--kernels", "on"]) == 1
     err = capsys.readouterr().err
+    assert err.startswith("load (weights and tokenizer)"), err  # printed when the load ends
+    err = err.split("\n", 1)[1]
     assert err.startswith("error: kernel self-check on cpu") and err.count("\n") == 1, err
     assert "Traceback" not in err and "injected launch failure" in err
     check._outcomes.clear()
