@@ -22,10 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import kernels
 from compression.registry import BudgetError, CompressedMethod, register, report_overshoot
 from compression.selection import PagedSelector, query_dims, sparq_temperature, top_r_dims
-from kv_cache import CompressedKVCache, Selector, attend_selected, gather_tokens, token_bytes
+from kv_cache import CompressedKVCache, Selector, gather_tokens, token_bytes
 
 
 def hybrid_split(capacity: int, t: int, head_dim: int) -> dict[str, Any]:
@@ -84,12 +83,18 @@ def hybrid_page_scores(q: Tensor, summary: Tensor, dims: Tensor, counts: Tensor)
     return torch.exp(s - lse).masked_fill(counts == 0, 0.0).sum(dim=2)
 
 
-class Hybrid(PagedSelector):
-    """Hybrid attention (RocketKV Alg. 2): paged min/max keys read at the top-r query dims."""
+class HybridSelector(PagedSelector):
+    """Hybrid attention (RocketKV Alg. 2): paged min/max keys read at the top-r query dims;
+    the fused kernels score the same (``kernel_mode`` "softmax", r head dims)."""
+
+    kernel_mode = "softmax"
 
     def __init__(self, page_size: int, r: int, k: int):
-        super().__init__(page_size)
-        self.r, self.k = r, k
+        super().__init__(page_size, k)
+        self.r = r
+
+    def kernel_r(self, cache: CompressedKVCache) -> int:
+        return self.r
 
     def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         """Token indices (B, H_kv, min(k, S)) int64: top-k of the page-constant token scores
@@ -98,19 +103,6 @@ class Hybrid(PagedSelector):
         counts = self.page_counts(valid)
         return self.select_tokens(cache, hybrid_page_scores(q, self.rows(cache), dims, counts),
                                   counts)
-
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
-               pos: Tensor | None = None) -> Tensor:
-        k = min(self.k, cache.length)
-        if pos is not None and kernels.enabled(q) and \
-                kernels.selection_fits(self.n_pages(cache), k, self.page_size):  # fused
-            return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache, self.summary_rows(), pos,
-                mode=kernels.ops().MODE_SOFTMAX, two_bounds=self.page_size > 1, r=self.r,
-                k=k, page_size=self.page_size,
-                offset=cache.slot_offset)
-        idx = self.select(cache, q, valid)
-        return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
         # r summary rows (the min or the max one of each chosen dim), then k pairs
@@ -126,10 +118,11 @@ class Hybrid(PagedSelector):
 
 
 def hybrid_selector(params: dict[str, Any]) -> Selector:
-    """``Hybrid`` for ``hybrid_split``'s parameters, or dense attention when it says so."""
+    """``HybridSelector`` for ``hybrid_split``'s parameters, or dense attention when it says
+    so."""
     if params["dense"]:
         return Selector()
-    return Hybrid(params["page_size"], params["r"], params["k"])
+    return HybridSelector(params["page_size"], params["r"], params["k"])
 
 
 @register
