@@ -143,7 +143,7 @@ def shipped_pattern(args: ModelArgs, root: Path = PATTERNS_DIR) -> Path | None:
 
 
 @register
-class DuoAttention(Method):
+class DuoAttentionMethod(Method):
     name = "duoattention"
     description = ("DuoAttention: retrieval heads keep everything, streaming heads sinks + "
                    "recent (--duo-patterns)")
@@ -151,6 +151,7 @@ class DuoAttention(Method):
                    "of the N KV heads retrieve (`--duo-threshold`: gates above it instead); t <= "
                    "640: every head streams, 128 sinks above 256 else int(0.2 t), the rest recent")
     options = (PATTERNS, THRESHOLD)
+    cache_classes = (SinkRecentCache,)
     internal_params = ("needs_pattern", "_heads")
     source = "DuoAttention (Xiao et al. 2025); RocketKV App. A.3"
 

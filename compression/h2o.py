@@ -183,12 +183,12 @@ class H2OCache(KVCache):
 
 
 @register
-class H2O(Method):
+class H2OMethod(Method):
     name = "h2o"
     description = "H2O: heavy hitters (accumulated attention) + recent tokens, evicting every step"
     budget_rule = "capacity t: int(t / 2) heavy hitters (`--heavy-ratio`), the rest recent"
     options = (HEAVY_RATIO,)
-    needs_attention_sums = True
+    cache_classes = (H2OCache,)
     source = "H2O (Zhang et al. 2023); RocketKV App. A.3"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):

@@ -235,14 +235,14 @@ class KeyDiffCache(KVCache):
 
 
 @register
-class KeyDiff(Method):
+class KeyDiffMethod(Method):
     name = "keydiff"
     description = ("KeyDiff: keeps the most distinct keys (cosine to the mean key), block-wise "
                    "prefill within t + block slots")
     budget_rule = ("capacity t - 1 per KV head (a step reads them + the new token); blocks of 128 "
                    "(`--block-size`): t - 1 + block slots")
     options = (BLOCK_SIZE,)
-    shared_prefill = False  # KeyDiffCache prefills in blocks of its own
+    cache_classes = (KeyDiffCache,)  # prefills in blocks of its own: no shared prefill
     source = "KeyDiff (Park et al. 2025) Sec. 3.2, Eq. 6, 8"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):

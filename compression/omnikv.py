@@ -404,7 +404,7 @@ def omnikv_traffic(roles: Sequence[str], capacity: int, t: int) -> float:
 
 
 @register
-class OmniKV(Method):
+class OmniKVMethod(Method):
     name = "omnikv"
     description = ("OmniKV: filter layers select t - 1 tokens for the layers after them, nothing "
                    "evicted (--offload: host memory)")
@@ -412,6 +412,7 @@ class OmniKV(Method):
                    "`--filter-layers` (the paper's 2,8,18 for 32 layers, scaled to other "
                    "depths); `traffic_tokens` averages every layer's reads")
     options = (FILTER_LAYERS, SELECTOR, OFFLOAD)
+    cache_classes = (OmniKVFilterCache, OmniKVSparseCache)
     skip_layers = "the layers before the first filter layer attend fully (--filter-layers)"
     source = "OmniKV (Hao et al. 2025) Sec. 4, Alg. 1, Eq. 2-4"
 

@@ -97,11 +97,9 @@ class Method:
             budgeted method that sets ``skip_layers``).
         budgeted: False for methods that read every cached token and take no ``--budget``.
         skip_layers: whether ``--skip-layers`` applies (True), or why not (a string).
-        needs_attention_sums: a shared prefill must record the column sums of every prompt
-            query's attention for this method's caches (``prefill.prefill_once``).
-        shared_prefill: False for a method whose caches prefill the prompt their own way
-            (their ``KVCache.shared_prefill``; KeyDiff's blocks), so an evaluation does not
-            prefill a prompt once for it (``evals.harness.run_batch``).
+        cache_classes: the ``KVCache`` classes the method builds (besides ``FullKVCache``
+            for skipped layers and budgets covering the sequence). What they declare about
+            prefill is read from them: ``needs_attention_sums`` and ``shared_prefill``, below.
         source: paper and section the budget rule comes from (docs table).
         budget_rule: how the budget t becomes the parameters (T prompt tokens, m new tokens,
             d head_dim, G query heads per KV head), one line of Markdown (docs table).
@@ -112,11 +110,24 @@ class Method:
     options: tuple[Option, ...] = ()
     budgeted: bool = True
     skip_layers: bool | str = True  # a string: why not (the error says it)
-    needs_attention_sums: bool = False
-    shared_prefill: bool = True
+    cache_classes: tuple[type[KVCache], ...] = (FullKVCache,)
     source: str = ""
     budget_rule: str = ""  # how t becomes the parameters, one line of Markdown (docs table)
     internal_params: tuple[str, ...] = ()  # derive's keys that steer build, not reported
+
+    @property
+    def needs_attention_sums(self) -> bool:
+        """A shared prefill must record the column sums of every prompt query's attention for
+        this method's caches (``prefill.prefill_once``): one of ``cache_classes`` says so
+        (``KVCache.needs_attention_sums``, H2O)."""
+        return any(c.needs_attention_sums for c in self.cache_classes)
+
+    @property
+    def shared_prefill(self) -> bool:
+        """False for a method whose caches prefill the prompt their own way (a class of
+        ``cache_classes`` with ``KVCache.shared_prefill`` False: KeyDiff's blocks), so an
+        evaluation does not prefill a prompt once for it (``evals.harness.run_batch``)."""
+        return all(c.shared_prefill for c in self.cache_classes)
 
     def all_options(self) -> tuple[Option, ...]:
         """The options this method reads, ``--skip-layers`` included where it applies."""
@@ -187,6 +198,7 @@ class CompressedMethod(Method):
     tokens kept) and ``window`` (the evictor's observation window, tokens)."""
 
     per_head_mask = False  # each query head keeps its own prompt tokens (original SnapKV)
+    cache_classes = (CompressedKVCache,)
 
     def selector(self, params: dict[str, Any]) -> Selector:
         """The decode-time selection (default: dense attention over every kept token)."""

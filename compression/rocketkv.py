@@ -39,7 +39,7 @@ def stage1_alpha(split: str, c: float) -> float:
 
 
 @register
-class RocketKV(CompressedMethod):
+class RocketKVMethod(CompressedMethod):
     name = "rocketkv"
     description = "RocketKV: SnapKV++ at prefill, then hybrid attention at every decode step"
     budget_rule = ("c = T / t; stage 1 keeps T / sqrt(c) tokens (`--rocket-split sqrt`) or T / "

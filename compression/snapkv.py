@@ -151,7 +151,7 @@ def prompt_budget(budget: int, new_tokens: int, options) -> tuple[int, int]:
 
 
 @register
-class SnapKV(CompressedMethod):
+class SnapKVMethod(CompressedMethod):
     name = "snapkv"
     description = "SnapKV: per-head observation-window voting evicts prompt tokens (budget t - m)"
     budget_rule = "prompt budget (t - m) // G per query head; window 32, kernel 7, avg pooling"

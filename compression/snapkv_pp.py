@@ -73,7 +73,7 @@ def snapkv_pp_kernel(args: ModelArgs, prompt_len: int) -> int:
         prompt_len: prompt tokens T.
     Returns:
         The odd kernel size in tokens (63 or 511); ``--kernel-size`` overrides it in
-        ``SnapKVPlusPlus.derive``.
+        ``SnapKVPPMethod.derive``.
     """
     small, large = SNAPKV_PP_KERNELS
     scaled = args.rope_scaling is not None
@@ -90,7 +90,7 @@ def snapkv_pp_evictor(params):
 
 
 @register
-class SnapKVPlusPlus(CompressedMethod):
+class SnapKVPPMethod(CompressedMethod):
     name = "snapkv_pp"
     description = "SnapKV++: group-shared voting, adaptive max-pool kernel (RocketKV Alg. 1)"
     budget_rule = ("prompt budget t - m shared by the group; window 32, max pooling, kernel 63, or"

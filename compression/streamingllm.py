@@ -218,11 +218,12 @@ class SinkRecentCache(KVCache):
 
 
 @register
-class StreamingLLM(Method):
+class StreamingLLMMethod(Method):
     name = "streamingllm"
     description = "StreamingLLM: attention sinks + a recent window (ring buffer), budget t"
     budget_rule = "capacity t: 4 sinks (`--sink-size`), t - 4 recent"
     options = (SINK_SIZE,)
+    cache_classes = (SinkRecentCache,)
     source = "StreamingLLM (Xiao et al. 2024); RocketKV App. A.3"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):

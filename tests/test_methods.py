@@ -1,6 +1,7 @@
 """compression/__init__.py: budget -> parameters, errors, bytes, and every method end to end."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,13 @@ from compression import (
     methods_table,
     smallest_budget,
 )
-from compression.registry import DOC_TABLES, every_option, options_table, render_docs
+from compression.registry import (
+    DOC_TABLES,
+    CompressedMethod,
+    every_option,
+    options_table,
+    render_docs,
+)
 from generate import generate
 from kv_cache import CompressedKVCache, FullKVCache
 from model import CONFIGS, ConfigError, ModelArgs
@@ -27,29 +34,46 @@ from tokenizer import load_tokenizer
 # the test matrix comes from the registry: a newly registered method is tested here at once
 COMPRESSED = [name for name, m in METHODS.items() if m.budgeted]
 LLAMA = ModelArgs.from_name("llama-3.1-8b")
+# methods whose caches are CompressedKVCache (kept prompt tokens + a decode-time selector)
+SELECTING = [name for name, m in METHODS.items() if isinstance(m, CompressedMethod)]
+# ... of which those that approximate scores report the traffic they read (KV pairs per step)
+APPROXIMATE = [name for name in SELECTING
+               if "traffic_tokens" in derive(name, 256, 4096, 32, LLAMA, {})]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_method_is_registered():
-    assert list(METHODS) == ["full", "gptfast_dense", "exact_topk", "snapkv", "snapkv_pp",
-                             "quest", "sparq", "hybrid", "rocketkv", "streamingllm", "h2o",
-                             "duoattention", "keydiff", "omnikv"]
-    assert [m for m in METHODS if not METHODS[m].budgeted] == ["full", "gptfast_dense"]
-    for m in METHODS.values():  # what the docs table and --help show
-        assert m.description and m.budget_rule and m.source, m.name
+def test_every_method_file_is_registered_in_import_order():
+    """A method is one file and one import line: every ``@register`` class of compression/ is
+    in ``METHODS``, once, in the order compression/__init__.py imports the files (``--help``'s
+    order), with what the docs table and ``--help`` show."""
+    init = (ROOT / "compression" / "__init__.py").read_text()
+    imported = re.findall(r"^from compression import (\w+)  # noqa: F401", init, re.M)
+    files = {p.stem for p in (ROOT / "compression").glob("*.py")
+             if re.search(r"^@register$", p.read_text(), re.M)}
+    modules = [type(m).__module__.removeprefix("compression.") for m in METHODS.values()]
+    assert set(modules) == files and len(files) == len(METHODS)
+    assert modules == [f for f in imported if f in files]
+    assert not METHODS["full"].budgeted and METHODS["rocketkv"].budgeted
+    for name, m in METHODS.items():
+        assert m.description and m.budget_rule and m.source, name
+        assert type(m).__name__.endswith("Method"), name  # QuestMethod, QuestSelector, ...
 
 
 def test_a_methods_shared_prefill_is_what_its_caches_do():
     """The harness prefills a batch once only for methods whose ``shared_prefill`` says so
-    (``evals.harness.run_batch``), so the method's flag must be its caches'."""
+    (``evals.harness.run_batch``), and records attention sums for ``needs_attention_sums``:
+    a method reads both from the cache classes it declares, which are the ones it builds."""
     args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=8,
                      vocab_size=10, max_seq_len=8192)
     for name, m in METHODS.items():
         caches = build_caches(name, args, batch_size=1, prompt_len=4096, max_new_tokens=8,
                               budget=256 if m.budgeted else None, dtype=torch.bfloat16,
                               device="meta")
+        assert all(type(c) in (*m.cache_classes, FullKVCache) for c in caches), name
         assert {c.shared_prefill for c in caches} == {m.shared_prefill}, name
-    assert [n for n, m in METHODS.items() if not m.shared_prefill] == ["keydiff"]
+        assert any(c.needs_attention_sums for c in caches) == m.needs_attention_sums, name
+    assert not METHODS["keydiff"].shared_prefill and METHODS["h2o"].needs_attention_sums
+    assert METHODS["rocketkv"].shared_prefill and not METHODS["rocketkv"].needs_attention_sums
 
 
 def test_the_docs_tables_are_the_registrys():
@@ -171,7 +195,7 @@ def test_paper_budgets_at_96k_tokens_derive(method):
         assert traffic <= t
 
 
-@pytest.mark.parametrize("method", ["quest", "sparq", "hybrid", "rocketkv"])
+@pytest.mark.parametrize("method", APPROXIMATE)
 def test_reported_traffic_is_what_the_cache_reads(method):
     """``traffic_tokens`` equals the cache's ideal bytes per step in KV pairs per KV group, and
     what its kernels read exceeds that by less than one sector per row they read."""
@@ -435,7 +459,8 @@ def full_first_token(smollm2_model, essay_question):
 
 
 # the eviction baselines run on SmolLM2 at 128-1024 in test_eviction.py (one shared prefill)
-@pytest.mark.parametrize("method", ["full", "gptfast_dense", *COMPRESSED[:7]])
+@pytest.mark.parametrize("method", [n for n, m in METHODS.items() if not m.budgeted] +
+                         SELECTING)
 def test_every_method_on_smollm2_with_a_long_prompt(smollm2_model, essay_question,
                                                         full_first_token, two_threads, method):
     ids, tok = essay_question
@@ -451,7 +476,7 @@ def test_every_method_on_smollm2_with_a_long_prompt(smollm2_model, essay_questio
     if budget is not None and method != "exact_topk":  # exact_topk's scoring reads every key
         # the budget bounds what a step reads, approximation traffic included (Sec. 3.5)
         params = r["method_params"]
-        if method in ("quest", "sparq", "hybrid", "rocketkv"):
+        if method in APPROXIMATE:
             # what the parameters report is what the caches read
             assert r["kv_ideal_bytes_per_step"] == pytest.approx(
                 params["traffic_tokens"] * per_token)
