@@ -9,12 +9,13 @@ reads every key and is not counted in the budget (RocketKV Sec. 3.1); ``bytes_re
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from compression.registry import CompressedMethod, register
+from compression.registry import CompressedMethod, Params, register
 from compression.selection import TopKSelector
 from kv_cache import CompressedKVCache
 
@@ -56,6 +57,13 @@ class ExactTopKSelector(TopKSelector):
                 "note": "oracle: its exact scoring is not counted in the budget"}
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExactTopKParams(Params):
+    """Exact-TopK at budget t: ``k`` = t tokens attended."""
+
+    k: int
+
+
 @register
 class ExactTopKMethod(CompressedMethod):
     name = "exact_topk"
@@ -64,7 +72,7 @@ class ExactTopKMethod(CompressedMethod):
     source = "RocketKV Sec. 3.1"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):
-        return {"budget": budget, "compression_ratio": prompt_len / budget, "k": budget}
+        return ExactTopKParams(budget=budget, compression_ratio=prompt_len / budget, k=budget)
 
     def selector(self, params):
-        return ExactTopKSelector(params["k"])
+        return ExactTopKSelector(params.k)

@@ -16,19 +16,13 @@ ceil(C / page_size) + k pairs; above t (a small ``--page-size``) it is reported 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from compression.registry import (
-    BudgetError,
-    CompressedMethod,
-    Option,
-    positive,
-    register,
-    report_overshoot,
-)
+from compression.registry import BudgetError, CompressedMethod, Option, Params, positive, register
 from compression.selection import PagedSelector
 from kv_cache import CompressedKVCache, token_bytes
 
@@ -92,6 +86,16 @@ class QuestSelector(PagedSelector):
         return {"selection": "quest", "page_size": self.page_size, "k": self.k}
 
 
+@dataclass(frozen=True, kw_only=True)
+class QuestParams(Params):
+    """Quest at budget t: ``k`` tokens attended, pages of ``page_size`` slots, ``pages_scored``
+    page bounds read (ceil(C / page_size))."""
+
+    k: int
+    page_size: int
+    pages_scored: int
+
+
 @register
 class QuestMethod(CompressedMethod):
     name = "quest"
@@ -108,10 +112,8 @@ class QuestMethod(CompressedMethod):
         cap = prompt_len + new_tokens
         page = options.get("page_size") or max(16, math.ceil(cap / max(1, budget - k)))
         pages = math.ceil(cap / page)  # min and max keys: one KV pair's worth each
-        p = {"budget": budget, "compression_ratio": prompt_len / budget, "k": k,
-             "page_size": page, "pages_scored": pages, "traffic_tokens": float(pages + k)}
-        report_overshoot(p, budget)
-        return p
+        return QuestParams(budget=budget, compression_ratio=prompt_len / budget, k=k,
+                           page_size=page, pages_scored=pages, traffic_tokens=float(pages + k))
 
     def selector(self, params):
-        return QuestSelector(params["page_size"], params["k"])
+        return QuestSelector(params.page_size, params.k)

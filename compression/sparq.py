@@ -13,13 +13,14 @@ dim-major (storage 1.5x the full cache; Table 1 counts 2) unless ``--sparq-strid
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 import kernels
-from compression.registry import BudgetError, CompressedMethod, Option, register, report_overshoot
+from compression.registry import BudgetError, CompressedMethod, Option, Params, register
 from compression.selection import TopKSelector, query_dims, sparq_temperature, top_r_dims
 from kv_cache import (
     CompressedKVCache,
@@ -187,6 +188,17 @@ class SparQSelector(TopKSelector):
                 "dim_major_keys": self.dim_major}
 
 
+@dataclass(frozen=True, kw_only=True)
+class SparQParams(Params):
+    """SparQ at budget t: ``k`` tokens attended, ``r`` query dims scored, mean-value
+    ``reallocate``, the ``dim_major`` key copy."""
+
+    k: int
+    r: int
+    reallocate: bool
+    dim_major: bool
+
+
 @register
 class SparQMethod(CompressedMethod):
     name = "sparq"
@@ -202,12 +214,10 @@ class SparQMethod(CompressedMethod):
             raise BudgetError("k = t // 2 rounds to zero")
         d, cap = args.head_dim, prompt_len + new_tokens
         r = min(d, max(1, budget * d // cap))  # floor: r * C <= t * d, within budget when >= 1
-        p = {"budget": budget, "compression_ratio": prompt_len / budget, "k": k, "r": r,
-             "reallocate": bool(options.get("sparq_reallocate")),
-             "dim_major": not options.get("sparq_strided_keys"),
-             "traffic_tokens": cap * r / (2 * d) + k}
-        report_overshoot(p, budget)
-        return p
+        return SparQParams(budget=budget, compression_ratio=prompt_len / budget, k=k, r=r,
+                           reallocate=bool(options.get("sparq_reallocate")),
+                           dim_major=not options.get("sparq_strided_keys"),
+                           traffic_tokens=cap * r / (2 * d) + k)
 
     def selector(self, params):
-        return SparQSelector(params["r"], params["k"], params["reallocate"], params["dim_major"])
+        return SparQSelector(params.r, params.k, params.reallocate, params.dim_major)
