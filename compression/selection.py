@@ -2,9 +2,11 @@
 
 Every selecting method picks ``k`` tokens per KV head, shared by the query group (GQA-aware as in
 the RocketKV paper, App. A.3), and runs exact attention over them. This module holds what
-several of them use: group sums over the query heads, the top-r head dims of the group-summed
-|q| and SparQ's softmax temperature (SparQ, hybrid), and pages of min/max keys
-(``PagedSelector``: Quest, hybrid) with the page-first token top-k (``top_pages_to_tokens``).
+several of them use: their base class ``TopKSelector`` (what each declares for the fused
+kernels, and the one place a selector dispatches to them), group sums over the query heads, the
+top-r head dims of the group-summed |q| and SparQ's softmax temperature (SparQ, hybrid), and
+pages of min/max keys (``PagedSelector``: Quest, hybrid) with the page-first token top-k
+(``top_pages_to_tokens``).
 """
 
 from __future__ import annotations
