@@ -110,6 +110,14 @@ class TopKSelector(Selector):
     """
 
     kernel_mode = "softmax"
+    KERNEL_MODES = ("bound", "softmax")
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Raises ValueError for a ``kernel_mode`` the kernels do not know."""
+        super().__init_subclass__(**kwargs)
+        if cls.kernel_mode not in TopKSelector.KERNEL_MODES:
+            raise ValueError(f"{cls.__name__}.kernel_mode must be one of "
+                             f"{', '.join(TopKSelector.KERNEL_MODES)}, got {cls.kernel_mode!r}")
 
     def __init__(self, k: int, page_size: int = 1):
         super().__init__()
