@@ -231,18 +231,21 @@ FLEX_BLOCK = 128  # tokens per key block of the compiled decode attention (FlexA
 FLEX_DECODE = True  # False: compiled CUDA decode keeps the masked formula (for comparisons)
 
 
-def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor,
+def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None,
                      last: Tensor | None = None, offset: Tensor | None = None) -> Tensor:
     """Decode attention of q over the written prefix of static K/V buffers.
 
     Args:
         q: (B, H, 1, D); k, v: (B, H_kv, S, D) static buffers; valid: (S,) bool device
             tensor, True on the written prefix (slots 0 .. last; shapes never depend on it:
-            one compiled graph); last: (1,) int64 device tensor, that last slot, when the
-            caller has it (with ``offset``, (1,) int64: the slot is last - offset, which the
-            kernel subtracts).
+            one compiled graph), or None: built from ``last`` (``written_slots``) only where
+            the PyTorch path needs it, so a step through the kernels launches nothing for it;
+            last: (1,) int64 device tensor, that last slot, when the caller has it (with
+            ``offset``, (1,) int64: the slot is last - offset, which the kernel subtracts).
     Returns:
         (B, H, 1, D) in the dtype of v.
+    Raises:
+        ValueError: neither ``valid`` nor ``last`` given.
 
     Where the fused kernels run (CUDA, ``kernels.enabled``) and ``last`` is given, this is
     ``kernels.sparse.attend_prefix``: a split-K Triton kernel of ours that reads only slots
@@ -261,10 +264,23 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor,
     """
     if last is not None and kernels.enabled(q, "prefix"):
         return kernels.prefix_attention(q, k, v, last, offset)
+    if valid is None:
+        if last is None:
+            raise ValueError("prefix_attention needs valid or last")
+        valid = written_slots(k.shape[2], last, offset)
     if FLEX_DECODE and torch.compiler.is_compiling() and q.device.type == "cuda" and \
             q.shape[-1] >= 16:
         return flex_prefix_attention(q, k, v, valid.sum(dim=0, keepdim=True) - 1)
     return attend(q, k, v, valid)
+
+
+def written_slots(length: int, last: Tensor, offset: Tensor | None = None) -> Tensor:
+    """(length,) bool: True on slots 0 .. last - offset (``last`` (1,) int64 device tensor, a
+    token's position; ``offset`` (1,) or () int64, the positions before slot 0, None: 0). The
+    PyTorch path's mask of a static buffer's written prefix: the kernels read ``last`` and
+    ``offset`` instead, so callers build it only where the PyTorch path runs."""
+    slot = last if offset is None else last - offset
+    return torch.arange(length, device=last.device) <= slot
 
 
 def flex_prefix_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> Tensor:
@@ -614,8 +630,8 @@ class FullKVCache(KVCache):
                           *kernels.no_aux(self.k_cache))
 
     def attend_stored(self, q: Tensor, input_pos: Tensor) -> Tensor:
-        valid = torch.arange(self.k_cache.shape[2], device=input_pos.device) <= input_pos
-        return prefix_attention(q, self.k_cache, self.v_cache, valid, input_pos)
+        # the mask of written slots is built inside, only where the PyTorch path runs
+        return prefix_attention(q, self.k_cache, self.v_cache, None, input_pos)
 
     def bytes_read_per_step(self) -> int:
         # compiled, the step reads the written blocks; at the last step that is the whole
@@ -686,7 +702,9 @@ class Selector(nn.Module):
     A selector may own auxiliary buffers (page summaries, running means): they are counted in
     the cache's ``allocated_bytes``. Subclasses override ``build`` (after prefill), ``update``
     (after each decode write) with ``extend`` (after a prompt chunk's writes: the state that
-    ``update`` per slot would leave), ``attend`` and the byte/parameter reports.
+    ``update`` per slot would leave), ``select`` and the byte/parameter reports. A selector
+    that attends to k chosen tokens derives from ``compression.selection.TopKSelector``, which
+    declares what the fused kernels need and dispatches to them in one place.
     """
 
     page_size = 1  # the cache's buffer length is rounded up to a multiple of this
@@ -719,15 +737,24 @@ class Selector(nn.Module):
         cache.v_cache.index_copy_(2, slot, v)
         self.update(cache, slot, k)
 
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
-               pos: Tensor | None = None) -> Tensor:
-        """Attention output (B, H, 1, D) for q over the slots marked ``valid`` (S,) bool, a
-        prefix of the buffer (slots 0 .. the one just written). ``pos`` (1,) int64, when the
-        caller has it, is the position of the token just written: the fused kernels read it
-        and ``cache.slot_offset`` instead of ``valid`` (its slot is pos - slot_offset)."""
+    def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        """The slots (B, H_kv, n) int64 that ``attend`` reads for q (B, H, 1, D), given the
+        written slots ``valid`` (S,) bool, shared by each query group (picks of unwritten
+        slots, where fewer than n are written, are masked out by the attention; a cache's
+        ``head_mask`` further restricts each query head). Every slot here: dense attention."""
+        return torch.arange(cache.length, device=valid.device).expand(
+            cache.batch_size, cache.n_kv_heads, cache.length)
+
+    def attend(self, cache: CompressedKVCache, q: Tensor, pos: Tensor) -> Tensor:
+        """Attention output (B, H, 1, D) for q over the written slots of ``cache``: slots 0 ..
+        pos - ``cache.slot_offset``, ``pos`` (1,) int64 the position of the token just
+        written. Here dense attention (``prefix_attention``: the kernels where they run);
+        the mask of written slots (``cache.valid_slots``) is built only for the PyTorch
+        path."""
         if cache.head_mask is not None:  # per-query-head token sets (original SnapKV)
-            return attend(q, cache.k_cache, cache.v_cache, valid & cache.head_mask)
-        return prefix_attention(q, cache.k_cache, cache.v_cache, valid, pos, cache.slot_offset)
+            return attend(q, cache.k_cache, cache.v_cache,
+                          cache.valid_slots(pos) & cache.head_mask)
+        return prefix_attention(q, cache.k_cache, cache.v_cache, None, pos, cache.slot_offset)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
         """Bytes one decode step's kernels read at this layout: every slot's key and value."""
@@ -850,10 +877,13 @@ class CompressedKVCache(KVCache):
         return None if aux is None else TokenStore(self.k_cache, self.v_cache, input_pos,
                                                    self.slot_offset, *aux)
 
+    def valid_slots(self, input_pos: Tensor) -> Tensor:
+        """(S,) bool: the slots written once the token at ``input_pos`` (1,) int64 is
+        stored (slots 0 .. input_pos - ``slot_offset``). Only the PyTorch path builds it."""
+        return written_slots(self.length, input_pos, self.slot_offset)
+
     def attend_stored(self, q: Tensor, input_pos: Tensor) -> Tensor:
-        valid = torch.arange(self.length, device=input_pos.device) <= \
-            input_pos - self.slot_offset  # (S,): the PyTorch path's mask
-        return self.selector.attend(self, q, valid, pos=input_pos)
+        return self.selector.attend(self, q, input_pos)
 
     def bytes_read_per_step(self) -> int:
         return self.selector.bytes_read(self)

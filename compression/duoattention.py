@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from compression.registry import Method, Option, register, report_overshoot
+from compression.registry import INTERNAL, OPTIONAL, Method, Option, Params, register
 from compression.streamingllm import SinkRecentCache
 from model import ConfigError, ModelArgs
 
@@ -142,8 +143,25 @@ def shipped_pattern(args: ModelArgs, root: Path = PATTERNS_DIR) -> Path | None:
     return None
 
 
+@dataclass(frozen=True, kw_only=True)
+class DuoAttentionParams(Params):
+    """DuoAttention at budget t (``duo_split``): streaming heads keep ``sink`` + ``recent``;
+    ``retrieval_heads`` of the model's KV heads keep everything (None: the gates above
+    ``--duo-threshold`` decide). Once the pattern is read (``validate``): the count,
+    ``retrieval_share`` of every KV head, ``duo_patterns`` (the file) and ``heads``, the
+    retrieval KV heads of each layer (internal)."""
+
+    sink: int
+    recent: int
+    retrieval_heads: int | None
+    needs_pattern: bool = field(metadata=INTERNAL)
+    retrieval_share: float | None = field(default=None, metadata=OPTIONAL)
+    duo_patterns: str | None = field(default=None, metadata=OPTIONAL)
+    heads: list[list[int]] | None = field(default=None, metadata=INTERNAL)
+
+
 @register
-class DuoAttention(Method):
+class DuoAttentionMethod(Method):
     name = "duoattention"
     description = ("DuoAttention: retrieval heads keep everything, streaming heads sinks + "
                    "recent (--duo-patterns)")
@@ -151,69 +169,70 @@ class DuoAttention(Method):
                    "of the N KV heads retrieve (`--duo-threshold`: gates above it instead); t <= "
                    "640: every head streams, 128 sinks above 256 else int(0.2 t), the rest recent")
     options = (PATTERNS, THRESHOLD)
-    internal_params = ("needs_pattern", "_heads")
+    cache_classes = (SinkRecentCache,)
     source = "DuoAttention (Xiao et al. 2025); RocketKV App. A.3"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):
         N = args.n_layers * args.n_kv_heads
         cap = prompt_len + new_tokens
-        p = {"budget": budget, "compression_ratio": prompt_len / budget,
-             **duo_split(budget, cap, N, options.get("duo_threshold"))}
-        if p["retrieval_heads"] is not None:
-            p["traffic_tokens"] = duo_traffic(p["retrieval_heads"], N, cap, p["sink"],
-                                              p["recent"])
-        return p
+        split = duo_split(budget, cap, N, options.get("duo_threshold"))
+        n_ret = split["retrieval_heads"]
+        traffic = None if n_ret is None else duo_traffic(n_ret, N, cap, split["sink"],
+                                                         split["recent"])
+        return DuoAttentionParams(budget=budget, compression_ratio=prompt_len / budget,
+                                  traffic_tokens=traffic, **split)
 
     def validate(self, params, args, capacity, options):
-        params["_heads"] = self.retrieval_heads(params, args, capacity, params["budget"],
-                                                options)
+        return self.with_retrieval_heads(params, args, capacity, options)
 
     def shard_params(self, params, rank, world, args):
         """The retrieval heads were chosen over every KV head (the gates rank them all);
         rank ``rank`` keeps its own H_kv / world heads, numbered from 0."""
         n = args.n_kv_heads // world
         lo = rank * n
-        heads = [[h - lo for h in layer if lo <= h < lo + n] for layer in params["_heads"]]
-        return {**params, "_heads": heads}
+        heads = [[h - lo for h in layer if lo <= h < lo + n] for layer in params.heads]
+        return params.replace(heads=heads)
 
     def build_layer(self, layer, args, params, *, batch_size, prompt_len, max_new_tokens,
                     dtype, device):
-        heads = params["_heads"][layer]
+        heads = params.heads[layer]
         return SinkRecentCache(layer, args, batch_size, dtype, device, prompt_len=prompt_len,
-                               max_new_tokens=max_new_tokens, sink=params["sink"],
-                               recent=params["recent"], retrieval_heads=heads,
-                               params={**self.reported(params), "layer_retrieval_heads": heads})
+                               max_new_tokens=max_new_tokens, sink=params.sink,
+                               recent=params.recent, retrieval_heads=heads,
+                               params={**params.to_dict(), "layer_retrieval_heads": heads})
 
     @staticmethod
-    def retrieval_heads(p: dict[str, Any], args: ModelArgs, capacity: int, t: int,
-                        options: dict[str, Any]) -> list[list[int]]:
-        """Retrieval KV heads per layer from ``--duo-patterns``; completes ``p``
-        (``retrieval_heads``, ``traffic_tokens``, ``budget_overshoot`` when over t).
+    def with_retrieval_heads(p: DuoAttentionParams, args: ModelArgs, capacity: int,
+                             options: dict[str, Any]) -> DuoAttentionParams:
+        """``p`` with the retrieval KV heads of each layer (``heads``) from
+        ``--duo-patterns``, and the ``retrieval_heads``, ``retrieval_share``,
+        ``duo_patterns`` and ``traffic_tokens`` they make (or a ``note`` that the pattern
+        goes unused).
 
         Raises:
             ConfigError: the budget needs retrieval heads and no pattern was given, or a bad
                 pattern file (``load_duo_pattern``).
         """
         path = options.get("duo_patterns")
-        if not p["needs_pattern"]:
-            if path is not None:
-                p["note"] = f"--duo-patterns unused: at budget {t} every head streams"
-            return [[] for _ in range(args.n_layers)]
+        t = p.budget
+        if not p.needs_pattern:
+            note = None if path is None else \
+                f"--duo-patterns unused: at budget {t} every head streams"
+            return p.replace(heads=[[] for _ in range(args.n_layers)], note=note)
         if path is None:
             path = shipped_pattern(args)
         if path is None:
-            need = (f"keeps {p['retrieval_heads']} retrieval heads" if p["retrieval_heads"]
+            need = (f"keeps {p.retrieval_heads} retrieval heads" if p.retrieval_heads
                     is not None else f"retrieves on the gates above --duo-threshold "
                     f"{options.get('duo_threshold')}")
-            raise ConfigError(f"duoattention at budget {t} (above {p['sink'] + p['recent']} "
+            raise ConfigError(f"duoattention at budget {t} (above {p.sink + p.recent} "
                               f"tokens) {need} and needs the heads' gates: --duo-patterns PATH "
                               "(a TSV of layers x KV heads; scripts/duo_identify.py makes one "
                               f"for any model; none in {PATTERNS_DIR} for {args.name!r})")
         gates = load_duo_pattern(path, args)
-        heads = duo_retrieval_heads(gates, p["retrieval_heads"], options.get("duo_threshold"))
+        heads = duo_retrieval_heads(gates, p.retrieval_heads, options.get("duo_threshold"))
         n_ret = sum(len(h) for h in heads)
         N = args.n_layers * args.n_kv_heads
-        p.update(retrieval_heads=n_ret, retrieval_share=n_ret / N, duo_patterns=str(path),
-                 traffic_tokens=duo_traffic(n_ret, N, capacity, p["sink"], p["recent"]))
-        report_overshoot(p, t)
-        return heads
+        return p.replace(heads=heads, retrieval_heads=n_ret, retrieval_share=n_ret / N,
+                         duo_patterns=str(path),
+                         traffic_tokens=duo_traffic(n_ret, N, capacity, p.sink, p.recent))

@@ -9,14 +9,15 @@ reads every key and is not counted in the budget (RocketKV Sec. 3.1); ``bytes_re
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-import kernels
-from compression.registry import CompressedMethod, register
-from kv_cache import CompressedKVCache, Selector, attend_selected
+from compression.registry import CompressedMethod, Params, register
+from compression.selection import TopKSelector
+from kv_cache import CompressedKVCache
 
 
 def exact_scores(q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
@@ -32,25 +33,17 @@ def exact_scores(q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
     return p.sum(dim=2).masked_fill(~valid, float("-inf"))
 
 
-class ExactTopK(Selector):
-    """Oracle: exact group-summed attention weights, top-k tokens, exact attention over them."""
+class ExactTopKSelector(TopKSelector):
+    """Oracle: exact group-summed attention weights, top-k tokens, exact attention over them.
+    Fused, the kernels score every head dim of K^T (``kernel_mode`` "softmax", r = d)."""
 
     def __init__(self, k: int):
-        super().__init__()
-        self.k = k
+        super().__init__(k)
 
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
-               pos: Tensor | None = None) -> Tensor:
-        k = min(self.k, cache.length)
-        if pos is not None and kernels.enabled(q) and kernels.selection_fits(cache.length, k, 1):
-            # r = D on K^T: the exact scores, fused
-            return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache, None, pos,
-                mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=cache.head_dim,
-                k=k, page_size=1, offset=cache.slot_offset)
+    def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        """Token indices (B, H_kv, min(k, S)) int64 (unsorted) of the top exact scores."""
         scores = exact_scores(q, cache.k_cache, valid)
-        idx = scores.topk(k, dim=-1, sorted=False).indices
-        return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
+        return scores.topk(min(self.k, cache.length), dim=-1, sorted=False).indices
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
         # physically: every key for the exact scores, then the k chosen pairs
@@ -64,6 +57,13 @@ class ExactTopK(Selector):
                 "note": "oracle: its exact scoring is not counted in the budget"}
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExactTopKParams(Params):
+    """Exact-TopK at budget t: ``k`` = t tokens attended."""
+
+    k: int
+
+
 @register
 class ExactTopKMethod(CompressedMethod):
     name = "exact_topk"
@@ -72,7 +72,7 @@ class ExactTopKMethod(CompressedMethod):
     source = "RocketKV Sec. 3.1"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):
-        return {"budget": budget, "compression_ratio": prompt_len / budget, "k": budget}
+        return ExactTopKParams(budget=budget, compression_ratio=prompt_len / budget, k=budget)
 
     def selector(self, params):
-        return ExactTopK(params["k"])
+        return ExactTopKSelector(params.k)

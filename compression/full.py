@@ -10,7 +10,7 @@ from compression.registry import Method, full_cache, register
 
 
 @register
-class Full(Method):
+class FullMethod(Method):
     name = "full"
     description = "Full-KV: every token cached and read at every step (no budget)"
     budget_rule = "none: every cached token is read"

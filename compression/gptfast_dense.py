@@ -48,12 +48,13 @@ class GptFastDenseCache(FullKVCache):
 
 
 @register
-class GptFastDense(Method):
+class GptFastDenseMethod(Method):
     name = "gptfast_dense"
     description = ("benchmark baseline: Full-KV decoded as gpt-fast did (repeated K/V, math "
                    "SDPA, max_seq^2 mask)")
     budget_rule = "none: every cached token is read, as gpt-fast did"
     budgeted = False
+    cache_classes = (GptFastDenseCache,)
     source = "gpt-fast; RocketKV Sec. 4.3"
 
     def build(self, args, params, *, batch_size, prompt_len, max_new_tokens, dtype, device,

@@ -16,12 +16,13 @@ heavy hitters + recent t - heavy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from compression.registry import BudgetError, Method, Option, register
+from compression.registry import BudgetError, Method, Option, Params, register
 from kv_cache import KVCache, attention_column_sums, attention_probs, causal_attention
 from model import ConfigError, ModelArgs
 
@@ -182,13 +183,24 @@ class H2OCache(KVCache):
                 "aux_bytes_per_slot": self.AUX_BYTES_PER_SLOT}
 
 
+@dataclass(frozen=True, kw_only=True)
+class H2OParams(Params):
+    """H2O at budget t: ``heavy`` heavy hitters (``heavy_ratio`` of t) and ``recent`` tokens,
+    ``capacity`` = t slots."""
+
+    heavy: int
+    recent: int
+    heavy_ratio: float
+    capacity: int
+
+
 @register
-class H2O(Method):
+class H2OMethod(Method):
     name = "h2o"
     description = "H2O: heavy hitters (accumulated attention) + recent tokens, evicting every step"
     budget_rule = "capacity t: int(t / 2) heavy hitters (`--heavy-ratio`), the rest recent"
     options = (HEAVY_RATIO,)
-    needs_attention_sums = True
+    cache_classes = (H2OCache,)
     source = "H2O (Zhang et al. 2023); RocketKV App. A.3"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):
@@ -197,12 +209,12 @@ class H2O(Method):
         if heavy < 1 or budget - heavy < 1:
             raise BudgetError(f"{heavy} heavy hitters and {budget - heavy} recent tokens (each "
                               "needs at least one)")
-        return {"budget": budget, "compression_ratio": prompt_len / budget, "heavy": heavy,
-                "recent": budget - heavy, "heavy_ratio": ratio, "capacity": budget,
-                "traffic_tokens": float(budget)}
+        return H2OParams(budget=budget, compression_ratio=prompt_len / budget, heavy=heavy,
+                         recent=budget - heavy, heavy_ratio=ratio, capacity=budget,
+                         traffic_tokens=float(budget))
 
     def build_layer(self, layer, args, params, *, batch_size, prompt_len, max_new_tokens,
                     dtype, device):
         return H2OCache(layer, args, batch_size, dtype, device, prompt_len=prompt_len,
-                        max_new_tokens=max_new_tokens, heavy=params["heavy"],
-                        recent=params["recent"], params=self.reported(params))
+                        max_new_tokens=max_new_tokens, heavy=params.heavy,
+                        recent=params.recent, params=params.to_dict())

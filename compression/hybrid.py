@@ -16,19 +16,39 @@ overshoot slightly; reported as ``budget_overshoot``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-import kernels
-from compression.registry import BudgetError, CompressedMethod, register, report_overshoot
+from compression.registry import INTERNAL, BudgetError, CompressedMethod, Params, register
 from compression.selection import PagedSelector, query_dims, sparq_temperature, top_r_dims
-from kv_cache import CompressedKVCache, Selector, attend_selected, gather_tokens, token_bytes
+from kv_cache import CompressedKVCache, Selector, gather_tokens, token_bytes
 
 
-def hybrid_split(capacity: int, t: int, head_dim: int) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class HybridSplit:
+    """Hybrid attention's parameters (``hybrid_split``), mixed into ``HybridParams`` and
+    RocketKV's.
+
+    Attributes:
+        c2: the ratio it compresses (cached + new tokens over t); page_size: slots per page;
+        r: head dims scored; k: tokens attended; dense: c2 <= 1, dense attention over the cache
+        (internal); traffic_tokens: KV pairs read per step per layer per KV group.
+    """
+
+    c2: float
+    page_size: int
+    r: int
+    k: int
+    dense: bool = field(metadata=INTERNAL)
+    traffic_tokens: float
+
+
+def hybrid_split(capacity: int, t: int, head_dim: int) -> HybridSplit:
     """Stage-2 (hybrid attention) parameters, released-code split (RocketKV Sec. 3.4, App. A.3).
 
     c = capacity / t; page_size = min(floor(c), ceil(sqrt(c))) (at least 1); r = round(d *
@@ -40,16 +60,25 @@ def hybrid_split(capacity: int, t: int, head_dim: int) -> dict[str, Any]:
     """
     c = capacity / t
     if c <= 1:
-        return {"c2": c, "page_size": 1, "r": head_dim, "k": capacity, "dense": True,
-                "traffic_tokens": float(capacity)}
+        return HybridSplit(c2=c, page_size=1, r=head_dim, k=capacity, dense=True,
+                           traffic_tokens=float(capacity))
     if t // 2 < 1:
         raise BudgetError("k = t // 2 rounds to zero")
     page = max(1, min(math.floor(c), math.ceil(math.sqrt(c))))
     r = min(head_dim, max(1, round(head_dim * page / c)))
     k = t // 2
     traffic = math.ceil(capacity / page) * r / (2 * head_dim) + k
-    return {"c2": c, "page_size": page, "r": r, "k": k, "dense": False,
-            "traffic_tokens": traffic}
+    return HybridSplit(c2=c, page_size=page, r=r, k=k, dense=False, traffic_tokens=traffic)
+
+
+def split_fields(split: HybridSplit) -> dict[str, Any]:
+    """``split``'s fields as keyword arguments of a ``Params`` that mixes in ``HybridSplit``."""
+    return {f.name: getattr(split, f.name) for f in dataclasses.fields(split)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridParams(HybridSplit, Params):
+    """Hybrid attention at budget t on the full cache (``hybrid_split``)."""
 
 
 def hybrid_page_scores(q: Tensor, summary: Tensor, dims: Tensor, counts: Tensor) -> Tensor:
@@ -84,12 +113,18 @@ def hybrid_page_scores(q: Tensor, summary: Tensor, dims: Tensor, counts: Tensor)
     return torch.exp(s - lse).masked_fill(counts == 0, 0.0).sum(dim=2)
 
 
-class Hybrid(PagedSelector):
-    """Hybrid attention (RocketKV Alg. 2): paged min/max keys read at the top-r query dims."""
+class HybridSelector(PagedSelector):
+    """Hybrid attention (RocketKV Alg. 2): paged min/max keys read at the top-r query dims;
+    the fused kernels score the same (``kernel_mode`` "softmax", r head dims)."""
+
+    kernel_mode = "softmax"
 
     def __init__(self, page_size: int, r: int, k: int):
-        super().__init__(page_size)
-        self.r, self.k = r, k
+        super().__init__(page_size, k)
+        self.r = r
+
+    def kernel_r(self, cache: CompressedKVCache) -> int:
+        return self.r
 
     def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         """Token indices (B, H_kv, min(k, S)) int64: top-k of the page-constant token scores
@@ -98,19 +133,6 @@ class Hybrid(PagedSelector):
         counts = self.page_counts(valid)
         return self.select_tokens(cache, hybrid_page_scores(q, self.rows(cache), dims, counts),
                                   counts)
-
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
-               pos: Tensor | None = None) -> Tensor:
-        k = min(self.k, cache.length)
-        if pos is not None and kernels.enabled(q) and \
-                kernels.selection_fits(self.n_pages(cache), k, self.page_size):  # fused
-            return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache, self.summary_rows(), pos,
-                mode=kernels.ops().MODE_SOFTMAX, two_bounds=self.page_size > 1, r=self.r,
-                k=k, page_size=self.page_size,
-                offset=cache.slot_offset)
-        idx = self.select(cache, q, valid)
-        return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
 
     def bytes_read(self, cache: CompressedKVCache) -> int:
         # r summary rows (the min or the max one of each chosen dim), then k pairs
@@ -125,11 +147,12 @@ class Hybrid(PagedSelector):
         return {"selection": "hybrid", "page_size": self.page_size, "r": self.r, "k": self.k}
 
 
-def hybrid_selector(params: dict[str, Any]) -> Selector:
-    """``Hybrid`` for ``hybrid_split``'s parameters, or dense attention when it says so."""
-    if params["dense"]:
+def hybrid_selector(params: HybridSplit) -> Selector:
+    """``HybridSelector`` for ``hybrid_split``'s parameters, or dense attention when they say
+    so."""
+    if params.dense:
         return Selector()
-    return Hybrid(params["page_size"], params["r"], params["k"])
+    return HybridSelector(params.page_size, params.r, params.k)
 
 
 @register
@@ -138,14 +161,12 @@ class HybridMethod(CompressedMethod):
     description = "hybrid attention (RocketKV Alg. 2) on the full cache (t/2 + t/2)"
     budget_rule = ("c = (T + m) / t; page = min(floor c, ceil sqrt c), r = round(d page / c) "
                    "clamped to [1, d], k = t // 2")
-    internal_params = ("dense",)
     source = "RocketKV Sec. 3.4, Alg. 2, App. A.3"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):
-        p = {"budget": budget, "compression_ratio": prompt_len / budget,
-             **hybrid_split(prompt_len + new_tokens, budget, args.head_dim)}
-        report_overshoot(p, budget)
-        return p
+        split = hybrid_split(prompt_len + new_tokens, budget, args.head_dim)
+        return HybridParams(budget=budget, compression_ratio=prompt_len / budget,
+                            **split_fields(split))
 
     def selector(self, params):
         return hybrid_selector(params)

@@ -28,12 +28,13 @@ window") is not implemented.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from compression.registry import BudgetError, Method, Option, positive, register
+from compression.registry import BudgetError, Method, Option, Params, positive, register
 from kv_cache import KVCache, causal_attention, same_view
 from model import ModelArgs
 
@@ -234,27 +235,37 @@ class KeyDiffCache(KVCache):
                 "cache_slots": self.capacity + self.block}
 
 
+@dataclass(frozen=True, kw_only=True)
+class KeyDiffParams(Params):
+    """KeyDiff at budget t: ``capacity`` = t - 1 kept tokens per KV head, prefill blocks of
+    ``block_size``, ``cache_slots`` = capacity + block_size."""
+
+    capacity: int
+    block_size: int
+    cache_slots: int
+
+
 @register
-class KeyDiff(Method):
+class KeyDiffMethod(Method):
     name = "keydiff"
     description = ("KeyDiff: keeps the most distinct keys (cosine to the mean key), block-wise "
                    "prefill within t + block slots")
     budget_rule = ("capacity t - 1 per KV head (a step reads them + the new token); blocks of 128 "
                    "(`--block-size`): t - 1 + block slots")
     options = (BLOCK_SIZE,)
-    shared_prefill = False  # KeyDiffCache prefills in blocks of its own
+    cache_classes = (KeyDiffCache,)  # prefills in blocks of its own: no shared prefill
     source = "KeyDiff (Park et al. 2025) Sec. 3.2, Eq. 6, 8"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):
         if budget < 2:
             raise BudgetError("keydiff keeps t - 1 tokens beside the new one: t must be >= 2")
         block = options.get("block_size") or KEYDIFF_BLOCK
-        return {"budget": budget, "compression_ratio": prompt_len / budget,
-                "capacity": budget - 1, "block_size": block, "cache_slots": budget - 1 + block,
-                "traffic_tokens": float(budget)}
+        return KeyDiffParams(budget=budget, compression_ratio=prompt_len / budget,
+                             capacity=budget - 1, block_size=block,
+                             cache_slots=budget - 1 + block, traffic_tokens=float(budget))
 
     def build_layer(self, layer, args, params, *, batch_size, prompt_len, max_new_tokens,
                     dtype, device):
         return KeyDiffCache(layer, args, batch_size, dtype, device, prompt_len=prompt_len,
-                            max_new_tokens=max_new_tokens, capacity=params["capacity"],
-                            block=params["block_size"], params=self.reported(params))
+                            max_new_tokens=max_new_tokens, capacity=params.capacity,
+                            block=params.block_size, params=params.to_dict())

@@ -39,6 +39,7 @@ filter layer and is run eagerly (``compilable = False``); the in-memory path com
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ from torch import Tensor
 
 import tp
 from cli import layer_list
-from compression.registry import BudgetError, Method, Option, register, report_overshoot
+from compression.registry import BudgetError, Method, Option, Params, register
 from kv_cache import (
     FullKVCache,
     KVCache,
@@ -403,8 +404,21 @@ def omnikv_traffic(roles: Sequence[str], capacity: int, t: int) -> float:
     return sum(t if r == "sparse" else capacity for r in roles) / len(roles)
 
 
+@dataclass(frozen=True, kw_only=True)
+class OmniKVParams(Params):
+    """OmniKV at budget t: ``filter_layers`` select ``k_select`` = t - 1 tokens (``selector``
+    over ``selector_window`` queries) for the ``sparse_layers``; ``offload``: host memory."""
+
+    filter_layers: list[int]
+    sparse_layers: int
+    k_select: int
+    selector: str
+    selector_window: int
+    offload: bool
+
+
 @register
-class OmniKV(Method):
+class OmniKVMethod(Method):
     name = "omnikv"
     description = ("OmniKV: filter layers select t - 1 tokens for the layers after them, nothing "
                    "evicted (--offload: host memory)")
@@ -412,6 +426,7 @@ class OmniKV(Method):
                    "`--filter-layers` (the paper's 2,8,18 for 32 layers, scaled to other "
                    "depths); `traffic_tokens` averages every layer's reads")
     options = (FILTER_LAYERS, SELECTOR, OFFLOAD)
+    cache_classes = (OmniKVFilterCache, OmniKVSparseCache)
     skip_layers = "the layers before the first filter layer attend fully (--filter-layers)"
     source = "OmniKV (Hao et al. 2025) Sec. 4, Alg. 1, Eq. 2-4"
 
@@ -426,22 +441,20 @@ class OmniKV(Method):
                               f"{args.n_layers - 1}], got {layers}")
         roles = layer_roles(args.n_layers, layers)
         selector = options.get("omnikv_selector") or "last"
-        p = {"budget": budget, "compression_ratio": prompt_len / budget,
-             "filter_layers": layers, "sparse_layers": roles.count("sparse"),
-             "k_select": budget - 1, "selector": selector,
-             "selector_window": 1 if selector == "last" else OMNIKV_WINDOW,
-             "offload": bool(options.get("offload")),
-             "traffic_tokens": omnikv_traffic(roles, prompt_len + new_tokens, budget)}
-        if not roles.count("sparse"):
-            p["note"] = ("no sparse layer: every layer attends fully (the filter layers and "
-                         "the layers after them leave none)")
-        report_overshoot(p, budget)
-        return p
+        note = None if roles.count("sparse") else (
+            "no sparse layer: every layer attends fully (the filter layers and the layers "
+            "after them leave none)")
+        return OmniKVParams(
+            budget=budget, compression_ratio=prompt_len / budget, filter_layers=layers,
+            sparse_layers=roles.count("sparse"), k_select=budget - 1, selector=selector,
+            selector_window=1 if selector == "last" else OMNIKV_WINDOW,
+            offload=bool(options.get("offload")),
+            traffic_tokens=omnikv_traffic(roles, prompt_len + new_tokens, budget), note=note)
 
     def build(self, args, params, *, batch_size, prompt_len, max_new_tokens, dtype, device,
               options):
         return build_omnikv(args, batch_size=batch_size, prompt_len=prompt_len,
-                            max_new_tokens=max_new_tokens, budget=params["budget"], dtype=dtype,
-                            device=device, filter_layers=params["filter_layers"],
-                            selector=params["selector"], offload=params["offload"],
-                            params=params)
+                            max_new_tokens=max_new_tokens, budget=params.budget, dtype=dtype,
+                            device=device, filter_layers=params.filter_layers,
+                            selector=params.selector, offload=params.offload,
+                            params=params.to_dict())

@@ -16,22 +16,15 @@ ceil(C / page_size) + k pairs; above t (a small ``--page-size``) it is reported 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-import kernels
-from compression.registry import (
-    BudgetError,
-    CompressedMethod,
-    Option,
-    positive,
-    register,
-    report_overshoot,
-)
+from compression.registry import BudgetError, CompressedMethod, Option, Params, positive, register
 from compression.selection import PagedSelector
-from kv_cache import CompressedKVCache, attend_selected, token_bytes
+from kv_cache import CompressedKVCache, token_bytes
 
 PAGE_SIZE = Option("page_size", "quest page size (default max(16, tokens / (budget / 2)))",
                    check=positive)
@@ -60,17 +53,16 @@ def page_bounds(q: Tensor, summary: Tensor) -> Tensor:
     return torch.matmul(qs, summary).float()[:, :, 0]
 
 
-class Quest(PagedSelector):
+class QuestSelector(PagedSelector):
     """Quest with group-accumulated page bounds and a token-level top-k of ``k`` tokens.
 
     Each page's bound (``page_bounds``) stands for its valid slots and the ``k`` best tokens
     are attended exactly, so k need not be a multiple of the page size (k = t // 2 may be less
-    than one page); they are chosen page-first (``top_pages_to_tokens``).
+    than one page); they are chosen page-first (``top_pages_to_tokens``). The fused kernels
+    score the same bounds (``kernel_mode`` "bound", every head dim).
     """
 
-    def __init__(self, page_size: int, k: int):
-        super().__init__(page_size)
-        self.k = k
+    kernel_mode = "bound"
 
     def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
         """Token indices (B, H_kv, min(k, S)) int64 of the top page-constant bounds; the
@@ -82,19 +74,6 @@ class Quest(PagedSelector):
         return self.select_tokens(cache, bounds.masked_fill(pages == newest, float("inf")),
                                   counts)
 
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
-               pos: Tensor | None = None) -> Tensor:
-        k = min(self.k, cache.length)
-        if pos is not None and kernels.enabled(q) and \
-                kernels.selection_fits(self.n_pages(cache), k, self.page_size):  # fused
-            return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache, self.summary_rows(), pos,
-                mode=kernels.ops().MODE_BOUND, two_bounds=self.page_size > 1,
-                r=cache.head_dim, k=k, page_size=self.page_size,
-                offset=cache.slot_offset)
-        idx = self.select(cache, q, valid)
-        return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
-
     def bytes_read(self, cache: CompressedKVCache) -> int:
         # every min and max row (whole sectors), then k pairs
         return self.summary_bytes(cache, 2 * cache.head_dim) + token_bytes(cache, self.k)
@@ -105,6 +84,16 @@ class Quest(PagedSelector):
 
     def params(self) -> dict[str, Any]:
         return {"selection": "quest", "page_size": self.page_size, "k": self.k}
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuestParams(Params):
+    """Quest at budget t: ``k`` tokens attended, pages of ``page_size`` slots, ``pages_scored``
+    page bounds read (ceil(C / page_size))."""
+
+    k: int
+    page_size: int
+    pages_scored: int
 
 
 @register
@@ -123,10 +112,8 @@ class QuestMethod(CompressedMethod):
         cap = prompt_len + new_tokens
         page = options.get("page_size") or max(16, math.ceil(cap / max(1, budget - k)))
         pages = math.ceil(cap / page)  # min and max keys: one KV pair's worth each
-        p = {"budget": budget, "compression_ratio": prompt_len / budget, "k": k,
-             "page_size": page, "pages_scored": pages, "traffic_tokens": float(pages + k)}
-        report_overshoot(p, budget)
-        return p
+        return QuestParams(budget=budget, compression_ratio=prompt_len / budget, k=k,
+                           page_size=page, pages_scored=pages, traffic_tokens=float(pages + k))
 
     def selector(self, params):
-        return Quest(params["page_size"], params["k"])
+        return QuestSelector(params.page_size, params.k)

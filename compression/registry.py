@@ -21,8 +21,9 @@ a run (``build_caches``), which applies the rules shared by every method:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,6 +81,72 @@ def positive(value: Any) -> str | None:
     return None if value > 0 else f"must be positive, got {value}"
 
 
+INTERNAL = {"internal": True}  # ``field(metadata=INTERNAL)``: steers the build, not reported
+OPTIONAL = {"optional": True}  # ``field(default=None, metadata=OPTIONAL)``: reported once set
+_TAIL = ("traffic_tokens", "note", "budget_overshoot", "method", "skip_layers", "compressed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Params:
+    """A budgeted method's derived parameters at one budget (``Method.derive``): a frozen
+    dataclass per method whose fields are its parameters, so a cache reads ``params.k``, not a
+    key of a dict. ``to_dict`` is what the reports show (``KVCache.method_params``, the JSON
+    ``method_params``).
+
+    Attributes:
+        budget: the token budget t (KV pairs read per decode step, per layer, per KV group).
+        compression_ratio: T / t.
+        traffic_tokens: KV pairs the method reads per step per layer per KV group,
+            approximation traffic included, where it says (None: not reported).
+        note: a remark for the reports (None: none).
+        method, skip_layers, compressed: set by ``plan`` (the run's method name,
+            ``--skip-layers`` and True); None until then.
+        budget_overshoot: traffic_tokens / t where that exceeds 1 (a property; None: within).
+
+    A subclass field with ``metadata=INTERNAL`` steers the build and is not reported; one with
+    ``metadata=OPTIONAL`` is reported once set (not None). Fields left None among
+    ``traffic_tokens``, ``note``, ``method``, ``skip_layers``, ``compressed`` are left out of
+    ``to_dict`` too.
+    """
+
+    budget: int
+    compression_ratio: float
+    traffic_tokens: float | None = None
+    note: str | None = None
+    method: str | None = None
+    skip_layers: int | None = None
+    compressed: bool | None = None
+
+    @property
+    def budget_overshoot(self) -> float | None:
+        """traffic_tokens / budget when the traffic exceeds the budget, else None."""
+        if self.traffic_tokens is None or self.traffic_tokens <= self.budget:
+            return None
+        return self.traffic_tokens / self.budget
+
+    def replace(self, **changes: Any) -> Params:
+        """A copy with ``changes`` (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The reported parameters: ``budget``, ``compression_ratio``, the method's own fields
+        (not the INTERNAL ones, the OPTIONAL ones once set) in their order, then those of
+        ``_TAIL`` that are set
+        (``budget_overshoot`` only where the traffic exceeds the budget)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _TAIL or f.metadata.get("internal") or \
+                    (value is None and f.metadata.get("optional")):
+                continue
+            out[f.name] = value
+        for name in _TAIL:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
 SKIP_LAYERS = Option("skip_layers", "leave the first N layers uncompressed (the paper: 2 for "
                      "LongChat)")
 
@@ -97,11 +164,9 @@ class Method:
             budgeted method that sets ``skip_layers``).
         budgeted: False for methods that read every cached token and take no ``--budget``.
         skip_layers: whether ``--skip-layers`` applies (True), or why not (a string).
-        needs_attention_sums: a shared prefill must record the column sums of every prompt
-            query's attention for this method's caches (``prefill.prefill_once``).
-        shared_prefill: False for a method whose caches prefill the prompt their own way
-            (their ``KVCache.shared_prefill``; KeyDiff's blocks), so an evaluation does not
-            prefill a prompt once for it (``evals.harness.run_batch``).
+        cache_classes: the ``KVCache`` classes the method builds (besides ``FullKVCache``
+            for skipped layers and budgets covering the sequence). What they declare about
+            prefill is read from them: ``needs_attention_sums`` and ``shared_prefill``, below.
         source: paper and section the budget rule comes from (docs table).
         budget_rule: how the budget t becomes the parameters (T prompt tokens, m new tokens,
             d head_dim, G query heads per KV head), one line of Markdown (docs table).
@@ -112,11 +177,23 @@ class Method:
     options: tuple[Option, ...] = ()
     budgeted: bool = True
     skip_layers: bool | str = True  # a string: why not (the error says it)
-    needs_attention_sums: bool = False
-    shared_prefill: bool = True
+    cache_classes: tuple[type[KVCache], ...] = (FullKVCache,)
     source: str = ""
     budget_rule: str = ""  # how t becomes the parameters, one line of Markdown (docs table)
-    internal_params: tuple[str, ...] = ()  # derive's keys that steer build, not reported
+
+    @property
+    def needs_attention_sums(self) -> bool:
+        """A shared prefill must record the column sums of every prompt query's attention for
+        this method's caches (``prefill.prefill_once``): one of ``cache_classes`` says so
+        (``KVCache.needs_attention_sums``, H2O)."""
+        return any(c.needs_attention_sums for c in self.cache_classes)
+
+    @property
+    def shared_prefill(self) -> bool:
+        """False for a method whose caches prefill the prompt their own way (a class of
+        ``cache_classes`` with ``KVCache.shared_prefill`` False: KeyDiff's blocks), so an
+        evaluation does not prefill a prompt once for it (``evals.harness.run_batch``)."""
+        return all(c.shared_prefill for c in self.cache_classes)
 
     def all_options(self) -> tuple[Option, ...]:
         """The options this method reads, ``--skip-layers`` included where it applies."""
@@ -124,26 +201,26 @@ class Method:
                                else ())
 
     def derive(self, budget: int, prompt_len: int, new_tokens: int, args: ModelArgs,
-               options: Mapping[str, Any]) -> dict[str, Any]:
+               options: Mapping[str, Any]) -> Params:
         """Every parameter of the method at token budget ``budget`` for a prompt of
         ``prompt_len`` tokens and ``new_tokens`` new tokens (the paper's rule).
 
         Returns:
-            dict with ``budget`` and ``compression_ratio`` (T / t) and the method's parameters;
-            methods that approximate scores also give ``traffic_tokens`` (float, KV pairs read
-            per step per layer per KV group) and, when it exceeds t, ``budget_overshoot``
-            (``report_overshoot``).
+            the method's ``Params`` subclass: ``budget``, ``compression_ratio`` (T / t) and
+            its parameters; methods that approximate scores also give ``traffic_tokens``
+            (float, KV pairs read per step per layer per KV group), whose excess over t is
+            ``budget_overshoot``.
         Raises:
             BudgetError: no valid setting at this budget.
             ConfigError: an option value the method cannot use.
         """
         raise NotImplementedError
 
-    def build(self, args: ModelArgs, params: dict[str, Any], *, batch_size: int,
+    def build(self, args: ModelArgs, params: Params | None, *, batch_size: int,
               prompt_len: int, max_new_tokens: int, dtype: torch.dtype, device,
               options: Mapping[str, Any]) -> list[KVCache]:
-        """One cache per layer from ``derive``'s ``params``; the first
-        ``options["skip_layers"]`` layers get the full cache."""
+        """One cache per layer from ``derive``'s ``params`` (None for an unbudgeted method);
+        the first ``options["skip_layers"]`` layers get the full cache."""
         skip = options.get("skip_layers") or 0
         return [full_cache(i, args, batch_size, prompt_len, max_new_tokens, dtype, device,
                            "layer skipped (--skip-layers)") if i < skip else
@@ -152,66 +229,78 @@ class Method:
                                  dtype=dtype, device=device)
                 for i in range(args.n_layers)]
 
-    def build_layer(self, layer: int, args: ModelArgs, params: dict[str, Any], *,
+    def build_layer(self, layer: int, args: ModelArgs, params: Params, *,
                     batch_size: int, prompt_len: int, max_new_tokens: int,
                     dtype: torch.dtype, device) -> KVCache:
-        """Layer ``layer``'s cache from ``derive``'s ``params`` (report ``reported(params)``)."""
+        """Layer ``layer``'s cache from ``derive``'s ``params`` (report
+        ``params.to_dict()``)."""
         raise NotImplementedError
 
-    def validate(self, params: dict[str, Any], args: ModelArgs, capacity: int,
-                 options: Mapping[str, Any]) -> None:
+    def validate(self, params: Params, args: ModelArgs, capacity: int,
+                 options: Mapping[str, Any]) -> Params:
         """Checks of the derived ``params`` that need more than the budget (files the method
-        reads, for one); may complete ``params``. ``capacity``: prompt + new tokens.
+        reads, for one); returns them, completed where the checks add parameters.
+        ``capacity``: prompt + new tokens.
 
         Raises:
             ConfigError: what the run cannot use.
         """
+        return params
 
-    def shard_params(self, params: dict[str, Any], rank: int, world: int,
-                     args: ModelArgs) -> dict[str, Any]:
+    def shard_params(self, params: Params, rank: int, world: int,
+                     args: ModelArgs) -> Params:
         """``params`` (derived for the whole model ``args``) as rank ``rank`` of ``world``
         uses them for its H_kv / world KV heads (``tp.py``). Budgets are per KV-head group,
         so most methods' parameters hold as they are; a method that names heads (DuoAttention)
         keeps the rank's own, renumbered from 0."""
         return params
 
-    def reported(self, params: dict[str, Any]) -> dict[str, Any]:
-        """``params`` without ``internal_params``: what a cache reports."""
-        return {k: v for k, v in params.items() if k not in self.internal_params}
+
+@dataclass(frozen=True, kw_only=True)
+class PromptEviction:
+    """Parameters of a method that evicts prompt tokens at the end of prefill (the SnapKV
+    family): mixed into its ``Params``.
+
+    Attributes:
+        window: the observation window (the prompt's last queries that vote), tokens.
+        keep: prompt tokens kept per KV head (slots of the compact cache).
+        evict: whether anything is evicted (False: the prompt fits; internal).
+    """
+
+    window: int
+    keep: int
+    evict: bool = field(metadata=INTERNAL)
 
 
 class CompressedMethod(Method):
     """A method whose caches are ``kv_cache.CompressedKVCache``: the prompt tokens an
     ``evictor`` keeps at the end of prefill (all of them without one), then a decode-time
-    ``selector`` over the kept and generated tokens. ``derive`` may set ``keep`` (prompt
-    tokens kept) and ``window`` (the evictor's observation window, tokens)."""
+    ``selector`` over the kept and generated tokens. Parameters that are ``PromptEviction``
+    give the prompt tokens kept (``keep``) and the evictor's observation window
+    (``window``)."""
 
     per_head_mask = False  # each query head keeps its own prompt tokens (original SnapKV)
+    cache_classes = (CompressedKVCache,)
 
-    def selector(self, params: dict[str, Any]) -> Selector:
+    def selector(self, params: Params) -> Selector:
         """The decode-time selection (default: dense attention over every kept token)."""
         return Selector()
 
-    def evictor(self, params: dict[str, Any]) -> Callable | None:
+    def evictor(self, params: Params) -> Callable | None:
         """``evict(q_obs, k) -> (idx, head_mask)`` (``CompressedKVCache``), or None."""
         return None
 
-    def build_layer(self, layer: int, args: ModelArgs, params: dict[str, Any], *,
+    def build_layer(self, layer: int, args: ModelArgs, params: Params, *,
                     batch_size: int, prompt_len: int, max_new_tokens: int,
                     dtype: torch.dtype, device) -> KVCache:
         evict = self.evictor(params)
+        evicting = isinstance(params, PromptEviction)
         return CompressedKVCache(
             layer, args, batch_size, dtype, device, prompt_len=prompt_len,
-            prompt_capacity=params.get("keep", prompt_len), max_new_tokens=max_new_tokens,
-            selector=self.selector(params), evict=evict,
+            prompt_capacity=params.keep if evicting else prompt_len,
+            max_new_tokens=max_new_tokens, selector=self.selector(params), evict=evict,
             per_head=self.per_head_mask and evict is not None,
-            obs_window=params.get("window", 0), params=self.reported(params))
-
-
-def report_overshoot(p: dict[str, Any], t: int) -> None:
-    """Add ``budget_overshoot`` = traffic_tokens / t to ``p`` when the traffic exceeds t."""
-    if p["traffic_tokens"] > t:
-        p["budget_overshoot"] = p["traffic_tokens"] / t
+            obs_window=params.window if evicting else 0, params=params.to_dict())
 
 
 def full_cache(layer: int, args: ModelArgs, batch_size: int, prompt_len: int,
@@ -309,7 +398,7 @@ def check_options(method: str, options: Mapping[str, Any]) -> None:
 
 
 def derive(method: str, budget: int, prompt_len: int, new_tokens: int, args: ModelArgs,
-           options: Mapping[str, Any]) -> dict[str, Any]:
+           options: Mapping[str, Any]) -> Params:
     """``METHODS[method].derive`` after ``check_options``: every parameter at ``budget`` (see
     ``Method.derive``).
 
@@ -345,7 +434,7 @@ def check_budget(method: str, budget: int | None) -> None:
 
 
 def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
-         budget: int | None, **options) -> dict[str, Any] | None:
+         budget: int | None, **options) -> Params | None:
     """Every check of a run of ``method`` that needs no weights and no memory: the parameters
     ``build_caches`` will build from, or None when the run uses the full cache (an unbudgeted
     method, or a budget of at least the whole sequence). ``generate.py`` calls it before
@@ -379,9 +468,8 @@ def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
                 "uncompressed)")
         raise ConfigError(f"{method}: budget {budget} is too small: {e}; {hint} (prompt {T} "
                           f"tokens, max_new_tokens {new})") from None
-    params.update(method=method, skip_layers=skip, compressed=True)
-    m.validate(params, args, T + new, options)
-    return params
+    params = params.replace(method=method, skip_layers=skip, compressed=True)
+    return m.validate(params, args, T + new, options)
 
 
 def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
@@ -412,7 +500,7 @@ def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
                        prompt_len=T, max_new_tokens=new, dtype=dtype, device=device,
                        options=options)
     if not m.budgeted:
-        return m.build(local, {}, batch_size=batch_size, prompt_len=T, max_new_tokens=new,
+        return m.build(local, None, batch_size=batch_size, prompt_len=T, max_new_tokens=new,
                        dtype=dtype, device=device, options=options)
     note = f"budget {budget} >= the whole sequence ({T} prompt + {new} new tokens): no compression"
     return [full_cache(i, local, batch_size, T, new, dtype, device, note)

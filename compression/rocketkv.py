@@ -14,17 +14,12 @@ v1 split, the default) or alpha = min(0.2 + 0.06 log2 c, 0.8) (``adaptive``,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from compression.hybrid import hybrid_selector, hybrid_split
-from compression.registry import (
-    BudgetError,
-    CompressedMethod,
-    Option,
-    register,
-    report_overshoot,
-)
+from compression.hybrid import HybridSplit, hybrid_selector, hybrid_split, split_fields
+from compression.registry import BudgetError, CompressedMethod, Option, Params, register
 from compression.snapkv import KERNEL_SIZE, WINDOW_OPTION, observation_window
-from compression.snapkv_pp import snapkv_pp_evictor, snapkv_pp_kernel
+from compression.snapkv_pp import SnapKVPPEviction, snapkv_pp_evictor, snapkv_pp_kernel
 
 SPLITS = ("sqrt", "adaptive")
 ROCKET_SPLIT = Option("rocket_split", "RocketKV budget split between stages (default sqrt: "
@@ -38,15 +33,25 @@ def stage1_alpha(split: str, c: float) -> float:
     return min(0.2 + 0.06 * math.log2(c), 0.8) if c > 1 else 0.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class RocketKVParams(SnapKVPPEviction, HybridSplit, Params):
+    """RocketKV at budget t: stage 1 SnapKV++ keeps ``keep`` = T / c1 prompt tokens (``split``,
+    exponent ``alpha``); stage 2 is hybrid attention (``HybridSplit``) over them and the new
+    tokens."""
+
+    split: str
+    alpha: float
+    c1: float
+
+
 @register
-class RocketKV(CompressedMethod):
+class RocketKVMethod(CompressedMethod):
     name = "rocketkv"
     description = "RocketKV: SnapKV++ at prefill, then hybrid attention at every decode step"
     budget_rule = ("c = T / t; stage 1 keeps T / sqrt(c) tokens (`--rocket-split sqrt`) or T / "
                    "c^alpha, alpha = min(0.2 + 0.06 log2 c, 0.8) (`adaptive`); stage 2 as hybrid "
                    "on the kept tokens + m")
     options = (KERNEL_SIZE, WINDOW_OPTION, ROCKET_SPLIT)
-    internal_params = ("evict", "dense")
     source = "RocketKV Sec. 3.3-3.5, Alg. 1-2, App. A.3"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):
@@ -58,13 +63,11 @@ class RocketKV(CompressedMethod):
         if keep < T and keep <= window:
             raise BudgetError(f"stage 1 would keep {keep} tokens, not more than the "
                               f"observation window ({window})")
-        p = {"budget": budget, "compression_ratio": c, "split": split, "alpha": alpha,
-             "c1": T / keep, "window": window, "keep": keep, "evict": keep < T,
-             "pooling": "max",
-             "kernel_size": options.get("kernel_size") or snapkv_pp_kernel(args, T),
-             **hybrid_split(keep + new_tokens, budget, args.head_dim)}
-        report_overshoot(p, budget)
-        return p
+        return RocketKVParams(
+            budget=budget, compression_ratio=c, split=split, alpha=alpha, c1=T / keep,
+            window=window, keep=keep, evict=keep < T, pooling="max",
+            kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args, T),
+            **split_fields(hybrid_split(keep + new_tokens, budget, args.head_dim)))
 
     def evictor(self, params):
         return snapkv_pp_evictor(params)

@@ -2,9 +2,11 @@
 
 Every selecting method picks ``k`` tokens per KV head, shared by the query group (GQA-aware as in
 the RocketKV paper, App. A.3), and runs exact attention over them. This module holds what
-several of them use: group sums over the query heads, the top-r head dims of the group-summed
-|q| and SparQ's softmax temperature (SparQ, hybrid), and pages of min/max keys
-(``PagedSelector``: Quest, hybrid) with the page-first token top-k (``top_pages_to_tokens``).
+several of them use: their base class ``TopKSelector`` (what each declares for the fused
+kernels, and the one place a selector dispatches to them), group sums over the query heads, the
+top-r head dims of the group-summed |q| and SparQ's softmax temperature (SparQ, hybrid), and
+pages of min/max keys (``PagedSelector``: Quest, hybrid) with the page-first token top-k
+(``top_pages_to_tokens``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from torch import Tensor
 
 import kernels
-from kv_cache import CompressedKVCache, Selector, sector_bytes, strided_bytes
+from kv_cache import CompressedKVCache, Selector, attend_selected, sector_bytes, strided_bytes
 
 
 def group_sum(x: Tensor, n_kv_heads: int) -> Tensor:
@@ -88,7 +90,84 @@ def top_pages_to_tokens(page_scores: Tensor, counts: Tensor, page_size: int, k: 
     return out[..., :k]
 
 
-class PagedSelector(Selector):
+class TopKSelector(Selector):
+    """A selector that picks ``k`` slots per KV head (shared by the query group) and attends
+    exactly over them: Quest, SparQ, hybrid attention, Exact-TopK.
+
+    A subclass declares what the fused kernels (``kernels.sparse_attention``) need as class
+    attributes and properties, and implements ``select`` (the PyTorch path); ``attend``
+    dispatches between the two here, once for every such selector:
+
+    * ``kernel_mode``: how the kernel scores, ``"bound"`` (Quest's page bounds, summed over
+      the group) or ``"softmax"`` (approximate scores softmaxed per query head with SparQ's
+      temperature, summed over the group);
+    * ``page_size``: slots per scored row (1: every slot is scored, from K^T or a dim-major
+      copy); ``k``: slots attended; ``kernel_r(cache)``: head dims the scores read (d: all);
+    * ``kernel_rows(cache)``: what the kernel scores from, (B, H_kv, rows, pages) (a page
+      summary or a dim-major key copy), None: the keys themselves read as K^T;
+    * ``kernel_v_mean()``: SparQ's running mean of values (B, H_kv, 1, D) float32 with
+      mean-value reallocation, else None.
+    """
+
+    kernel_mode = "softmax"
+    KERNEL_MODES = ("bound", "softmax")
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Raises ValueError for a ``kernel_mode`` the kernels do not know."""
+        super().__init_subclass__(**kwargs)
+        if cls.kernel_mode not in TopKSelector.KERNEL_MODES:
+            raise ValueError(f"{cls.__name__}.kernel_mode must be one of "
+                             f"{', '.join(TopKSelector.KERNEL_MODES)}, got {cls.kernel_mode!r}")
+
+    def __init__(self, k: int, page_size: int = 1):
+        super().__init__()
+        self.k, self.page_size = k, page_size
+
+    def kernel_r(self, cache: CompressedKVCache) -> int:
+        """Head dims the scores read (default: every one, d)."""
+        return cache.head_dim
+
+    def kernel_rows(self, cache: CompressedKVCache) -> Tensor | None:
+        """What the fused selection scores from (None: K^T, the keys themselves)."""
+        return None
+
+    def kernel_v_mean(self) -> Tensor | None:
+        """SparQ's running mean of values for the fused reallocation, or None."""
+        return None
+
+    def fused(self, cache: CompressedKVCache, x: Tensor) -> bool:
+        """Whether this step's selection runs in the kernels (``x`` on the step's device):
+        where the ``sparse`` family runs (``kernels.enabled``: not switched off by the
+        self-check) and the selection fits one (``kernels.selection_fits``)."""
+        return kernels.enabled(x, "sparse") and kernels.selection_fits(
+            cache.length // self.page_size, min(self.k, cache.length), self.page_size)
+
+    def attend(self, cache: CompressedKVCache, q: Tensor, pos: Tensor) -> Tensor:
+        """Exact attention (B, H, 1, D) of q over the ``k`` slots the selection picks: the
+        fused kernel where ``fused`` says so (it reads ``pos`` and the cache's
+        ``slot_offset``, no mask), else ``select`` then ``attend_valid`` over the written
+        slots (``cache.valid_slots``)."""
+        if self.fused(cache, q):
+            return kernels.sparse_attention(
+                q, cache.k_cache, cache.v_cache, self.kernel_rows(cache), pos,
+                mode=getattr(kernels.ops(), "MODE_" + self.kernel_mode.upper()),
+                two_bounds=self.page_size > 1, r=self.kernel_r(cache),
+                k=min(self.k, cache.length), page_size=self.page_size,
+                offset=cache.slot_offset, v_mean=self.kernel_v_mean())
+        return self.attend_valid(cache, q, cache.valid_slots(pos))
+
+    def attend_valid(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        """The PyTorch path of ``attend`` given the written slots ``valid`` (S,) bool: exact
+        attention over ``select``'s slots."""
+        idx = self.select(cache, q, valid)
+        return attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)
+
+    def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        """Slots (B, H_kv, min(k, S)) int64 to attend to (see ``Selector.select``)."""
+        raise NotImplementedError
+
+
+class PagedSelector(TopKSelector):
     """A selector that keeps element-wise min/max keys per page of ``page_size`` slots.
 
     They live in ``summary`` (B, H_kv, 2 D, pages): rows 0..D-1 the max of each head dim over
@@ -97,9 +176,8 @@ class PagedSelector(Selector):
     Pages of one token keep no summary: K^T (a strided view of the cache) stands for it.
     """
 
-    def __init__(self, page_size: int):
-        super().__init__()
-        self.page_size = page_size
+    def __init__(self, page_size: int, k: int):
+        super().__init__(k, page_size)
 
     def allocate(self, cache: CompressedKVCache) -> None:
         if self.page_size == 1:  # a one-token page's min and max are the key itself
@@ -109,7 +187,7 @@ class PagedSelector(Selector):
                                                     dtype=cache.dtype, device=cache.device),
                              persistent=False)
 
-    def summary_rows(self) -> Tensor | None:
+    def kernel_rows(self, cache: CompressedKVCache) -> Tensor | None:
         """The summary for the fused kernels, or None for pages of one token (the kernels
         read the keys as K^T themselves, ``kernels.sparse_attention``)."""
         return None if self.page_size == 1 else self.summary

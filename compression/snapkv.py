@@ -15,11 +15,21 @@ the union of its query heads' tokens with a per-query-head mask.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from compression.registry import BudgetError, CompressedMethod, Option, positive, register
+from compression.registry import (
+    BudgetError,
+    CompressedMethod,
+    Option,
+    Params,
+    PromptEviction,
+    positive,
+    register,
+)
 from kv_cache import attention_column_sums, current_prefill_memo
 
 WINDOW = 32  # observation window (tokens), the SnapKV family
@@ -150,13 +160,23 @@ def prompt_budget(budget: int, new_tokens: int, options) -> tuple[int, int]:
     return window, p
 
 
+@dataclass(frozen=True, kw_only=True)
+class SnapKVParams(PromptEviction, Params):
+    """SnapKV at budget t: the prompt budget t - m, ``per_head_budget`` = (t - m) // G tokens
+    per query head, ``keep`` slots per KV head (the union of its group's), pooling."""
+
+    prompt_budget: int
+    per_head_budget: int
+    pooling: str
+    kernel_size: int
+
+
 @register
-class SnapKV(CompressedMethod):
+class SnapKVMethod(CompressedMethod):
     name = "snapkv"
     description = "SnapKV: per-head observation-window voting evicts prompt tokens (budget t - m)"
     budget_rule = "prompt budget (t - m) // G per query head; window 32, kernel 7, avg pooling"
     options = (KERNEL_SIZE, POOLING, WINDOW_OPTION)
-    internal_params = ("evict",)
     per_head_mask = True
     source = "SnapKV (Li et al. 2024) Sec. 4; RocketKV App. A.3"
 
@@ -166,16 +186,17 @@ class SnapKV(CompressedMethod):
         if per_head <= window:
             raise BudgetError(f"the per-head prompt budget (t - m) // G = {per_head} does "
                               f"not exceed the observation window ({window})")
-        return {"budget": budget, "compression_ratio": prompt_len / budget, "window": window,
-                "prompt_budget": budget_p, "per_head_budget": per_head,
-                "pooling": options.get("pooling") or "avg",
-                "kernel_size": options.get("kernel_size") or SNAPKV_KERNEL,
-                "keep": min(prompt_len, args.group_size * (per_head - window) + window),
-                "evict": prompt_len > per_head}
+        return SnapKVParams(
+            budget=budget, compression_ratio=prompt_len / budget, window=window,
+            prompt_budget=budget_p, per_head_budget=per_head,
+            pooling=options.get("pooling") or "avg",
+            kernel_size=options.get("kernel_size") or SNAPKV_KERNEL,
+            keep=min(prompt_len, args.group_size * (per_head - window) + window),
+            evict=prompt_len > per_head)
 
     def evictor(self, p):
-        if not p["evict"]:
+        if not p.evict:
             return None
-        keep, per_head, window = p["keep"], p["per_head_budget"], p["window"]
-        kernel, pooling = p["kernel_size"], p["pooling"]
+        keep, per_head, window = p.keep, p.per_head_budget, p.window
+        kernel, pooling = p.kernel_size, p.pooling
         return lambda q, k: snapkv_select(q, k, keep, per_head, window, kernel, pooling)

@@ -20,9 +20,11 @@ RocketKV's first stage (``rocketkv.py``) is SnapKV++ with its own prompt budget.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
 
-from compression.registry import BudgetError, CompressedMethod, register
+from compression.registry import BudgetError, CompressedMethod, Params, PromptEviction, register
 from compression.snapkv import (
     KERNEL_SIZE,
     WINDOW_OPTION,
@@ -73,31 +75,46 @@ def snapkv_pp_kernel(args: ModelArgs, prompt_len: int) -> int:
         prompt_len: prompt tokens T.
     Returns:
         The odd kernel size in tokens (63 or 511); ``--kernel-size`` overrides it in
-        ``SnapKVPlusPlus.derive``.
+        ``SnapKVPPMethod.derive``.
     """
     small, large = SNAPKV_PP_KERNELS
     scaled = args.rope_scaling is not None
     return large if scaled and prompt_len >= 3 * args.max_seq_len // 8 else small
 
 
-def snapkv_pp_evictor(params):
+@dataclass(frozen=True, kw_only=True)
+class SnapKVPPEviction(PromptEviction):
+    """SnapKV++'s eviction (also RocketKV's stage 1): ``keep`` tokens per KV head, shared by
+    the group, votes max-pooled with ``kernel_size``."""
+
+    pooling: str
+    kernel_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapKVPPParams(SnapKVPPEviction, Params):
+    """SnapKV++ at budget t: the prompt budget t - m shared by the group."""
+
+    prompt_budget: int
+
+
+def snapkv_pp_evictor(params: SnapKVPPEviction):
     """SnapKV++'s ``evict(q_obs, k) -> (idx, None)`` for ``params`` (keep, window,
     kernel_size; ``evict`` False: None)."""
-    if not params["evict"]:
+    if not params.evict:
         return None
-    keep, window, kernel = params["keep"], params["window"], params["kernel_size"]
+    keep, window, kernel = params.keep, params.window, params.kernel_size
     return lambda q, k: (snapkv_pp_select(q, k, keep, window, kernel), None)
 
 
 @register
-class SnapKVPlusPlus(CompressedMethod):
+class SnapKVPPMethod(CompressedMethod):
     name = "snapkv_pp"
     description = "SnapKV++: group-shared voting, adaptive max-pool kernel (RocketKV Alg. 1)"
     budget_rule = ("prompt budget t - m shared by the group; window 32, max pooling, kernel 63, or"
                    " 511 when the model reaches its context by RoPE scaling and T >= 3/8 of that "
                    "context")
     options = (KERNEL_SIZE, WINDOW_OPTION)
-    internal_params = ("evict",)
     source = "RocketKV Sec. 3.3, Alg. 1, App. A.3"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):
@@ -105,11 +122,11 @@ class SnapKVPlusPlus(CompressedMethod):
         if budget_p <= window:
             raise BudgetError(f"the prompt budget t - m = {budget_p} does not exceed "
                               f"the observation window ({window})")
-        return {"budget": budget, "compression_ratio": prompt_len / budget, "window": window,
-                "prompt_budget": budget_p,
-                "kernel_size": options.get("kernel_size") or snapkv_pp_kernel(args, prompt_len),
-                "pooling": "max", "keep": min(prompt_len, budget_p),
-                "evict": prompt_len > budget_p}
+        return SnapKVPPParams(
+            budget=budget, compression_ratio=prompt_len / budget, window=window,
+            prompt_budget=budget_p,
+            kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args, prompt_len),
+            pooling="max", keep=min(prompt_len, budget_p), evict=prompt_len > budget_p)
 
     def evictor(self, params):
         return snapkv_pp_evictor(params)

@@ -13,17 +13,17 @@ dim-major (storage 1.5x the full cache; Table 1 counts 2) unless ``--sparq-strid
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 import kernels
-from compression.registry import BudgetError, CompressedMethod, Option, register, report_overshoot
-from compression.selection import query_dims, sparq_temperature, top_r_dims
+from compression.registry import BudgetError, CompressedMethod, Option, Params, register
+from compression.selection import TopKSelector, query_dims, sparq_temperature, top_r_dims
 from kv_cache import (
     CompressedKVCache,
-    Selector,
     attend_selected,
     gather_tokens,
     sector_bytes,
@@ -58,18 +58,28 @@ def sparq_scores(q: Tensor, k: Tensor, dims: Tensor, valid: Tensor,
     return s.masked_fill(~valid, float("-inf")).softmax(dim=-1)
 
 
-class SparQ(Selector):
+class SparQSelector(TopKSelector):
     """SparQ with group-summed |q| dims and group-summed approximate scores.
 
     With ``dim_major`` (the default, as the paper's Table 1 counts SparQ: storage 2) a
     transposed copy of the keys, ``k_dims`` (B, H_kv, D, S), makes the r chosen dims r
     contiguous rows; without it they are gathered from every key row (a strided read that
-    touches min(r, D e / 32) 32-byte sectors of each row, e bytes per element).
+    touches min(r, D e / 32) 32-byte sectors of each row, e bytes per element). The fused
+    kernels score the same (``kernel_mode`` "softmax", r head dims, from ``k_dims`` or K^T).
     """
 
     def __init__(self, r: int, k: int, reallocate: bool = False, dim_major: bool = True):
-        super().__init__()
-        self.r, self.k, self.reallocate, self.dim_major = r, k, reallocate, dim_major
+        super().__init__(k)
+        self.r, self.reallocate, self.dim_major = r, reallocate, dim_major
+
+    def kernel_r(self, cache: CompressedKVCache) -> int:
+        return self.r
+
+    def kernel_rows(self, cache: CompressedKVCache) -> Tensor | None:
+        return self.k_dims if self.dim_major else None
+
+    def kernel_v_mean(self) -> Tensor | None:
+        return self.v_mean if self.reallocate else None
 
     def allocate(self, cache: CompressedKVCache) -> None:
         B, Hkv, S, D = cache.k_cache.shape
@@ -107,12 +117,6 @@ class SparQ(Selector):
             chunk = cache.k_cache[:, :, first:first + n]  # (B, H_kv, n, D)
             self.k_dims[..., first:first + n] = chunk.transpose(-1, -2)
 
-    def fused(self, cache: CompressedKVCache, x: Tensor) -> bool:
-        """Whether this step's write and selection run in the kernels (``x`` on the step's
-        device): where they run and the selection fits (``kernels.selection_fits``)."""
-        return kernels.enabled(x) and \
-            kernels.selection_fits(cache.length, min(self.k, cache.length), 1)
-
     def token_aux(self, cache: CompressedKVCache) -> tuple[Tensor, int, int] | None:
         """The dim-major key copy's column, written with the token (None with ``reallocate``
         where the selection does not run fused: the running mean of values is then
@@ -134,19 +138,26 @@ class SparQ(Selector):
         else:
             super().store_token(cache, slot, k, v)
 
-    def attend(self, cache: CompressedKVCache, q: Tensor, valid: Tensor,
-               pos: Tensor | None = None) -> Tensor:
+    def _probs_and_slots(self, cache: CompressedKVCache, q: Tensor,
+                         valid: Tensor) -> tuple[Tensor, Tensor]:
+        """The approximate probabilities (B, H_kv, G, S) float32 (``sparq_scores``) and the
+        slots (B, H_kv, min(k, S)) int64 (unsorted) of their top group sums."""
         keys = self.k_dims if self.dim_major else cache.k_cache
-        k = min(self.k, cache.length)
-        if pos is not None and self.fused(cache, q):  # fused (Triton)
-            return kernels.sparse_attention(
-                q, cache.k_cache, cache.v_cache, keys if self.dim_major else None, pos,
-                mode=kernels.ops().MODE_SOFTMAX, two_bounds=False, r=self.r, k=k, page_size=1,
-                offset=cache.slot_offset, v_mean=self.v_mean if self.reallocate else None)
         dims = top_r_dims(q, cache.n_kv_heads, self.r)
         probs = sparq_scores(q, keys, dims, valid, self.dim_major)  # (B, H_kv, G, S)
         scores = probs.sum(dim=2).masked_fill(~valid, float("-inf"))
-        idx = scores.topk(k, dim=-1, sorted=False).indices
+        return probs, scores.topk(min(self.k, cache.length), dim=-1, sorted=False).indices
+
+    def select(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        """Token indices (B, H_kv, min(k, S)) int64 (unsorted) of the top approximate
+        scores."""
+        return self._probs_and_slots(cache, q, valid)[1]
+
+    def attend_valid(self, cache: CompressedKVCache, q: Tensor, valid: Tensor) -> Tensor:
+        """Exact attention over the selected slots, with ``reallocate`` mixed with the mean
+        value by the selected approximate probability mass alpha: alpha y + (1 - alpha)
+        mean V."""
+        probs, idx = self._probs_and_slots(cache, q, valid)
         y = attend_selected(q, cache.k_cache, cache.v_cache, idx, valid)  # (B, H, 1, D)
         if not self.reallocate:
             return y
@@ -177,6 +188,17 @@ class SparQ(Selector):
                 "dim_major_keys": self.dim_major}
 
 
+@dataclass(frozen=True, kw_only=True)
+class SparQParams(Params):
+    """SparQ at budget t: ``k`` tokens attended, ``r`` query dims scored, mean-value
+    ``reallocate``, the ``dim_major`` key copy."""
+
+    k: int
+    r: int
+    reallocate: bool
+    dim_major: bool
+
+
 @register
 class SparQMethod(CompressedMethod):
     name = "sparq"
@@ -192,12 +214,10 @@ class SparQMethod(CompressedMethod):
             raise BudgetError("k = t // 2 rounds to zero")
         d, cap = args.head_dim, prompt_len + new_tokens
         r = min(d, max(1, budget * d // cap))  # floor: r * C <= t * d, within budget when >= 1
-        p = {"budget": budget, "compression_ratio": prompt_len / budget, "k": k, "r": r,
-             "reallocate": bool(options.get("sparq_reallocate")),
-             "dim_major": not options.get("sparq_strided_keys"),
-             "traffic_tokens": cap * r / (2 * d) + k}
-        report_overshoot(p, budget)
-        return p
+        return SparQParams(budget=budget, compression_ratio=prompt_len / budget, k=k, r=r,
+                           reallocate=bool(options.get("sparq_reallocate")),
+                           dim_major=not options.get("sparq_strided_keys"),
+                           traffic_tokens=cap * r / (2 * d) + k)
 
     def selector(self, params):
-        return SparQ(params["r"], params["k"], params["reallocate"], params["dim_major"])
+        return SparQSelector(params.r, params.k, params.reallocate, params.dim_major)

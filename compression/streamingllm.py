@@ -16,12 +16,13 @@ sink = 4 (``--sink-size``), recent window t - sink.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from compression.registry import BudgetError, Method, Option, register
+from compression.registry import BudgetError, Method, Option, Params, register
 from kv_cache import KVCache, attend, causal_attention
 from model import ModelArgs
 
@@ -217,23 +218,34 @@ class SinkRecentCache(KVCache):
                 "prompt_tokens_kept": self.kept}
 
 
+@dataclass(frozen=True, kw_only=True)
+class SinkRecentParams(Params):
+    """A sink + recent ring buffer of ``capacity`` = t slots per KV head."""
+
+    sink: int
+    recent: int
+    capacity: int
+
+
 @register
-class StreamingLLM(Method):
+class StreamingLLMMethod(Method):
     name = "streamingllm"
     description = "StreamingLLM: attention sinks + a recent window (ring buffer), budget t"
     budget_rule = "capacity t: 4 sinks (`--sink-size`), t - 4 recent"
     options = (SINK_SIZE,)
+    cache_classes = (SinkRecentCache,)
     source = "StreamingLLM (Xiao et al. 2024); RocketKV App. A.3"
 
     def derive(self, budget, prompt_len, new_tokens, args, options):
         sink = STREAMING_SINK if options.get("sink_size") is None else options["sink_size"]
         if budget <= sink:
             raise BudgetError(f"no room for a recent window beside {sink} sink tokens")
-        return {"budget": budget, "compression_ratio": prompt_len / budget, "sink": sink,
-                "recent": budget - sink, "capacity": budget, "traffic_tokens": float(budget)}
+        return SinkRecentParams(budget=budget, compression_ratio=prompt_len / budget, sink=sink,
+                                recent=budget - sink, capacity=budget,
+                                traffic_tokens=float(budget))
 
     def build_layer(self, layer, args, params, *, batch_size, prompt_len, max_new_tokens,
                     dtype, device):
         return SinkRecentCache(layer, args, batch_size, dtype, device, prompt_len=prompt_len,
-                               max_new_tokens=max_new_tokens, sink=params["sink"],
-                               recent=params["recent"], params=self.reported(params))
+                               max_new_tokens=max_new_tokens, sink=params.sink,
+                               recent=params.recent, params=params.to_dict())

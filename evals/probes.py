@@ -19,12 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from compression.exact_topk import ExactTopK, exact_scores
-from compression.hybrid import Hybrid
 from compression.omnikv import OmniKVSparseCache
-from compression.quest import Quest
-from compression.selection import top_r_dims
-from compression.sparq import SparQ, sparq_scores
 from evals.metrics import selection_masses
 from kv_cache import CompressedKVCache, KVCache, Selector, gather_tokens
 from model import ConfigError, Transformer
@@ -32,29 +27,17 @@ from prefill import PrefilledPrompt
 
 
 def selected_slots(selector: Selector, cache: CompressedKVCache, q: Tensor,
-                   valid: Tensor) -> Tensor | None:
+                   valid: Tensor) -> Tensor:
     """Slots (B, H_kv, 1 or G, S) bool the selector's ``attend`` reads for q (B, H, 1, D) given
-    ``valid`` (S,), recomputed with the selector's own functions; None for a selector this
-    harness does not know."""
+    ``valid`` (S,): its ``select`` (every selector offers it), less unwritten picks (the
+    attention masks them), and per query head where the cache keeps a ``head_mask``
+    (original SnapKV)."""
     B, Hkv, S = cache.batch_size, cache.n_kv_heads, cache.length
-    if isinstance(selector, (Quest, Hybrid)):
-        idx = selector.select(cache, q, valid)
-    elif isinstance(selector, ExactTopK):
-        idx = exact_scores(q, cache.k_cache, valid).topk(min(selector.k, S), dim=-1).indices
-    elif isinstance(selector, SparQ):
-        dims = top_r_dims(q, Hkv, selector.r)
-        scores = sparq_scores(q, cache.k_cache, dims, valid).sum(dim=2)
-        scores = scores.masked_fill(~valid, float("-inf"))
-        idx = scores.topk(min(selector.k, S), dim=-1).indices
-    elif type(selector) is Selector:  # dense over what the cache holds
-        if cache.head_mask is not None:
-            return valid & cache.head_mask  # (B, H_kv, G, S)
-        return valid.expand(B, Hkv, 1, S)
-    else:
-        return None
+    idx = selector.select(cache, q, valid)
     sel = torch.zeros(B, Hkv, S, dtype=torch.bool, device=valid.device)
     sel.scatter_(-1, idx, True)
-    return (sel & valid)[:, :, None]  # attend_selected masks unwritten picks
+    sel = (sel & valid)[:, :, None]  # attend_selected masks unwritten picks
+    return sel if cache.head_mask is None else sel & cache.head_mask
 
 
 class RecallProbe:
@@ -77,7 +60,6 @@ class RecallProbe:
         self.keep_raw = keep_raw
         self.records: list[tuple[int, Tensor, Tensor, Tensor]] = []
         self.raw: list[dict[str, Any]] = []
-        self.unknown: list[str] = []
         self._undo: list[Callable[[], None]] = []
 
     @contextlib.contextmanager
@@ -121,12 +103,10 @@ class RecallProbe:
         k_prompt, v_prompt = self.pre.k[layer], self.pre.v[layer]
         T = k_prompt.shape[2]
 
-        def attend(cache_: CompressedKVCache, q: Tensor, valid: Tensor, **kw) -> Tensor:
+        def attend(cache_: CompressedKVCache, q: Tensor, pos: Tensor) -> Tensor:
+            valid = cache_.valid_slots(pos)
             sel = selected_slots(selector, cache_, q, valid)
-            out = original(cache_, q, valid, **kw)
-            if sel is None:
-                self.unknown.append(type(selector).__name__)
-                return out
+            out = original(cache_, q, pos)
             slot = int(valid.sum()) - 1
             kept = cache_.kept
             B, Hkv, Gx, _ = sel.shape
@@ -202,7 +182,7 @@ class RecallProbe:
         """Means over every record: ``attention_recall`` (covered / oracle),
         ``attention_mass`` (covered), ``oracle_mass``, ``selected_tokens`` (k), and
         ``attention_recall_per_layer``; None values when nothing was recorded."""
-        if not self.records or self.unknown:
+        if not self.records:
             return {"attention_recall": None, "attention_mass": None, "oracle_mass": None,
                     "selected_tokens": None, "attention_recall_per_layer": None}
         covered = torch.stack([r[1] for r in self.records])

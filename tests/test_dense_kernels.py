@@ -23,8 +23,8 @@ import kernels
 import quantized
 from checkpoint import random_model
 from compression import METHODS, build_caches, smallest_budget
-from compression.hybrid import Hybrid
-from compression.sparq import SparQ
+from compression.hybrid import HybridSelector
+from compression.sparq import SparQSelector
 from generate import generate
 from kernels import tuning
 from kv_cache import CompressedKVCache, FullKVCache
@@ -446,7 +446,8 @@ def test_a_cache_that_decodes_its_own_way_gets_k_and_v():
     pos = torch.tensor([3])
     assert FullKVCache(0, args, 1, torch.float32, "cpu", 8).token_store(pos) is not None
     assert OwnFull(0, args, 1, torch.float32, "cpu", 8).token_store(pos) is None
-    compact = dict(prompt_len=4, prompt_capacity=4, max_new_tokens=4, selector=Hybrid(2, 5, 4))
+    compact = dict(prompt_len=4, prompt_capacity=4, max_new_tokens=4,
+                   selector=HybridSelector(2, 5, 4))
     assert CompressedKVCache(0, args, 1, torch.float32, "cpu", **compact).token_store(pos)
     assert OwnCompact(0, args, 1, torch.float32, "cpu", **compact).token_store(pos) is None
 
@@ -464,18 +465,18 @@ def test_token_stores_name_the_selectors_auxiliary_keys():
         return CompressedKVCache(0, args, 1, torch.float32, "cpu", prompt_len=16,
                                  prompt_capacity=12, max_new_tokens=8, selector=sel)
 
-    c = cache(Hybrid(4, 5, 8))
+    c = cache(HybridSelector(4, 5, 8))
     s = c.token_store(pos)
     assert s.aux is c.selector.summary and s.aux_kind == kernels.AUX_SUMMARY and \
         s.page_size == 4 and int(s.pos - s.offset) == 20 - 4
-    s = cache(SparQ(5, 8)).token_store(pos)
+    s = cache(SparQSelector(5, 8)).token_store(pos)
     assert s.aux_kind == kernels.AUX_DIM_MAJOR
-    assert cache(SparQ(5, 8, dim_major=False)).token_store(pos).aux_kind == kernels.AUX_NONE
-    assert cache(SparQ(5, 8, reallocate=True)).token_store(pos).aux_kind == \
+    assert cache(SparQSelector(5, 8, dim_major=False)).token_store(pos).aux_kind == kernels.AUX_NONE
+    assert cache(SparQSelector(5, 8, reallocate=True)).token_store(pos).aux_kind == \
         kernels.AUX_DIM_MAJOR
     with pytest.MonkeyPatch.context() as m:
         m.setattr(OPS, "SELECT_REGISTER_PAGES", 8)  # 20 slots: no choice fits
-        assert cache(SparQ(5, 8, reallocate=True)).token_store(pos) is None
+        assert cache(SparQSelector(5, 8, reallocate=True)).token_store(pos) is None
 
 
 # ---- CUDA, real shapes ---------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
 from compression import build_caches
+from compression.selection import TopKSelector
 from evals.data import TINYSTORIES_TEXTS
 from evals.fidelity import (
     STORY_SEPARATOR,
@@ -345,6 +346,39 @@ def test_recall_matches_a_slow_reference(stories_model, prompts, method, budget)
         assert got_k[0].tolist() == pytest.approx(ks)
     if method == "snapkv":
         assert probe.raw[0]["selected"].shape[2] == G  # per query head
+
+
+class RecentSelector(TopKSelector):
+    """A selector ``evals/probes.py`` was never told about: the k most recent written slots."""
+
+    def select(self, cache, q, valid):
+        n = min(self.k, cache.length)
+        last = valid.sum() - 1
+        idx = (last - torch.arange(n, device=valid.device)).clamp(min=0)
+        return idx.expand(cache.batch_size, cache.n_kv_heads, n)
+
+
+def test_a_new_selector_gets_recall_figures(stories_model, prompts):
+    """The probe records what any selector's ``select`` picks (no list of known selectors):
+    a selector defined here gets records, and attention over them reproduces its output."""
+    model, p = stories_model, prompts[0]
+    pre = prefill_once(model, p.prompt)
+    build_from_prefill(model, pre, "exact_topk", 32, M)
+    for cache in model.caches:
+        cache.selector = RecentSelector(16)
+    probe = RecallProbe(pre, keep_raw=True)
+    with probe.attached(model):
+        teacher_forced_logprobs(model, p.prompt, p.continuation, pre.logits)
+    n_layers = model.args.n_layers
+    summary = probe.summary(n_layers)
+    assert len(probe.records) == (M - 1) * n_layers and summary["selected_tokens"] == 16
+    assert 0 < summary["attention_recall"] <= 1 + 1e-6
+    for raw in probe.raw[::7]:
+        covered, oracle, ks = _reference_masses(raw, model.args.group_size)
+        assert raw["record"][1][0].tolist() == pytest.approx(covered, abs=1e-5)
+        S = raw["selected"].shape[-1]
+        assert raw["selected"][0, :, 0, :S - 16].sum() == 0  # only the 16 most recent
+        assert raw["selected"][0, :, 0, S - 16:].all()
 
 
 # ---- the CLI ----------------------------------------------------------------------------------

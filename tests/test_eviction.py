@@ -293,7 +293,7 @@ def test_duo_budget_mapping_follows_the_papers_baseline():
     # the average read per KV head stays within the budget
     args = ModelArgs.from_name("llama-3.1-8b")
     p = derive("duoattention", 4096, 32768, 0, args, {})
-    assert p["traffic_tokens"] <= 4096 and p["retrieval_heads"] == 27
+    assert p.traffic_tokens <= 4096 and p.retrieval_heads == 27
 
 
 def write_tsv(path, rows):

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import kernels
-from compression.exact_topk import ExactTopK, exact_scores
-from compression.hybrid import Hybrid, hybrid_page_scores
-from compression.quest import Quest, page_bounds
+from compression.exact_topk import ExactTopKSelector, exact_scores
+from compression.hybrid import HybridSelector, hybrid_page_scores
+from compression.quest import QuestSelector, page_bounds
 from compression.selection import PagedSelector, group_sum, top_r_dims
-from compression.sparq import SparQ, sparq_scores
+from compression.sparq import SparQSelector, sparq_scores
 from kv_cache import CompressedKVCache, FullKVCache, Selector
 from model import ModelArgs
 
@@ -39,17 +39,18 @@ interpreted = pytest.mark.skipif(CUDA and os.environ.get("TRITON_INTERPRET") != 
                                         "machine runs the cuda tests")
 
 SELECTORS = {  # name -> (selector for k tokens)
-    "hybrid": lambda k: Hybrid(4, 5, k),
-    "hybrid_page3": lambda k: Hybrid(3, 9, k),
-    "hybrid_page1": lambda k: Hybrid(1, 5, k),
-    "quest": lambda k: Quest(4, k),
-    "quest_page1": lambda k: Quest(1, k),
-    "quest_page100": lambda k: Quest(100, k),  # a page over one loop iteration's 64 slots
-    "sparq": lambda k: SparQ(5, k),
-    "sparq_strided": lambda k: SparQ(5, k, dim_major=False),
-    "sparq_realloc": lambda k: SparQ(5, k, reallocate=True),
-    "sparq_realloc_strided": lambda k: SparQ(3, k, reallocate=True, dim_major=False),
-    "exact_topk": lambda k: ExactTopK(k),
+    "hybrid": lambda k: HybridSelector(4, 5, k),
+    "hybrid_page3": lambda k: HybridSelector(3, 9, k),
+    "hybrid_page1": lambda k: HybridSelector(1, 5, k),
+    "quest": lambda k: QuestSelector(4, k),
+    "quest_page1": lambda k: QuestSelector(1, k),
+    "quest_page100": lambda k: QuestSelector(100, k),  # a page over one loop's 64 slots
+    "sparq": lambda k: SparQSelector(5, k),
+    "sparq_strided": lambda k: SparQSelector(5, k, dim_major=False),
+    "sparq_realloc": lambda k: SparQSelector(5, k, reallocate=True),
+    "sparq_realloc_strided": lambda k: SparQSelector(3, k, reallocate=True,
+                                                     dim_major=False),
+    "exact_topk": lambda k: ExactTopKSelector(k),
 }
 
 
@@ -112,14 +113,14 @@ def reference_scores(cache, q, valid, dtype=None):
     sel = cache.selector
     f = (lambda x: x) if dtype is None else (lambda x: x.to(dtype))
     q = f(q)
-    if isinstance(sel, ExactTopK):
+    if isinstance(sel, ExactTopKSelector):
         return exact_scores(q, f(cache.k_cache), valid).float()
-    if isinstance(sel, SparQ):
+    if isinstance(sel, SparQSelector):
         keys = f(sel.k_dims if sel.dim_major else cache.k_cache)
         s = sparq_scores(q, keys, top_r_dims(q, cache.n_kv_heads, sel.r), valid, sel.dim_major)
         return s.sum(dim=2).masked_fill(~valid, float("-inf")).float()
     counts = sel.page_counts(valid)
-    if isinstance(sel, Quest):
+    if isinstance(sel, QuestSelector):
         pages = page_bounds(q, f(sel.rows(cache)))
         newest = torch.arange(pages.shape[-1], device=q.device) == (counts > 0).sum() - 1
         pages = pages.masked_fill(newest, float("inf"))
@@ -155,14 +156,15 @@ def check_selection(ref_cache, ker_cache, q, t, k, exact):
     scores = reference_scores(ref_cache, q, valid, torch.float32).cpu()
     native = scores if q.dtype == torch.float32 else reference_scores(ref_cache, q, valid).cpu()
     keys = ker_cache.k_cache  # read as K^T by the kernel (by_token)
-    if isinstance(sel, Quest):
-        mode, two, r, rows = OPS.MODE_BOUND, sel.page_size > 1, q.shape[-1], sel.summary_rows()
-    elif isinstance(sel, SparQ):
+    if isinstance(sel, QuestSelector):
+        mode, two, r = OPS.MODE_BOUND, sel.page_size > 1, q.shape[-1]
+        rows = sel.kernel_rows(ker_cache)
+    elif isinstance(sel, SparQSelector):
         mode, two, r, rows = OPS.MODE_SOFTMAX, False, sel.r, sel.k_dims if sel.dim_major else None
-    elif isinstance(sel, ExactTopK):
+    elif isinstance(sel, ExactTopKSelector):
         mode, two, r, rows = OPS.MODE_SOFTMAX, False, q.shape[-1], None
     else:
-        mode, two, r, rows = OPS.MODE_SOFTMAX, sel.page_size > 1, sel.r, sel.summary_rows()
+        mode, two, r, rows = OPS.MODE_SOFTMAX, sel.page_size > 1, sel.r, sel.kernel_rows(ker_cache)
     ps = sel.page_size
     # odd steps give the slot as a compressed cache does: a position less the slot offset
     last, offset = (torch.tensor([t + 9], device=q.device), torch.tensor([9], device=q.device)) \
@@ -611,9 +613,11 @@ CUDA_CASES = [  # llama-3.1-8b heads (32 query, 8 KV, head dim 128); RocketKV @2
                          ids=[f"{c[3]}-{c[2]}-{str(dt)[6:]}" for c in CUDA_CASES for dt in c[4]])
 def test_cuda_real_shapes(name, k, T, label, dtype, monkeypatch):
     """The same checks on the GPU at llama-3.1-8b's heads and real contexts."""
-    make = {"hybrid_p5r28": lambda n: Hybrid(5, 28, n), "hybrid_p12r12": lambda n: Hybrid(
-        12, 12, n), "hybrid_p23r6": lambda n: Hybrid(23, 6, n), "quest": lambda n: Quest(128, n),
-        "sparq": lambda n: SparQ(1, n), "exact_topk": lambda n: ExactTopK(n)}[label]
+    make = {"hybrid_p5r28": lambda n: HybridSelector(5, 28, n),
+            "hybrid_p12r12": lambda n: HybridSelector(12, 12, n),
+            "hybrid_p23r6": lambda n: HybridSelector(23, 6, n),
+            "quest": lambda n: QuestSelector(128, n), "sparq": lambda n: SparQSelector(1, n),
+            "exact_topk": lambda n: ExactTopKSelector(n)}[label]
     monkeypatch.setitem(SELECTORS, name, make)
     ref, ker, (q, kk, v) = twin_caches(name, k, model_args(32, 8, 128), T, 2, dtype, "cuda")
     tol = 0.05 if dtype == torch.bfloat16 else 1e-3

@@ -196,8 +196,8 @@ def test_keydiff_covering_the_sequence_equals_full_and_appends_like_one_prefill(
 
 def test_keydiff_budget_parameters_and_cli_errors(capsys):
     p = derive("keydiff", 256, 4000, 32, tiny_args(), {})
-    assert (p["capacity"], p["block_size"], p["cache_slots"]) == (255, 128, 383)
-    assert derive("keydiff", 256, 4000, 32, tiny_args(), {"block_size": 64})["block_size"] == 64
+    assert (p.capacity, p.block_size, p.cache_slots) == (255, 128, 383)
+    assert derive("keydiff", 256, 4000, 32, tiny_args(), {"block_size": 64}).block_size == 64
     with pytest.raises(ConfigError, match="smallest valid budget here is 2"):
         build_caches("keydiff", tiny_args(), batch_size=1, prompt_len=100, max_new_tokens=4,
                      budget=1, dtype=torch.float32, device="meta")
@@ -220,8 +220,8 @@ def test_filter_layers_and_roles():
                                       "full", "sparse"]
     p = derive("omnikv", 64, 1000, 24, tiny_args(layers=8), {"filter_layers": [2, 5]})
     # layers 0, 1, 2, 3, 5, 6 read all 1024 tokens, layers 4 and 7 read 64
-    assert p["traffic_tokens"] == pytest.approx((6 * 1024 + 2 * 64) / 8)
-    assert p["budget_overshoot"] == pytest.approx(p["traffic_tokens"] / 64)
+    assert p.traffic_tokens == pytest.approx((6 * 1024 + 2 * 64) / 8)
+    assert p.budget_overshoot == pytest.approx(p.traffic_tokens / 64)
     for bad in ([5, 2], [1, 8], [-1]):
         with pytest.raises(ConfigError, match="--filter-layers must be increasing"):
             derive("omnikv", 64, 1000, 24, tiny_args(layers=8), {"filter_layers": bad})

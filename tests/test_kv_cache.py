@@ -197,3 +197,61 @@ def test_gather_tokens_picks_each_heads_rows(dtype):
     expect = torch.stack([torch.stack([wide[b, h, idx[b, h]] for h in range(3)])
                           for b in range(2)])
     assert not wide.is_contiguous() and torch.equal(gather_tokens(wide, idx), expect)
+
+
+def aten_ops_of(fn):
+    """The ops (``namespace::name``) ``fn()`` dispatches at the top level (a fused kernel's
+    custom op counts as one; what runs inside it is not seen)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(f"{func.namespace}::{func.overloadpacket.__name__}")
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return names
+
+
+@pytest.mark.parametrize("method", ["full", "exact_topk", "snapkv_pp", "quest", "sparq",
+                                    "hybrid", "rocketkv"])
+def test_a_kernel_step_builds_no_mask_of_written_slots(method):
+    """Issue 45 item 5: where the kernels run, the eager step builds nothing it does not use.
+    The mask of written slots (``arange(S) <= pos``) is the PyTorch path's: a step through
+    the kernels (forced, in Triton's interpreter) dispatches no ``arange`` and no ``le``, so
+    the CUDA-graphs regime launches what the compiled step does. The PyTorch path still
+    builds it (the counter sees it)."""
+    import kernels
+
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
+                     vocab_size=10, max_seq_len=512)  # head dim 16: the kernels' smallest
+    T = 120
+    cache = build_caches(method, args, batch_size=1, prompt_len=T, max_new_tokens=4,
+                         budget=None if method == "full" else 40, dtype=torch.float32,
+                         device="cpu", **({"window": 8} if "snapkv" in method or
+                                          method == "rocketkv" else {}))[0]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, T + 1, 16, generator=g) for h in (4, 2, 2))
+    cache.prefill(q[:, :, :T], k[:, :, :T], v[:, :, :T])
+    pos = torch.tensor([T])
+    store = cache.token_store(pos)  # the token written as the dense kernels would
+    store.k_cache.index_copy_(2, pos - (0 if store.offset is None else store.offset),
+                              k[:, :, T:])
+    store.v_cache.index_copy_(2, pos - (0 if store.offset is None else store.offset),
+                              v[:, :, T:])
+    step = q[:, :, T:]
+    previous = kernels.set_mode("force")
+    try:
+        fused = aten_ops_of(lambda: cache.attend_stored(step, pos))
+    finally:
+        kernels.set_mode("off")
+    try:
+        plain = aten_ops_of(lambda: cache.attend_stored(step, pos))
+    finally:
+        kernels.set_mode(previous)
+    assert "aten::arange" in plain and "aten::le" in plain
+    assert "aten::arange" not in fused and "aten::le" not in fused, fused
+    assert any(n.startswith("rocketkv::") for n in fused)  # the kernels ran

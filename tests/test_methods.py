@@ -1,6 +1,7 @@
 """compression/__init__.py: budget -> parameters, errors, bytes, and every method end to end."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,13 @@ from compression import (
     methods_table,
     smallest_budget,
 )
-from compression.registry import DOC_TABLES, every_option, options_table, render_docs
+from compression.registry import (
+    DOC_TABLES,
+    CompressedMethod,
+    every_option,
+    options_table,
+    render_docs,
+)
 from generate import generate
 from kv_cache import CompressedKVCache, FullKVCache
 from model import CONFIGS, ConfigError, ModelArgs
@@ -27,29 +34,46 @@ from tokenizer import load_tokenizer
 # the test matrix comes from the registry: a newly registered method is tested here at once
 COMPRESSED = [name for name, m in METHODS.items() if m.budgeted]
 LLAMA = ModelArgs.from_name("llama-3.1-8b")
+# methods whose caches are CompressedKVCache (kept prompt tokens + a decode-time selector)
+SELECTING = [name for name, m in METHODS.items() if isinstance(m, CompressedMethod)]
+# ... of which those that approximate scores report the traffic they read (KV pairs per step)
+APPROXIMATE = [name for name in SELECTING
+               if derive(name, 256, 4096, 32, LLAMA, {}).traffic_tokens is not None]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_method_is_registered():
-    assert list(METHODS) == ["full", "gptfast_dense", "exact_topk", "snapkv", "snapkv_pp",
-                             "quest", "sparq", "hybrid", "rocketkv", "streamingllm", "h2o",
-                             "duoattention", "keydiff", "omnikv"]
-    assert [m for m in METHODS if not METHODS[m].budgeted] == ["full", "gptfast_dense"]
-    for m in METHODS.values():  # what the docs table and --help show
-        assert m.description and m.budget_rule and m.source, m.name
+def test_every_method_file_is_registered_in_import_order():
+    """A method is one file and one import line: every ``@register`` class of compression/ is
+    in ``METHODS``, once, in the order compression/__init__.py imports the files (``--help``'s
+    order), with what the docs table and ``--help`` show."""
+    init = (ROOT / "compression" / "__init__.py").read_text()
+    imported = re.findall(r"^from compression import (\w+)  # noqa: F401", init, re.M)
+    files = {p.stem for p in (ROOT / "compression").glob("*.py")
+             if re.search(r"^@register$", p.read_text(), re.M)}
+    modules = [type(m).__module__.removeprefix("compression.") for m in METHODS.values()]
+    assert set(modules) == files and len(files) == len(METHODS)
+    assert modules == [f for f in imported if f in files]
+    assert not METHODS["full"].budgeted and METHODS["rocketkv"].budgeted
+    for name, m in METHODS.items():
+        assert m.description and m.budget_rule and m.source, name
+        assert type(m).__name__.endswith("Method"), name  # QuestMethod, QuestSelector, ...
 
 
 def test_a_methods_shared_prefill_is_what_its_caches_do():
     """The harness prefills a batch once only for methods whose ``shared_prefill`` says so
-    (``evals.harness.run_batch``), so the method's flag must be its caches'."""
+    (``evals.harness.run_batch``), and records attention sums for ``needs_attention_sums``:
+    a method reads both from the cache classes it declares, which are the ones it builds."""
     args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=8,
                      vocab_size=10, max_seq_len=8192)
     for name, m in METHODS.items():
         caches = build_caches(name, args, batch_size=1, prompt_len=4096, max_new_tokens=8,
                               budget=256 if m.budgeted else None, dtype=torch.bfloat16,
                               device="meta")
+        assert all(type(c) in (*m.cache_classes, FullKVCache) for c in caches), name
         assert {c.shared_prefill for c in caches} == {m.shared_prefill}, name
-    assert [n for n, m in METHODS.items() if not m.shared_prefill] == ["keydiff"]
+        assert any(c.needs_attention_sums for c in caches) == m.needs_attention_sums, name
+    assert not METHODS["keydiff"].shared_prefill and METHODS["h2o"].needs_attention_sums
+    assert METHODS["rocketkv"].shared_prefill and not METHODS["rocketkv"].needs_attention_sums
 
 
 def test_the_docs_tables_are_the_registrys():
@@ -94,52 +118,52 @@ def test_a_flag_means_one_thing_and_a_name_registers_once():
 def test_rocketkv_sqrt_split_parameters():
     # S = 4096, t = 256: c = 16 -> stage 1 keeps S / 4; stage 2 c2 = 4 -> page 2, r = d / 2
     p = derive("rocketkv", 256, 4096, 0, LLAMA, {})
-    assert p["keep"] == 1024 and p["c2"] == 4
-    assert (p["page_size"], p["r"], p["k"]) == (2, 64, 128)
-    assert p["kernel_size"] == 63  # below Llama-3.1's 48K threshold
+    assert p.keep == 1024 and p.c2 == 4
+    assert (p.page_size, p.r, p.k) == (2, 64, 128)
+    assert p.kernel_size == 63  # below Llama-3.1's 48K threshold
     p = derive("rocketkv", 256, 64 * 1024, 0, LLAMA, {})
-    assert p["kernel_size"] == 511 and p["keep"] == round(64 * 1024 / 16)
+    assert p.kernel_size == 511 and p.keep == round(64 * 1024 / 16)
     # the kernel follows the config, not its name (an HF directory or GGUF file of Llama 3.1)
     renamed = ModelArgs(**{**CONFIGS["llama-3.1-8b"], "name": "Llama-3.1-8B-Instruct.gguf"})
-    assert derive("rocketkv", 256, 64 * 1024, 0, renamed, {})["kernel_size"] == 511
-    assert derive("snapkv_pp", 4096, 64 * 1024, 0, renamed, {})["kernel_size"] == 511
-    assert derive("rocketkv", 256, 64 * 1024, 0, renamed, {"kernel_size": 7})["kernel_size"] == 7
+    assert derive("rocketkv", 256, 64 * 1024, 0, renamed, {}).kernel_size == 511
+    assert derive("snapkv_pp", 4096, 64 * 1024, 0, renamed, {}).kernel_size == 511
+    assert derive("rocketkv", 256, 64 * 1024, 0, renamed, {"kernel_size": 7}).kernel_size == 7
     mistral = ModelArgs(**{**CONFIGS["mistral-7b-v0.2"], "name": "mistral"})
-    assert derive("rocketkv", 256, 30 * 1024, 0, mistral, {})["kernel_size"] == 63
+    assert derive("rocketkv", 256, 30 * 1024, 0, mistral, {}).kernel_size == 63
 
 
 def test_rocketkv_adaptive_split_matches_the_released_example():
     # c = 64: alpha = 0.2 + 0.06 * 6 = 0.56 -> 10.3x at stage 1, then 6.2x
     p = derive("rocketkv", 256, 16384, 0, LLAMA, {"rocket_split": "adaptive"})
-    assert p["alpha"] == pytest.approx(0.56)
-    assert p["c1"] == pytest.approx(10.3, abs=0.05) and p["c2"] == pytest.approx(6.2, abs=0.05)
-    c2 = p["c2"]
-    assert p["page_size"] == min(math.floor(c2), math.ceil(math.sqrt(c2)))
-    assert p["r"] == round(128 * p["page_size"] / c2)
+    assert p.alpha == pytest.approx(0.56)
+    assert p.c1 == pytest.approx(10.3, abs=0.05) and p.c2 == pytest.approx(6.2, abs=0.05)
+    c2 = p.c2
+    assert p.page_size == min(math.floor(c2), math.ceil(math.sqrt(c2)))
+    assert p.r == round(128 * p.page_size / c2)
 
 
 def test_derived_parameters_of_the_other_methods():
     T, m = 4096, 0
-    assert derive("exact_topk", 256, T, m, LLAMA, {})["k"] == 256
+    assert derive("exact_topk", 256, T, m, LLAMA, {}).k == 256
     p = derive("snapkv", 1024, T, 32, LLAMA, {})
-    assert p["prompt_budget"] == 992 and p["per_head_budget"] == 992 // 4
-    assert p["keep"] == 4 * (248 - 32) + 32 and (p["kernel_size"], p["pooling"]) == (7, "avg")
+    assert p.prompt_budget == 992 and p.per_head_budget == 992 // 4
+    assert p.keep == 4 * (248 - 32) + 32 and (p.kernel_size, p.pooling) == (7, "avg")
     p = derive("snapkv_pp", 1024, T, 32, LLAMA, {})
-    assert p["keep"] == 992 and p["pooling"] == "max"
+    assert p.keep == 992 and p.pooling == "max"
     p = derive("quest", 512, T, m, LLAMA, {})  # 256 page bounds + 256 tokens
-    assert (p["k"], p["page_size"], p["pages_scored"], p["traffic_tokens"]) == (256, 16, 256, 512)
+    assert (p.k, p.page_size, p.pages_scored, p.traffic_tokens) == (256, 16, 256, 512)
     p = derive("quest", 256, T, m, LLAMA, {})  # 4096 / 128 pages > t/2 with 16-token pages
-    assert p["page_size"] == 32 and p["pages_scored"] == 128 and p["traffic_tokens"] == 256
-    assert "budget_overshoot" not in p
+    assert p.page_size == 32 and p.pages_scored == 128 and p.traffic_tokens == 256
+    assert p.budget_overshoot is None
     p = derive("quest", 100, T, m, LLAMA, {})  # k = 50 tokens, less than one 82-token page
-    assert (p["k"], p["page_size"], p["pages_scored"]) == (50, 82, 50)
-    assert derive("quest", 512, T, m, LLAMA, {"page_size": 64})["page_size"] == 64
+    assert (p.k, p.page_size, p.pages_scored) == (50, 82, 50)
+    assert derive("quest", 512, T, m, LLAMA, {"page_size": 64}).page_size == 64
     p = derive("sparq", 256, T, m, LLAMA, {})
-    assert (p["k"], p["r"], p["traffic_tokens"]) == (128, 8, 256)
+    assert (p.k, p.r, p.traffic_tokens) == (128, 8, 256)
     p = derive("sparq", 300, T, m, LLAMA, {})  # t d / C = 9.375: floor, not round (9, not 9.4)
-    assert p["r"] == 9 and p["traffic_tokens"] <= 300
+    assert p.r == 9 and p.traffic_tokens <= 300
     p = derive("hybrid", 256, T, m, LLAMA, {})
-    assert (p["page_size"], p["r"], p["k"]) == (4, 32, 128)
+    assert (p.page_size, p.r, p.k) == (4, 32, 128)
 
 
 # ---- the paper's operating points: budget 256 at 96K tokens (RocketKV Sec. 4, App. A.3) ----
@@ -151,27 +175,27 @@ def test_paper_budgets_at_96k_tokens_derive(method):
     T, m, t = 96 * 1024, 50, 256
     C, d = T + m, LLAMA.head_dim
     p = derive(method, t, T, m, LLAMA, {})
-    assert p["k"] == t // 2
-    traffic = p["traffic_tokens"]
+    assert p.k == t // 2
+    traffic = p.traffic_tokens
     if traffic > t:
-        assert p["budget_overshoot"] == pytest.approx(traffic / t) and p["budget_overshoot"] > 1
+        assert p.budget_overshoot == pytest.approx(traffic / t) and p.budget_overshoot > 1
     else:
-        assert "budget_overshoot" not in p
+        assert p.budget_overshoot is None
     if method == "quest":  # k = 128 tokens, far below one page: pages of ceil(C / 128) tokens
-        assert p["page_size"] == math.ceil(C / 128) and p["pages_scored"] <= 128
+        assert p.page_size == math.ceil(C / 128) and p.pages_scored <= 128
         assert traffic <= t
     elif method == "sparq":  # t d / C = 0.33 < 1: r = 1, C / (2 d) + k pairs, about 2 t
-        assert p["r"] == 1 and traffic == pytest.approx(C / (2 * d) + 128)
-        assert p["budget_overshoot"] == pytest.approx((C / 256 + 128) / 256)
+        assert p.r == 1 and traffic == pytest.approx(C / (2 * d) + 128)
+        assert p.budget_overshoot == pytest.approx((C / 256 + 128) / 256)
     elif method == "hybrid":  # c = 384.2: pages of 20, r = round(128 * 20 / 384.2) = 7
-        assert (p["page_size"], p["r"]) == (20, 7)
+        assert (p.page_size, p.r) == (20, 7)
         assert traffic == pytest.approx(math.ceil(C / 20) * 7 / 256 + 128)
     else:
-        assert p["kernel_size"] == 511 and p["keep"] == round(T / math.sqrt(T / t))
+        assert p.kernel_size == 511 and p.keep == round(T / math.sqrt(T / t))
         assert traffic <= t
 
 
-@pytest.mark.parametrize("method", ["quest", "sparq", "hybrid", "rocketkv"])
+@pytest.mark.parametrize("method", APPROXIMATE)
 def test_reported_traffic_is_what_the_cache_reads(method):
     """``traffic_tokens`` equals the cache's ideal bytes per step in KV pairs per KV group, and
     what its kernels read exceeds that by less than one sector per row they read."""
@@ -183,11 +207,11 @@ def test_reported_traffic_is_what_the_cache_reads(method):
                              budget=t, dtype=torch.bfloat16, device="meta")[0]
         pair = 2 * args.n_kv_heads * args.head_dim * 2  # K+V, every KV head, bf16
         ideal = cache.ideal_bytes_per_step()
-        assert ideal == pytest.approx(p["traffic_tokens"] * pair)
+        assert ideal == pytest.approx(p.traffic_tokens * pair)
         # the kernels read whole 32-byte sectors of each summary (or K^T) row they touch
         slack = cache.bytes_read_per_step() - ideal
         assert 0 <= slack < 2 * args.head_dim * 32 * args.n_kv_heads
-        assert cache.method_params()["traffic_tokens"] == p["traffic_tokens"]
+        assert cache.method_params()["traffic_tokens"] == p.traffic_tokens
 
 
 @settings(max_examples=200, deadline=None)
@@ -202,13 +226,13 @@ def test_sparq_traffic_within_budget_whenever_one_dim_fits(t, T, m, d):
     args = ModelArgs(dim=d, n_layers=1, n_heads=1, head_dim=d, intermediate_size=8,
                      vocab_size=10, max_seq_len=8192)
     p = derive("sparq", t, T, m, args, {})
-    assert 1 <= p["r"] <= d and p["r"] == min(d, max(1, t * d // C))
-    assert p["traffic_tokens"] == C * p["r"] / (2 * d) + t // 2
+    assert 1 <= p.r <= d and p.r == min(d, max(1, t * d // C))
+    assert p.traffic_tokens == C * p.r / (2 * d) + t // 2
     if t * d >= C:
-        assert p["traffic_tokens"] <= t and "budget_overshoot" not in p
+        assert p.traffic_tokens <= t and p.budget_overshoot is None
     else:
-        assert p["r"] == 1
-        assert ("budget_overshoot" in p) == (p["traffic_tokens"] > t)
+        assert p.r == 1
+        assert (p.budget_overshoot is not None) == (p.traffic_tokens > t)
 
 
 def table1_bytes(method, t, S, args):
@@ -435,7 +459,8 @@ def full_first_token(smollm2_model, essay_question):
 
 
 # the eviction baselines run on SmolLM2 at 128-1024 in test_eviction.py (one shared prefill)
-@pytest.mark.parametrize("method", ["full", "gptfast_dense", *COMPRESSED[:7]])
+@pytest.mark.parametrize("method", [n for n, m in METHODS.items() if not m.budgeted] +
+                         SELECTING)
 def test_every_method_on_smollm2_with_a_long_prompt(smollm2_model, essay_question,
                                                         full_first_token, two_threads, method):
     ids, tok = essay_question
@@ -451,7 +476,7 @@ def test_every_method_on_smollm2_with_a_long_prompt(smollm2_model, essay_questio
     if budget is not None and method != "exact_topk":  # exact_topk's scoring reads every key
         # the budget bounds what a step reads, approximation traffic included (Sec. 3.5)
         params = r["method_params"]
-        if method in ("quest", "sparq", "hybrid", "rocketkv"):
+        if method in APPROXIMATE:
             # what the parameters report is what the caches read
             assert r["kv_ideal_bytes_per_step"] == pytest.approx(
                 params["traffic_tokens"] * per_token)

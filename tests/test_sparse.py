@@ -7,11 +7,11 @@ import types
 import pytest
 import torch
 
-from compression.exact_topk import ExactTopK, exact_scores
-from compression.hybrid import Hybrid, hybrid_page_scores
-from compression.quest import Quest, page_bounds
+from compression.exact_topk import ExactTopKSelector, exact_scores
+from compression.hybrid import HybridSelector, hybrid_page_scores
+from compression.quest import QuestSelector, page_bounds
 from compression.selection import page_summary, top_pages_to_tokens, top_r_dims
-from compression.sparq import SparQ, sparq_scores
+from compression.sparq import SparQSelector, sparq_scores
 from kv_cache import CompressedKVCache, FullKVCache, Selector
 from model import ModelArgs
 
@@ -175,7 +175,7 @@ def test_hybrid_partial_last_page_counts_only_its_written_tokens():
     T, page = 13, 4
     cache = CompressedKVCache(0, args, 1, torch.float32, "cpu", prompt_len=T,
                               prompt_capacity=T, max_new_tokens=3,
-                              selector=Hybrid(page, 2, 4))
+                              selector=HybridSelector(page, 2, 4))
     keys = torch.zeros(1, 1, T, 4)
     for j in range(T):  # every token of page p has key (s[0][p], s[1][p], 0, 0)
         keys[0, 0, j, 0], keys[0, 0, j, 1] = logits[0][j // page], logits[1][j // page]
@@ -216,7 +216,7 @@ def run_cache(selector, T=37, steps=29, seed=0, kept=None):
 
 @pytest.mark.parametrize("page", [1, 4, 16])
 def test_page_min_max_after_decode_equals_recomputation(page):
-    cache, _, _ = run_cache(Hybrid(page, 4, 8))
+    cache, _, _ = run_cache(HybridSelector(page, 4, 8))
     n = cache.capacity
     for b in range(2):
         for kv in range(2):
@@ -228,8 +228,8 @@ def test_page_min_max_after_decode_equals_recomputation(page):
 
 
 @pytest.mark.parametrize("selector", [
-    lambda n: ExactTopK(n), lambda n: Quest(4, n), lambda n: SparQ(D, n),
-    lambda n: Hybrid(4, D, n), lambda n: Selector()], ids=["exact_topk", "quest", "sparq",
+    lambda n: ExactTopKSelector(n), lambda n: QuestSelector(4, n), lambda n: SparQSelector(D, n),
+    lambda n: HybridSelector(4, D, n), lambda n: Selector()], ids=["exact_topk", "quest", "sparq",
                                                              "hybrid", "dense"])
 def test_selecting_everything_equals_full_attention(selector):
     T, steps = 37, 29
@@ -243,9 +243,9 @@ def test_selecting_everything_equals_full_attention(selector):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: Quest(4, 8), lambda: Hybrid(4, 4, 8), lambda: Hybrid(1, 4, 8), lambda: SparQ(4, 8),
-    lambda: SparQ(4, 8, reallocate=True)], ids=["quest", "hybrid", "hybrid_page1", "sparq",
-                                                "sparq_reallocate"])
+    lambda: QuestSelector(4, 8), lambda: HybridSelector(4, 4, 8), lambda: HybridSelector(1, 4, 8),
+    lambda: SparQSelector(4, 8), lambda: SparQSelector(4, 8, reallocate=True)],
+    ids=["quest", "hybrid", "hybrid_page1", "sparq", "sparq_reallocate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_appending_a_chunk_equals_one_update_per_slot(make, dtype):
     """A selector's one-pass ``extend`` leaves exactly the state that one ``update`` per slot
@@ -295,7 +295,7 @@ def test_every_selector_with_per_slot_state_appends_chunks_itself():
 
 
 def test_sparq_mean_value_running_mean():
-    cache, _, (q, k, v) = run_cache(SparQ(4, 8, reallocate=True))
+    cache, _, (q, k, v) = run_cache(SparQSelector(4, 8, reallocate=True))
     n = cache.capacity
     assert torch.allclose(cache.selector.v_mean[:, :, 0], v[:, :, :n].mean(dim=2), atol=1e-5)
 
@@ -324,7 +324,7 @@ def test_token_level_selection_matches_loops_at_every_decode_step(kind):
     """Quest and hybrid pick the top-k tokens of page-constant scores (every step's last page
     is partial in turn), k below one page included for Quest (k = 3, pages of 8)."""
     page, k, r = (8, 3, None) if kind == "quest" else (4, 6, 5)
-    sel = Quest(page, k) if kind == "quest" else Hybrid(page, r, k)
+    sel = QuestSelector(page, k) if kind == "quest" else HybridSelector(page, r, k)
     T, steps = 21, 13
     cache = CompressedKVCache(0, ARGS, 2, torch.float32, "cpu", prompt_len=T,
                               prompt_capacity=T, max_new_tokens=steps, selector=sel)
@@ -364,7 +364,7 @@ def test_token_level_selection_matches_loops_at_every_decode_step(kind):
 def test_bytes_read_at_sector_granularity_and_ideal():
     """Hand counts; B = 2, H_kv = 2, D = 16, float32 (a 64-byte key row, two 32-byte
     sectors); 37 prompt tokens + 29 new = 66 slots."""
-    cache, _, _ = run_cache(Quest(16, 3))  # k = 3 < one page
+    cache, _, _ = run_cache(QuestSelector(16, 3))  # k = 3 < one page
     pages = cache.length // 16  # 80 slots: 5 pages, a 20-byte summary row: one sector
     assert pages == 5
     assert cache.ideal_bytes_per_step() == cache.kv_bytes(pages + 3)
@@ -372,19 +372,19 @@ def test_bytes_read_at_sector_granularity_and_ideal():
     assert cache.bytes_read_per_step() == 2 * 2 * (32 * 32 + 2 * 3 * 64)
     assert cache.selector.params() == {"selection": "quest", "page_size": 16, "k": 3}
 
-    cache, _, _ = run_cache(Hybrid(4, 5, 8))  # 68 slots, 17 pages: 68 bytes -> 3 sectors
+    cache, _, _ = run_cache(HybridSelector(4, 5, 8))  # 68 slots, 17 pages: 68 bytes -> 3 sectors
     assert cache.ideal_bytes_per_step() == 2 * 2 * (17 * 5 * 4 + 2 * 8 * 64)
     assert cache.bytes_read_per_step() == 2 * 2 * (5 * 96 + 2 * 8 * 64)
-    cache, _, _ = run_cache(Hybrid(1, 5, 8))  # no summary: 5 dims of every key row
+    cache, _, _ = run_cache(HybridSelector(1, 5, 8))  # no summary: 5 dims of every key row
     assert cache.bytes_read_per_step() == 2 * 2 * (66 * 64 + 2 * 8 * 64)  # 5 of 2 sectors
 
     for dim_major, approx in ((True, 5 * 288), (False, 66 * 64)):  # 264 bytes: 9 sectors
-        cache, _, _ = run_cache(SparQ(5, 8, dim_major=dim_major))
+        cache, _, _ = run_cache(SparQSelector(5, 8, dim_major=dim_major))
         assert cache.ideal_bytes_per_step() == 2 * 2 * (66 * 5 * 4 + 2 * 8 * 64)
         assert cache.bytes_read_per_step() == 2 * 2 * (approx + 2 * 8 * 64)
         extra = 2 * 2 * 16 * 66 * 4 if dim_major else 0  # the transposed copy of K
         assert cache.allocated_bytes() == cache.kv_bytes(66) + extra + 8  # + slot offset
-    cache, _, _ = run_cache(SparQ(1, 8, dim_major=False))
+    cache, _, _ = run_cache(SparQSelector(1, 8, dim_major=False))
     assert cache.bytes_read_per_step() == 2 * 2 * (66 * 32 + 2 * 8 * 64)  # one sector a row
 
 
@@ -395,7 +395,7 @@ def test_quest_always_reads_the_newest_page():
     bound beats the newest page's, yet the newest tokens are read."""
     args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, vocab_size=8)
     cache = CompressedKVCache(0, args, 1, torch.float32, "cpu", prompt_len=16,
-                              prompt_capacity=16, max_new_tokens=8, selector=Quest(4, 6))
+                              prompt_capacity=16, max_new_tokens=8, selector=QuestSelector(4, 6))
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, 1, 16, 8, generator=g) * 3  # wide pages: large bounds
     cache.store_prompt(k, torch.randn(1, 1, 16, 8, generator=g), torch.zeros(1, 2, 0, 8))

@@ -19,6 +19,7 @@ import generate
 import tp
 from checkpoint import load_model, random_model, save_native
 from compression import METHODS
+from compression.duoattention import DuoAttentionParams
 from model import ConfigError, ModelArgs
 from quantize import quantize_checkpoint
 
@@ -223,11 +224,13 @@ def test_duoattention_keeps_each_ranks_own_retrieval_heads():
     tokens, so this is checked on the parameters)."""
     duo = METHODS["duoattention"]
     args = ModelArgs.from_name("llama-3.1-8b")  # 8 KV heads
-    params = {"_heads": [[0, 3, 4, 7], [], [5]], "sink": 128}
-    assert duo.shard_params(params, 0, 2, args)["_heads"] == [[0, 3], [], []]
-    assert duo.shard_params(params, 1, 2, args)["_heads"] == [[0, 3], [], [1]]
-    assert duo.shard_params(params, 3, 4, args)["_heads"] == [[1], [], []]
-    assert params["_heads"] == [[0, 3, 4, 7], [], [5]]  # the whole model's, unchanged
+    params = DuoAttentionParams(budget=1024, compression_ratio=8.0, sink=128, recent=512,
+                                retrieval_heads=5, needs_pattern=True,
+                                heads=[[0, 3, 4, 7], [], [5]])
+    assert duo.shard_params(params, 0, 2, args).heads == [[0, 3], [], []]
+    assert duo.shard_params(params, 1, 2, args).heads == [[0, 3], [], [1]]
+    assert duo.shard_params(params, 3, 4, args).heads == [[1], [], []]
+    assert params.heads == [[0, 3, 4, 7], [], [5]]  # the whole model's, unchanged
 
 
 def test_every_checkpoint_form_loads_a_ranks_share(tmp_path):
