@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+from checkpoint import resolve_checkpoint
 from cli import write_json
 from compression import METHODS, given_options
+from evals.provenance import provenance
 from model import Transformer
 
 # --------------------------------------------------------------------------------------------
@@ -51,12 +53,16 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
                  figure: Callable[[dict[str, Any], Path], None],
                  rows_of: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = list
                  ) -> list[dict[str, Any]]:
-    """Per mode of ``got`` (``evaluate_items``): the result dict (rows, the run's settings and
+    """Per mode of ``got`` (``evaluate_items``): the result dict (rows, the run's settings,
+    ``commit`` and ``provenance`` (``evals.provenance.provenance``: commit, dirty tree,
+    library versions, the checkpoint's sha256 and quantization types, the command) and
     ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in ``args.out``.
     Returns every mode's rows (for the exit status)."""
     every = []
+    prov = provenance(resolve_checkpoint(args.checkpoint))
     for mode in args.modes:
-        result = {"task": task, "mode": mode, "question_agnostic": mode == "question_agnostic",
+        result = {"task": task, "mode": mode, "commit": prov["commit"], "provenance": prov,
+                  "question_agnostic": mode == "question_agnostic",
                   "rows": rows_of(got["modes"][mode]["rows"]), "model": model.args.name,
                   "checkpoint": args.checkpoint, "split": args.split, "seed": args.seed,
                   "method_options": given_options(args), **fields,
@@ -84,6 +90,21 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
 
 # --------------------------------------------------------------------------------------------
 # Needle and RULER-style tasks
+
+
+def add_substring_scores(rows: Sequence[dict[str, Any]], items: Sequence[Any],
+                         substring: Callable[[str, Any], float]) -> list[dict[str, Any]]:
+    """Each row that ran gets ``scores_substring`` (the old substring score of each answer
+    scored in ``scores``, None elsewhere) and ``score_substring`` (their mean), for comparison
+    with the boundary-aware ``scores``."""
+    for r in rows:
+        if "error" in r:
+            continue
+        r["scores_substring"] = [None if s is None else substring(a, it)
+                                 for s, a, it in zip(r["scores"], r["answers"], items)]
+        ran = [x for x in r["scores_substring"] if x is not None]
+        r["score_substring"] = sum(ran) / len(ran) if ran else None
+    return list(rows)
 
 
 def accuracy_table(rows: Sequence[dict[str, Any]], budgets: Sequence[int],
