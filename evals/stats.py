@@ -28,7 +28,7 @@ import numpy as np
 
 Z95 = 1.959963984540054  # the standard normal's 0.975 quantile: two-sided 95%
 BOOTSTRAP_REPS = 4000
-MAX_EXACT_SUMS = 2_000_000  # distinct partial sums the exact sign-flip DP may hold
+MAX_EXACT_SUMS = 2_000_000  # the exact sign-flip's grid: |sums| up to this many units
 MONTE_CARLO_DRAWS = 200_000
 
 
@@ -65,7 +65,9 @@ def bootstrap_interval(values: Sequence[float], *, strata: Sequence[Hashable] | 
     seeded with ``seed``); the interval is the (1 - level) / 2 and (1 + level) / 2 quantiles
     of the resampled means. With ``strata`` (one label per value, e.g. the task), each
     stratum is resampled on its own to its own size and the statistic is the mean of the
-    strata's means (the RULER average over tasks). All values equal: a zero-width interval.
+    strata's means (the RULER average over tasks); when some stratum holds a single value
+    (which a stratified resample could never vary), all values are resampled together
+    instead. All values equal: a zero-width interval.
 
     Source: B. Efron and R. Tibshirani, "An Introduction to the Bootstrap" (1993), ch. 13
     (percentile interval).
@@ -84,6 +86,8 @@ def bootstrap_interval(values: Sequence[float], *, strata: Sequence[Hashable] | 
             raise ValueError("strata must give one label per value")
         labels = list(dict.fromkeys(strata))
         groups = [x[[i for i, s in enumerate(strata) if s == lab]] for lab in labels]
+        if min(g.size for g in groups) < 2:  # a stratum of one cannot vary: resample all
+            groups = [x]
     means = np.zeros(reps)
     for g in groups:
         means += g[rng.integers(0, g.size, size=(reps, g.size))].mean(axis=1)
@@ -123,12 +127,14 @@ def sign_flip_p(diffs: Sequence[float], *, seed: int = 0) -> tuple[float, bool]:
 
     Under no difference between A and B, each prompt's difference d_i is as likely to have
     either sign; the test statistic is S = sum_i d_i, and p = P(|S*| >= |S|) over the 2^n
-    equally likely sign vectors S* = sum_i s_i |d_i| (zeros contribute nothing). The
-    distribution of S* is enumerated exactly by dynamic programming over the distinct partial
-    sums, with each d_i made an exact fraction (denominator at most 10^4: scores are ratios of
-    small integers), so ties count exactly. When the distinct sums would exceed
-    ``MAX_EXACT_SUMS``, p is estimated from ``MONTE_CARLO_DRAWS`` random sign vectors (seeded),
-    counting the observed one: (hits + 1) / (draws + 1); the second value is then False.
+    equally likely sign vectors S* = sum_i s_i |d_i| (zeros contribute nothing). Each d_i is
+    made an exact fraction (denominator at most 10^4: scores are ratios of small integers)
+    and all are scaled by the least common multiple of the denominators to integers, so ties
+    count exactly; the distribution of S* is then computed exactly by dynamic programming on
+    the integer grid (one convolution with {-|d_i|, +|d_i|} per prompt, probabilities halved
+    each time). When the grid would exceed ``MAX_EXACT_SUMS`` units, p is estimated from
+    ``MONTE_CARLO_DRAWS`` random sign vectors (seeded), counting the observed one:
+    (hits + 1) / (draws + 1); the second value is then False.
     For differences in {-1, 0, 1} this is the exact sign test, equal to ``mcnemar_p``.
 
     Source: R. A. Fisher, "The Design of Experiments" (1935), sec. 21; E. J. G. Pitman, JRSS
@@ -150,18 +156,18 @@ def _sign_flip(diffs: Sequence[Fraction], seed: int) -> tuple[float, bool]:
     scale = math.lcm(*(m.denominator for m in mags))
     ints = [int(m * scale) for m in mags]
     target = int(observed * scale)
-    dist: dict[int, int] = {0: 1}
-    for v in ints:
-        new: dict[int, int] = {}
-        for s, c in dist.items():
-            new[s + v] = new.get(s + v, 0) + c
-            new[s - v] = new.get(s - v, 0) + c
-        dist = new
-        if len(dist) > MAX_EXACT_SUMS:
-            break
-    else:
-        hits = sum(c for s, c in dist.items() if abs(s) >= target)
-        return hits / 2 ** len(ints), True
+    total = sum(ints)
+    if total <= MAX_EXACT_SUMS and total * len(ints) <= 250 * MAX_EXACT_SUMS:
+        # P(S* = s) on the integer grid s = -total .. total (index s + total), halved per flip
+        dist = np.zeros(2 * total + 1)
+        dist[total] = 1.0
+        for v in ints:
+            new = np.zeros_like(dist)
+            new[v:] += dist[:-v]
+            new[:-v] += dist[v:]
+            dist = new / 2
+        s = np.arange(-total, total + 1)
+        return min(1.0, float(dist[np.abs(s) >= target].sum())), True
     rng = np.random.default_rng(seed)
     a = np.asarray(ints, dtype=np.float64)
     hits = 0
@@ -238,7 +244,8 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
         fr = [_fraction(v) for v in d]
         if strata is not None:  # the statistic weighs each prompt by 1 / its stratum's size
             sizes = {lab: sum(1 for s in strata if s == lab) for lab in set(strata)}
-            fr = [v / sizes[s] for v, s in zip(fr, strata)]
+            if len(set(sizes.values())) > 1:  # equal sizes: equal weights, the same test
+                fr = [v / sizes[s] for v, s in zip(fr, strata)]
         p, exact = _sign_flip(fr, seed)
         test = "sign-flip" if exact else "sign-flip (Monte Carlo)"
     return {"n": len(a), "diff": diff, "ci_low": lo, "ci_high": hi, "p": p, "test": test,
