@@ -214,6 +214,13 @@ def cell_of(c: Collected, bench: str, mode: str, method: str, budget: int | None
     return out
 
 
+def _short(label: str) -> str:
+    """A commit label for a cell: 7 hex digits (``+dirty`` kept), or "unknown"."""
+    if label == "commit unknown":
+        return "unknown"
+    return label[:7] + ("+dirty" if label.endswith("+dirty") else "")
+
+
 def fmt_cell(cell: dict[str, Any] | None, mixed: bool) -> str:
     """``score [lo, hi] n=k[/N][ sub X][ @commits]`` in percent; ``n/a``; or empty."""
     if cell is None:
@@ -227,8 +234,7 @@ def fmt_cell(cell: dict[str, Any] | None, mixed: bool) -> str:
     if sub is not None and abs(sub - cell["score"]) > 5e-4:
         text += f" sub {100 * sub:.1f}"
     if mixed:
-        text += " @" + "+".join(x.split(":")[0][:7] if not x.startswith("commit") else "unknown"
-                                for x in cell["commits"])
+        text += " @" + "+".join(_short(x) for x in cell["commits"])
     return text
 
 
@@ -290,8 +296,8 @@ class Report:
         if cell is None:
             return
         e: dict[str, Any] = {**where, "n": cell["n"], "n_prompts": cell["n_prompts"],
-                             "commit": ", ".join(x if not x.startswith("unknown:")
-                                                 else "unknown" for x in cell["commits"])}
+                             "commit": ", ".join("unknown" if x == "commit unknown" else x
+                                                 for x in cell["commits"])}
         if cell.get("rejected"):
             e.update(score=None, ci_low=None, ci_high=None, rejected=True)
         else:
@@ -379,17 +385,21 @@ class Report:
                                           + (" (full under 50: apart)" if t in weak else "")
                                           + "\n")
                         self.table(bench, t, length, c.prompts(bench, t, length))
-                if kept:
+                if bench == "needle":  # a weak length's comparisons are shown, not pooled
                     self.lines.append(f"Paired comparisons at {length} tokens"
-                                      + (" (pooled tasks)" if bench == "ruler" else "") + ":\n")
-                    self.claims(bench, length, kept,
-                                None if bench == "needle" else (lambda k: c.unit[k][1]))
+                                      + (" (full under 50: apart)" if weak else "") + ":\n")
+                    self.claims(bench, length, keys)
+                elif kept:
+                    self.lines.append(f"Paired comparisons at {length} tokens (pooled "
+                                      "tasks):\n")
+                    self.claims(bench, length, kept, lambda k: c.unit[k][1])
             if len({c.unit[k][2] for k in pooled}) > 1:
                 self.lines.append(f"## {name}, pooled over lengths ({len(pooled)} prompts; "
                                   "weak units left out)\n")
                 strata = (lambda k: c.unit[k][2]) if bench == "needle" else \
                     (lambda k: c.unit[k][1:])
-                self.table(bench, "pooled", "pooled", pooled, strata)
+                self.table(bench, "needle" if bench == "needle" else "pooled", "pooled",
+                           pooled, strata)
                 self.lines.append("Paired comparisons, pooled over lengths:\n")
                 self.claims(bench, "pooled", pooled, strata)
 

@@ -96,6 +96,42 @@ def test_needle_prompts_have_the_asked_length_and_depth(tok, hay):
     assert {it.outputs for it in dev}.isdisjoint({it.outputs for it in items})
 
 
+def test_needle_grid_prompts_draw_independent_facts(tok, hay, monkeypatch):
+    """Every (length, needle, depth) has its own hashed seed, key, number and haystack start;
+    a fact repeating a key or number of the grid is redrawn; ``region`` places depth 0 in
+    the sink, depth 1 in the recent window and the interior in the middle."""
+    import evals.needle as nd
+
+    depths = depth_grid(4)
+    items = build_items(tok, hay, [1200, 1500], depths, 3, seed=0)
+    keys = [it.meta["key"] for it in items]
+    numbers = [it.outputs[0] for it in items]
+    assert len(set(keys)) == len(set(numbers)) == len(items) == 24
+    assert len({it.meta["haystack_start"] for it in items}) > 12
+    for it in items:
+        m = it.meta
+        assert m["seed"] == nd.needle_seed(m["length"], m["needle"], depths.index(m["depth"]))
+        needle = tok.encode(" " + needle_fact(m["seed"])["needle"], bos=False)
+        ids = it.doc_ids + it.question_ids
+        assert ids[m["tokens_before"]:m["tokens_before"] + len(needle)] == needle
+        assert m["tokens_after"] == len(ids) - m["tokens_before"] - len(needle)
+        expected = {0.0: "sink", 1.0: "recent"}.get(m["depth"], "middle")
+        assert m["region"] == expected
+    para = build_items(tok, hay, [700], [0.5], 2, seed=0, variant="paraphrase")
+    assert all("digits" in tok.decode(it.question_ids) for it in para)
+    # a repeated fact is redrawn with the next attempt's seed
+    real, calls = nd.needle_fact, []
+
+    def repeating(seed, variant="standard"):
+        calls.append(seed)
+        return real(nd.needle_seed(700, 0, 0) if len(calls) == 2 else seed, variant)
+
+    monkeypatch.setattr(nd, "needle_fact", repeating)
+    again = nd.build_items(tok, hay, [700], [0.2, 0.8], 1, seed=0)
+    assert again[1].meta["seed"] == nd.needle_seed(700, 0, 1, attempt=1)
+    assert again[0].meta["key"] != again[1].meta["key"]
+
+
 def test_padding_makes_a_batch_equal_and_keeps_the_content():
     a = Item([1, 2, 10, 11], [5, 6], ("x",), {}, head=2)
     b = Item([1, 2, 10, 11, 12], [5], ("y",), {}, head=2)
@@ -107,7 +143,7 @@ def test_padding_makes_a_batch_equal_and_keeps_the_content():
 def test_question_agnostic_full_answers_like_one_prefill(smollm2_model, tok, hay):
     """The conversation-append path (document, then question as the next chunk) gives the
     full cache's answers of the single prefill; a compressing method answers either way."""
-    items = build_items(tok, hay, [600], [0.2, 0.8], 1, seed=0)
+    items = build_items(tok, hay, [600], [0.2, 0.8], 1, seed=1)
     configs = configurations(["full", "snapkv_pp"], [96])
     got = evaluate_items(smollm2_model, tok, items, configs, 12, lambda a, it: 0.0,
                          modes=["standard", "question_agnostic"], progress=False)["modes"]
