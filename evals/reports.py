@@ -59,7 +59,7 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
     ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in ``args.out``.
     Returns every mode's rows (for the exit status)."""
     every = []
-    prov = provenance(resolve_checkpoint(args.checkpoint))
+    prov = provenance(resolve_checkpoint(args.checkpoint), getattr(args, "argv", None))
     for mode in args.modes:
         result = {"task": task, "mode": mode, "commit": prov["commit"], "provenance": prov,
                   "question_agnostic": mode == "question_agnostic",

@@ -151,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prov = provenance(checkpoint)
+    prov = provenance(checkpoint, ["scripts/eval_accuracy.py",
+                                   *(sys.argv[1:] if argv is None else argv)])
     result = {"model": model.args.name, "checkpoint": args.checkpoint,
               "commit": prov["commit"], "provenance": prov,
               "text_files": list(args.text), "prompt_tokens": lengths, "max_new_tokens": m,

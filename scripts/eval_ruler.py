@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = ["scripts/eval_ruler.py", *(sys.argv[1:] if argv is None else argv)]
     t0 = time.perf_counter()
     try:
         check_common(args)

@@ -360,6 +360,9 @@ def test_cli_writes_json_and_prints_the_table(stories_dir, texts, tmp_path, caps
     assert data["prompt_tokens"] == [100] and data["max_new_tokens"] == 4
     assert [r["prompt_tokens"] for r in data["rows"]] == [100, 100]
     assert not (tmp_path / "eval.json.tmp").exists()
+    prov = data["provenance"]  # evals/provenance.py: the code, libraries and checkpoint
+    assert data["commit"] == prov["commit"] and len(prov["checkpoint"]["sha256"]) == 64
+    assert prov["argv"][0] == "scripts/eval_accuracy.py" and "--json" in prov["argv"]
     assert "| quest | 64 |" in capsys.readouterr().out
 
 

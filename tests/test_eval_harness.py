@@ -1,9 +1,12 @@
 """The accuracy harness (evals/harness.py, needle.py, ruler.py's items, reports.py) and its
 scripts (eval_needle.py, eval_ruler.py, kept_tokens.py) on SmolLM2."""
 
+import hashlib
 import json
+import subprocess
 
 import pytest
+import torch
 from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 
 import evals.harness as ec
@@ -191,6 +194,19 @@ def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
     assert result["unfinished"] == 0 and result["device"] == "cpu"
     assert result["dtype"] == ("bfloat16" if cpu_has_native_bf16() else "float32")
     assert not (tmp_path / "needle.partial.jsonl").exists()  # removed once the results are out
+    # provenance: the commit git reports, the checkpoint's sha256 and GGUF tensor types
+    prov = result["provenance"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    assert result["commit"] == prov["commit"] == head and isinstance(prov["dirty"], bool)
+    gguf = shared_file(SMOLLM2_GGUF)
+    assert prov["checkpoint"]["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert prov["checkpoint"]["quantization"]["tensor_types"]["Q4_1"] > 0
+    assert prov["torch"] == torch.__version__
+    assert prov["argv"][:2] == ["scripts/eval_needle.py", "--checkpoint"]
+    # the boundary-aware score, with the old substring score beside it
+    assert result["scoring"] == "first_number" and result["variant"] == "standard"
+    assert rows["full"]["score_substring"] == 1.0
 
 
 def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
