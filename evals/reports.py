@@ -26,6 +26,7 @@ from checkpoint import resolve_checkpoint
 from cli import write_json
 from compression import METHODS, given_options
 from evals.provenance import provenance
+from evals.stats import cell_stats
 from model import Transformer
 
 # --------------------------------------------------------------------------------------------
@@ -124,13 +125,21 @@ def accuracy_table(rows: Sequence[dict[str, Any]], budgets: Sequence[int],
     return "\n".join(lines)
 
 
+def _interval(values: Sequence[float], strata: Sequence[Any] | None = None) -> str:
+    """`` [lo, hi]`` (%): the 95% interval of ``evals.stats.cell_stats`` (Wilson for
+    pass/fail scores, seeded bootstrap otherwise)."""
+    c = cell_stats(values, strata=strata)
+    return f" [{100 * c['ci_low']:.1f}, {100 * c['ci_high']:.1f}]"
+
+
 def _cell(row: dict[str, Any]) -> str:
-    """``n/a`` for an error (or nothing run), the score (%), and ``(ran/all)`` when some items
-    failed or were not run."""
+    """``n/a`` for an error (or nothing run), the score (%) with its 95% interval, and
+    ``(ran/all)`` when some items failed or were not run."""
     if "error" in row or row["score"] is None:
         return "n/a"
     part = f" ({row['items_run']}/{len(row['scores'])})" if "items_run" in row else ""
-    return f"{100 * row['score']:.1f}{part}"
+    ran = [x for x in row["scores"] if x is not None]
+    return f"{100 * row['score']:.1f}{_interval(ran)}{part}"
 
 
 def needle_heatmaps(result: dict[str, Any], path: Path) -> None:
@@ -177,8 +186,12 @@ def needle_heatmaps(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def ruler_table(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> str:
-    """Markdown: one line per (method, budget), one column per task, then the average (%)."""
+def ruler_table(rows: Sequence[dict[str, Any]], tasks: Sequence[str],
+                items: Sequence[Any] | None = None) -> str:
+    """Markdown: one line per (method, budget), one column per task, then the average (%).
+    With ``items`` (their ``meta["task"]``), each cell adds its 95% interval
+    (``evals.stats.cell_stats``: Wilson for pass/fail tasks, bootstrap otherwise; the
+    average's bootstrap is stratified by task)."""
     lines = ["| method | budget | " + " | ".join(tasks) + " | average |",
              "|---|---" + "|---" * (len(tasks) + 1) + "|"]
     for r in rows:
@@ -186,8 +199,20 @@ def ruler_table(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> str:
         if "error" in r:
             cells = ["n/a"] * (len(tasks) + 1)
         else:
-            cells = ["n/a" if r["per_task"][t] is None else f"{100 * r['per_task'][t]:.1f}"
-                     for t in tasks] + ["n/a" if r["score"] is None else f"{100 * r['score']:.1f}"]
+            cells = []
+            for t in tasks:
+                v = r["per_task"][t]
+                text = "n/a" if v is None else f"{100 * v:.1f}"
+                if v is not None and items is not None:
+                    text += _interval([x for x, it in zip(r["scores"], items)
+                                       if it.meta["task"] == t and x is not None])
+                cells.append(text)
+            text = "n/a" if r["score"] is None else f"{100 * r['score']:.1f}"
+            if r["score"] is not None and items is not None:
+                ran = [(x, it.meta["task"]) for x, it in zip(r["scores"], items)
+                       if x is not None]
+                text += _interval([x for x, _ in ran], [t for _, t in ran])
+            cells.append(text)
         lines.append(f"| {r['method']} | {budget} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pass_fail_tasks": [t for t in tasks if t in PASS_FAIL_TASKS],
         "items": [{k: v for k, v in it.meta.items() if k != "group"} | {"tokens": it.tokens}
                   for it in items]}, t0,
-        lambda rows: ruler_table(rows, tasks), ruler_plot,
+        lambda rows: ruler_table(rows, tasks, items), ruler_plot,
         rows_of=lambda rows: task_rows(add_substring_scores(
             rows, items, lambda a, it: string_match_all(a, it.outputs)), items, tasks))
     return rows_exit_status(rows)

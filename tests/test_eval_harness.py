@@ -237,6 +237,12 @@ def test_ruler_cli_quick_run(tmp_path):
     assert full["score"] == sum(full["per_task"].values()) / 2
     assert all(abs(it["tokens"] - 600) <= 30 for it in result["items"])
     assert (tmp_path / "ruler_qa.png").exists() and (tmp_path / "ruler_qa.md").exists()
+    # boundary-aware scores with the substring ones beside them, intervals in the table
+    assert result["scoring"] == "boundary_f1" and set(full["per_task_substring"]) == \
+        {"niah_single_noise", "vt"}
+    assert result["commit"] == result["provenance"]["commit"]
+    full_line = (tmp_path / "ruler_qa.md").read_text().splitlines()[2]
+    assert full_line.startswith("| full | - |") and full_line.count("[") == 3
     assert not (tmp_path / "ruler.partial.jsonl").exists()
 
 
@@ -272,7 +278,8 @@ def test_a_budget_error_fails_only_the_items_it_concerns(monkeypatch):
     snap, full = res["modes"]["standard"]["rows"]
     assert snap["score"] == 0.5 and snap["scores"] == [1.0, 0.0, None]
     assert snap["items_run"] == 2 and snap["item_errors"] == {"2": "budget too small"}
-    assert accuracy_table([snap, full], [128]).splitlines()[2] == "| snapkv | 50.0 (2/3) |"
+    assert accuracy_table([snap, full], [128]).splitlines()[2] == \
+        "| snapkv | 50.0 [9.5, 90.5] (2/3) |"  # Wilson's 95% interval of 1/2
     assert "items_run" not in full and full["score"] == 1.0
     rows = task_rows([snap, full], items, ["short", "long"])
     assert rows[0]["per_task"] == {"short": 0.5, "long": None} and rows[0]["score"] is None
@@ -368,7 +375,7 @@ def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkey
     assert calls == [2] and cut["unfinished"] == 4
     assert row["scores"] == [1.0, 0.0, None, None, None, None]
     assert row["score"] == 0.5 and row["items_run"] == 2 and "item_errors" not in row
-    assert accuracy_table([row], [128]).splitlines()[2] == "| full | 50.0 (2/6) |"
+    assert accuracy_table([row], [128]).splitlines()[2] == "| full | 50.0 [9.5, 90.5] (2/6) |"
     none = evaluate(lambda: True)["modes"]["standard"]["rows"][0]  # nothing more ran
     assert none["score"] == 0.5 and calls == [2]
     calls.clear()
