@@ -16,7 +16,7 @@ Facts (``needle_fact``), ``--variant``:
 * ``standard``: "Keep this in mind: the hidden code of the {key} archive is {7-digit
   number}.", asked "What is the hidden code of the {key} archive?";
 * ``paraphrase``: "Remember this: the {adjective noun} was given the code {number}.", asked
-  "Which digits belong to the {synonym synonym}?" (e.g. "crimson automobile" / "red car"):
+  "Which number was the {synonym synonym} assigned?" (e.g. "crimson automobile" / "red car"):
   the question shares no content word with the needle, the failure reported for methods that
   keep what the question's words attend to (SnapKV-like observation windows).
 
@@ -87,8 +87,8 @@ PARAPHRASE_NOUNS = (
     ("lorry", "truck"), ("cemetery", "graveyard"), ("lantern", "lamp"),
     ("wizard", "sorcerer"), ("journey", "trip"), ("hound", "mutt"))
 PARAPHRASE_NEEDLE = "Remember this: the {adj} {noun} was given the code {number}."
-PARAPHRASE_QUESTION = "Which digits belong to the {adj} {noun}?"
-PARAPHRASE_PREFIX = "The digits that belong to the {adj} {noun} are"
+PARAPHRASE_QUESTION = "Which number was the {adj} {noun} assigned?"
+PARAPHRASE_PREFIX = "The {adj} {noun} was assigned the number"
 
 
 def needle_fact(seed: int, variant: str = "standard") -> dict[str, str]:
@@ -98,7 +98,7 @@ def needle_fact(seed: int, variant: str = "standard") -> dict[str, str]:
     ``standard``: "Keep this in mind: the hidden code of the {adjective noun} archive is
     {number}." asked "What is the hidden code of the {adjective noun} archive?" (``ADJECTIVES``
     x ``evals.ruler.WORD_POOL``). ``paraphrase``: "Remember this: the {adjective noun} was
-    given the code {number}." asked "Which digits belong to the {synonym synonym}?"
+    given the code {number}." asked "Which number was the {synonym synonym} assigned?"
     (``PARAPHRASE_ADJECTIVES`` x ``PARAPHRASE_NOUNS``): the question and the answer prefix
     share no content word with the needle, so finding it takes more than matching words.
 
@@ -266,9 +266,6 @@ def add_needle_args(p: argparse.ArgumentParser) -> None:
                    help="context lengths in tokens (whole prompt; default 1024 2048 4096 8000)")
     p.add_argument("--depths", type=int, default=10, help="depths from 0 to 1 (default 10)")
     p.add_argument("--needles", type=int, default=5, help="needles per cell (default 5)")
-    p.add_argument("--variant", choices=VARIANTS, default="standard",
-                   help="paraphrase: a needle whose question shares no content word with it "
-                        "(harder for methods that match the question's words)")
     p.add_argument("--split", choices=["eval", "dev"], default="eval",
                    help="dev: the development prompts for choosing defaults (other needles, "
                         "other haystack starts)")

@@ -46,6 +46,7 @@ from evals.harness import (
     resume_options,
 )
 from evals.needle import (
+    VARIANTS,
     Haystack,
     add_needle_args,
     build_items,
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     add_common_args(p, "results/accuracy")
     add_needle_args(p)
+    p.add_argument("--variant", choices=VARIANTS, default="standard",
+                   help="paraphrase: a needle whose question shares no content word with it "
+                        "(harder for methods that keep what the question's words attend to)")
     return p
 
 

@@ -121,7 +121,7 @@ def test_needle_grid_prompts_draw_independent_facts(tok, hay, monkeypatch):
         expected = {0.0: "sink", 1.0: "recent"}.get(m["depth"], "middle")
         assert m["region"] == expected
     para = build_items(tok, hay, [700], [0.5], 2, seed=0, variant="paraphrase")
-    assert all("digits" in tok.decode(it.question_ids) for it in para)
+    assert all("assigned" in tok.decode(it.question_ids) for it in para)
     # a repeated fact is redrawn with the next attempt's seed
     real, calls = nd.needle_fact, []
 
