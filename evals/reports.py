@@ -26,7 +26,7 @@ from checkpoint import resolve_checkpoint
 from cli import write_json
 from compression import METHODS, given_options
 from evals.provenance import provenance
-from evals.stats import cell_stats
+from evals.stats import bootstrap_interval, cell_stats
 from model import Transformer
 
 # --------------------------------------------------------------------------------------------
@@ -260,8 +260,38 @@ def format_params(params: dict[str, Any]) -> str:
                      if k not in ("method", "budget"))
 
 
+FIDELITY_CI = {"teacher_forced_top1": "teacher_forced_top1_per_prompt",
+               "kl_divergence": "kl_per_token", "attention_recall": "attention_recall_per_prompt"}
+
+
+def add_fidelity_intervals(rows: Sequence[dict[str, Any]]) -> None:
+    """Each row that ran gets ``<measure>_ci`` = [low, high], the 95% percentile bootstrap
+    interval over prompts (``evals.stats.bootstrap_interval``, seeded) of teacher-forced top-1,
+    KL divergence (each prompt's mean over its tokens; the prompts have equal token counts, so
+    their mean is the row's) and attention recall; None with fewer than 2 prompts."""
+    for r in rows:
+        if "error" in r:
+            continue
+        for key, per in FIDELITY_CI.items():
+            vals = r.get(per)
+            if not vals or any(v is None for v in vals) or len(vals) < 2:
+                r[f"{key}_ci"] = None
+                continue
+            if key == "kl_divergence":
+                vals = [sum(v) / len(v) for v in vals]
+            r[f"{key}_ci"] = list(bootstrap_interval(vals))
+
+
+def _with_ci(row: dict[str, Any], key: str, fmt: str) -> str:
+    ci = row.get(f"{key}_ci")
+    text = format(row[key], fmt)
+    return text if not ci else f"{text} [{format(ci[0], fmt)}, {format(ci[1], fmt)}]"
+
+
 def fidelity_table(result: dict[str, Any]) -> str:
-    """Markdown table of one prompt length's ``result["rows"]``."""
+    """Markdown table of one prompt length's ``result["rows"]``; top-1, KL and attention
+    recall carry their 95% bootstrap interval over prompts when the rows have one
+    (``add_fidelity_intervals``)."""
     m = result["max_new_tokens"]
     lines = [f"| method | budget | match prefix (of {m}) | teacher-forced top-1 | perplexity "
              "| KL (nats) | attention recall | attention mass | KV bytes | KV bytes/step "
@@ -274,9 +304,9 @@ def fidelity_table(result: dict[str, Any]) -> str:
             cells = ["n/a"] * 8 + [f"n/a: {msg}"]
         else:
             rec = r["attention_recall"]
-            cells = [f"{r['match_prefix']:.2f}", f"{r['teacher_forced_top1']:.3f}",
-                     f"{r['perplexity']:.3f}", f"{r['kl_divergence']:.4f}",
-                     "-" if rec is None else f"{rec:.3f}",
+            cells = [f"{r['match_prefix']:.2f}", _with_ci(r, "teacher_forced_top1", ".3f"),
+                     f"{r['perplexity']:.3f}", _with_ci(r, "kl_divergence", ".4f"),
+                     "-" if rec is None else _with_ci(r, "attention_recall", ".3f"),
                      "-" if rec is None else f"{r['attention_mass']:.3f}",
                      f"{r['kv_cache_bytes']:,}", f"{r['kv_bytes_per_step']:,}",
                      format_params(r["method_params"]).replace("|", "\\|")]
