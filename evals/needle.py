@@ -195,8 +195,9 @@ def build_items(tok: Tokenizer, hay: Haystack, lengths: Sequence[int], depths: S
     (``--time-limit``) has whole needles over the grid. Within a needle the longest context
     comes first, so that with ``--workers`` the batches that start last are the short ones.
 
-    Each prompt (length, needle j, depth i) draws its own fact and haystack start from
-    ``needle_seed(length, j, i, seed, split, variant)``; a fact whose key or number was drawn
+    Each prompt (length, needle j, depth i) draws its own fact from
+    ``needle_seed(length, j, i, seed, split, variant)`` and its haystack start from
+    ``prompt_seed(that seed, "haystack")``; a fact whose key or number was drawn
     before in this grid is redrawn with ``attempt`` 1, 2, ..., so no two prompts of a grid
     share a key or a number (``fact``, the caller's own, is the same in every prompt). The
     prompt's ``meta`` records ``seed`` (``needle_fact(seed, variant)`` gives its fact),
@@ -228,7 +229,7 @@ def build_items(tok: Tokenizer, hay: Haystack, lengths: Sequence[int], depths: S
                 if hay_tokens <= 0:
                     raise ConfigError(f"context length {length} is too short for the template, "
                                       f"needle and question ({length - hay_tokens} tokens)")
-                start = random.Random(s).randrange(n)
+                start = random.Random(prompt_seed(s, "haystack")).randrange(n)
                 pieces = hay.take(start, hay_tokens)
                 doc, reached = insert_needle(pieces, needle, d)
                 before = len(head) + round(reached * hay_tokens)
