@@ -10,6 +10,7 @@ the caller's ``count_tokens`` (a tokenizer's ``len(encode(text, bos=False))``, o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -155,6 +156,15 @@ def insert_at_depth(sentences: Sequence[str], needle: str, depth: float,
     if i > 0 and not sentences[i - 1][-1:].isspace():
         piece = " " + piece
     return [*sentences[:i], piece, *sentences[i:]]
+
+
+def prompt_seed(*parts: object) -> int:
+    """A 64-bit seed derived from ``parts`` (e.g. task, split, base seed, length, sample index):
+    the first 8 bytes (big-endian) of the SHA-256 of their ``str`` joined by the unit
+    separator U+001F. Stable across processes and Python versions (unlike ``hash``), and
+    different parts give unrelated seeds, so prompts of a grid draw independent facts."""
+    text = "\x1f".join(str(p) for p in parts)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
 def default_needle(seed: int) -> tuple[str, str, str, str]:

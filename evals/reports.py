@@ -22,8 +22,11 @@ from typing import Any
 
 import torch
 
+from checkpoint import resolve_checkpoint
 from cli import write_json
 from compression import METHODS, given_options
+from evals.provenance import provenance
+from evals.stats import bootstrap_interval, cell_stats
 from model import Transformer
 
 # --------------------------------------------------------------------------------------------
@@ -51,12 +54,16 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
                  figure: Callable[[dict[str, Any], Path], None],
                  rows_of: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = list
                  ) -> list[dict[str, Any]]:
-    """Per mode of ``got`` (``evaluate_items``): the result dict (rows, the run's settings and
+    """Per mode of ``got`` (``evaluate_items``): the result dict (rows, the run's settings,
+    ``commit`` and ``provenance`` (``evals.provenance.provenance``: commit, dirty tree,
+    library versions, the checkpoint's sha256 and quantization types, the command) and
     ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in ``args.out``.
     Returns every mode's rows (for the exit status)."""
     every = []
+    prov = provenance(resolve_checkpoint(args.checkpoint), getattr(args, "argv", None))
     for mode in args.modes:
-        result = {"task": task, "mode": mode, "question_agnostic": mode == "question_agnostic",
+        result = {"task": task, "mode": mode, "commit": prov["commit"], "provenance": prov,
+                  "question_agnostic": mode == "question_agnostic",
                   "rows": rows_of(got["modes"][mode]["rows"]), "model": model.args.name,
                   "checkpoint": args.checkpoint, "split": args.split, "seed": args.seed,
                   "method_options": given_options(args), **fields,
@@ -86,6 +93,21 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
 # Needle and RULER-style tasks
 
 
+def add_substring_scores(rows: Sequence[dict[str, Any]], items: Sequence[Any],
+                         substring: Callable[[str, Any], float]) -> list[dict[str, Any]]:
+    """Each row that ran gets ``scores_substring`` (the old substring score of each answer
+    scored in ``scores``, None elsewhere) and ``score_substring`` (their mean), for comparison
+    with the boundary-aware ``scores``."""
+    for r in rows:
+        if "error" in r:
+            continue
+        r["scores_substring"] = [None if s is None else substring(a, it)
+                                 for s, a, it in zip(r["scores"], r["answers"], items)]
+        ran = [x for x in r["scores_substring"] if x is not None]
+        r["score_substring"] = sum(ran) / len(ran) if ran else None
+    return list(rows)
+
+
 def accuracy_table(rows: Sequence[dict[str, Any]], budgets: Sequence[int],
                    label: str = "accuracy (%)") -> str:
     """Markdown table: one line per method, one column per budget (``-`` for no budget)."""
@@ -103,13 +125,21 @@ def accuracy_table(rows: Sequence[dict[str, Any]], budgets: Sequence[int],
     return "\n".join(lines)
 
 
+def _interval(values: Sequence[float], strata: Sequence[Any] | None = None) -> str:
+    """`` [lo, hi]`` (%): the 95% interval of ``evals.stats.cell_stats`` (Wilson for
+    pass/fail scores, seeded bootstrap otherwise)."""
+    c = cell_stats(values, strata=strata)
+    return f" [{100 * c['ci_low']:.1f}, {100 * c['ci_high']:.1f}]"
+
+
 def _cell(row: dict[str, Any]) -> str:
-    """``n/a`` for an error (or nothing run), the score (%), and ``(ran/all)`` when some items
-    failed or were not run."""
+    """``n/a`` for an error (or nothing run), the score (%) with its 95% interval, and
+    ``(ran/all)`` when some items failed or were not run."""
     if "error" in row or row["score"] is None:
         return "n/a"
     part = f" ({row['items_run']}/{len(row['scores'])})" if "items_run" in row else ""
-    return f"{100 * row['score']:.1f}{part}"
+    ran = [x for x in row["scores"] if x is not None]
+    return f"{100 * row['score']:.1f}{_interval(ran)}{part}"
 
 
 def needle_heatmaps(result: dict[str, Any], path: Path) -> None:
@@ -156,8 +186,12 @@ def needle_heatmaps(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def ruler_table(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> str:
-    """Markdown: one line per (method, budget), one column per task, then the average (%)."""
+def ruler_table(rows: Sequence[dict[str, Any]], tasks: Sequence[str],
+                items: Sequence[Any] | None = None) -> str:
+    """Markdown: one line per (method, budget), one column per task, then the average (%).
+    With ``items`` (their ``meta["task"]``), each cell adds its 95% interval
+    (``evals.stats.cell_stats``: Wilson for pass/fail tasks, bootstrap otherwise; the
+    average's bootstrap is stratified by task)."""
     lines = ["| method | budget | " + " | ".join(tasks) + " | average |",
              "|---|---" + "|---" * (len(tasks) + 1) + "|"]
     for r in rows:
@@ -165,8 +199,20 @@ def ruler_table(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> str:
         if "error" in r:
             cells = ["n/a"] * (len(tasks) + 1)
         else:
-            cells = ["n/a" if r["per_task"][t] is None else f"{100 * r['per_task'][t]:.1f}"
-                     for t in tasks] + ["n/a" if r["score"] is None else f"{100 * r['score']:.1f}"]
+            cells = []
+            for t in tasks:
+                v = r["per_task"][t]
+                text = "n/a" if v is None else f"{100 * v:.1f}"
+                if v is not None and items is not None:
+                    text += _interval([x for x, it in zip(r["scores"], items)
+                                       if it.meta["task"] == t and x is not None])
+                cells.append(text)
+            text = "n/a" if r["score"] is None else f"{100 * r['score']:.1f}"
+            if r["score"] is not None and items is not None:
+                ran = [(x, it.meta["task"]) for x, it in zip(r["scores"], items)
+                       if x is not None]
+                text += _interval([x for x, _ in ran], [t for _, t in ran])
+            cells.append(text)
         lines.append(f"| {r['method']} | {budget} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -214,8 +260,38 @@ def format_params(params: dict[str, Any]) -> str:
                      if k not in ("method", "budget"))
 
 
+FIDELITY_CI = {"teacher_forced_top1": "teacher_forced_top1_per_prompt",
+               "kl_divergence": "kl_per_token", "attention_recall": "attention_recall_per_prompt"}
+
+
+def add_fidelity_intervals(rows: Sequence[dict[str, Any]]) -> None:
+    """Each row that ran gets ``<measure>_ci`` = [low, high], the 95% percentile bootstrap
+    interval over prompts (``evals.stats.bootstrap_interval``, seeded) of teacher-forced top-1,
+    KL divergence (each prompt's mean over its tokens; the prompts have equal token counts, so
+    their mean is the row's) and attention recall; None with fewer than 2 prompts."""
+    for r in rows:
+        if "error" in r:
+            continue
+        for key, per in FIDELITY_CI.items():
+            vals = r.get(per)
+            if not vals or any(v is None for v in vals) or len(vals) < 2:
+                r[f"{key}_ci"] = None
+                continue
+            if key == "kl_divergence":
+                vals = [sum(v) / len(v) for v in vals]
+            r[f"{key}_ci"] = list(bootstrap_interval(vals))
+
+
+def _with_ci(row: dict[str, Any], key: str, fmt: str) -> str:
+    ci = row.get(f"{key}_ci")
+    text = format(row[key], fmt)
+    return text if not ci else f"{text} [{format(ci[0], fmt)}, {format(ci[1], fmt)}]"
+
+
 def fidelity_table(result: dict[str, Any]) -> str:
-    """Markdown table of one prompt length's ``result["rows"]``."""
+    """Markdown table of one prompt length's ``result["rows"]``; top-1, KL and attention
+    recall carry their 95% bootstrap interval over prompts when the rows have one
+    (``add_fidelity_intervals``)."""
     m = result["max_new_tokens"]
     lines = [f"| method | budget | match prefix (of {m}) | teacher-forced top-1 | perplexity "
              "| KL (nats) | attention recall | attention mass | KV bytes | KV bytes/step "
@@ -228,9 +304,9 @@ def fidelity_table(result: dict[str, Any]) -> str:
             cells = ["n/a"] * 8 + [f"n/a: {msg}"]
         else:
             rec = r["attention_recall"]
-            cells = [f"{r['match_prefix']:.2f}", f"{r['teacher_forced_top1']:.3f}",
-                     f"{r['perplexity']:.3f}", f"{r['kl_divergence']:.4f}",
-                     "-" if rec is None else f"{rec:.3f}",
+            cells = [f"{r['match_prefix']:.2f}", _with_ci(r, "teacher_forced_top1", ".3f"),
+                     f"{r['perplexity']:.3f}", _with_ci(r, "kl_divergence", ".4f"),
+                     "-" if rec is None else _with_ci(r, "attention_recall", ".3f"),
                      "-" if rec is None else f"{r['attention_mass']:.3f}",
                      f"{r['kv_cache_bytes']:,}", f"{r['kv_bytes_per_step']:,}",
                      format_params(r["method_params"]).replace("|", "\\|")]

@@ -59,8 +59,13 @@ List tasks calibrate the tokens per item on a probe, then search the number of i
 context counts (a few counts). Only ``count_tokens`` needs to be exact; ``len(text) // 4`` works
 for trying things out.
 
-Scoring (``evals.metrics``): ``string_match_all`` is the fraction of the expected outputs that
-occur in the prediction as substrings, ignoring case (RULER's string_match_all for one sample);
+Scoring (``score_task``, ``evals.scoring``): pass/fail on the first value the answer states
+for the one-answer tasks (``PASS_FAIL_TASKS``: niah_single_*, niah_multikey), F1 of the
+distinct values stated against the expected set for the others (multivalue, multiquery, vt,
+cwe, fwe); values are whole numbers, UUIDs, names and words on boundaries, so "167921525" is
+not 1679215 and listing guesses costs precision. RULER's own ``string_match_all``
+(``evals.metrics``: the fraction of the expected outputs that occur in the prediction as
+substrings, ignoring case) is kept as the ``substring`` column for comparison;
 ``string_match_part`` is 1.0 when any of them occurs. Expected words of cwe are chosen so that
 no pool word contains another and none occurs in the task's question or answer prefix; fwe's
 words all have the same length.
@@ -68,10 +73,12 @@ words all have the same length.
 Determinism: everything is drawn from ``random.Random(f"{task}:{seed}")`` (string seeds hash
 with SHA-512, not Python's per-process hash), so the same arguments (and the same
 ``count_tokens`` and ``essays``) give an equal Sample and a different seed gives a different
-one. No set is iterated.
+one. No set is iterated. ``Sample.facts`` lists every key and value a sample drew.
 
 As the harness's items (``build_items``, for ``scripts/eval_ruler.py``): for every task and
-context length, samples drawn with seeds ``seed ..`` (the ``dev`` split from ``seed + 10000``);
+context length, sample j drawn with ``sample_seed(task, length, j, seed, split)`` (a SHA-256 of
+them, ``evals.prompts.prompt_seed``; the ``dev`` split hashes another name), redrawn when a
+fact repeats one drawn earlier in the grid, so no two prompts share a key, value or name;
 the context gets ``length - (template + question)`` tokens, so a prompt holds about ``length``
 tokens, in the chat template (``evals.harness.chat_pieces``). ``task_rows`` gives each result
 row its per-task scores and their mean.
@@ -82,6 +89,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import re
 import string
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -90,8 +98,9 @@ from pathlib import Path
 from typing import Any
 
 from evals.data import ESSAYS
-from evals.harness import DEV_SEED_OFFSET, Item, chat_pieces
-from evals.prompts import read_texts, split_sentences
+from evals.harness import Item, chat_pieces
+from evals.prompts import prompt_seed, read_texts, split_sentences
+from evals.scoring import score_answer
 from model import ConfigError
 from tokenizer import Tokenizer
 
@@ -183,6 +192,7 @@ def _word_pool(text: str) -> tuple[str, ...]:
 
 
 _POOL: tuple[str, ...] = _word_pool(_WORD_TEXT)
+WORD_POOL = _POOL  # public: the needle's keys draw their nouns from it
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -199,6 +209,7 @@ class Sample:
     outputs: tuple[str, ...]  # every expected string (scored with string_match_all)
     depth: float | None  # tokens before the (first expected) needle / context tokens, or None
     max_new_tokens: int  # a sufficient answer length in tokens for this task
+    facts: tuple[str, ...] = ()  # every key and value the sample draws (distractors included)
 
 
 def tolerance(context_tokens: int) -> int:
@@ -415,7 +426,7 @@ def _niah(task: str, rng: random.Random, target: int, count: CountTokens,
                                          shuffle=len(needles) > 1, rng=rng, target=target,
                                          count=count)
     return Sample(task, context, question, prefix, tuple(values[i] for i in expected), depth,
-                  MAX_NEW_TOKENS[task]), n
+                  MAX_NEW_TOKENS[task], tuple(keys) + tuple(values)), n
 
 
 def _vt(rng: random.Random, target: int, count: CountTokens) -> tuple[Sample, int]:
@@ -433,7 +444,8 @@ def _vt(rng: random.Random, target: int, count: CountTokens) -> tuple[Sample, in
                 f"variables that are assigned the value {value} in the text above.")
     prefix = (f"According to the chain of variable assignments in the text above, {len(names)} "
               f"variables are assigned the value {value}, they are:")
-    return Sample("vt", context, question, prefix, tuple(names), depth, MAX_NEW_TOKENS["vt"]), n
+    return Sample("vt", context, question, prefix, tuple(names), depth, MAX_NEW_TOKENS["vt"],
+                  (*names, value)), n
 
 
 # --------------------------------------------------------------------------------------------
@@ -521,7 +533,7 @@ def _cwe(rng: random.Random, target: int, count: CountTokens) -> tuple[Sample, i
     _, context, n = _fit_items("cwe", render, count, lo, len(rare_seq), rare_est, per_item,
                                target)
     return Sample("cwe", context, _CWE_QUESTION, _CWE_PREFIX, tuple(common), None,
-                  MAX_NEW_TOKENS["cwe"]), n
+                  MAX_NEW_TOKENS["cwe"], (" ".join(sorted(common)),)), n
 
 
 def _made_up_words(rng: random.Random) -> Iterator[str]:
@@ -575,7 +587,7 @@ def _fwe(rng: random.Random, target: int, count: CountTokens) -> tuple[Sample, i
         raise ValueError(f"context_tokens={target} is too small for fwe: {n_words} words do not "
                          f"give {FWE_TOP} words more frequent than all others")
     return Sample("fwe", context, _FWE_QUESTION, _FWE_PREFIX, tuple(words(FWE_TOP)), None,
-                  MAX_NEW_TOKENS["fwe"]), n
+                  MAX_NEW_TOKENS["fwe"], tuple(words(FWE_TOP))), n
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,46 +637,122 @@ def make_sample(task: str, context_tokens: int, count_tokens: CountTokens, seed:
 # The tasks as harness items
 
 
+def sample_seed(task: str, length: int, index: int, seed: int = 0, split: str = "eval",
+                attempt: int = 0) -> int:
+    """The seed of sample ``index`` of ``task`` at prompt length ``length``:
+    ``evals.prompts.prompt_seed`` of ("ruler", split, seed, task, length, index, attempt), so
+    every (task, length, sample) draws its own keys, values and words."""
+    return prompt_seed("ruler", split, seed, task, length, index, attempt)
+
+
+MAX_REDRAWS = 50
+
+
 def build_items(tok: Tokenizer, essays: str, tasks: Sequence[str], lengths: Sequence[int],
                 samples: int, seed: int, split: str = "eval") -> list[Item]:
-    """Every sample of every task and length, as chat items grouped by (task, length)."""
+    """Every sample of every task and length, as chat items grouped by (task, length).
+
+    Sample j of a task at a length is drawn from ``sample_seed(task, length, j, seed,
+    split)``; one whose facts (``Sample.facts``: keys, values, variable names, fwe's words,
+    cwe's set of common words) repeat a fact of a sample drawn before it in this grid (lengths
+    in the order given, then tasks, then samples) is redrawn with ``attempt`` 1, 2, ...: no two
+    prompts of a grid share a fact. cwe's single words come from a pool of 590 and recur
+    across samples; its set of 10 does not.
+
+    Raises:
+        ConfigError: a length too small for a task, or no fact-disjoint sample in
+            ``MAX_REDRAWS`` draws.
+    """
     def count(text: str) -> int:
         return len(tok.encode(text, bos=False))
 
     items = []
-    base = seed + (DEV_SEED_OFFSET if split == "dev" else 0)
+    used: set[str] = set()
     for length in lengths:
         for task in tasks:
             for j in range(samples):
-                # the template and question take their share of the prompt first
-                probe = make_sample(task, 512, lambda t: len(t) // 4, base + j, essays)
+                for attempt in range(MAX_REDRAWS):
+                    s_seed = sample_seed(task, length, j, seed, split, attempt)
+                    # the facts first, on a cheap counter: redraws cost no tokenizer pass
+                    probe = make_sample(task, 512, lambda t: len(t) // 4, s_seed, essays)
+                    if not used & set(probe.facts):
+                        break
+                else:
+                    raise ConfigError(f"{task} at {length} tokens: no sample with new facts in "
+                                      f"{MAX_REDRAWS} draws")
                 head, tail = chat_pieces(tok, probe.question, probe.answer_prefix)
                 room = length - len(head) - len(tail) - 8  # keys differ by a few tokens
                 try:
-                    s = make_sample(task, room, count, base + j, essays)
+                    s = make_sample(task, room, count, s_seed, essays)
                 except ValueError as e:
                     raise ConfigError(f"{task} at {length} tokens: {e}") from None
+                used.update(s.facts)
                 head, tail = chat_pieces(tok, s.question, s.answer_prefix)
                 items.append(Item(head + tok.encode(s.context, bos=False), tail, s.outputs, {
-                    "task": task, "length": length, "seed": base + j, "depth": s.depth,
-                    "outputs": list(s.outputs), "max_new_tokens": s.max_new_tokens,
-                    "group": (task, length)}, len(head)))
+                    "task": task, "length": length, "sample": j, "seed": s_seed,
+                    "depth": s.depth, "outputs": list(s.outputs), "facts": list(s.facts),
+                    "max_new_tokens": s.max_new_tokens, "group": (task, length)}, len(head)))
     return items
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring
+
+
+class _MadeUpWords:
+    """fwe's vocabulary: every 6-letter consonant-vowel word (``in`` tests the pattern)."""
+
+    _RE = re.compile(f"(?:[{_CONSONANTS}][{_VOWELS}]){{3}}")
+
+    def __contains__(self, word: object) -> bool:
+        return isinstance(word, str) and self._RE.fullmatch(word) is not None
+
+
+TASK_KINDS: dict[str, tuple[str, Any]] = {
+    "niah_single_noise": ("number", None), "niah_single_essay": ("number", None),
+    "niah_single_uuid": ("uuid", None), "niah_multikey": ("number", None),
+    "niah_multivalue": ("number", None), "niah_multiquery": ("number", None),
+    "vt": ("name", None), "cwe": ("word", frozenset(_POOL)), "fwe": ("word", _MadeUpWords()),
+}
+PASS_FAIL_TASKS: tuple[str, ...] = ("niah_single_noise", "niah_single_essay",
+                                    "niah_single_uuid", "niah_multikey")
+
+
+def score_task(task: str, prediction: str, outputs: Sequence[str]) -> float:
+    """The boundary-aware score of an answer to ``task`` (``evals.scoring.score_answer``):
+    pass/fail on the first value stated for ``PASS_FAIL_TASKS`` (one expected value), F1 over
+    the distinct values stated for the others. Candidates by task (``TASK_KINDS``): numbers of
+    4+ digits for the niah number tasks, UUIDs, vt's upper-case 5-letter names, cwe's pool
+    words, fwe's consonant-vowel words.
+
+    Raises:
+        ValueError: unknown task or no outputs.
+    """
+    if task not in TASK_KINDS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    kind, vocab = TASK_KINDS[task]
+    return score_answer(prediction, outputs, kind, vocab)
 
 
 def task_rows(rows: Sequence[dict[str, Any]], items: Sequence[Item],
               tasks: Sequence[str]) -> list[dict[str, Any]]:
     """Per row: ``per_task`` {task: mean score over its items that ran, None if none ran} and
     ``score`` = the mean over tasks, None unless every task ran (an average over fewer tasks
-    would not compare with the other rows)."""
+    would not compare with the other rows); the same from ``scores_substring`` as
+    ``per_task_substring`` and ``score_substring`` when the row has them."""
     for r in rows:
         if "error" in r:
             continue
-        per = {}
-        for t in tasks:
-            s = [x for x, it in zip(r["scores"], items) if it.meta["task"] == t and x is not None]
-            per[t] = sum(s) / len(s) if s else None
-        r["per_task"] = per
-        vals = [v for v in per.values() if v is not None]
-        r["score"] = sum(vals) / len(vals) if len(vals) == len(per) else None
+        for key, per_key, score_key in (("scores", "per_task", "score"),
+                                        ("scores_substring", "per_task_substring",
+                                         "score_substring")):
+            if key not in r:
+                continue
+            per = {}
+            for t in tasks:
+                s = [x for x, it in zip(r[key], items) if it.meta["task"] == t and x is not None]
+                per[t] = sum(s) / len(s) if s else None
+            r[per_key] = per
+            vals = [v for v in per.values() if v is not None]
+            r[score_key] = sum(vals) / len(vals) if len(vals) == len(per) else None
     return list(rows)

@@ -1,28 +1,47 @@
-"""Per-length accuracy tables from needle and RULER-style result files, merged across runs.
+"""Per-length accuracy tables with 95% intervals and paired tests, from needle and RULER-style
+result files merged across runs, and ``summary.json`` beside them.
 
-    python scripts/accuracy_summary.py results/accuracy/qwen2.5-coder-0.5b/*/ \
-        --out results/accuracy/qwen2.5-coder-0.5b/tables.md
+    python scripts/accuracy_summary.py results/accuracy/qwen2.5-coder-0.5b/*/ \\
+        --out results/accuracy/qwen2.5-coder-0.5b/tables.md [--allow-mixed] [--json PATH]
 
 Reads the JSON files of ``scripts/eval_needle.py`` and ``scripts/eval_ruler.py`` (files, or
-directories whose ``*.json`` are read; other JSON files there are skipped) and writes, per
-benchmark and prompt length, one Markdown table: a line per method, a column per token budget
-and mode (standard, then question-agnostic), each cell the mean score (%) over that length's
-prompts. Runs that evaluated different methods or tasks on the same prompts are merged by
-prompt: a prompt is one ``items`` entry, and the same entry in two files is the same prompt
-(a later file's score replaces an earlier one's). Cells:
+directories whose ``*.json`` are read; other JSON files there are skipped). Runs that evaluated
+different methods or tasks on the same prompts are merged by prompt: a prompt is one ``items``
+entry, and the same entry in two files is the same prompt (a later file's score replaces an
+earlier one's; a score beats a rejection of the same prompt whatever the order).
 
-* ``n/a``: the method rejected the budget for at least one of its prompts (the files' rows say
-  why, e.g. SnapKV's budget below its observation window);
-* ``(k/n)`` after a score: the method ran on k of the n prompts of that length that any run
-  evaluated, so its mean is over a different set of prompts than a complete row's;
-* empty: not run.
+Commits. Every file records the ``commit`` it ran (``evals/provenance.py``; a dirty tree is a
+group of its own, ``<commit>+dirty``). Files of different commits are not merged unless
+``--allow-mixed`` is given; then every cell names the commits of its prompts (``@abc1234``).
+A file without a commit (written before provenance was recorded) is "commit unknown" and a
+group of its own: alone it is summarised, with any other file it needs ``--allow-mixed``.
 
-Under each table, the RocketKV paper's claim (Section 5, RocketKV close to the full cache and
-to Exact-TopK and ahead of the other non-oracle methods) is checked at each budget in
-standard mode, on the prompts every method in the table ran at that budget (the line says so
-when that is fewer than the length's prompts): RocketKV's score, its difference from full and
-from Exact-TopK, and the other methods scoring at least as high (``full`` and ``exact_topk``
-are the oracles). Exit status 0, or 2 on bad input.
+Scores. Cells use the boundary-aware score (``evals/scoring.py``: the first value stated for
+one-answer tasks, pass/fail; F1 for list tasks). Files scored before it (needle ``scoring``
+"exact", RULER files without ``scoring``) are rescored from their saved answers; their stored
+substring scores become the ``sub`` column. A cell shows ``score [ci_low, ci_high] n=k``
+(``n=k/N`` when the method ran k of the length's N prompts: an incomplete cell), then
+``sub X`` when the old substring score differs; ``n/a``: the method rejected the budget for
+some prompt; empty: not run. Intervals (``evals/stats.py``): Wilson for pass/fail cells,
+percentile bootstrap over prompts (seeded, stratified by task or length for pooled cells)
+otherwise.
+
+Weak tasks. A (task, length) where ``full`` scores under 50 in standard mode is reported apart
+(its own table line) and left out of every pooled cell and pooled comparison: at 32K full
+answers no cwe prompt, and a method's difference there says nothing about the method.
+
+Comparisons. Per mode, budget and length, and pooled over lengths: RocketKV against every
+other method at the same budget (``full`` has none), paired over the prompts both ran:
+the mean difference in points, its 95% bootstrap interval, and an exact paired test (McNemar
+for pass/fail, sign-flip for partial credit or pooled strata). A difference is stated only
+where p < 0.05; otherwise the line says "no detectable difference at n = ...". The p-values
+are per comparison, not corrected for the many comparisons made.
+
+``summary.json`` (beside ``--out``, or ``--json``): ``cells`` (one per bench x task x length x
+method x budget x mode, plus the pooled ones with task or length "pooled": ``n``, ``score``,
+``ci_low``, ``ci_high`` in percent, ``interval``, ``score_substring``, ``commit``),
+``comparisons``, ``weak`` units, the ``files`` read with their commits. Exit status 0, or 2 on
+bad input (one ``error:`` line).
 """
 
 from __future__ import annotations
@@ -30,22 +49,30 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
 from cli import OneLineParser
 from compression import METHODS
+from evals.ruler import PASS_FAIL_TASKS, score_task
+from evals.scoring import first_value_pass
+from evals.stats import cell_stats, paired_comparison
 
 ORACLES = ("full", "exact_topk")
-MODES = (False, True)  # question_agnostic
+REFERENCE = "rocketkv"
+MODES = ("standard", "question_agnostic")
+WEAK_BELOW = 0.5  # full's score under which a (task, length) is reported apart
+ALPHA = 0.05
 
 
 def _item_key(item: dict[str, Any], bench: str) -> str:
     return bench + json.dumps(item, sort_keys=True)
 
 
-def load(paths: list[str]) -> list[dict[str, Any]]:
-    """The needle / RULER result dicts among ``paths`` (files or directories), in order.
+def load(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(file name, result dict) of the needle / RULER result files among ``paths`` (files or
+    directories), in order.
 
     Raises:
         ValueError: a path that does not exist, a file that is not JSON, or no result file.
@@ -66,147 +93,381 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
             raise ValueError(f"{f}: not a readable JSON file ({e})") from None
         if isinstance(data, dict) and data.get("task") in ("needle", "ruler") \
                 and "items" in data and "rows" in data:
-            results.append(data)
+            results.append((str(f), data))
     if not results:
         raise ValueError("no needle or RULER-style result file among the paths given")
     return results
 
 
-def collect(results: list[dict[str, Any]]):
-    """``scores[(bench, question_agnostic, method, budget)][prompt] = score or None`` (None:
-    the method rejected the budget for that prompt), ``lengths[bench][length] = set of
-    prompts`` that some method ran or rejected one by one (a prompt of an unfinished batch
-    that nothing ran is left out) and ``budgets``, the budgets seen. A score beats a rejection
-    of the same prompt whatever the order of ``results``: a later run that could serve a
-    budget (e.g. DuoAttention once a head pattern exists) fills the cells an earlier run
-    left n/a."""
-    scores: dict[tuple, dict[str, float | None]] = defaultdict(dict)
-    lengths: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
-    budgets: set[int] = set()
-    for res in results:
-        bench, qa = res["task"], bool(res["question_agnostic"])
+def commit_of(name: str, res: dict[str, Any]) -> tuple[str, str]:
+    """(group, label) of a file's code: its commit (12 hex digits, ``+dirty`` for a dirty
+    tree) for both; a file without one is ("unknown:FILE", "commit unknown")."""
+    prov = res.get("provenance") or {}
+    commit = res.get("commit") or prov.get("commit")
+    if not commit:
+        return f"unknown:{name}", "commit unknown"
+    label = commit[:12] + ("+dirty" if prov.get("dirty") else "")
+    return label, label
+
+
+def _scorers(res: dict[str, Any]) -> tuple[bool, Callable[[str, dict], float] | None]:
+    """(binary by default, rescoring function or None when the stored scores are current)."""
+    if res["task"] == "needle":
+        if res.get("scoring") in ("first_number", "rouge1_recall"):
+            return res["scoring"] != "rouge1_recall", None
+        return True, lambda a, it: first_value_pass(a, str(it["answer"]), "number")
+    if res.get("scoring") == "boundary_f1":
+        return False, None
+    return False, lambda a, it: score_task(it["task"], a, it["outputs"])
+
+
+class Collected:
+    """Every prompt's score per (bench, mode, method, budget), the prompts' units and the
+    files' commits (``collect``)."""
+
+    def __init__(self) -> None:
+        # (bench, mode, method, budget) -> prompt key -> (score | None, substring | None, label)
+        self.scores: dict[tuple, dict[str, tuple]] = defaultdict(dict)
+        self.unit: dict[str, tuple[str, str, int]] = {}  # prompt -> (bench, task, length)
+        self.binary: dict[str, bool] = {}
+        self.budgets: set[int] = set()
+        self.files: list[dict[str, Any]] = []
+
+    def prompts(self, bench: str, task: str | None = None,
+                length: int | None = None) -> set[str]:
+        return {k for k, (b, t, n) in self.unit.items() if b == bench
+                and (task is None or t == task) and (length is None or n == length)}
+
+    def cell(self, bench: str, mode: str, method: str, budget: int | None) -> dict[str, tuple]:
+        return self.scores.get((bench, mode, method, budget if METHODS[method].budgeted
+                                else None), {})
+
+
+def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
+    """Merge the files by prompt. A prompt belongs to a unit (bench, task, length) once some
+    method ran or rejected it (a prompt of an unfinished batch that nothing ran is left out)."""
+    c = Collected()
+    for name, res in results:
+        bench = res["task"]
+        mode = "question_agnostic" if res.get("question_agnostic") else "standard"
+        group, label = commit_of(name, res)
+        binary_default, rescore = _scorers(res)
+        c.files.append({"path": name, "commit": label, "group": group,
+                        "rescored": rescore is not None})
         keys = [_item_key(it, bench) for it in res["items"]]
         for row in res["rows"]:
             if row.get("budget") is not None:
-                budgets.add(int(row["budget"]))
-            cell = scores[(bench, qa, row["method"], row.get("budget"))]
+                c.budgets.add(int(row["budget"]))
+            cell = c.scores[(bench, mode, row["method"], row.get("budget"))]
             if "error" in row:  # rejected before any prompt ran
                 for k in keys:
-                    cell.setdefault(k, None)
+                    cell.setdefault(k, (None, None, label))
                 continue
+            if rescore is not None and "answers" not in row:
+                raise ValueError(f"{name}: scored by substring and without the answers to "
+                                 "rescore them")
+            subs = row.get("scores_substring")
             for i, (key, s) in enumerate(zip(keys, row["scores"])):
                 if s is None and str(i) not in row.get("item_errors", {}):
                     continue  # not run (an unfinished batch)
-                if s is not None or cell.get(key) is None:
-                    cell[key] = s
-                lengths[bench][int(res["items"][i]["length"])].add(key)  # a prompt that ran
-    return scores, lengths, sorted(budgets)
+                it = res["items"][i]
+                sub = None
+                if s is not None:
+                    if rescore is not None:
+                        s, sub = rescore(row["answers"][i], it), s
+                    elif subs is not None:
+                        sub = subs[i]
+                if s is not None or cell.get(key, (None,))[0] is None:
+                    cell[key] = (s, sub, label)
+                task = "needle" if bench == "needle" else it["task"]
+                c.unit[key] = (bench, task, int(it["length"]))
+                c.binary[key] = binary_default if bench == "needle" else task in PASS_FAIL_TASKS
+    return c
 
 
-def _mean(cell: dict[str, float | None], prompts: set[str]) -> tuple[float | None, int, bool]:
-    """(mean score, prompts run, any rejected) of one method/budget/mode over ``prompts``."""
-    got = [cell[p] for p in sorted(prompts) if p in cell]  # sorted: the same sum every run
-    if any(s is None for s in got):
-        return None, len(got), True
-    return (sum(got) / len(got) if got else None), len(got), False
+# --------------------------------------------------------------------------------------------
+# Cells and comparisons
 
 
-def table(scores, bench: str, prompts: set[str], budgets: list[int]) -> str:
-    """One Markdown table and the claim lines for ``bench`` over one length's ``prompts``."""
-    methods = [m for m in METHODS if any(k[0] == bench and k[2] == m and
-                                         any(p in scores[k] for p in prompts) for k in scores)]
-    n = len(prompts)
-
-    def cell(m: str, qa: bool, b: int) -> dict[str, float | None]:
-        return scores.get((bench, qa, m, b if METHODS[m].budgeted else None), {})
-
-    head = ("| method | " + " | ".join(str(b) for b in budgets) + " | "
-            + " | ".join(f"q-agnostic {b}" if i == 0 else str(b) for i, b in enumerate(budgets))
-            + " |")
-    lines = [head, "|---" * (2 * len(budgets) + 1) + "|"]
-    for m in methods:
-        cells = []
-        for qa in MODES:
-            for b in budgets:
-                mean, k, rejected = _mean(cell(m, qa, b), prompts)
-                if rejected:
-                    cells.append("n/a")
-                elif mean is None:
-                    cells.append("")
-                else:
-                    cells.append(f"{100 * mean:.1f}" + (f" ({k}/{n})" if k < n else ""))
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines.append("")
-    for b in budgets:  # every method compared on the same prompts: those all of them ran
-        common = set.intersection(*({p for p in prompts if p in cell(m, False, b)}
-                                    for m in methods))
-        line = claim_line({(m, False, b): _mean(cell(m, False, b), common) for m in methods},
-                          methods, b, len(common))
-        if len(common) < n:
-            line += f" (over the {len(common)} of {n} prompts every method ran)"
-        lines.append(line)
-    return "\n".join(lines)
+def cell_of(c: Collected, bench: str, mode: str, method: str, budget: int | None,
+            keys: set[str], strata: Callable[[str], Hashable] | None = None
+            ) -> dict[str, Any] | None:
+    """One cell over ``keys``: None when not run, {"rejected": True, ...} when the method
+    rejected the budget for some prompt, else ``evals.stats.cell_stats`` (fractions) with
+    ``n_prompts`` (len(keys)), ``score_substring`` and ``commits``."""
+    cell = c.cell(bench, mode, method, budget)
+    got = sorted(k for k in keys if k in cell)  # sorted: the same sums every run
+    if not got:
+        return None
+    commits = sorted({cell[k][2] for k in got})
+    if any(cell[k][0] is None for k in got):
+        return {"rejected": True, "n": len(got), "n_prompts": len(keys), "commits": commits}
+    values = [cell[k][0] for k in got]
+    labels = None if strata is None else [strata(k) for k in got]
+    out = cell_stats(values, binary=all(c.binary[k] for k in got), strata=labels)
+    subs = [cell[k][1] for k in got]
+    if all(s is not None for s in subs):
+        out["score_substring"] = cell_stats(subs, strata=labels)["score"]
+    else:
+        out["score_substring"] = None
+    out.update(n_prompts=len(keys), commits=commits)
+    return out
 
 
-def claim_line(means, methods: list[str], budget: int, n: int) -> str:
-    """The paper's claim at one budget in standard mode from ``means[(method, False,
-    budget)]`` = (mean, prompts run, any rejected), each over the same ``n`` prompts."""
-    head = f"- standard, budget {budget}: "
-    if not {"rocketkv", *ORACLES} <= set(methods):
-        return head + "not checked (rocketkv, full and exact_topk are not all in the table)"
-    if n == 0:
-        return head + "not checked (no prompt that every method ran)"
-    rk = means[("rocketkv", False, budget)][0]
-    if rk is None:
-        return head + "not checked (rocketkv n/a)"
-    full = means[("full", False, budget)][0]
-    top = means[("exact_topk", False, budget)][0]
-    parts = [f"rocketkv {100 * rk:.1f}"]
-    for name, v in (("full", full), ("exact_topk", top)):
-        # rounded, plus 0.0: equal scores summed in another order print +0.0, not -0.0
-        parts.append(f"{name} {100 * v:.1f} ({round(100 * (rk - v), 1) + 0.0:+.1f})"
-                     if v is not None
-                     else f"{name} n/a")
-    at_least = [f"{m} {100 * means[(m, False, budget)][0]:.1f}" for m in methods
-                if m not in ORACLES and m != "rocketkv" and means[(m, False, budget)][0]
-                is not None and means[(m, False, budget)][0] >= rk]
-    parts.append("other methods at or above rocketkv: " + (", ".join(at_least) or "none"))
-    return head + "; ".join(parts)
+def _short(label: str) -> str:
+    """A commit label for a cell: 7 hex digits (``+dirty`` kept), or "unknown"."""
+    if label == "commit unknown":
+        return "unknown"
+    return label[:7] + ("+dirty" if label.endswith("+dirty") else "")
 
 
-def markdown(results: list[dict[str, Any]]) -> str:
-    scores, lengths, budgets = collect(results)
+def fmt_cell(cell: dict[str, Any] | None, mixed: bool) -> str:
+    """``score [lo, hi] n=k[/N][ sub X][ @commits]`` in percent; ``n/a``; or empty."""
+    if cell is None:
+        return ""
+    if cell.get("rejected"):
+        return "n/a"
+    n = f"n={cell['n']}" + (f"/{cell['n_prompts']}" if cell["n"] < cell["n_prompts"] else "")
+    text = (f"{100 * cell['score']:.1f} [{100 * cell['ci_low']:.1f}, "
+            f"{100 * cell['ci_high']:.1f}] {n}")
+    sub = cell.get("score_substring")
+    if sub is not None and abs(sub - cell["score"]) > 5e-4:
+        text += f" sub {100 * sub:.1f}"
+    if mixed:
+        text += " @" + "+".join(_short(x) for x in cell["commits"])
+    return text
+
+
+def methods_in(c: Collected, bench: str, keys: set[str]) -> list[str]:
+    """The methods that ran some of ``keys``, in the registry's order."""
+    return [m for m in METHODS if any(k[0] == bench and k[2] == m and any(p in v for p in keys)
+                                      for k, v in c.scores.items())]
+
+
+def comparisons(c: Collected, bench: str, mode: str, budget: int, keys: set[str],
+                strata: Callable[[str], Hashable] | None = None) -> list[dict[str, Any]]:
+    """RocketKV at ``budget`` against every other method that ran some of ``keys`` (at the
+    same budget; full without), paired over the prompts both scored
+    (``evals.stats.paired_comparison``)."""
+    ref = c.cell(bench, mode, REFERENCE, budget)
     out = []
-    for bench in ("needle", "ruler"):
-        for length in sorted(lengths.get(bench, {})):
-            prompts = lengths[bench][length]
-            name = "Needle" if bench == "needle" else "RULER-style tasks"
-            out.append(f"## {name}, {length} tokens ({len(prompts)} prompts)\n")
-            out.append(table(scores, bench, prompts, budgets) + "\n")
-    return "\n".join(out)
+    for m in methods_in(c, bench, keys):
+        if m == REFERENCE:
+            continue
+        other = c.cell(bench, mode, m, budget)
+        common = sorted(k for k in keys if ref.get(k, (None,))[0] is not None
+                        and other.get(k, (None,))[0] is not None)
+        if not common:
+            continue
+        a, b = [ref[k][0] for k in common], [other[k][0] for k in common]
+        res = paired_comparison(a, b, strata=None if strata is None
+                                else [strata(k) for k in common])
+        out.append({"a": REFERENCE, "b": m, "budget": budget,
+                    "b_budget": budget if METHODS[m].budgeted else None, "mode": mode, **res})
+    return out
+
+
+def fmt_comparison(r: dict[str, Any]) -> str:
+    b = f"{r['b']}@{r['b_budget']}" if r["b_budget"] is not None else r["b"]
+    head = (f"- {r['a']}@{r['budget']} vs {b} (n = {r['n']}): "
+            f"{100 * r['diff']:+.1f} points [{100 * r['ci_low']:+.1f}, {100 * r['ci_high']:+.1f}]"
+            f", p = {r['p']:.3g} ({r['test']}; {r['wins']} better, {r['losses']} worse): ")
+    if r["p"] < ALPHA:
+        return head + f"{r['a']} {'higher' if r['diff'] > 0 else 'lower'}"
+    return head + f"no detectable difference at n = {r['n']}"
+
+
+# --------------------------------------------------------------------------------------------
+# The report
+
+
+class Report:
+    """Builds the Markdown and the JSON entries together."""
+
+    def __init__(self, c: Collected, mixed: bool):
+        self.c, self.mixed = c, mixed
+        self.budgets = sorted(c.budgets)
+        self.lines: list[str] = []
+        self.cells: list[dict[str, Any]] = []
+        self.comparisons: list[dict[str, Any]] = []
+        self.weak: list[dict[str, Any]] = []
+
+    def _entry(self, cell: dict[str, Any] | None, **where: Any) -> None:
+        if cell is None:
+            return
+        e: dict[str, Any] = {**where, "n": cell["n"], "n_prompts": cell["n_prompts"],
+                             "commit": ", ".join("unknown" if x == "commit unknown" else x
+                                                 for x in cell["commits"])}
+        if cell.get("rejected"):
+            e.update(score=None, ci_low=None, ci_high=None, rejected=True)
+        else:
+            sub = cell["score_substring"]
+            e.update(score=100 * cell["score"], ci_low=100 * cell["ci_low"],
+                     ci_high=100 * cell["ci_high"], interval=cell["interval"],
+                     score_substring=None if sub is None else 100 * sub)
+        self.cells.append(e)
+
+    def table(self, bench: str, task: str, length: Any, keys: set[str],
+              strata: Callable[[str], Hashable] | None = None) -> None:
+        """A method x (mode, budget) table over ``keys`` (and its JSON cells)."""
+        c = self.c
+        head = "| method | " + " | ".join(
+            [str(b) for b in self.budgets]
+            + [f"q-agnostic {b}" if i == 0 else str(b) for i, b in enumerate(self.budgets)])
+        self.lines += [head + " |", "|---" * (2 * len(self.budgets) + 1) + "|"]
+        for m in methods_in(c, bench, keys):
+            row = []
+            for mode in MODES:
+                done = False
+                for b in self.budgets:
+                    cell = cell_of(c, bench, mode, m, b, keys, strata)
+                    row.append(fmt_cell(cell, self.mixed))
+                    if not done or METHODS[m].budgeted:
+                        self._entry(cell, bench=bench, task=task, length=length, method=m,
+                                    budget=b if METHODS[m].budgeted else None, mode=mode)
+                    done = True
+            self.lines.append(f"| {m} | " + " | ".join(row) + " |")
+        self.lines.append("")
+
+    def claims(self, bench: str, length: Any, keys: set[str],
+               strata: Callable[[str], Hashable] | None = None) -> None:
+        for mode in MODES:
+            for b in self.budgets:
+                got = comparisons(self.c, bench, mode, b, keys, strata)
+                if not got:
+                    continue
+                self.lines.append(f"{mode}, budget {b}:")
+                for r in got:
+                    self.lines.append(fmt_comparison(r))
+                    self.comparisons.append({"bench": bench, "length": length, **r})
+                self.lines.append("")
+
+    def weak_units(self, bench: str, length: int, tasks: Sequence[str]) -> dict[str, float]:
+        """{task: full's standard score} of the tasks at ``length`` where full scores under
+        ``WEAK_BELOW``; tasks full did not run are kept (not judged)."""
+        weak = {}
+        for t in tasks:
+            cell = cell_of(self.c, bench, "standard", "full", None,
+                           self.c.prompts(bench, t, length))
+            if cell is not None and not cell.get("rejected") and cell["score"] < WEAK_BELOW:
+                weak[t] = cell["score"]
+                self.weak.append({"bench": bench, "task": t, "length": length,
+                                  "full_score": 100 * cell["score"]})
+        return weak
+
+    def build(self) -> None:
+        c = self.c
+        for bench, name in (("needle", "Needle"), ("ruler", "RULER-style tasks")):
+            lengths = sorted({n for b, _, n in c.unit.values() if b == bench})
+            pooled: set[str] = set()
+            for length in lengths:
+                keys = c.prompts(bench, length=length)
+                tasks = sorted({c.unit[k][1] for k in keys})
+                weak = self.weak_units(bench, length, tasks)
+                kept = {k for k in keys if c.unit[k][1] not in weak}
+                pooled |= kept
+                self.lines.append(f"## {name}, {length} tokens ({len(keys)} prompts)\n")
+                apart = ", ".join(f"{t} (full {100 * s:.1f})" for t, s in weak.items())
+                if bench == "needle":
+                    if weak:
+                        self.lines.append(f"Full scores under {100 * WEAK_BELOW:.0f} here: "
+                                          "reported apart, not pooled over lengths.\n")
+                    self.table(bench, "needle", length, keys)
+                else:
+                    self.lines.append(
+                        f"Mean over the tasks where full scores {100 * WEAK_BELOW:.0f} or "
+                        f"more ({len(tasks) - len(weak)} of {len(tasks)})"
+                        + (f"; reported apart: {apart}" if weak else "") + ":\n")
+                    if kept:
+                        self.table(bench, "pooled", length, kept, lambda k: c.unit[k][1])
+                    for t in tasks:
+                        self.lines.append(f"### {t}, {length} tokens"
+                                          + (" (full under 50: apart)" if t in weak else "")
+                                          + "\n")
+                        self.table(bench, t, length, c.prompts(bench, t, length))
+                if bench == "needle":  # a weak length's comparisons are shown, not pooled
+                    self.lines.append(f"Paired comparisons at {length} tokens"
+                                      + (" (full under 50: apart)" if weak else "") + ":\n")
+                    self.claims(bench, length, keys)
+                elif kept:
+                    self.lines.append(f"Paired comparisons at {length} tokens (pooled "
+                                      "tasks):\n")
+                    self.claims(bench, length, kept, lambda k: c.unit[k][1])
+            if len({c.unit[k][2] for k in pooled}) > 1:
+                self.lines.append(f"## {name}, pooled over lengths ({len(pooled)} prompts; "
+                                  "weak units left out)\n")
+                strata = (lambda k: c.unit[k][2]) if bench == "needle" else \
+                    (lambda k: c.unit[k][1:])
+                self.table(bench, "needle" if bench == "needle" else "pooled", "pooled",
+                           pooled, strata)
+                self.lines.append("Paired comparisons, pooled over lengths:\n")
+                self.claims(bench, "pooled", pooled, strata)
+
+
+def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = False
+              ) -> tuple[str, dict[str, Any]]:
+    """(Markdown, summary dict) of the result files.
+
+    Raises:
+        ValueError: files of different commits without ``allow_mixed``.
+    """
+    c = collect(results)
+    groups = list(dict.fromkeys(f["group"] for f in c.files))
+    labels = list(dict.fromkeys(f["commit"] for f in c.files))
+    if len(groups) > 1 and not allow_mixed:
+        names = ", ".join(labels)
+        raise ValueError(f"the files come from different code ({len(groups)} groups: {names}; "
+                         "a file without a commit is a group of its own): pass --allow-mixed "
+                         "to merge them, each cell then names its commits")
+    r = Report(c, mixed=len(groups) > 1)
+    r.build()
+    rescored = sum(f["rescored"] for f in c.files)
+    head = ["Commit: " + (labels[0] if len(groups) == 1 else
+                          "mixed (--allow-mixed; each cell names its commits after @): "
+                          + ", ".join(labels)) + ".",
+            "",
+            "A cell: score % [95% interval] n=prompts (n=k/N: k of the length's N prompts "
+            "ran); sub: the old substring score where it differs; n/a: the method rejected "
+            "the budget. Intervals: Wilson (pass/fail), bootstrap over prompts (partial "
+            "credit, pooled). Comparisons: paired over the same prompts, exact McNemar or "
+            "sign-flip test; a difference is stated only where p < 0.05."
+            + (f" {rescored} of {len(c.files)} files were scored by substring and are "
+               "rescored here from their answers." if rescored else ""), ""]
+    summary = {"units": "percent", "commits": labels, "mixed": len(groups) > 1,
+               "files": [{k: v for k, v in f.items() if k != "group"} for f in c.files],
+               "weak_below": 100 * WEAK_BELOW, "weak": r.weak, "cells": r.cells,
+               "comparisons": [{**x, "diff": 100 * x["diff"], "ci_low": 100 * x["ci_low"],
+                                "ci_high": 100 * x["ci_high"]} for x in r.comparisons]}
+    return "\n".join(head + r.lines), summary
 
 
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="result JSON files or directories of them")
-    p.add_argument("--out", metavar="PATH", help="write the Markdown here (default: stdout)")
+    p.add_argument("--out", metavar="PATH", help="write the Markdown here (default: stdout); "
+                   "summary.json goes beside it")
+    p.add_argument("--json", metavar="PATH", help="write the summary JSON here instead")
+    p.add_argument("--allow-mixed", action="store_true",
+                   help="merge files of different commits (each cell names its commits)")
     a = p.parse_args(argv)
     try:
-        text = ("# Accuracy per prompt length\n\n`scripts/accuracy_summary.py` over "
-                + ", ".join(f"`{r}`" for r in a.results) + ". A cell is the mean score (%) over "
-                "the length's prompts; n/a: the method rejected the budget; (k/n): it ran k of "
-                "the n prompts.\n\n" + markdown(load(a.results)))
+        md, summary = summarize(load(a.results), a.allow_mixed)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.out:
-        try:
+    text = ("# Accuracy per prompt length\n\n`scripts/accuracy_summary.py` over "
+            + ", ".join(f"`{r}`" for r in a.results) + ".\n\n" + md)
+    json_path = a.json or (str(Path(a.out).parent / "summary.json") if a.out else None)
+    try:
+        if a.out:
             Path(a.out).write_text(text)
-        except OSError as e:
-            print(f"error: cannot write {a.out}: {e.strerror or e}", file=sys.stderr)
-            return 2
-    else:
-        print(text)
+        else:
+            print(text)
+        if json_path:
+            Path(json_path).write_text(json.dumps(summary, indent=1) + "\n")
+    except OSError as e:
+        print(f"error: cannot write {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
 
 

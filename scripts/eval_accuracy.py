@@ -22,10 +22,16 @@ prefill per prompt shared by every (method, budget), and every number: ``match_p
 positions read are obtained: ``evals/probes.py``), ``kv_cache_bytes``, ``kv_bytes_per_step``,
 ``method_params``.
 
+Intervals: with 2 or more prompts per length, teacher-forced top-1, KL and attention recall
+carry a 95% percentile bootstrap interval over prompts (``<measure>_ci`` in the rows, in
+brackets in the tables; ``evals.reports.add_fidelity_intervals``).
+
 Per-prompt values (``match_prefix_per_prompt``, ``teacher_forced_top1_per_prompt``,
 ``nll_per_token``, ``kl_per_token``, ``attention_recall_per_prompt``) are kept in the JSON, with
 the prompts' token ids, the full cache's greedy continuations, ``prefill_s`` per prompt,
-``eval_s`` (per prompt length) and ``runtime_s`` (the whole run, loading included).
+``eval_s`` (per prompt length) and ``runtime_s`` (the whole run, loading included), and the
+run's ``commit`` and ``provenance`` (``evals/provenance.py``: dirty tree, torch and
+transformers versions, the checkpoint's sha256 and quantization types, the command).
 
 Outputs: the markdown tables go to stdout; ``--out DIR`` writes ``DIR/fidelity.json`` (every
 number), ``DIR/fidelity.md`` (the tables) and ``DIR/fidelity.png`` (perplexity, KL divergence
@@ -60,7 +66,13 @@ from evals.fidelity import (
 )
 from evals.harness import DEFAULT_BUDGETS, DEFAULT_METHODS, configurations, progress_bar
 from evals.prompts import text_files
-from evals.reports import fidelity_plot, fidelity_report, fidelity_table
+from evals.provenance import provenance
+from evals.reports import (
+    add_fidelity_intervals,
+    fidelity_plot,
+    fidelity_report,
+    fidelity_table,
+)
 from model import ConfigError
 from tokenizer import load_tokenizer
 
@@ -143,12 +155,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_progress:
             bar = progress_bar(len(lengths) * n * (len(configurations(methods, budgets)) + 1))
         runs = [evaluate(model, ps, methods, budgets, m, bar=bar) for ps in prompt_sets]
+        for run in runs:
+            add_fidelity_intervals(run["rows"])
         if bar is not None:
             bar.close()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    prov = provenance(checkpoint, ["scripts/eval_accuracy.py",
+                                   *(sys.argv[1:] if argv is None else argv)])
     result = {"model": model.args.name, "checkpoint": args.checkpoint,
+              "commit": prov["commit"], "provenance": prov,
               "text_files": list(args.text), "prompt_tokens": lengths, "max_new_tokens": m,
               "num_prompts": n, "methods": methods, "budgets": budgets, "seed": args.seed,
               "threads": args.threads, "bos_prefix": bos_prefix(tok),

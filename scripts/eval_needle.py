@@ -10,9 +10,14 @@ Prompts and scoring are ``evals/needle.py``'s (deterministic under ``--seed``): 
 whole sentences of ``--text`` (default the Paul Graham essays of the data directory,
 ``evals/data.py``), every prompt of a context length exactly that long, the needle at the
 sentence boundary nearest each depth, the question after the document in the chat template;
-``--split dev`` draws the development prompts. An answer is right when it contains the needle's
-number. ``--needle``/``--question``/``--answer``/``--answer-prefix`` replace the fact; a
-free-text answer is scored by ROUGE-1 recall of the expected answer's words.
+``--split dev`` draws the development prompts. Every prompt draws its own fact (no two prompts
+of a grid share a key or number); ``--variant paraphrase`` asks a question sharing no content
+word with the needle. An answer is right when the first number it states is the needle's
+(whole numbers: "167921525" is not 1679215); the old substring score is kept in the rows as
+``scores_substring``/``score_substring``. ``--needle``/``--question``/``--answer``/
+``--answer-prefix`` replace the fact; a free-text answer is scored by ROUGE-1 recall of the
+expected answer's words. The JSON records ``commit`` and ``provenance``
+(``evals/provenance.py``).
 
 Modes (``--modes``, default both, sharing each document's prefill): ``standard`` (the question
 in the prompt) and ``question_agnostic`` (the document compressed first, the question appended
@@ -40,9 +45,17 @@ from evals.harness import (
     load,
     resume_options,
 )
-from evals.needle import Haystack, add_needle_args, build_items, depth_grid, score_answer
+from evals.needle import (
+    VARIANTS,
+    Haystack,
+    add_needle_args,
+    build_items,
+    depth_grid,
+    score_answer,
+    substring_score,
+)
 from evals.prompts import read_texts
-from evals.reports import accuracy_table, needle_heatmaps, report_modes
+from evals.reports import accuracy_table, add_substring_scores, needle_heatmaps, report_modes
 from model import ConfigError
 
 
@@ -50,11 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     add_common_args(p, "results/accuracy")
     add_needle_args(p)
+    p.add_argument("--variant", choices=VARIANTS, default="standard",
+                   help="paraphrase: a needle whose question shares no content word with it "
+                        "(harder for methods that keep what the question's words attend to)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = ["scripts/eval_needle.py", *(sys.argv[1:] if argv is None else argv)]
     t0 = time.perf_counter()
     try:
         check_common(args)
@@ -75,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "answer_prefix": args.answer_prefix}
         depths = depth_grid(args.depths)
         items = build_items(tok, Haystack(tok, texts), args.lengths, depths, args.needles,
-                            args.seed, args.split, fact)
+                            args.seed, args.split, fact, args.variant)
         if args.limit:
             items = items[:args.limit]
         budgets = list(dict.fromkeys(args.budgets))
@@ -92,10 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = report_modes(args, got, model, "needle", {
         "lengths": sorted({it.meta["length"] for it in items}), "depths": depths,
         "needles": args.needles, "budgets": budgets, "max_new_tokens": args.max_new_tokens,
-        "scoring": "rouge1_recall" if rouge else "exact",
+        "scoring": "rouge1_recall" if rouge else "first_number", "variant": args.variant,
         "items": [{k: v for k, v in it.meta.items() if k != "group"} | {"tokens": it.tokens}
                   for it in items]}, t0,
-        lambda rows: accuracy_table(rows, budgets), needle_heatmaps)
+        lambda rows: accuracy_table(rows, budgets), needle_heatmaps,
+        rows_of=lambda rows: rows if rouge else add_substring_scores(rows, items,
+                                                                     substring_score))
     return rows_exit_status(rows)
 
 

@@ -12,8 +12,14 @@ from ``seed + 10000``, the development set for choosing defaults). The context g
 samples of one task and length are padded with newline tokens to one length and decoded
 together (``evals.harness.pad_to_equal``). Each task decodes its own ``max_new_tokens``.
 
-Scoring: RULER's string_match_all (the fraction of expected strings in the answer,
-case-insensitive), averaged per task; the average row is the mean over tasks.
+Samples are independent: each (task, length, sample) draws its own keys, values and words
+from a hashed seed, and no two prompts of a grid share a fact (``evals.ruler.build_items``).
+
+Scoring (``evals.ruler.score_task``): pass/fail on the first value stated for the one-answer
+tasks (niah_single_*, niah_multikey), F1 of the distinct values stated for the list tasks,
+whole numbers and words on boundaries; averaged per task, the average row being the mean over
+tasks. RULER's substring string_match_all is kept in the rows (``scores_substring``,
+``per_task_substring``) for comparison. The JSON records ``commit`` and ``provenance``.
 
 Modes (``--modes``, default both): as in ``scripts/eval_needle.py``.
 
@@ -42,8 +48,8 @@ from evals.harness import (
     resume_options,
 )
 from evals.metrics import string_match_all
-from evals.reports import report_modes, ruler_plot, ruler_table
-from evals.ruler import TASKS, build_items, load_essays, task_rows
+from evals.reports import add_substring_scores, report_modes, ruler_plot, ruler_table
+from evals.ruler import PASS_FAIL_TASKS, TASKS, build_items, load_essays, score_task, task_rows
 from model import ConfigError
 
 DEFAULT_LENGTHS = (4096,)
@@ -64,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = ["scripts/eval_ruler.py", *(sys.argv[1:] if argv is None else argv)]
     t0 = time.perf_counter()
     try:
         check_common(args)
@@ -85,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         budgets = list(dict.fromkeys(args.budgets))
         configs = configurations(list(dict.fromkeys(args.methods)), budgets)
         got = evaluate_items(model, tok, items, configs, 24,
-                             lambda a, it: string_match_all(a, it.outputs), modes=args.modes,
+                             lambda a, it: score_task(it.meta["task"], a, it.outputs),
+                             modes=args.modes,
                              options=given_options(args), batch_size=args.batch_size,
                              progress=not args.no_progress,
                              **resume_options(args, "ruler", model, device))
@@ -94,11 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     rows = report_modes(args, got, model, "ruler", {
         "tasks": tasks, "lengths": list(args.lengths), "samples": args.samples,
-        "budgets": budgets,
+        "budgets": budgets, "scoring": "boundary_f1",
+        "pass_fail_tasks": [t for t in tasks if t in PASS_FAIL_TASKS],
         "items": [{k: v for k, v in it.meta.items() if k != "group"} | {"tokens": it.tokens}
                   for it in items]}, t0,
-        lambda rows: ruler_table(rows, tasks), ruler_plot,
-        rows_of=lambda rows: task_rows(rows, items, tasks))
+        lambda rows: ruler_table(rows, tasks, items), ruler_plot,
+        rows_of=lambda rows: task_rows(add_substring_scores(
+            rows, items, lambda a, it: string_match_all(a, it.outputs)), items, tasks))
     return rows_exit_status(rows)
 
 

@@ -1,16 +1,25 @@
-"""scripts/accuracy_summary.py: runs merged by prompt, per-length means, unfinished prompts left
-out, rejected budgets as n/a and the claim lines, checked against sums done by hand."""
+"""scripts/accuracy_summary.py: runs merged by prompt, Wilson intervals in the cells, paired
+tests in the comparison lines, weak tasks apart, commit groups and --allow-mixed, old files
+rescored from their answers, summary.json; checked against values computed by hand."""
 
 import json
 
+import pytest
+
 from scripts.accuracy_summary import main
 
-NEEDLE = [{"length": 100, "depth": d, "seed": 0} for d in (0.0, 0.5)] + \
-    [{"length": 200, "depth": 0.5, "seed": 0}]
+NEEDLE = [{"length": 100, "depth": d, "seed": 0, "answer": "1679215"} for d in (0.0, 0.5)] + \
+    [{"length": 200, "depth": 0.5, "seed": 0, "answer": "1679215"}]
 
 
-def _result(rows, items=NEEDLE, qa=False):
-    return {"task": "needle", "question_agnostic": qa, "items": items, "rows": rows}
+def _result(rows, items=NEEDLE, qa=False, commit="aaaa", scoring="first_number"):
+    res = {"task": "needle", "question_agnostic": qa, "items": items, "rows": rows}
+    if scoring is not None:
+        res["scoring"] = scoring
+    if commit is not None:
+        res["commit"] = commit
+        res["provenance"] = {"commit": commit, "dirty": False}
+    return res
 
 
 def _write(path, obj):
@@ -18,80 +27,139 @@ def _write(path, obj):
     return str(path)
 
 
-def _run(tmp_path, *results, capsys):
+def _run(tmp_path, *results, capsys, flags=(), status=0):
     paths = [_write(tmp_path / f"r{i}.json", r) for i, r in enumerate(results)]
-    assert main(paths) == 0
-    return capsys.readouterr().out
+    out = tmp_path / "out" / "tables.md"
+    out.parent.mkdir(exist_ok=True)
+    assert main([*paths, "--out", str(out), *flags]) == status
+    if status:
+        return capsys.readouterr().err, None
+    return out.read_text(), json.loads((out.parent / "summary.json").read_text())
 
 
-def _line(text, length, method):
-    section = text.split(f", {length} tokens")[1].split("## ")[0]
+def _line(text, length, method, bench="Needle"):
+    section = text.split(f"## {bench}, {length} tokens")[1].split("## ")[0]
     return next(ln for ln in section.splitlines() if ln.startswith(f"| {method} |"))
 
 
-def test_runs_are_merged_by_prompt_and_averaged_per_length(tmp_path, capsys):
+def _cell(summary, **where):
+    return next(c for c in summary["cells"] if all(c[k] == v for k, v in where.items()))
+
+
+def test_cells_carry_wilson_intervals_and_runs_merge_by_prompt(tmp_path, capsys):
     first = _result([
-        {"method": "full", "budget": None, "scores": [1.0, 1.0, 0.0]},
+        {"method": "full", "budget": None, "scores": [1.0, 1.0, 1.0]},
         {"method": "exact_topk", "budget": 128, "scores": [1.0, 0.0, 0.0]},
-        {"method": "rocketkv", "budget": 128, "scores": [1.0, 0.5, 1.0]}])
+        {"method": "rocketkv", "budget": 128, "scores": [1.0, 1.0, 1.0]}])
     # a second run: another method on the same prompts, listed in another order
     second = _result([{"method": "quest", "budget": 128, "scores": [1.0, 0.0, 0.0]}],
                      items=[NEEDLE[2], NEEDLE[1], NEEDLE[0]])
-    out = _run(tmp_path, first, second, capsys=capsys)
-    assert "Needle, 100 tokens (2 prompts)" in out and "Needle, 200 tokens (1 prompts)" in out
-    # full fills every budget's column; question-agnostic mode was not run
-    assert _line(out, 100, "full") == "| full | 100.0 |  |"
-    assert _line(out, 100, "rocketkv") == "| rocketkv | 75.0 |  |"
-    assert _line(out, 200, "rocketkv") == "| rocketkv | 100.0 |  |"
+    text, summary = _run(tmp_path, first, second, capsys=capsys)
+    assert "## Needle, 100 tokens (2 prompts)" in text and "Commit: aaaa." in text
+    # Wilson 2/2: centre (1 + z^2/4) / (1 + z^2/2) = .67119, half .32881 -> [34.2, 100]
+    assert _line(text, 100, "full") == "| full | 100.0 [34.2, 100.0] n=2 |  |"
+    # 1/2: centre .5, half z / (1 + z^2/2) * sqrt(1/8 + z^2/16) = .40542 -> [9.5, 90.5]
+    assert _line(text, 100, "exact_topk") == "| exact_topk | 50.0 [9.5, 90.5] n=2 |  |"
     # quest's scores follow its own item order: 0.0 and 0.0 at 100 tokens, 1.0 at 200
-    assert _line(out, 100, "quest") == "| quest | 0.0 |  |"
-    assert _line(out, 200, "quest") == "| quest | 100.0 |  |"
-    assert ("standard, budget 128: rocketkv 75.0; full 100.0 (-25.0); exact_topk 50.0 "
-            "(+25.0); other methods at or above rocketkv: none") in out
-    assert ("standard, budget 128: rocketkv 100.0; full 0.0 (+100.0); exact_topk 0.0 "
-            "(+100.0); other methods at or above rocketkv: quest 100.0") in out
+    assert _line(text, 100, "quest") == "| quest | 0.0 [0.0, 65.8] n=2 |  |"
+    assert _line(text, 200, "quest") == "| quest | 100.0 [20.7, 100.0] n=1 |  |"
+    c = _cell(summary, task="needle", length=100, method="rocketkv", budget=128,
+              mode="standard")
+    assert (c["n"], c["score"], c["commit"], c["interval"]) == (2, 100.0, "aaaa", "wilson")
+    assert c["ci_low"] == pytest.approx(34.238, abs=1e-3) and c["ci_high"] == 100.0
+    assert _cell(summary, length=100, method="full")["budget"] is None
+    # the claim lines: paired over the prompts, McNemar, no difference stated at n = 2
+    assert ("- rocketkv@128 vs exact_topk@128 (n = 2): +50.0 points [+0.0, +100.0], p = 1 "
+            "(mcnemar; 1 better, 0 worse): no detectable difference at n = 2") in text
+    pooled = _cell(summary, task="needle", length="pooled", method="quest", budget=128)
+    assert pooled["n"] == 3 and pooled["score"] == pytest.approx(50.0)  # mean of 0 and 1
+
+
+def test_a_difference_is_stated_only_where_the_exact_test_finds_it(tmp_path, capsys):
+    items = [{"length": 100, "depth": i / 5, "seed": i, "answer": "1679215"} for i in range(6)]
+    res = _result([{"method": "full", "budget": None, "scores": [1.0] * 6},
+                   {"method": "rocketkv", "budget": 64, "scores": [1.0] * 6},
+                   {"method": "quest", "budget": 64, "scores": [0.0] * 6},
+                   {"method": "sparq", "budget": 64, "scores": [0.0] * 5 + [1.0]}], items=items)
+    text, summary = _run(tmp_path, res, capsys=capsys)
+    # 6 discordant pairs all one way: p = 2 / 2^6 = .03125 < .05
+    assert "rocketkv@64 vs quest@64 (n = 6): +100.0 points" in text
+    assert "p = 0.0312 (mcnemar; 6 better, 0 worse): rocketkv higher" in text
+    # 5 of 5: p = 2 / 32 = .0625: not stated
+    assert "p = 0.0625 (mcnemar; 5 better, 0 worse): no detectable difference at n = 6" in text
+    comp = next(x for x in summary["comparisons"] if x["b"] == "quest" and x["length"] == 100)
+    assert comp["p"] == pytest.approx(2 / 64) and comp["diff"] == 100.0
+
+
+def test_commits_are_not_mixed_unless_asked(tmp_path, capsys):
+    a = _result([{"method": "full", "budget": None, "scores": [1.0, 1.0, 0.0]}], commit="aaaa")
+    b = _result([{"method": "quest", "budget": 128, "scores": [1.0, 0.0, 0.0]}], commit="bbbb")
+    err, _ = _run(tmp_path, a, b, capsys=capsys, status=2)
+    assert err.startswith("error: ") and err.count("\n") == 1 and "--allow-mixed" in err
+    text, summary = _run(tmp_path, a, b, capsys=capsys, flags=["--allow-mixed"])
+    assert _line(text, 100, "quest") == "| quest | 50.0 [9.5, 90.5] n=2 @bbbb |  |"
+    assert summary["mixed"] and summary["commits"] == ["aaaa", "bbbb"]
+    # a file without a commit is a group of its own, even beside another such file
+    old = _result([{"method": "full", "budget": None, "scores": [1.0, 1.0, 0.0],
+                    "answers": [" 1679215", " 1679215", " 7"]}], commit=None, scoring=None)
+    _run(tmp_path, old, capsys=capsys)  # alone: summarised
+    err, _ = _run(tmp_path, old, dict(old), capsys=capsys, status=2)
+    assert "commit unknown" in err
+    # a dirty tree is not its commit
+    dirty = _result(a["rows"], commit="aaaa")
+    dirty["provenance"]["dirty"] = True
+    err, _ = _run(tmp_path, a, dirty, capsys=capsys, status=2)
+    assert "aaaa+dirty" in err
+
+
+def test_files_scored_by_substring_are_rescored_from_their_answers(tmp_path, capsys):
+    old = _result([{"method": "hybrid", "budget": 128, "scores": [1.0, 1.0, 1.0],
+                    "answers": [" 167921525", " 1679215.", " 1679215"]}],
+                  commit=None, scoring="exact")
+    text, summary = _run(tmp_path, old, capsys=capsys)
+    # the garbled answer fails on whole numbers; the old score stays as "sub"
+    assert _line(text, 100, "hybrid") == "| hybrid | 50.0 [9.5, 90.5] n=2 sub 100.0 |  |"
+    c = _cell(summary, length=100, method="hybrid")
+    assert c["score_substring"] == 100.0 and c["commit"] == "unknown"
+    assert summary["files"][0]["rescored"] is True
+
+
+def test_ruler_tasks_where_full_fails_are_reported_apart(tmp_path, capsys):
+    items = [{"task": t, "length": 100, "seed": j, "outputs": o}
+             for t, o in (("vt", ["ABCDE"]), ("niah_single_noise", ["1234567"]))
+             for j in range(2)]
+    res = {"task": "ruler", "question_agnostic": False, "items": items, "commit": "cccc",
+           "scoring": "boundary_f1", "rows": [
+               {"method": "full", "budget": None, "scores": [1.0, 1.0, 0.0, 0.0]},
+               {"method": "rocketkv", "budget": 64, "scores": [0.5, 1.0, 1.0, 1.0]}]}
+    text, summary = _run(tmp_path, res, capsys=capsys)
+    assert "reported apart: niah_single_noise (full 0.0)" in text
+    assert summary["weak"] == [{"bench": "ruler", "task": "niah_single_noise", "length": 100,
+                                "full_score": 0.0}]
+    pooled = _cell(summary, bench="ruler", task="pooled", length=100, method="rocketkv")
+    assert pooled["n"] == 2 and pooled["score"] == 75.0 and pooled["interval"] == "bootstrap"
+    assert _cell(summary, task="niah_single_noise", method="rocketkv")["score"] == 100.0
+    # the comparison at this length pools vt alone: 2 prompts, sign-flip on (-.5, 0)
+    assert "rocketkv@64 vs full (n = 2): -25.0 points" in text
 
 
 def test_unfinished_rejected_and_partial_rows(tmp_path, capsys):
     res = _result([
         # the 200-token prompt was in an unfinished batch: nothing ran it
         {"method": "full", "budget": None, "scores": [1.0, 1.0, None], "items_run": 2},
-        {"method": "exact_topk", "budget": 128, "scores": [1.0, 1.0, None], "items_run": 2},
         {"method": "snapkv", "budget": 128, "error": "budget too small"},
         {"method": "quest", "budget": 128, "scores": [1.0, None, None], "items_run": 1,
          "item_errors": {"1": "budget too small"}},
         {"method": "rocketkv", "budget": 128, "scores": [1.0, 1.0, None], "items_run": 2}])
     other = _result([{"method": "sparq", "budget": 128, "scores": [0.0, None, None],
                       "items_run": 1}])
-    out = _run(tmp_path, res, other, capsys=capsys)
-    assert "200 tokens" not in out
-    assert _line(out, 100, "snapkv") == "| snapkv | n/a |  |"
-    assert _line(out, 100, "quest") == "| quest | n/a |  |"
-    assert _line(out, 100, "sparq") == "| sparq | 0.0 (1/2) |  |"
-    # the claim compares every method on the one prompt that all of them ran
-    assert ("standard, budget 128: rocketkv 100.0; full 100.0 (+0.0); exact_topk 100.0 (+0.0);"
-            " other methods at or above rocketkv: quest 100.0 (over the 1 of 2 prompts every"
-            " method ran)") in out
-
-
-def test_a_score_beats_an_earlier_or_later_rejection_of_the_same_prompt(tmp_path, capsys):
-    full = _result([{"method": "full", "budget": None, "scores": [1.0, 0.0, 1.0]}])
-    rejected = _result([
-        {"method": "duoattention", "budget": 128, "error": "no head pattern"},
-        {"method": "quest", "budget": 128, "scores": [None, None, None], "items_run": 0,
-         "item_errors": {"0": "too small", "1": "too small", "2": "too small"}}])
-    # a later run served the budget for the 100-token prompts only
-    served = _result([{"method": "duoattention", "budget": 128, "scores": [1.0, 0.0, None],
-                       "items_run": 2},
-                      {"method": "quest", "budget": 128, "scores": [0.0, 1.0, None],
-                       "items_run": 2}])
-    for order in ((full, rejected, served), (full, served, rejected)):
-        out = _run(tmp_path, *order, capsys=capsys)
-        assert _line(out, 100, "duoattention") == "| duoattention | 50.0 |  |"
-        assert _line(out, 100, "quest") == "| quest | 50.0 |  |"
-        # the 200-token prompt was only ever rejected
-        assert _line(out, 200, "duoattention") == "| duoattention | n/a |  |"
-        assert _line(out, 200, "quest") == "| quest | n/a |  |"
+    text, summary = _run(tmp_path, res, other, capsys=capsys)
+    assert "200 tokens" not in text
+    assert _line(text, 100, "snapkv") == "| snapkv | n/a |  |"
+    assert _line(text, 100, "quest") == "| quest | n/a |  |"
+    assert _line(text, 100, "sparq") == "| sparq | 0.0 [0.0, 79.3] n=1/2 |  |"
+    assert _cell(summary, method="quest")["rejected"] is True
+    assert "rocketkv@128 vs sparq@128 (n = 1)" in text
 
 
 def test_bad_input_is_one_line_and_status_2(tmp_path, capsys):

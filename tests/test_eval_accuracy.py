@@ -394,6 +394,9 @@ def test_cli_writes_json_and_prints_the_table(stories_dir, texts, tmp_path, caps
     assert data["prompt_tokens"] == [100] and data["max_new_tokens"] == 4
     assert [r["prompt_tokens"] for r in data["rows"]] == [100, 100]
     assert not (tmp_path / "eval.json.tmp").exists()
+    prov = data["provenance"]  # evals/provenance.py: the code, libraries and checkpoint
+    assert data["commit"] == prov["commit"] and len(prov["checkpoint"]["sha256"]) == 64
+    assert prov["argv"][0] == "scripts/eval_accuracy.py" and "--json" in prov["argv"]
     assert "| quest | 64 |" in capsys.readouterr().out
 
 
@@ -416,6 +419,10 @@ def test_cli_quick_run_on_smollm2_writes_the_three_files(tmp_path, capsys):
     assert full["kl_divergence"] == 0.0 and full["match_prefix"] == 6
     assert 1 < full["perplexity"] < 1000
     assert quest["kl_divergence"] > 0 and 0 < quest["attention_recall"] <= 1 + 1e-6
+    # 95% bootstrap intervals over the 2 prompts, around the row's mean
+    lo, hi = quest["kl_divergence_ci"]
+    assert lo <= quest["kl_divergence"] <= hi and full["kl_divergence_ci"] == [0.0, 0.0]
+    assert quest["teacher_forced_top1_ci"][0] <= quest["teacher_forced_top1"]
     md = (out / "fidelity.md").read_text()
     assert "## 256 prompt tokens" in md and "| quest | 128 |" in md
     assert (out / "fidelity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,9 +1,12 @@
 """The accuracy harness (evals/harness.py, needle.py, ruler.py's items, reports.py) and its
 scripts (eval_needle.py, eval_ruler.py, kept_tokens.py) on SmolLM2."""
 
+import hashlib
 import json
+import subprocess
 
 import pytest
+import torch
 from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 
 import evals.harness as ec
@@ -96,6 +99,42 @@ def test_needle_prompts_have_the_asked_length_and_depth(tok, hay):
     assert {it.outputs for it in dev}.isdisjoint({it.outputs for it in items})
 
 
+def test_needle_grid_prompts_draw_independent_facts(tok, hay, monkeypatch):
+    """Every (length, needle, depth) has its own hashed seed, key, number and haystack start;
+    a fact repeating a key or number of the grid is redrawn; ``region`` places depth 0 in
+    the sink, depth 1 in the recent window and the interior in the middle."""
+    import evals.needle as nd
+
+    depths = depth_grid(4)
+    items = build_items(tok, hay, [1200, 1500], depths, 3, seed=0)
+    keys = [it.meta["key"] for it in items]
+    numbers = [it.outputs[0] for it in items]
+    assert len(set(keys)) == len(set(numbers)) == len(items) == 24
+    assert len({it.meta["haystack_start"] for it in items}) > 12
+    for it in items:
+        m = it.meta
+        assert m["seed"] == nd.needle_seed(m["length"], m["needle"], depths.index(m["depth"]))
+        needle = tok.encode(" " + needle_fact(m["seed"])["needle"], bos=False)
+        ids = it.doc_ids + it.question_ids
+        assert ids[m["tokens_before"]:m["tokens_before"] + len(needle)] == needle
+        assert m["tokens_after"] == len(ids) - m["tokens_before"] - len(needle)
+        expected = {0.0: "sink", 1.0: "recent"}.get(m["depth"], "middle")
+        assert m["region"] == expected
+    para = build_items(tok, hay, [700], [0.5], 2, seed=0, variant="paraphrase")
+    assert all("assigned" in tok.decode(it.question_ids) for it in para)
+    # a repeated fact is redrawn with the next attempt's seed
+    real, calls = nd.needle_fact, []
+
+    def repeating(seed, variant="standard"):
+        calls.append(seed)
+        return real(nd.needle_seed(700, 0, 0) if len(calls) == 2 else seed, variant)
+
+    monkeypatch.setattr(nd, "needle_fact", repeating)
+    again = nd.build_items(tok, hay, [700], [0.2, 0.8], 1, seed=0)
+    assert again[1].meta["seed"] == nd.needle_seed(700, 0, 1, attempt=1)
+    assert again[0].meta["key"] != again[1].meta["key"]
+
+
 def test_padding_makes_a_batch_equal_and_keeps_the_content():
     a = Item([1, 2, 10, 11], [5, 6], ("x",), {}, head=2)
     b = Item([1, 2, 10, 11, 12], [5], ("y",), {}, head=2)
@@ -107,7 +146,7 @@ def test_padding_makes_a_batch_equal_and_keeps_the_content():
 def test_question_agnostic_full_answers_like_one_prefill(smollm2_model, tok, hay):
     """The conversation-append path (document, then question as the next chunk) gives the
     full cache's answers of the single prefill; a compressing method answers either way."""
-    items = build_items(tok, hay, [600], [0.2, 0.8], 1, seed=0)
+    items = build_items(tok, hay, [600], [0.2, 0.8], 1, seed=1)
     configs = configurations(["full", "snapkv_pp"], [96])
     got = evaluate_items(smollm2_model, tok, items, configs, 12, lambda a, it: 0.0,
                          modes=["standard", "question_agnostic"], progress=False)["modes"]
@@ -155,6 +194,19 @@ def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
     assert result["unfinished"] == 0 and result["device"] == "cpu"
     assert result["dtype"] == ("bfloat16" if cpu_has_native_bf16() else "float32")
     assert not (tmp_path / "needle.partial.jsonl").exists()  # removed once the results are out
+    # provenance: the commit git reports, the checkpoint's sha256 and GGUF tensor types
+    prov = result["provenance"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    assert result["commit"] == prov["commit"] == head and isinstance(prov["dirty"], bool)
+    gguf = shared_file(SMOLLM2_GGUF)
+    assert prov["checkpoint"]["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert prov["checkpoint"]["quantization"]["tensor_types"]["Q4_1"] > 0
+    assert prov["torch"] == torch.__version__
+    assert prov["argv"][:2] == ["scripts/eval_needle.py", "--checkpoint"]
+    # the boundary-aware score, with the old substring score beside it
+    assert result["scoring"] == "first_number" and result["variant"] == "standard"
+    assert rows["full"]["score_substring"] == 1.0
 
 
 def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
@@ -185,6 +237,12 @@ def test_ruler_cli_quick_run(tmp_path):
     assert full["score"] == sum(full["per_task"].values()) / 2
     assert all(abs(it["tokens"] - 600) <= 30 for it in result["items"])
     assert (tmp_path / "ruler_qa.png").exists() and (tmp_path / "ruler_qa.md").exists()
+    # boundary-aware scores with the substring ones beside them, intervals in the table
+    assert result["scoring"] == "boundary_f1" and set(full["per_task_substring"]) == \
+        {"niah_single_noise", "vt"}
+    assert result["commit"] == result["provenance"]["commit"]
+    full_line = (tmp_path / "ruler_qa.md").read_text().splitlines()[2]
+    assert full_line.startswith("| full | - |") and full_line.count("[") == 3
     assert not (tmp_path / "ruler.partial.jsonl").exists()
 
 
@@ -220,7 +278,8 @@ def test_a_budget_error_fails_only_the_items_it_concerns(monkeypatch):
     snap, full = res["modes"]["standard"]["rows"]
     assert snap["score"] == 0.5 and snap["scores"] == [1.0, 0.0, None]
     assert snap["items_run"] == 2 and snap["item_errors"] == {"2": "budget too small"}
-    assert accuracy_table([snap, full], [128]).splitlines()[2] == "| snapkv | 50.0 (2/3) |"
+    assert accuracy_table([snap, full], [128]).splitlines()[2] == \
+        "| snapkv | 50.0 [9.5, 90.5] (2/3) |"  # Wilson's 95% interval of 1/2
     assert "items_run" not in full and full["score"] == 1.0
     rows = task_rows([snap, full], items, ["short", "long"])
     assert rows[0]["per_task"] == {"short": 0.5, "long": None} and rows[0]["score"] is None
@@ -316,7 +375,7 @@ def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkey
     assert calls == [2] and cut["unfinished"] == 4
     assert row["scores"] == [1.0, 0.0, None, None, None, None]
     assert row["score"] == 0.5 and row["items_run"] == 2 and "item_errors" not in row
-    assert accuracy_table([row], [128]).splitlines()[2] == "| full | 50.0 (2/6) |"
+    assert accuracy_table([row], [128]).splitlines()[2] == "| full | 50.0 [9.5, 90.5] (2/6) |"
     none = evaluate(lambda: True)["modes"]["standard"]["rows"][0]  # nothing more ran
     assert none["score"] == 0.5 and calls == [2]
     calls.clear()

@@ -203,3 +203,36 @@ def test_bad_arguments_raise(essays):
         make_sample("niah_multikey", 1024, cheap, 0, essays="   ")
     # tasks without an essay haystack ignore essays
     assert make_sample("fwe", 512, cheap, 0) == make_sample("fwe", 512, cheap, 0, essays)
+
+
+def test_grid_items_draw_independent_facts(essays, monkeypatch):
+    """Every (task, length, sample) has its own hashed seed, and no fact (key, value, name,
+    word, cwe's set) occurs in two prompts of a grid: a sample repeating one is redrawn."""
+    import evals.ruler as ruler
+    from tokenizer import load_tokenizer
+
+    tok = load_tokenizer(shared_file(SMOLLM2_GGUF))
+    tasks = ["niah_multikey", "vt", "fwe"]
+    items = ruler.build_items(tok, essays, tasks, [400, 500], 2, seed=0)
+    assert len(items) == 12 and len({it.meta["seed"] for it in items}) == 12
+    facts = [f for it in items for f in it.meta["facts"]]
+    assert len(facts) == len(set(facts)) == 2 * 2 * (8 + 6 + 3)
+    for it in items:  # the expected values are among the facts, the seed is the documented one
+        assert set(it.outputs) <= set(it.meta["facts"])
+        assert it.meta["seed"] == ruler.sample_seed(it.meta["task"], it.meta["length"],
+                                                    it.meta["sample"], 0, "eval")
+    dev = ruler.build_items(tok, essays, ["vt"], [400], 2, seed=0, split="dev")
+    assert {it.meta["seed"] for it in dev}.isdisjoint(it.meta["seed"] for it in items)
+    # a draw that repeats a fact is redrawn with the next attempt's seed
+    real = ruler.make_sample
+    calls = []
+
+    def repeating(task, n, count, seed, essays=None):
+        calls.append(seed)
+        first = ruler.sample_seed("vt", 400, 0, 0, "eval")
+        return real(task, n, count, first if len(calls) == 3 else seed, essays)
+
+    monkeypatch.setattr(ruler, "make_sample", repeating)
+    again = ruler.build_items(tok, essays, ["vt"], [400], 2, seed=0)
+    assert again[1].meta["seed"] == ruler.sample_seed("vt", 400, 1, 0, "eval", attempt=1)
+    assert set(again[0].meta["facts"]).isdisjoint(again[1].meta["facts"])

@@ -1,0 +1,180 @@
+"""evals/stats.py against values computed by hand from the formulas, evals/scoring.py on the
+garbled and guessing answers of issue 48, the hashed prompt seeds and the paraphrased needle.
+No model: fast."""
+
+import hashlib
+import math
+import re
+
+import pytest
+
+from evals.needle import PARAPHRASE_ADJECTIVES, PARAPHRASE_NOUNS, needle_fact
+from evals.prompts import prompt_seed
+from evals.ruler import WORD_POOL, score_task
+from evals.scoring import first_value_pass, list_f1, matches_whole
+from evals.stats import (
+    bootstrap_interval,
+    cell_stats,
+    mcnemar_p,
+    paired_comparison,
+    sign_flip_p,
+    wilson_interval,
+)
+
+# --------------------------------------------------------------------------------------------
+# Intervals
+
+
+def test_wilson_interval_by_hand():
+    # 7/10: p = .7, z^2 = 3.841459, 1 + z^2/n = 1.3841459,
+    # centre = (.7 + .1920729) / 1.3841459 = .644487,
+    # half = 1.959964 / 1.3841459 * sqrt(.021 + .00960365) = .247713
+    lo, hi = wilson_interval(7, 10)
+    assert (round(lo, 4), round(hi, 4)) == (0.3968, 0.8922)
+    # 0/5: centre = half = (z^2 / 10) / (1 + z^2 / 5) = .3841459 / 1.7682918 = .217241
+    lo, hi = wilson_interval(0, 5)
+    assert lo == 0.0 and round(hi, 4) == 0.4345
+    lo, hi = wilson_interval(5, 5)  # symmetric
+    assert round(lo, 4) == 0.5655 and hi == 1.0
+    for bad in ((1, 0), (-1, 3), (4, 3)):
+        with pytest.raises(ValueError):
+            wilson_interval(*bad)
+
+
+def test_bootstrap_interval_is_seeded_and_sensible():
+    vals = [0.11, 0.37, 0.52, 0.93, 0.05, 0.66, 0.71]
+    a = bootstrap_interval(vals, seed=3)
+    assert a == bootstrap_interval(vals, seed=3) != bootstrap_interval(vals, seed=4)
+    assert a[0] < sum(vals) / len(vals) < a[1]
+    assert bootstrap_interval([0.4] * 5) == pytest.approx((0.4, 0.4))
+    # stratified: two strata of constant values cannot vary -> zero width at the strata mean
+    lo, hi = bootstrap_interval([0, 0, 0, 1, 1], strata=["a", "a", "a", "b", "b"])
+    assert lo == hi == 0.5
+    # a stratum of one: the prompts are resampled together, the interval has width
+    lo, hi = bootstrap_interval([0, 0, 1, 1], strata=["a", "a", "a", "b"])
+    assert lo < hi
+
+
+def test_cell_stats_picks_the_interval():
+    c = cell_stats([1, 1, 1, 1, 1, 1, 1, 0, 0, 0])
+    assert c["interval"] == "wilson" and c["n"] == 10 and c["score"] == 0.7
+    assert (round(c["ci_low"], 4), round(c["ci_high"], 4)) == (0.3968, 0.8922)
+    c = cell_stats([1.0, 0.5, 0.0])
+    assert c["interval"] == "bootstrap" and c["score"] == 0.5
+    c = cell_stats([1, 0, 1, 1], strata=["x", "x", "y", "y"])
+    assert c["interval"] == "bootstrap" and c["score"] == 0.75  # mean of .5 and 1
+
+
+# --------------------------------------------------------------------------------------------
+# Paired tests
+
+
+def test_sign_flip_p_enumerated_by_hand():
+    # sums of +-1 +-.5 +-.25: 1.75 1.25 .75 .25 -.25 -.75 -1.25 -1.75; observed .75:
+    # 6 of 8 at least as far from 0
+    assert sign_flip_p([1, -0.5, 0.25]) == (0.75, True)
+    # only +-1.5 of the 8 reach 1.5; a zero difference changes nothing
+    assert sign_flip_p([0.5, 0.5, 0.5])[0] == 0.25
+    assert sign_flip_p([0.5, 0.5, 0.5, 0.0])[0] == 0.25
+    # thirds, where float sums do not tie exactly: +-1/3 +-1/3 +-2/3 gives 4/3 twice of 8
+    assert sign_flip_p([1 / 3, 1 / 3, 2 / 3])[0] == 0.25
+    assert sign_flip_p([0.0, 0.0]) == (1.0, True)
+    assert sign_flip_p([0.2, -0.2]) == (1.0, True)
+
+
+def test_mcnemar_exact_binomial_by_hand():
+    # b = 1, c = 5: 2 * P(X <= 1), X ~ Bin(6, 1/2) = 2 * (1 + 6) / 64
+    assert mcnemar_p(1, 5) == pytest.approx(14 / 64)
+    assert mcnemar_p(0, 6) == pytest.approx(2 / 64)
+    assert mcnemar_p(3, 3) == 1.0 and mcnemar_p(0, 0) == 1.0
+    assert mcnemar_p(2, 10) == pytest.approx(2 * (1 + 12 + 66) / 4096)
+    # the sign-flip test of +-1 differences is the same exact test
+    assert sign_flip_p([1, -1, -1, -1, -1, -1])[0] == pytest.approx(mcnemar_p(1, 5))
+
+
+def test_paired_comparison():
+    a = [1, 1, 1, 1, 1, 1, 0, 0]
+    b = [0, 0, 0, 0, 0, 1, 0, 1]
+    r = paired_comparison(a, b)
+    assert r["test"] == "mcnemar" and r["n"] == 8 and r["wins"] == 5 and r["losses"] == 1
+    assert r["diff"] == pytest.approx(0.5) and r["p"] == pytest.approx(mcnemar_p(5, 1))
+    assert r["ci_low"] <= 0.5 <= r["ci_high"]
+    r = paired_comparison([1.0, 0.5, 0.25], [0.0, 1.0, 0.0])
+    assert r["test"] == "sign-flip" and r["p"] == 0.75
+    with pytest.raises(ValueError):
+        paired_comparison([1], [1, 0])
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring
+
+
+def test_garbled_numbers_do_not_pass():
+    assert not matches_whole("The code is 167921525.", "1679215")
+    assert matches_whole("The code is 1679215.", "1679215")
+    assert first_value_pass(" 167921525", "1679215", "number") == 0.0
+    assert first_value_pass(" 99982250252252502525258", "9982250", "number") == 0.0
+    assert first_value_pass(" 1679215.", "1679215", "number") == 1.0
+    # the first value stated is the answer: a wrong one before the right one fails
+    assert first_value_pass(" 1234567 or 1679215", "1679215", "number") == 0.0
+    assert first_value_pass(" no idea", "1679215", "number") == 0.0
+    # the RULER tasks through score_task
+    assert score_task("niah_single_essay", " 99982250252252502525258", ["9982250"]) == 0.0
+    assert score_task("niah_single_essay", " 9982250.", ["9982250"]) == 1.0
+    uuid = "0f3a9c1e-2b4d-4e8f-9a7b-1c2d3e4f5a6b"
+    assert score_task("niah_single_uuid", f" {uuid}", [uuid]) == 1.0
+    assert score_task("niah_single_uuid", f" {uuid}7", [uuid]) == 0.0
+
+
+def test_list_guessing_costs_precision():
+    want = ["9551912", "4410333"]
+    # recall 1/2, precision 1/5 -> F1 = 2 * .2 * .5 / .7
+    guess = " 9551912, 9551913, 9551914, 9551915, 9551916"
+    assert score_task("niah_multivalue", guess, want) == pytest.approx(2 / 7)
+    assert score_task("niah_multivalue", " 9551912 and 4410333.", want) == 1.0
+    assert score_task("niah_multivalue", " 9551912.", want) == pytest.approx(2 / 3)
+    assert score_task("niah_multivalue", " 95519124410333", want) == 0.0
+    # words on boundaries, list numbering and filler ignored
+    assert list_f1("1. Apple 2. Pear", ["apple", "pear"], "word", {"apple", "pear"}) == 1.0
+    assert list_f1("pineapple", ["apple"] * 2 + ["pear"], "word", None) == 0.0
+    # cwe: listing 20 pool words for 10 expected: recall 1, precision .5 -> 2/3
+    common, extra = list(WORD_POOL[:10]), list(WORD_POOL[10:20])
+    assert score_task("cwe", ", ".join(common + extra), common) == pytest.approx(2 / 3)
+    assert score_task("cwe", "The words are " + ", ".join(common), common) == 1.0
+    # vt: names are upper-case 5-letter words; "VAR" does not count
+    assert score_task("vt", " VAR ABCDE, VAR FGHIJ", ["ABCDE", "FGHIJ"]) == 1.0
+    assert score_task("vt", " ABCDEF", ["ABCDE"]) == 0.0
+    # fwe: made-up consonant-vowel words; other words are filler
+    assert score_task("fwe", " the words are bafegi, dobuka and kimopa",
+                      ["bafegi", "dobuka", "kimopa"]) == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Seeds and the paraphrased needle
+
+
+def test_prompt_seed_is_a_sha256_of_the_parts():
+    digest = hashlib.sha256(b"needle\x1feval\x1f0\x1f4096\x1f3").digest()
+    assert prompt_seed("needle", "eval", 0, 4096, 3) == int.from_bytes(digest[:8], "big")
+    seeds = {prompt_seed("ruler", t, n, j) for t in ("vt", "cwe") for n in (4096, 8192)
+             for j in range(5)}
+    assert len(seeds) == 20
+
+
+def _content(text):
+    stop = {"the", "a", "an", "of", "to", "is", "was", "are", "this", "that", "which", "what"}
+    return {w for w in re.findall(r"[a-z]+", text.lower()) if w not in stop}
+
+
+def test_the_paraphrased_question_shares_no_content_word_with_its_needle():
+    for seed in range(300):
+        f = needle_fact(seed, "paraphrase")
+        needle = _content(f["needle"].replace(f["answer"], ""))
+        asked = _content(f["question"]) | _content(f["answer_prefix"])
+        assert not needle & asked, (f, needle & asked)
+    # every synonym pair's words are distinct and no word serves in two pairs
+    words = [w for pair in PARAPHRASE_ADJECTIVES + PARAPHRASE_NOUNS for w in pair]
+    assert len(words) == len(set(words))
+    std = needle_fact(7)
+    assert std["key"] in std["question"] and std["key"] in std["needle"]
+    assert math.isclose(len(std["answer"]), 7)
