@@ -30,11 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels
-
-
-class ConfigError(ValueError):
-    """Bad user input (config, checkpoint, CLI value). The CLI prints it as one line, exit 2."""
+from errors import ConfigError  # re-exported: ``from model import ConfigError`` works
 
 
 @dataclass
@@ -238,20 +234,6 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
-def kernel_weight(layer: nn.Module) -> tuple[Tensor, Tensor | None, int] | None:
-    """What the dense decode kernels read in place of ``layer`` (``kernels.dense.linear``'s
-    ``weight``, ``scales``, ``groupsize``): a float ``nn.Linear``'s weight (no bias), or a
-    quantized layer's (``kernel_weight()``: int8, int4 in its nibble layout); None for a
-    layer with hooks (tensor parallelism's all-reduce) or another kind."""
-    if layer._forward_hooks or layer._forward_pre_hooks:
-        return None
-    if type(layer) is nn.Linear:
-        return (layer.weight, None, 0) if layer.bias is None and \
-            layer.weight.is_floating_point() else None
-    get = getattr(layer, "kernel_weight", None)
-    return get() if get is not None else None
-
-
 def linear_rows(layer: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
     """Output features ``start:stop`` of the linear ``layer`` applied to ``x`` (..., in),
     computing only those: a float layer's weight rows are sliced; quantized layers
@@ -335,46 +317,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
         """Decode step. ``x`` (B, 1, dim), ``rope`` (1, D/2, 2), ``input_pos`` (1,) int64."""
-        if kernels.dense_in_use(x.device) and self.fusable():
-            return self.forward_fused(x, rope, input_pos)
         h = x + self.attention(self.attention_norm(x), rope, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
-
-    def fusable(self) -> bool:
-        """Whether ``forward_fused`` computes this layer: linears the kernels read
-        (``kernel_weight``: float or quantized, no hooks, not tensor-parallel) and a cache
-        that allows it."""
-        a, f = self.attention, self.feed_forward
-        return getattr(a.kv_cache, "dense_kernels", False) and \
-            all(kernel_weight(m) is not None for m in (a.wqkv, a.wo, f.w13, f.w2))
-
-    def forward_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
-        """``forward`` in the dense kernels (``kernels/dense.py``), four launches around the
-        cache's: [norm, q/k/v, RoPE, the token's write], attention, [output projection,
-        residual], [norm, gate/up, SwiGLU], [down projection, residual]."""
-        a, cache = self.attention, self.attention.kv_cache
-        store = cache.token_store(input_pos)
-        if store is None:  # the cache must see k and v: the kernel writes them to a scratch
-            k = x.new_empty(x.shape[0], a.n_kv_heads, 1, a.head_dim)  # "cache" of one slot
-            v = torch.empty_like(k)
-            where = (k, v, torch.zeros_like(input_pos), None, *kernels.no_aux(k))
-        else:
-            where = store
-        w, scales, group = kernel_weight(a.wqkv)
-        q = kernels.qkv_store(x, self.attention_norm.weight, self.attention_norm.eps, w,
-                              a.wqkv_bias, rope, where, a.n_heads, scales, group)
-        if store is None:
-            y = cache.decode(q, k, v, input_pos)
-        else:
-            y = cache.attend_stored(q, input_pos)
-        w, scales, group = kernel_weight(a.wo)
-        h = kernels.linear(y.transpose(1, 2).flatten(2), w, residual=x, scales=scales,
-                           groupsize=group)
-        w, scales, group = kernel_weight(self.feed_forward.w13)
-        g = kernels.linear(h, w, self.ffn_norm.weight, self.ffn_norm.eps, swiglu=True,
-                           scales=scales, groupsize=group)
-        w, scales, group = kernel_weight(self.feed_forward.w2)
-        return kernels.linear(g, w, residual=h, scales=scales, groupsize=group)
 
     def prefill(self, x: Tensor, rope: Tensor, chunk_size: int) -> Tensor:
         """Whole prompt through this block; updates and returns ``x`` (B, T, dim) in place.
@@ -474,11 +418,6 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, 1, dim)
         for layer in self.layers:
             x = layer(x, rope, input_pos)
-        head = kernel_weight(self.output) if kernels.dense_in_use(x.device) else None
-        if head is not None:  # norm + LM head in one kernel
-            w, scales, group = head
-            return kernels.linear(x, w, self.norm.weight, self.norm.eps, scales=scales,
-                                  groupsize=group)[:, -1]
         return self.output(self.norm(x))[:, -1]
 
     @torch.no_grad()
@@ -501,19 +440,3 @@ class Transformer(nn.Module):
                 on_layer(i)
         return self.output(self.norm(x[:, -1:]))[:, -1]
 
-
-def meta_transformer(args: ModelArgs) -> Transformer:
-    """``Transformer(args)`` with every parameter on the meta device (no memory), for loaders
-    that fill it with a checkpoint's tensors. The modules' random initialization is skipped:
-    on meta tensors it does nothing but import torch's Python decompositions on first use
-    (1.5-2 s of every load on the 2-core VM)."""
-    inits = ("normal_", "uniform_", "kaiming_uniform_", "ones_", "zeros_")
-    saved = {name: getattr(nn.init, name) for name in inits}
-    try:
-        for name in inits:
-            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        with torch.device("meta"):
-            return Transformer(args)
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
