@@ -13,10 +13,11 @@ Two entry points:
   the last position only.
 * ``Transformer.forward(tokens, input_pos)`` is the single-token decode step; its shapes never
   depend on data, so it compiles once (``torch.compile(fullgraph=True)``, CUDA graphs on GPU).
+  This file is its one path: the fused kernels replace it from outside (``kernels/fuse.py``).
 
 RoPE uses Meta's layout (adjacent pairs rotate together); Hugging Face checkpoints, which use the
-rotate-half layout, are permuted on load (``checkpoint.py``). Qwen2 is Llama with biases on the
-q, k and v projections (``ModelArgs.qkv_bias``).
+rotate-half layout, are permuted on load (``checkpoint.py``). Qwen2 is Llama with q, k and v
+biases (``ModelArgs.qkv_bias``).
 """
 
 from __future__ import annotations
@@ -35,48 +36,32 @@ from errors import ConfigError  # re-exported: ``from model import ConfigError``
 
 @dataclass
 class ModelArgs:
-    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2).
+    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2); sizes in
+    features, lengths in tokens. Raises ConfigError for a shape the model cannot take."""
 
-    Attributes:
-        dim: hidden size.
-        n_layers: transformer blocks.
-        n_heads: query heads.
-        n_kv_heads: key/value heads (``n_heads`` for MHA; fewer for GQA).
-        head_dim: per-head size (``dim // n_heads`` unless the config says otherwise).
-        intermediate_size: SwiGLU hidden size.
-        vocab_size: vocabulary size.
-        norm_eps: RMSNorm epsilon.
-        rope_theta: RoPE base.
-        rope_scaling: ``None`` or a dict with ``type`` in ``{"llama3", "linear",
-            "freq_factors"}`` and its parameters (``factor``; llama3 adds ``low_freq_factor``,
-            ``high_freq_factor``, ``original_max_position_embeddings``; freq_factors has
-            ``factors``, one divisor per frequency, as llama.cpp's ``rope_freqs`` tensor).
-        max_seq_len: context length in tokens (``max_position_embeddings``).
-        tie_word_embeddings: the classifier shares the token embedding matrix.
-        sliding_window: the sliding-window attention span (tokens) of Mistral, or of Qwen2 when
-            its config enables it; None for full attention. The engine attends to the whole
-            context, which equals sliding-window attention only while a run's sequence fits in
-            the window: longer runs are refused (``setup_caches``).
-        qkv_bias: the q, k and v projections add a bias (Qwen2); the output projection and the
-            MLP never do.
-        name: the config's name, for reports.
-    """
-
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int = 11008
+    dim: int = 4096  # hidden size
+    n_layers: int = 32  # transformer blocks
+    n_heads: int = 32  # query heads
+    n_kv_heads: int | None = None  # key/value heads (None: n_heads, MHA; fewer: GQA)
+    head_dim: int | None = None  # per-head size (None: dim // n_heads)
+    intermediate_size: int = 11008  # SwiGLU hidden size
     vocab_size: int = 32000
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base
+    # None, or {"type": "llama3" | "linear" | "freq_factors", ...} with its parameters
+    # ("factor"; llama3 adds "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"; freq_factors has "factors", one divisor per
+    # frequency, as llama.cpp's rope_freqs tensor): ``rope_inv_freq``
     rope_scaling: dict[str, Any] | None = None
-    max_seq_len: int = 4096
-    tie_word_embeddings: bool = False
+    max_seq_len: int = 4096  # context length (max_position_embeddings)
+    tie_word_embeddings: bool = False  # the classifier shares the token embedding matrix
+    # Mistral's sliding-window attention span (or Qwen2's, where its config enables it); None:
+    # full attention. The engine attends to the whole context, which equals sliding-window
+    # attention only while a run's sequence fits in the window: longer runs are refused
+    # (``Transformer.setup_caches``)
     sliding_window: int | None = None
-    qkv_bias: bool = False
-    name: str = "custom"
+    qkv_bias: bool = False  # q, k and v add a bias (Qwen2); wo and the MLP never do
+    name: str = "custom"  # the config's name, for reports
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -153,10 +138,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-# --------------------------------------------------------------------------------------------
-# RoPE
-
-
 def rope_inv_freq(args: ModelArgs) -> Tensor:
     """Per-pair inverse frequencies, float32 ``(head_dim // 2,)``, with the config's scaling.
 
@@ -204,11 +185,9 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     return out.flatten(-2).type_as(x)
 
 
-# --------------------------------------------------------------------------------------------
-# Modules
-
-
 class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019): ``weight * x / sqrt(mean(x^2) + eps)``."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -232,15 +211,6 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
-
-
-def linear_rows(layer: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
-    """Output features ``start:stop`` of the linear ``layer`` applied to ``x`` (..., in),
-    computing only those: a float layer's weight rows are sliced; quantized layers
-    (``quantize.py``) provide ``forward_rows``."""
-    if isinstance(layer, nn.Linear):
-        return F.linear(x, layer.weight[start:stop])
-    return layer.forward_rows(x, start, stop)
 
 
 class Attention(nn.Module):
@@ -296,9 +266,12 @@ class Attention(nn.Module):
         return apply_rope(k, rope).transpose(1, 2), v.transpose(1, 2)
 
     def project(self, x: Tensor, start: int, stop: int) -> Tensor:
-        """Rows ``start:stop`` of the q/k/v projection, bias included: ``x`` (B, T, dim) ->
+        """Rows ``start:stop`` of the q/k/v projection, bias included, computing only those
+        (quantized layers, ``quantized.py``, offer ``forward_rows``): ``x`` (B, T, dim) ->
         (B, T, stop - start)."""
-        y = linear_rows(self.wqkv, x, start, stop)
+        w = self.wqkv
+        y = F.linear(x, w.weight[start:stop]) if isinstance(w, nn.Linear) else \
+            w.forward_rows(x, start, stop)
         return y if self.wqkv_bias is None else y + self.wqkv_bias[start:stop]
 
     def out(self, y: Tensor) -> Tensor:
