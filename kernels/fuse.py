@@ -79,15 +79,16 @@ def code_print(fn: Callable) -> str:
     if code not in _prints:
         try:
             src = textwrap.dedent("".join(inspect.getsourcelines(code)[0]))
-        except (OSError, TypeError):
+            body = getattr(ast.parse(src).body[0], "body", [])  # a lambda's line has none
+            doc = set()
+            if body and isinstance(body[0], ast.Expr) and \
+                    isinstance(body[0].value, ast.Constant) and \
+                    isinstance(body[0].value.value, str):
+                doc = set(range(body[0].lineno, body[0].end_lineno + 1))
+            tokens = [t.string for t in tokenize.generate_tokens(io.StringIO(src).readline)
+                      if t.type not in _SKIP and t.start[0] not in doc]
+        except (OSError, TypeError, SyntaxError, tokenize.TokenError):
             return "source unavailable"
-        body = ast.parse(src).body[0].body
-        doc = set()
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
-            doc = set(range(body[0].lineno, body[0].end_lineno + 1))
-        tokens = [t.string for t in tokenize.generate_tokens(io.StringIO(src).readline)
-                  if t.type not in _SKIP and t.start[0] not in doc]
         _prints[code] = hashlib.sha256(" ".join(tokens).encode()).hexdigest()[:16]
     return _prints[code]
 
@@ -284,8 +285,8 @@ def fuse(model: Transformer) -> Transformer:
     device = model.tok_embeddings.weight.device
     if reasons and _noted.get(model) != reasons and kernels.dense_in_use(device):
         _noted[model] = reasons
-        print(f"note: the fused decode kernels are off for part of this model, which runs "
-              f"as written through PyTorch: {'; '.join(reasons)}", file=sys.stderr)
+        print("note: the fused dense decode kernels are off for part of this model, which "
+              f"runs there as written: {'; '.join(reasons)}", file=sys.stderr)
     return model
 
 
