@@ -70,6 +70,7 @@ from documents import (
     summary_line,
 )
 from kernels import check as kernel_check
+from kernels.fuse import fuse, fused_layers
 from measure import (
     MemoryMeter,
     StepTimer,
@@ -274,7 +275,10 @@ def _prepare_caches(model: Transformer, spec: dict[str, Any],
     prompt overwrites every slot a step can read: prompt slots at prefill, later slots before
     they are valid). New caches: the old ones are released first, then ``meter`` is reset, so
     this run's peak never counts the caches a previous run left (a benchmark runs its rows in
-    one process). Returns the caches' state, its conversation cleared."""
+    one process). The model's decode step is fused first (``kernels.fuse.fuse``: the dense
+    kernels where they run, for the parts of the model that are stock). Returns the caches'
+    state, its conversation cleared."""
+    fuse(model)
     state = _cache_state(model)
     if state is not None and state.spec == spec:
         state.conversation = None
@@ -501,7 +505,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     result["compiled"] = bool(compile)
     result["cuda_graphs"] = cuda_graphs
     result["fused_kernels"] = fused
-    result["dense_kernels"] = dense and any(layer.fusable() for layer in model.layers)
+    result["dense_kernels"] = dense and fused_layers(model) > 0
     if ran["dense"] == "fused" and not result["dense_kernels"]:
         ran["dense"] = "pytorch (no layer the dense kernels take)"
     result["kernels"] = ran  # family -> "fused" or "pytorch (why)" (kernels.report)

@@ -13,10 +13,11 @@ Two entry points:
   the last position only.
 * ``Transformer.forward(tokens, input_pos)`` is the single-token decode step; its shapes never
   depend on data, so it compiles once (``torch.compile(fullgraph=True)``, CUDA graphs on GPU).
+  This file is its one path: the fused kernels replace it from outside (``kernels/fuse.py``).
 
 RoPE uses Meta's layout (adjacent pairs rotate together); Hugging Face checkpoints, which use the
-rotate-half layout, are permuted on load (``checkpoint.py``). Qwen2 is Llama with biases on the
-q, k and v projections (``ModelArgs.qkv_bias``).
+rotate-half layout, are permuted on load (``checkpoint.py``). Qwen2 is Llama with q, k and v
+biases (``ModelArgs.qkv_bias``).
 """
 
 from __future__ import annotations
@@ -30,57 +31,37 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels
-
-
-class ConfigError(ValueError):
-    """Bad user input (config, checkpoint, CLI value). The CLI prints it as one line, exit 2."""
+from errors import ConfigError  # re-exported: ``from model import ConfigError`` works
 
 
 @dataclass
 class ModelArgs:
-    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2).
+    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2); sizes in
+    features, lengths in tokens. Raises ConfigError for a shape the model cannot take."""
 
-    Attributes:
-        dim: hidden size.
-        n_layers: transformer blocks.
-        n_heads: query heads.
-        n_kv_heads: key/value heads (``n_heads`` for MHA; fewer for GQA).
-        head_dim: per-head size (``dim // n_heads`` unless the config says otherwise).
-        intermediate_size: SwiGLU hidden size.
-        vocab_size: vocabulary size.
-        norm_eps: RMSNorm epsilon.
-        rope_theta: RoPE base.
-        rope_scaling: ``None`` or a dict with ``type`` in ``{"llama3", "linear",
-            "freq_factors"}`` and its parameters (``factor``; llama3 adds ``low_freq_factor``,
-            ``high_freq_factor``, ``original_max_position_embeddings``; freq_factors has
-            ``factors``, one divisor per frequency, as llama.cpp's ``rope_freqs`` tensor).
-        max_seq_len: context length in tokens (``max_position_embeddings``).
-        tie_word_embeddings: the classifier shares the token embedding matrix.
-        sliding_window: the sliding-window attention span (tokens) of Mistral, or of Qwen2 when
-            its config enables it; None for full attention. The engine attends to the whole
-            context, which equals sliding-window attention only while a run's sequence fits in
-            the window: longer runs are refused (``setup_caches``).
-        qkv_bias: the q, k and v projections add a bias (Qwen2); the output projection and the
-            MLP never do.
-        name: the config's name, for reports.
-    """
-
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int = 11008
+    dim: int = 4096  # hidden size
+    n_layers: int = 32  # transformer blocks
+    n_heads: int = 32  # query heads
+    n_kv_heads: int | None = None  # key/value heads (None: n_heads, MHA; fewer: GQA)
+    head_dim: int | None = None  # per-head size (None: dim // n_heads)
+    intermediate_size: int = 11008  # SwiGLU hidden size
     vocab_size: int = 32000
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base
+    # None, or {"type": "llama3" | "linear" | "freq_factors", ...} with its parameters
+    # ("factor"; llama3 adds "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"; freq_factors has "factors", one divisor per
+    # frequency, as llama.cpp's rope_freqs tensor): ``rope_inv_freq``
     rope_scaling: dict[str, Any] | None = None
-    max_seq_len: int = 4096
-    tie_word_embeddings: bool = False
+    max_seq_len: int = 4096  # context length (max_position_embeddings)
+    tie_word_embeddings: bool = False  # the classifier shares the token embedding matrix
+    # Mistral's sliding-window attention span (or Qwen2's, where its config enables it); None:
+    # full attention. The engine attends to the whole context, which equals sliding-window
+    # attention only while a run's sequence fits in the window: longer runs are refused
+    # (``Transformer.setup_caches``)
     sliding_window: int | None = None
-    qkv_bias: bool = False
-    name: str = "custom"
+    qkv_bias: bool = False  # q, k and v add a bias (Qwen2); wo and the MLP never do
+    name: str = "custom"  # the config's name, for reports
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -157,10 +138,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-# --------------------------------------------------------------------------------------------
-# RoPE
-
-
 def rope_inv_freq(args: ModelArgs) -> Tensor:
     """Per-pair inverse frequencies, float32 ``(head_dim // 2,)``, with the config's scaling.
 
@@ -208,11 +185,9 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     return out.flatten(-2).type_as(x)
 
 
-# --------------------------------------------------------------------------------------------
-# Modules
-
-
 class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019): ``weight * x / sqrt(mean(x^2) + eps)``."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -236,29 +211,6 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
-
-
-def kernel_weight(layer: nn.Module) -> tuple[Tensor, Tensor | None, int] | None:
-    """What the dense decode kernels read in place of ``layer`` (``kernels.dense.linear``'s
-    ``weight``, ``scales``, ``groupsize``): a float ``nn.Linear``'s weight (no bias), or a
-    quantized layer's (``kernel_weight()``: int8, int4 in its nibble layout); None for a
-    layer with hooks (tensor parallelism's all-reduce) or another kind."""
-    if layer._forward_hooks or layer._forward_pre_hooks:
-        return None
-    if type(layer) is nn.Linear:
-        return (layer.weight, None, 0) if layer.bias is None and \
-            layer.weight.is_floating_point() else None
-    get = getattr(layer, "kernel_weight", None)
-    return get() if get is not None else None
-
-
-def linear_rows(layer: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
-    """Output features ``start:stop`` of the linear ``layer`` applied to ``x`` (..., in),
-    computing only those: a float layer's weight rows are sliced; quantized layers
-    (``quantize.py``) provide ``forward_rows``."""
-    if isinstance(layer, nn.Linear):
-        return F.linear(x, layer.weight[start:stop])
-    return layer.forward_rows(x, start, stop)
 
 
 class Attention(nn.Module):
@@ -314,9 +266,12 @@ class Attention(nn.Module):
         return apply_rope(k, rope).transpose(1, 2), v.transpose(1, 2)
 
     def project(self, x: Tensor, start: int, stop: int) -> Tensor:
-        """Rows ``start:stop`` of the q/k/v projection, bias included: ``x`` (B, T, dim) ->
+        """Rows ``start:stop`` of the q/k/v projection, bias included, computing only those
+        (quantized layers, ``quantized.py``, offer ``forward_rows``): ``x`` (B, T, dim) ->
         (B, T, stop - start)."""
-        y = linear_rows(self.wqkv, x, start, stop)
+        w = self.wqkv
+        y = F.linear(x, w.weight[start:stop]) if isinstance(w, nn.Linear) else \
+            w.forward_rows(x, start, stop)
         return y if self.wqkv_bias is None else y + self.wqkv_bias[start:stop]
 
     def out(self, y: Tensor) -> Tensor:
@@ -335,46 +290,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
         """Decode step. ``x`` (B, 1, dim), ``rope`` (1, D/2, 2), ``input_pos`` (1,) int64."""
-        if kernels.dense_in_use(x.device) and self.fusable():
-            return self.forward_fused(x, rope, input_pos)
         h = x + self.attention(self.attention_norm(x), rope, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
-
-    def fusable(self) -> bool:
-        """Whether ``forward_fused`` computes this layer: linears the kernels read
-        (``kernel_weight``: float or quantized, no hooks, not tensor-parallel) and a cache
-        that allows it."""
-        a, f = self.attention, self.feed_forward
-        return getattr(a.kv_cache, "dense_kernels", False) and \
-            all(kernel_weight(m) is not None for m in (a.wqkv, a.wo, f.w13, f.w2))
-
-    def forward_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
-        """``forward`` in the dense kernels (``kernels/dense.py``), four launches around the
-        cache's: [norm, q/k/v, RoPE, the token's write], attention, [output projection,
-        residual], [norm, gate/up, SwiGLU], [down projection, residual]."""
-        a, cache = self.attention, self.attention.kv_cache
-        store = cache.token_store(input_pos)
-        if store is None:  # the cache must see k and v: the kernel writes them to a scratch
-            k = x.new_empty(x.shape[0], a.n_kv_heads, 1, a.head_dim)  # "cache" of one slot
-            v = torch.empty_like(k)
-            where = (k, v, torch.zeros_like(input_pos), None, *kernels.no_aux(k))
-        else:
-            where = store
-        w, scales, group = kernel_weight(a.wqkv)
-        q = kernels.qkv_store(x, self.attention_norm.weight, self.attention_norm.eps, w,
-                              a.wqkv_bias, rope, where, a.n_heads, scales, group)
-        if store is None:
-            y = cache.decode(q, k, v, input_pos)
-        else:
-            y = cache.attend_stored(q, input_pos)
-        w, scales, group = kernel_weight(a.wo)
-        h = kernels.linear(y.transpose(1, 2).flatten(2), w, residual=x, scales=scales,
-                           groupsize=group)
-        w, scales, group = kernel_weight(self.feed_forward.w13)
-        g = kernels.linear(h, w, self.ffn_norm.weight, self.ffn_norm.eps, swiglu=True,
-                           scales=scales, groupsize=group)
-        w, scales, group = kernel_weight(self.feed_forward.w2)
-        return kernels.linear(g, w, residual=h, scales=scales, groupsize=group)
 
     def prefill(self, x: Tensor, rope: Tensor, chunk_size: int) -> Tensor:
         """Whole prompt through this block; updates and returns ``x`` (B, T, dim) in place.
@@ -474,11 +391,6 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, 1, dim)
         for layer in self.layers:
             x = layer(x, rope, input_pos)
-        head = kernel_weight(self.output) if kernels.dense_in_use(x.device) else None
-        if head is not None:  # norm + LM head in one kernel
-            w, scales, group = head
-            return kernels.linear(x, w, self.norm.weight, self.norm.eps, scales=scales,
-                                  groupsize=group)[:, -1]
         return self.output(self.norm(x))[:, -1]
 
     @torch.no_grad()
@@ -501,19 +413,3 @@ class Transformer(nn.Module):
                 on_layer(i)
         return self.output(self.norm(x[:, -1:]))[:, -1]
 
-
-def meta_transformer(args: ModelArgs) -> Transformer:
-    """``Transformer(args)`` with every parameter on the meta device (no memory), for loaders
-    that fill it with a checkpoint's tensors. The modules' random initialization is skipped:
-    on meta tensors it does nothing but import torch's Python decompositions on first use
-    (1.5-2 s of every load on the 2-core VM)."""
-    inits = ("normal_", "uniform_", "kaiming_uniform_", "ones_", "zeros_")
-    saved = {name: getattr(nn.init, name) for name in inits}
-    try:
-        for name in inits:
-            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        with torch.device("meta"):
-            return Transformer(args)
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)

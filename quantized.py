@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
-from model import ConfigError, ModelArgs, Transformer, meta_transformer
+from model import ConfigError, ModelArgs, Transformer
 
 MODES = ("int8", "int4")
 CLASSIFIER_CHOICES = ("int8", "same", "float")  # --classifier
@@ -212,7 +212,7 @@ class Int8Linear(nn.Module):
 
     def kernel_weight(self) -> tuple[Tensor, Tensor, int]:
         """(int8 weight (out, in), scales (out,), 0): what the dense decode kernels read
-        (``model.kernel_weight``)."""
+        (``kernels.fuse.kernel_weight``)."""
         return self.weight, self.scales, 0
 
     def extra_repr(self) -> str:
@@ -318,8 +318,8 @@ class Int4Linear(nn.Module):
 
     def kernel_weight(self) -> tuple[Tensor, Tensor, int] | None:
         """(nibbles uint8 (out, in / 2), scales and zeros (in / G, out, 2), G): what the dense
-        decode kernels read (``model.kernel_weight``), in the ``"nibbles"`` layout; None in
-        the kernels' own layouts of torch's int4 matmuls."""
+        decode kernels read (``kernels.fuse.kernel_weight``), in the ``"nibbles"`` layout;
+        None in the kernels' own layouts of torch's int4 matmuls."""
         if self.layout != "nibbles":
             return None
         return self.weight, self.scales_and_zeros, self.groupsize
@@ -441,9 +441,10 @@ def quantize_model(model: Transformer, mode: str, groupsize: int | None = None,
     return model
 
 
-def load_quantized(args: ModelArgs, tensors: dict[str, Tensor], config: dict[str, Any], device,
-                   dtype: torch.dtype, materialize) -> Transformer:
-    """The model of a quantized checkpoint: ``config`` (``quantization.json``) names the
+def load_quantized(model: Transformer, tensors: dict[str, Tensor], config: dict[str, Any],
+                   device, dtype: torch.dtype, materialize) -> Transformer:
+    """The model of a quantized checkpoint, from ``model`` built on the meta device
+    (``checkpoint.meta_transformer``): ``config`` (``quantization.json``) names the
     quantized layers, whose stored tensors in ``tensors`` become quantized modules; the rest
     goes through ``materialize(args, tensors, device, dtype, model)`` (``checkpoint.py``).
 
@@ -457,7 +458,7 @@ def load_quantized(args: ModelArgs, tensors: dict[str, Tensor], config: dict[str
                           f"reads format_version {FORMAT_VERSION}, modes {', '.join(MODES)}")
     suffixes = {"int8": ("int8_weight", "int8_scales"),
                 "int4": ("int4_weight", "int4_scales_and_zeros")}
-    model = meta_transformer(args)
+    args = model.args
     linears = config.get("linears", {})
     for name, m in linears.items():
         if m not in MODES:

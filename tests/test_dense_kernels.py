@@ -27,8 +27,9 @@ from compression.hybrid import HybridSelector
 from compression.sparq import SparQSelector
 from generate import generate
 from kernels import tuning
+from kernels.fuse import fuse, kernel_weight
 from kv_cache import CompressedKVCache, FullKVCache
-from model import ModelArgs, RMSNorm, Transformer, apply_rope, kernel_weight, precompute_rope
+from model import ModelArgs, RMSNorm, Transformer, apply_rope, precompute_rope
 from quantized import (
     Int4Linear,
     dequantize_int4,
@@ -296,6 +297,8 @@ def decode_logits(model, method, fused, T=72, steps=2, batch=2, replay=False, **
 
 
 def small_model(shape, **overrides):
+    """A random model of the shape ``ARGS[shape]``, fused (``kernels.fuse``): its decode
+    steps run the dense kernels where they run (the ``fused`` runs), the PyTorch path else."""
     torch.manual_seed(0)
     model = Transformer(dataclasses.replace(ARGS[shape], **overrides))
     with torch.no_grad():
@@ -304,7 +307,7 @@ def small_model(shape, **overrides):
         if model.args.qkv_bias:
             for layer in model.layers:
                 layer.attention.wqkv_bias.normal_(0, 0.5)
-    return model.eval()
+    return fuse(model.eval())
 
 
 @interpreted
@@ -406,14 +409,17 @@ def test_generate_reports_which_kernels_ran(few_programs):
 
 
 def test_what_the_dense_kernels_leave_to_pytorch():
-    """Biased or hooked linears (tensor parallelism's all-reduce), int4 in the layouts of
-    torch's own int4 matmuls and the gpt-fast baseline keep the PyTorch path;
+    """Biased or hooked linears (tensor parallelism's all-reduce), a hooked MLP, int4 in the
+    layouts of torch's own int4 matmuls and the gpt-fast baseline keep the PyTorch path;
     ``set_dense(False)`` keeps it everywhere."""
     model = small_model("gqa")
     layer = model.layers[0]
     layer.attention.kv_cache = FullKVCache(0, model.args, 1, torch.float32, "cpu", 16)
     assert layer.fusable()
     handle = layer.attention.wo.register_forward_hook(lambda *a: None)
+    assert not layer.fusable()
+    handle.remove()
+    handle = layer.feed_forward.register_forward_pre_hook(lambda *a: None)  # e.g. steering
     assert not layer.fusable()
     handle.remove()
     layer.feed_forward.w2 = nn.Linear(80, 64, bias=True)

@@ -19,8 +19,9 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
 import kernels
+from kernels.fuse import FusedTransformerBlock
 from kv_cache import FullKVCache
-from model import TransformerBlock, precompute_rope
+from model import precompute_rope
 
 CASES = {"full": None, "hybrid": 6, "hybrid_page1": 9, "quest": 3, "sparq": 10,
          "sparq_strided": 10, "exact_topk": 12, "sparq_realloc": 10, "quest_split": 3,
@@ -61,7 +62,7 @@ def trace(name: str, k: int | None) -> list[str] | dict:
     pos = torch.tensor([41])
     if name.startswith("layer_"):  # a whole decoder layer, its projections' kernels included
         args.intermediate_size = 96
-        layer = TransformerBlock(args)
+        layer = FusedTransformerBlock(args)  # as kernels.fuse.fuse makes a stock block
         layer.attention.kv_cache = ker
         x, rope = torch.randn(1, 1, args.dim), precompute_rope(args, 64)[pos]
         call, inputs = layer, (x, rope, pos)
