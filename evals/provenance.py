@@ -36,6 +36,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from errors import ConfigError
+from gguf_reader import gguf_field, is_gguf, open_gguf
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -88,9 +91,6 @@ def quantization(path: str | Path) -> dict[str, Any] | None:
     general.name, "tensor_types": {GGML type name: tensor count}}; for a directory with a
     ``config.json`` {"format": "config.json", "torch_dtype": ...}; None otherwise (or when
     the file cannot be read)."""
-    from gguf_reader import gguf_field, is_gguf, open_gguf
-    from model import ConfigError
-
     p = Path(path)
     if is_gguf(p):
         try:
