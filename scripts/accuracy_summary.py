@@ -33,6 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
 from cli import OneLineParser
 from compression import METHODS
 

@@ -56,6 +56,7 @@ import sys
 import time
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 import tp

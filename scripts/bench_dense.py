@@ -43,6 +43,7 @@ import os
 import sys
 import time
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 import torch.nn.functional as F
 

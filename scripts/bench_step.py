@@ -61,6 +61,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -55,6 +55,8 @@ import json
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
 from cli import OneLineParser, write_json
 from evals.bench import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, DEFAULT_METHODS, REGIMES
 from evals.peers import PEERS

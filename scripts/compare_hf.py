@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 from checkpoint import load_model, resolve_checkpoint

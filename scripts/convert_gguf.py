@@ -20,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 from checkpoint import (

@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 from checkpoint import load_model, save_native

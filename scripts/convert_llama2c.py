@@ -19,6 +19,7 @@ import struct
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 from checkpoint import save_native

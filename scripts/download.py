@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
 from checkpoint import KNOWN_CHECKPOINTS
 
 PATTERNS = ["config.json", "generation_config.json", "*.safetensors",

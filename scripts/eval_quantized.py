@@ -47,6 +47,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 from checkpoint import load_model, resolve_checkpoint

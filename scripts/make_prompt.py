@@ -36,6 +36,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
 from cli import OneLineParser
 from evals.prompts import chars_per_4, make_prompt, read_texts
 from model import ConfigError

@@ -32,6 +32,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode

@@ -28,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 from checkpoint import RANDOM_PREFIX, load_model

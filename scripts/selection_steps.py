@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import numpy as np
 
 from cli import OneLineParser
