@@ -241,6 +241,17 @@ def release_device(device: torch.device) -> Exception | None:
     return None
 
 
+def fault_line(fault: tuple[str, BaseException], rows: Sequence[dict[str, Any]], path) -> str:
+    """The one stderr line of a run a CUDA error ended (``device_fault``): the failing row's
+    label and error, the rows measured and those not run, and where they are saved."""
+    label, e = fault
+    first = (str(e).splitlines() or [""])[0]
+    done = sum("error" not in r for r in rows)
+    rest = sum(str(r.get("error", "")).startswith("skipped: not run after") for r in rows)
+    return (f"error: {label}: {type(e).__name__}: {first}; the device is unusable after it, so "
+            f"the run stopped (rows measured: {done}, not run: {rest}; saved in {path})")
+
+
 def rows_exit_status(rows: Sequence[dict[str, Any]], what: str = "configurations") -> int:
     """A script's exit status from its result rows: 1, with one ``error:`` line on stderr, when
     any requested row failed (it has an ``error``; rows a ``--time-limit`` skipped do not

@@ -48,7 +48,11 @@ name (``kernels.tuning``).
 
 Methods whose layers differ (omnikv, duoattention) have no single representative layer and are
 refused; use ``scripts/bench.py``. Results: ``--json`` (default
-``results/<device>/bench_step-<timestamp>.json``; ``--out`` is its deprecated spelling).
+``./<device>/bench_step-<timestamp>.json`` under the current directory; ``--out`` is its
+deprecated spelling), rewritten after every row. A row that fails records its ``error`` and
+the run goes on, except after a CUDA error (``cli.device_fault``: every later CUDA call fails),
+which ends the run as in ``bench.py``: the rows after it listed as not run, one ``error:`` line
+naming the row (``cli.fault_line``), no ``--tuned`` table, exit status 1.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ from cli import (
     check_json_path,
     command_line,
     deprecated_alias,
+    device_fault,
+    fault_line,
+    release_device,
     row_error,
     rows_exit_status,
     write_json,
@@ -336,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="no compile: the eager step captured in a CUDA graph, replayed (CUDA)")
     p.add_argument("--json", metavar="PATH",
-                   help="rows JSON (default results/<device>/bench_step-<time>.json)")
+                   help="rows JSON (default ./<device>/bench_step-<time>.json)")
     p.add_argument("--split-pages", type=int, nargs="+", metavar="N",
                    help="repeat each configuration with the fused selection split at N pages "
                         "a program (kernels.sparse.SPLIT_PAGES; where the kernels run)")
@@ -395,46 +402,76 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(opts.json) if opts.json else results_dir("results", device) / \
+    out = Path(opts.json) if opts.json else results_dir(".", device) / \
         f"bench_step-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     if out.suffix != ".json":
         print(f"error: --json must name a .json file, got {out}", file=sys.stderr)
+        return 2
+    try:
+        if opts.json:
+            check_json_path(opts.json)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     bandwidth = measure_bandwidth(device)
     command = command_line("bench_step.py", argv)
     rows = []
     module = kernels.ops() if kernels.in_use(device) else None
     default = {n: getattr(module, n) for n in KNOBS} if module is not None else {}
+    name = device_name(device)  # asked once: after a CUDA error no CUDA call is safe
+    fault = None  # (the failing row's label, its error) once the device is unusable
     for index, setting in enumerate(settings):
-        for name, value in setting.items():
-            setattr(module, name, value)
+        for knob, value in setting.items():
+            setattr(module, knob, value)
         try:
             for context in opts.context:
                 for method, budget in configurations(opts.methods, opts.budgets):
-                    try:
-                        row = run_one(args, method, budget, context, opts, dtype, device,
-                                      bandwidth)
-                    except Exception as e:  # noqa: BLE001 (a failed row: row_error)
-                        row = {"method": method, "budget": budget, "context": context,
-                               "split_pages": setting.get("SPLIT_PAGES"),
-                               "knobs": {**default, **setting} if module else None,
-                               "error": row_error(e)}
+                    base = {"method": method, "budget": budget, "context": context,
+                            "split_pages": setting.get("SPLIT_PAGES"),
+                            "knobs": {**default, **setting} if module else None}
+                    if fault is not None:
+                        row = {**base, "error": "skipped: not run after the CUDA error of "
+                               f"{fault[0]}"}
+                    else:
+                        try:
+                            row = run_one(args, method, budget, context, opts, dtype, device,
+                                          bandwidth)
+                        except Exception as e:  # noqa: BLE001 (a failed row: row_error)
+                            row = {**base, "error": row_error(e)}
+                            # nothing here may raise: after a CUDA error every CUDA call does
+                            broken = e if device_fault(e) else release_device(device)
+                            if broken is not None:
+                                fault = (row_label(row, setting if len(settings) > 1
+                                                   else {}), broken)
                     row.update(command=command, setting=index)
                     rows.append(row)
                     write_json(out, rows)
         finally:
-            for name, value in default.items():
-                setattr(module, name, value)
-    if opts.tuned:
+            for knob, value in default.items():
+                setattr(module, knob, value)
+    if opts.tuned and fault is None:
         best, totals = best_setting(rows, settings)
         write_json(opts.tuned, {"device": tuning.table_device(device), "command": command,
                                 "rows": str(out),
                                 "constants": {"sparse": best} if best else {},
                                 "settings": totals})
     print(summary(rows))
-    print(f"copy bandwidth {bandwidth:.1f} GB/s on {device_name(device)}")
+    print(f"copy bandwidth {bandwidth:.1f} GB/s on {name}")
     print(f"wrote {out}")
+    if fault is not None:
+        print(fault_line(fault, rows, out), file=sys.stderr)
+        return 1
     return rows_exit_status(rows)
+
+
+def row_label(row: dict, setting: dict[str, int]) -> str:
+    """``rocketkv @256 at 32768 tokens`` (with the ``--knob`` setting when there are several):
+    the configuration of a row, as an error line names it."""
+    budget = f" @{row['budget']}" if row.get("budget") is not None else ""
+    knobs = "".join(f", {k}={v}" for k, v in setting.items())
+    return f"{row['method']}{budget} at {row['context']} tokens{knobs}"
 
 
 if __name__ == "__main__":
