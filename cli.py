@@ -16,27 +16,21 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import kernels
+from flags import (  # noqa: F401  (the parser's half, torch-free: re-exported)
+    DTYPE_NAMES,
+    OneLineParser,
+    add_kernels_option,
+    deprecated_alias,
+)
 from model import ConfigError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def add_kernels_option(p: argparse.ArgumentParser) -> None:
-    """``--kernels {auto,sparse,off}``: the fused Triton kernels of the decode step
-    (``kernels/``) on CUDA: all of them (auto, the default), the sparse ones only (sparse: the
-    projections through PyTorch and cuBLAS), or none (off: the PyTorch path everywhere, the
-    comparison the kernels are measured against). ``ROCKETKV_KERNELS=0`` is the same as off,
-    ``ROCKETKV_KERNELS=sparse`` as sparse."""
-    p.add_argument("--kernels", choices=["auto", "sparse", "off"], default=None,
-                   help="fused Triton kernels of the decode step on CUDA: all (auto, "
-                        "default), the attention and selection only (sparse), or none (off)")
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # flags.DTYPE_NAMES, in order
 
 
 def apply_kernels_option(args: argparse.Namespace) -> None:
@@ -45,13 +39,6 @@ def apply_kernels_option(args: argparse.Namespace) -> None:
     if choice:
         kernels.set_mode("off" if choice == "off" else "auto")
         kernels.set_dense(choice == "auto")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """ArgumentParser whose usage errors are one ``error: ...`` line and exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n")
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -156,36 +143,6 @@ def read_prompt(path: str) -> str:
     if not text.strip():
         raise ConfigError(f"prompt file {path} is empty")
     return text.removesuffix("\n").removesuffix("\r")  # the newline that ends a text file
-
-
-class _Deprecated(argparse.Action):
-    """Stores into the new flag's destination after a one-line note on stderr."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, use: str, **kwargs: Any):
-        super().__init__(option_strings, dest, **kwargs)
-        self.use = use
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        print(f"note: {option_string} is deprecated; use {self.use}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
-    """Accept ``old`` (e.g. ``--model``) as a hidden spelling of the option ``new`` (e.g.
-    ``--checkpoint``), added to ``parser`` before: the same destination, type, choices and
-    number of values, left out of ``--help``; using it prints ``note: OLD is deprecated; use
-    NEW`` on stderr.
-
-    Raises:
-        ValueError: ``parser`` has no option ``new``.
-    """
-    action = next((a for a in parser._actions if new in a.option_strings), None)
-    if action is None:
-        raise ValueError(f"the parser has no option {new}")
-    parser.add_argument(old, dest=action.dest, nargs=action.nargs, type=action.type,
-                        choices=action.choices, metavar=action.metavar,
-                        default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-                        action=partial(_Deprecated, use=new))
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:

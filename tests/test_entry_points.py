@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 SCRIPTS = sorted(p for p in (ROOT / "scripts").glob("*.py")
@@ -47,3 +48,29 @@ def test_a_script_imports_its_own_checkouts_modules(tmp_path):
                        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "cli of the clone" in p.stderr
+
+
+FAST_PARSE = {  # script -> a usage error its parser refuses
+    "quantize.py": ["--checkpoint", "x", "--mode", "int9"],
+    "scripts/make_prompt.py": ["--text", "a.txt", "--out", "p.txt", "--tokens", "many"],
+    "scripts/profile_step.py": ["--context", "many"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(FAST_PARSE))
+def test_help_and_usage_errors_come_before_torch(script, tmp_path):
+    """``--help`` and a usage error are answered before ``import torch`` (the seconds of a
+    bare start): the import log (``-X importtime``) names no torch, and the error is one line
+    with exit status 2."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for argv, rc in ((["--help"], 0), (FAST_PARSE[script], 2)):
+        p = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / script), *argv],
+                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        log = [x for x in p.stderr.splitlines() if x.startswith("import time:")]
+        err = [x for x in p.stderr.splitlines() if not x.startswith("import time:")]
+        assert p.returncode == rc, p.stderr[-2000:]
+        assert log and not [x for x in log if x.split("|")[-1].strip() == "torch"], script
+        if rc == 0:
+            assert p.stdout.startswith("usage:") and not err
+        else:
+            assert len(err) == 1 and err[0].startswith("error: argument "), err
