@@ -27,6 +27,7 @@ from flags import (  # noqa: F401  (the parser's half, torch-free: re-exported)
     OneLineParser,
     add_kernels_option,
     deprecated_alias,
+    layer_list,
 )
 from model import ConfigError
 
@@ -115,18 +116,6 @@ def resolve_device(name: str | None) -> torch.device:
         raise ConfigError(f"unsupported device {name!r} (cuda or cpu)")
     return device
 
-
-
-def layer_list(text: str) -> list[int]:
-    """``--filter-layers 2,8,18`` -> [2, 8, 18] (argparse type; a bad list is a usage error)."""
-    try:
-        layers = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got "
-                                         f"{text!r}") from None
-    if not layers:
-        raise argparse.ArgumentTypeError("expected at least one layer index")
-    return layers
 
 
 def read_prompt(path: str) -> str:

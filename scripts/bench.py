@@ -63,16 +63,71 @@ import time
 from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import (
+    DTYPE_NAMES,
+    OneLineParser,
+    add_kernels_option,
+    add_method_flags,
+    deprecated_alias,
+)
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default="llama-3.1-8b",
+                   help="named config (random weights) or a checkpoint directory")
+    p.add_argument("--methods", nargs="+",
+                   help="methods, or 'all'; also 'transformers' (Hugging Face transformers "
+                        "with its static cache at the same shape; default: "
+                        "evals.bench.DEFAULT_METHODS, full gptfast_dense rocketkv)")
+    p.add_argument("--budgets", nargs="+", type=int,
+                   help="default: evals.bench.DEFAULT_BUDGETS, 256 to 4096")
+    p.add_argument("--context", nargs="+", type=int,
+                   help="prompt tokens (default: evals.bench.DEFAULT_CONTEXTS, 16K to 128K)")
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--weights", nargs="+", default=["float"],
+                   help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (best kept)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=DTYPE_NAMES)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: on for cuda)")
+    add_kernels_option(p)
+    p.add_argument("--compile-regime", choices=["static", "dynamic", "graphs"],
+                   default="static",
+                   help="static (default): every row compiles its own static-shape graph "
+                        "(compile cache reset per row); dynamic: one symbolic-shape graph per "
+                        "method structure serves every row; graphs: no torch.compile, the "
+                        "eager step captured in a CUDA graph per row (seconds, unfused)")
+    p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
+    p.add_argument("--out", default=".", metavar="DIR",
+                   help="results root: files go to DIR/<device>/ (default: the current "
+                        "directory; the repository's measurements live under results/)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_method_flags(p.add_argument_group(
+        "method options (applied to every method that takes them)"))
+    p.add_argument("--time-limit", type=float, metavar="S",
+                   help="start no configuration after S seconds (the rest are listed as "
+                        "skipped); results are saved after every configuration anyway")
+    deprecated_alias(p, "--model", "--checkpoint")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
 import tp
 from checkpoint import RANDOM_PREFIX, checkpoint_args, is_quantized, load_model
 from cli import (
-    DTYPES,
-    OneLineParser,
-    add_kernels_option,
     command_line,
-    deprecated_alias,
     device_fault,
     fault_line,
     release_device,
@@ -80,7 +135,7 @@ from cli import (
     rows_exit_status,
     write_json,
 )
-from compression import METHODS, add_method_options, check_methods, options_for
+from compression import METHODS, check_methods, options_for
 from evals.bench import (
     DEFAULT_BUDGETS,
     DEFAULT_CONTEXTS,
@@ -369,45 +424,16 @@ def summary(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="llama-3.1-8b",
-                   help="named config (random weights) or a checkpoint directory")
-    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                   help="methods, or 'all'; also 'transformers' (Hugging Face transformers "
-                        "with its static cache at the same shape)")
-    p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS))
-    p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
-    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--weights", nargs="+", default=["float"],
-                   help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (best kept)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", choices=list(DTYPES))
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decode step (default: on for cuda)")
-    add_kernels_option(p)
-    p.add_argument("--compile-regime", choices=["static", "dynamic", "graphs"],
-                   default="static",
-                   help="static (default): every row compiles its own static-shape graph "
-                        "(compile cache reset per row); dynamic: one symbolic-shape graph per "
-                        "method structure serves every row; graphs: no torch.compile, the "
-                        "eager step captured in a CUDA graph per row (seconds, unfused)")
-    p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
-    p.add_argument("--out", default=".", metavar="DIR",
-                   help="results root: files go to DIR/<device>/ (default: the current "
-                        "directory; the repository's measurements live under results/)")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_method_options(p.add_argument_group(
-        "method options (applied to every method that takes them)"))
-    p.add_argument("--time-limit", type=float, metavar="S",
-                   help="start no configuration after S seconds (the rest are listed as "
-                        "skipped); results are saved after every configuration anyway")
-    deprecated_alias(p, "--model", "--checkpoint")
-    args = p.parse_args(argv)
+    return run(build_parser().parse_args(argv), argv)
+
+
+def run(args, argv=None) -> int:
+    """The sweep the parsed arguments ``args`` ask for (``argv``: the command recorded, the
+    process's own when None); the exit status."""
+    for name, default in (("methods", DEFAULT_METHODS), ("budgets", DEFAULT_BUDGETS),
+                          ("context", DEFAULT_CONTEXTS)):
+        if getattr(args, name) is None:
+            setattr(args, name, list(default))
     try:
         device, dtype = resolve_run(args)
         if args.compile_regime == "graphs" and device.type != "cuda":
@@ -547,4 +573,4 @@ def row_label(row: dict) -> str:
 
 
 if __name__ == "__main__":
-    tp.exit_now(main()) if tp.launched() else sys.exit(main())
+    tp.exit_now(run(ARGS)) if tp.launched() else sys.exit(run(ARGS))

@@ -1,11 +1,14 @@
 """The scripts as entry points: each runs the engine of the checkout it sits in
 (``scripts/_here.py``)."""
 
+import argparse
 import ast
+import json
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 from conftest import ROOT
@@ -34,23 +37,25 @@ def test_every_script_imports_here_before_the_engine():
 
 def test_a_script_imports_its_own_checkouts_modules(tmp_path):
     """A second clone's script, run with the first clone on the path (as an editable install of
-    the first puts it), imports the second clone's ``cli``, not the first's."""
+    the first puts it), imports the second clone's modules, not the first's."""
     clone = tmp_path / "clone"
     (clone / "scripts").mkdir(parents=True)
     for name in ("__init__.py", "_here.py", "selection_steps.py"):
         shutil.copy(ROOT / "scripts" / name, clone / "scripts" / name)
-    (clone / "cli.py").write_text(
-        "import argparse\nimport sys\n\n"
-        "print('cli of the clone', file=sys.stderr)\n"
-        "OneLineParser = argparse.ArgumentParser\n")
+    for name in ("cli", "flags"):  # the script's parser class comes from one of them
+        (clone / f"{name}.py").write_text(
+            "import argparse\nimport sys\n\n"
+            f"print('{name} of the clone', file=sys.stderr)\n"
+            "OneLineParser = argparse.ArgumentParser\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the first clone
     p = subprocess.run([sys.executable, str(clone / "scripts" / "selection_steps.py"), "--help"],
                        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
-    assert "cli of the clone" in p.stderr
+    assert "of the clone" in p.stderr
 
 
 FAST_PARSE = {  # script -> a usage error its parser refuses
+    "scripts/bench.py": ["--budgets", "many", "--rocket-split", "sqrt"],
     "quantize.py": ["--checkpoint", "x", "--mode", "int9"],
     "scripts/make_prompt.py": ["--text", "a.txt", "--out", "p.txt", "--tokens", "many"],
     "scripts/profile_step.py": ["--context", "many"],
@@ -74,3 +79,39 @@ def test_help_and_usage_errors_come_before_torch(script, tmp_path):
             assert p.stdout.startswith("usage:") and not err
         else:
             assert len(err) == 1 and err[0].startswith("error: argument "), err
+
+
+def _lit(v) -> str:
+    if isinstance(v, tuple):
+        return "(" + ", ".join(map(_lit, v)) + ("," if len(v) == 1 else "") + ")"
+    return "None" if v is None else json.dumps(v, ensure_ascii=False)
+
+
+def _method_options_text(options) -> str:
+    """The entries of ``flags.METHOD_OPTIONS`` for the registry's ``options``."""
+    out = []
+    for o in options:
+        parts = textwrap.wrap(o.help, 88, drop_whitespace=False, break_on_hyphens=False)
+        out.append(f"    ({_lit(o.name)}, {'None' if o.type is None else o.type.__name__}, "
+                   f"{_lit(o.choices)}, {_lit(o.metavar)},\n"
+                   + "\n".join("     " + json.dumps(x, ensure_ascii=False) for x in parts)
+                   + "),")
+    return "\n".join(out)
+
+
+def test_the_torch_free_method_flags_are_the_registrys():
+    """``flags.add_method_flags`` (for parsers built before torch loads) adds the flags
+    ``compression.add_method_options`` adds: same names, types, choices, metavars and help."""
+    from compression import add_method_options
+    from compression.registry import every_option
+    from flags import add_method_flags
+
+    def actions(add):
+        p = argparse.ArgumentParser(add_help=False)
+        add(p)
+        return [(a.option_strings, a.dest, type(a).__name__, a.type, a.choices, a.metavar,
+                 a.help, a.default) for a in p._actions]
+
+    assert actions(add_method_flags) == actions(add_method_options), \
+        "flags.METHOD_OPTIONS differs from the registry; its entries now:\n" + \
+        _method_options_text(every_option().values())
