@@ -36,11 +36,11 @@ runs R times per configuration and the run with the lowest decode median is kept
 ``scripts/bench.py`` does); ``load_average_1min`` in each row tells how busy the machine was
 (other processes on the same cores slow multi-threaded CPU runs a lot). Rows (device, CPU
 model, torch and transformers versions, threads, command, every figure) go to ``--json``
-(default ``results/<device>/compare_hf-<timestamp>.json``), rewritten after every row, and a
-markdown table to stdout; progress (tqdm) to stderr. On CPU these are CPU figures: ``device``
-says so in every row. Bad input (missing checkpoint, unknown method, context plus decode
-steps beyond the model's context, non-positive numbers, unreadable prompt file) prints one
-``error: ...`` line and exits with status 2.
+(default ``./<device>/compare_hf-<timestamp>.json`` under the current directory), rewritten
+after every row, and a markdown table to stdout; progress (tqdm) to stderr. On CPU these are
+CPU figures: ``device`` says so in every row. Bad input (missing checkpoint, unknown method,
+context plus decode steps beyond the model's context, non-positive numbers, unreadable prompt
+file) prints one ``error: ...`` line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ from cli import (
 )
 from compression import METHODS, check_methods
 from evals.bench import results_dir
-from evals.data import ROOT
 from evals.harness import configurations
 from generate import generate
 from measure import device_name, percentile, sync
@@ -283,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="compile our decode step (the warm-up steps cover compilation)")
     p.add_argument("--json", metavar="PATH",
-                   help="rows JSON (default results/<device>/compare_hf-<timestamp>.json)")
+                   help="rows JSON (default ./<device>/compare_hf-<timestamp>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -338,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dev = device_name(device)
     json_path = args.json
     if json_path is None:
-        out_dir = results_dir(ROOT / "results", device)
+        out_dir = results_dir(".", device)  # under the current directory, not results/
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path = out_dir / f"compare_hf-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     base = {
