@@ -66,16 +66,76 @@ from collections import Counter
 from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import DTYPE_NAMES, OneLineParser, add_method_flags, deprecated_alias
+
+
+def parse_knob(text: str) -> tuple[str, list[int]]:
+    """``NAME=V1,V2,...`` -> (NAME, [V1, V2, ...]) for ``--knob`` (the name and the values are
+    checked once the kernels' constants are known: ``knob_error``).
+
+    Raises:
+        argparse.ArgumentTypeError: a value that is not an integer."""
+    name, _, values = text.partition("=")
+    try:
+        vals = [int(v) for v in values.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: values must be integers, as "
+                                         f"{name}=256,512") from None
+    return name, list(dict.fromkeys(vals))
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default="llama-3.1-8b", metavar="NAME",
+                   help="named config: the shapes of the layer (default llama-3.1-8b)")
+    p.add_argument("--context", type=int, nargs="+", default=[32768], help="prompt tokens")
+    p.add_argument("--methods", nargs="+", default=["full", "exact_topk", "quest", "sparq",
+                                                    "hybrid", "rocketkv"])
+    p.add_argument("--budgets", type=int, nargs="+", default=[256])
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=64,
+                   help="slots reserved for generated tokens (at least the steps run)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=DTYPE_NAMES)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the step (default: on for cuda, with CUDA graphs)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="no compile: the eager step captured in a CUDA graph, replayed (CUDA)")
+    p.add_argument("--json", metavar="PATH",
+                   help="rows JSON (default ./<device>/bench_step-<time>.json)")
+    p.add_argument("--split-pages", type=int, nargs="+", metavar="N",
+                   help="repeat each configuration with the fused selection split at N pages "
+                        "a program (kernels.sparse.SPLIT_PAGES; where the kernels run)")
+    p.add_argument("--tuned", metavar="PATH", help="also write the --knob setting whose steps "
+                   "ran fastest (relative to each configuration's best) as a table for "
+                   "kernels/tuned/")
+    p.add_argument("--knob", type=parse_knob, action="append", default=[],
+                   metavar="NAME=V1,V2", help="repeat each configuration at every combination "
+                   "of these launch constants of the fused kernels (kernels.sparse's, "
+                   "as listed above; where the kernels run)")
+    add_method_flags(p.add_argument_group("method options"))
+    deprecated_alias(p, "--model", "--checkpoint")
+    deprecated_alias(p, "--out", "--json")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 from cli import (
-    DTYPES,
-    OneLineParser,
     check_json_path,
     command_line,
-    deprecated_alias,
     device_fault,
     fault_line,
     release_device,
@@ -83,7 +143,7 @@ from cli import (
     rows_exit_status,
     write_json,
 )
-from compression import add_method_options, build_caches, check_methods, options_for
+from compression import build_caches, check_methods, options_for
 from evals.bench import measure_bandwidth, resolve_run, results_dir
 from evals.harness import configurations
 from kernels import tuning
@@ -148,24 +208,16 @@ def fill_cache(cache, args: ModelArgs, batch: int, context: int, dtype, device, 
         cache.store_recorded_prompt(k, v, q_obs, sums, {})
 
 
-def parse_knob(text: str) -> tuple[str, list[int]]:
-    """``NAME=V1,V2,...`` -> (NAME, [V1, V2, ...]) for ``--knob``.
-
-    Raises:
-        argparse.ArgumentTypeError: an unknown name, or a value that is not a positive integer
-            (a power of two of at least its minimum in ``kernels.tuning.CONSTANTS``)."""
-    name, _, values = text.partition("=")
+def knob_error(name: str, values: list[int]) -> str | None:
+    """Why ``--knob NAME=V1,...`` (its syntax checked by ``parse_knob``) cannot be set: an
+    unknown name, or a value that is not a power of two of at least its minimum in
+    ``kernels.tuning.CONSTANTS``; None when it can."""
     if name not in KNOBS:
-        raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(KNOBS)}")
-    try:
-        vals = [int(v) for v in values.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: values must be integers, as "
-                                         f"{name}=256,512") from None
-    for v in vals:
+        return f"{name!r} is not one of {', '.join(KNOBS)}"
+    for v in values:
         if (why := tuning.value_error(name, v, tuning.CONSTANTS["sparse"][name])) is not None:
-            raise argparse.ArgumentTypeError(why)
-    return name, list(dict.fromkeys(vals))
+            return why
+    return None
 
 
 def knob_settings(knobs: list[tuple[str, list[int]]]) -> list[dict[str, int]]:
@@ -319,50 +371,20 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(description=__doc__.split("\n\n")[0],
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=list(CONFIGS),
-                   metavar="NAME", help="named config: the shapes of the layer (default "
-                   "llama-3.1-8b)")
-    p.add_argument("--context", type=int, nargs="+", default=[32768], help="prompt tokens")
-    p.add_argument("--methods", nargs="+", default=["full", "exact_topk", "quest", "sparq",
-                                                    "hybrid", "rocketkv"])
-    p.add_argument("--budgets", type=int, nargs="+", default=[256])
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--new-tokens", type=int, default=64,
-                   help="slots reserved for generated tokens (at least the steps run)")
-    p.add_argument("--steps", type=int, default=20, help="timed decode steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", choices=list(DTYPES))
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the step (default: on for cuda, with CUDA graphs)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="no compile: the eager step captured in a CUDA graph, replayed (CUDA)")
-    p.add_argument("--json", metavar="PATH",
-                   help="rows JSON (default ./<device>/bench_step-<time>.json)")
-    p.add_argument("--split-pages", type=int, nargs="+", metavar="N",
-                   help="repeat each configuration with the fused selection split at N pages "
-                        "a program (kernels.sparse.SPLIT_PAGES; where the kernels run)")
-    p.add_argument("--tuned", metavar="PATH", help="also write the --knob setting whose steps "
-                   "ran fastest (relative to each configuration's best) as a table for "
-                   "kernels/tuned/")
-    p.add_argument("--knob", type=parse_knob, action="append", default=[],
-                   metavar="NAME=V1,V2", help="repeat each configuration at every combination "
-                   f"of these launch constants of the fused kernels ({', '.join(KNOBS)}; "
-                   "where the kernels run)")
-    add_method_options(p.add_argument_group("method options"))
-    deprecated_alias(p, "--model", "--checkpoint")
-    deprecated_alias(p, "--out", "--json")
-    return p
-
-
 def main(argv=None) -> int:
-    opts = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv), argv)
+
+
+def run(opts, argv=None) -> int:
+    """The rows the parsed arguments ``opts`` ask for (``argv``: the command recorded, the
+    process's own when None); the exit status."""
+    for name, values in opts.knob:
+        if (why := knob_error(name, values)) is not None:
+            build_parser().error(f"argument --knob: {why}")  # as argparse says it
     try:
+        if opts.checkpoint not in CONFIGS:
+            raise ConfigError(f"--checkpoint: unknown config {opts.checkpoint!r} (choose from "
+                              f"{', '.join(CONFIGS)})")
         for name in ("context", "budgets"):
             if min(getattr(opts, name)) <= 0:
                 raise ConfigError(f"--{name} must be positive")
@@ -475,4 +497,4 @@ def row_label(row: dict, setting: dict[str, int]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))
