@@ -60,6 +60,14 @@ FAST_PARSE = {  # script -> a usage error its parser refuses
     "quantize.py": ["--checkpoint", "x", "--mode", "int9"],
     "scripts/make_prompt.py": ["--text", "a.txt", "--out", "p.txt", "--tokens", "many"],
     "scripts/profile_step.py": ["--context", "many"],
+    "scripts/predict_memory.py": ["--tp", "two"],
+    "scripts/download.py": ["--repo-id"],
+    "scripts/convert_gguf.py": ["--dtype", "int3"],
+    "scripts/convert_hf_checkpoint.py": ["--dtype", "int3"],
+    "scripts/convert_llama2c.py": ["--out"],
+    "scripts/plot_bench.py": ["rows.json", "--out", "p", "--compare-context", "32K"],
+    "scripts/check_targets.py": ["rows.json", "--json"],
+    "scripts/selection_steps.py": ["--trials", "many"],
 }
 
 
