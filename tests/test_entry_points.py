@@ -68,6 +68,9 @@ FAST_PARSE = {  # script -> a usage error its parser refuses
     "scripts/plot_bench.py": ["rows.json", "--out", "p", "--compare-context", "32K"],
     "scripts/check_targets.py": ["rows.json", "--json"],
     "scripts/selection_steps.py": ["--trials", "many"],
+    "scripts/compare_hf.py": ["--checkpoint", "c", "--random", "--dtype", "int3"],
+    "scripts/duo_identify.py": ["--checkpoint", "c", "--out", "d", "--steps", "many"],
+    "scripts/eval_quantized.py": ["--checkpoint", "c", "--classifier", "int3"],
 }
 
 
