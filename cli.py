@@ -16,32 +16,22 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import kernels
+from flags import (  # noqa: F401  (the parser's half, torch-free: re-exported)
+    DTYPE_NAMES,
+    OneLineParser,
+    add_kernels_option,
+    deprecated_alias,
+    layer_list,
+)
 from model import ConfigError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def add_kernels_option(p: argparse.ArgumentParser) -> None:
-    """``--kernels {auto,on,sparse,off}``: the fused Triton kernels of the decode step
-    (``kernels/``) on CUDA: all of them behind the first-use self-check (auto, the default:
-    a family that raises or returns wrong numbers on this GPU is switched off with one
-    ``warning:`` line, ``kernels/check.py``), the same with a self-check failure an error
-    (on: for kernel development), the sparse ones only (sparse: the projections through
-    PyTorch and cuBLAS), or none (off: the PyTorch path everywhere, the comparison the kernels
-    are measured against). ``ROCKETKV_KERNELS=0`` is the same as off,
-    ``ROCKETKV_KERNELS=sparse`` as sparse."""
-    p.add_argument("--kernels", choices=["auto", "on", "sparse", "off"], default=None,
-                   help="fused Triton kernels of the decode step on CUDA: all, each family "
-                        "self-checked on first use and switched off if it fails (auto, "
-                        "default), all with a failed self-check an error (on), the attention "
-                        "and selection only (sparse), or none (off)")
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # flags.DTYPE_NAMES, in order
 
 
 def apply_kernels_option(args: argparse.Namespace) -> None:
@@ -54,13 +44,6 @@ def apply_kernels_option(args: argparse.Namespace) -> None:
         kernels.set_mode("off" if choice == "off" else "force" if forced else "auto")
         kernels.set_dense(choice in ("auto", "on"))
         kernels.set_strict(choice == "on")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """ArgumentParser whose usage errors are one ``error: ...`` line and exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n")
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -139,18 +122,6 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 
-def layer_list(text: str) -> list[int]:
-    """``--filter-layers 2,8,18`` -> [2, 8, 18] (argparse type; a bad list is a usage error)."""
-    try:
-        layers = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got "
-                                         f"{text!r}") from None
-    if not layers:
-        raise argparse.ArgumentTypeError("expected at least one layer index")
-    return layers
-
-
 def read_prompt(path: str) -> str:
     """The text of prompt file ``path`` (``-``: stdin), without the newline that ends a text
     file.
@@ -165,36 +136,6 @@ def read_prompt(path: str) -> str:
     if not text.strip():
         raise ConfigError(f"prompt file {path} is empty")
     return text.removesuffix("\n").removesuffix("\r")  # the newline that ends a text file
-
-
-class _Deprecated(argparse.Action):
-    """Stores into the new flag's destination after a one-line note on stderr."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, use: str, **kwargs: Any):
-        super().__init__(option_strings, dest, **kwargs)
-        self.use = use
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        print(f"note: {option_string} is deprecated; use {self.use}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
-    """Accept ``old`` (e.g. ``--model``) as a hidden spelling of the option ``new`` (e.g.
-    ``--checkpoint``), added to ``parser`` before: the same destination, type, choices and
-    number of values, left out of ``--help``; using it prints ``note: OLD is deprecated; use
-    NEW`` on stderr.
-
-    Raises:
-        ValueError: ``parser`` has no option ``new``.
-    """
-    action = next((a for a in parser._actions if new in a.option_strings), None)
-    if action is None:
-        raise ValueError(f"the parser has no option {new}")
-    parser.add_argument(old, dest=action.dest, nargs=action.nargs, type=action.type,
-                        choices=action.choices, metavar=action.metavar,
-                        default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-                        action=partial(_Deprecated, use=new))
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
@@ -248,6 +189,17 @@ def release_device(device: torch.device) -> Exception | None:
     except Exception as e:  # noqa: BLE001 (the caller's error handler must not raise)
         return e
     return None
+
+
+def fault_line(fault: tuple[str, BaseException], rows: Sequence[dict[str, Any]], path) -> str:
+    """The one stderr line of a run a CUDA error ended (``device_fault``): the failing row's
+    label and error, the rows measured and those not run, and where they are saved."""
+    label, e = fault
+    first = (str(e).splitlines() or [""])[0]
+    done = sum("error" not in r for r in rows)
+    rest = sum(str(r.get("error", "")).startswith("skipped: not run after") for r in rows)
+    return (f"error: {label}: {type(e).__name__}: {first}; the device is unusable after it, so "
+            f"the run stopped (rows measured: {done}, not run: {rest}; saved in {path})")
 
 
 def rows_exit_status(rows: Sequence[dict[str, Any]], what: str = "configurations") -> int:

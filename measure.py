@@ -97,6 +97,23 @@ class StepTimer:
         return [(e - s) * 1e3 for s, e in self.marks]
 
 
+SPREAD_WARN = 4.0  # p90/p10 of decode steps above which a report warns of contention
+
+
+def spread_warning(p10_ms: float | None, p90_ms: float | None) -> str | None:
+    """The ``warning: ...`` line of a run whose decode steps vary more than ``SPREAD_WARN``
+    times (p90 over p10 of the step times, ms): other work competed for the device or the CPU
+    threads, so its timings are unreliable. None for a steady run or without timings.
+    ``generate.py``'s report and ``bench.py``'s rows say it in these words."""
+    if not p10_ms or not p90_ms:
+        return None
+    spread = p90_ms / max(p10_ms, 1e-9)
+    if spread <= SPREAD_WARN:
+        return None
+    return (f"warning: step times vary {spread:.1f}x (p90/p10): other work is probably "
+            "competing for the device or CPU threads; these timings are unreliable")
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated ``q``-th percentile (0..100) of ``values``; None when empty."""
     if not values:

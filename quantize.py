@@ -21,6 +21,32 @@ import shutil
 import sys
 from pathlib import Path
 
+from flags import CLASSIFIER_CHOICES, DTYPE_NAMES, GROUPSIZES, MODES, OneLineParser
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="HF directory, GGUF file, converted directory, short name or "
+                        "random:NAME")
+    p.add_argument("--mode", required=True, choices=MODES)
+    p.add_argument("--groupsize", type=int, choices=GROUPSIZES,
+                   help="int4 only: input features per scale/zero group")
+    p.add_argument("--out", help="output directory (new or empty; default: ./<source name>-<mode>)")
+    p.add_argument("--classifier", choices=CLASSIFIER_CHOICES, default="int8",
+                   help="the classifier in int8 (default), in the layers' mode (same) or float")
+    p.add_argument("--dtype", choices=DTYPE_NAMES,
+                   help="dtype of the tensors kept in float (default: as stored; bfloat16 "
+                        "for a GGUF source and random weights)")
+    p.add_argument("--device", default="cpu", help="where to run the arithmetic (cpu, cuda)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 from torch import Tensor
 
@@ -34,14 +60,11 @@ from checkpoint import (
     resolve_checkpoint,
     write_directory,
 )
-from cli import DTYPES, OneLineParser
+from cli import DTYPES
 from gguf_reader import is_gguf
 from model import ConfigError
 from quantized import (
-    CLASSIFIER_CHOICES,
     FORMAT_VERSION,
-    GROUPSIZES,
-    MODES,
     QUANT_CONFIG,
     check_quantizable,
     quantize_tensor,
@@ -143,22 +166,11 @@ def quantize_checkpoint(checkpoint: str, mode: str, groupsize: int | None, out: 
 
 
 def main(argv=None) -> int:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True,
-                   help="HF directory, GGUF file, converted directory, short name or "
-                        "random:NAME")
-    p.add_argument("--mode", required=True, choices=MODES)
-    p.add_argument("--groupsize", type=int, choices=GROUPSIZES,
-                   help="int4 only: input features per scale/zero group")
-    p.add_argument("--out", help="output directory (new or empty; default: ./<source name>-<mode>)")
-    p.add_argument("--classifier", choices=CLASSIFIER_CHOICES, default="int8",
-                   help="the classifier in int8 (default), in the layers' mode (same) or float")
-    p.add_argument("--dtype", choices=list(DTYPES),
-                   help="dtype of the tensors kept in float (default: as stored; bfloat16 "
-                        "for a GGUF source and random weights)")
-    p.add_argument("--device", default="cpu", help="where to run the arithmetic (cpu, cuda)")
-    p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(a) -> int:
+    """Quantize as the parsed arguments ``a`` say; the exit status."""
     try:
         out = a.out or default_out(a.checkpoint, a.mode, a.groupsize)
         path = quantize_checkpoint(a.checkpoint, a.mode, a.groupsize, out,
@@ -176,4 +188,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

@@ -63,11 +63,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
+from flags import CLASSIFIER_CHOICES, GROUPSIZES, MODES  # noqa: F401  (re-exported)
 from model import ConfigError, ModelArgs, Transformer
 
-MODES = ("int8", "int4")
-CLASSIFIER_CHOICES = ("int8", "same", "float")  # --classifier
-GROUPSIZES = (32, 64, 128, 256)
 QUANT_CONFIG = "quantization.json"
 FORMAT_VERSION = 1
 LAYER_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")

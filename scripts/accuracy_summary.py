@@ -53,6 +53,8 @@ from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
 from cli import OneLineParser
 from compression import METHODS
 from evals.ruler import PASS_FAIL_TASKS, score_task

@@ -38,41 +38,104 @@ per-step latency.
 static cache, decoding as its documentation recommends (``generate`` with
 ``cache_implementation="static"``, compiled on CUDA): the engine a user would otherwise pick,
 in the same run, timing window and memory meter; its rows record ``transformers_version``.
-Results go to ``results/<device>/bench-<timestamp>.json`` (a list of rows, rewritten after
-every configuration so a run cut short keeps what it measured; ``--time-limit`` stops starting
-new configurations after that many seconds; a row that fails records its ``error`` and the sweep
-goes on, except after a CUDA error (``cli.device_fault``: an illegal address makes every later
-CUDA call fail), which ends the run with the rows after it listed as not run, one ``error:``
-line naming the row, and exit status 1) with four charts:
-(a) decode speedup vs Full-KV per context and budget, (b) peak-memory saving (decode phase and
+Results go to ``<out>/<device>/bench-<timestamp>.json``, ``--out`` the current directory by
+default (the repository's own measurements are under ``--out results``): a list of rows, the
+whole file rewritten after every configuration so a run cut short keeps what it measured;
+``--time-limit`` stops starting new configurations after that many seconds; a row that fails
+records its ``error`` and the sweep goes on, except after a CUDA error (``cli.device_fault``:
+an illegal address makes every later CUDA call fail), which ends the run with the rows after it
+listed as not run, one ``error:`` line naming the row, and exit status 1. Four charts: (a)
+decode speedup vs Full-KV per context and budget, (b) peak-memory saving (decode phase and
 whole run), (c) per-step latency vs context with the roofline, (d) all methods at one context.
+Before the weights load, the float weights and the smallest row's full-size KV cache are
+checked against the free memory (``measure.check_memory``: one ``error:`` line, exit 2); a row
+whose steps vary more than 4x (p90/p10) gets ``generate.py``'s ``warning:`` line
+(``measure.spread_warning``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import sys
 import time
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import (
+    DTYPE_NAMES,
+    OneLineParser,
+    add_kernels_option,
+    add_method_flags,
+    deprecated_alias,
+)
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default="llama-3.1-8b",
+                   help="named config (random weights) or a checkpoint directory")
+    p.add_argument("--methods", nargs="+",
+                   help="methods, or 'all'; also 'transformers' (Hugging Face transformers "
+                        "with its static cache at the same shape; default: "
+                        "evals.bench.DEFAULT_METHODS, full gptfast_dense rocketkv)")
+    p.add_argument("--budgets", nargs="+", type=int,
+                   help="default: evals.bench.DEFAULT_BUDGETS, 256 to 4096")
+    p.add_argument("--context", nargs="+", type=int,
+                   help="prompt tokens (default: evals.bench.DEFAULT_CONTEXTS, 16K to 128K)")
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--weights", nargs="+", default=["float"],
+                   help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (best kept)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=DTYPE_NAMES)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: on for cuda)")
+    add_kernels_option(p)
+    p.add_argument("--compile-regime", choices=["static", "dynamic", "graphs"],
+                   default="static",
+                   help="static (default): every row compiles its own static-shape graph "
+                        "(compile cache reset per row); dynamic: one symbolic-shape graph per "
+                        "method structure serves every row; graphs: no torch.compile, the "
+                        "eager step captured in a CUDA graph per row (seconds, unfused)")
+    p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
+    p.add_argument("--out", default=".", metavar="DIR",
+                   help="results root: files go to DIR/<device>/ (default: the current "
+                        "directory; the repository's measurements live under results/)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_method_flags(p.add_argument_group(
+        "method options (applied to every method that takes them)"))
+    p.add_argument("--time-limit", type=float, metavar="S",
+                   help="start no configuration after S seconds (the rest are listed as "
+                        "skipped); results are saved after every configuration anyway")
+    deprecated_alias(p, "--model", "--checkpoint")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
 import tp
-from checkpoint import RANDOM_PREFIX, load_model
+from checkpoint import RANDOM_PREFIX, checkpoint_args, is_quantized, load_model
 from cli import (
-    DTYPES,
-    OneLineParser,
-    add_kernels_option,
     command_line,
-    deprecated_alias,
     device_fault,
+    fault_line,
     release_device,
     row_error,
     rows_exit_status,
     write_json,
 )
-from compression import METHODS, add_method_options, check_methods, options_for
+from compression import METHODS, check_methods, options_for
 from evals.bench import (
     DEFAULT_BUDGETS,
     DEFAULT_CONTEXTS,
@@ -85,7 +148,7 @@ from evals.harness import configurations
 from evals.peers import PEERS, run_transformers
 from generate import generate, release_caches
 from kernels import tuning
-from measure import check_memory, check_run_memory, device_name
+from measure import check_memory, check_run_memory, device_name, spread_warning
 from model import CONFIGS, ConfigError
 from quantized import parse_weights, quantize_model
 
@@ -362,43 +425,16 @@ def summary(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="llama-3.1-8b",
-                   help="named config (random weights) or a checkpoint directory")
-    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                   help="methods, or 'all'; also 'transformers' (Hugging Face transformers "
-                        "with its static cache at the same shape)")
-    p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS))
-    p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
-    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--weights", nargs="+", default=["float"],
-                   help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (best kept)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", choices=list(DTYPES))
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decode step (default: on for cuda)")
-    add_kernels_option(p)
-    p.add_argument("--compile-regime", choices=["static", "dynamic", "graphs"],
-                   default="static",
-                   help="static (default): every row compiles its own static-shape graph "
-                        "(compile cache reset per row); dynamic: one symbolic-shape graph per "
-                        "method structure serves every row; graphs: no torch.compile, the "
-                        "eager step captured in a CUDA graph per row (seconds, unfused)")
-    p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
-    p.add_argument("--out", default="results", help="results root (default results/)")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_method_options(p.add_argument_group(
-        "method options (applied to every method that takes them)"))
-    p.add_argument("--time-limit", type=float, metavar="S",
-                   help="start no configuration after S seconds (the rest are listed as "
-                        "skipped); results are saved after every configuration anyway")
-    deprecated_alias(p, "--model", "--checkpoint")
-    args = p.parse_args(argv)
+    return run(build_parser().parse_args(argv), argv)
+
+
+def run(args, argv=None) -> int:
+    """The sweep the parsed arguments ``args`` ask for (``argv``: the command recorded, the
+    process's own when None); the exit status."""
+    for name, default in (("methods", DEFAULT_METHODS), ("budgets", DEFAULT_BUDGETS),
+                          ("context", DEFAULT_CONTEXTS)):
+        if getattr(args, name) is None:
+            setattr(args, name, list(default))
     try:
         device, dtype = resolve_run(args)
         if args.compile_regime == "graphs" and device.type != "cuda":
@@ -416,6 +452,10 @@ def main(argv=None) -> int:
         args.weights = list(dict.fromkeys(args.weights))
         for spec in args.weights:
             parse_weights(spec)
+        check_out_dir(args.out)
+        if not is_quantized(ckpt):  # the float weights and the smallest row's full cache
+            check_memory(tp.local_args(checkpoint_args(ckpt), world), dtype, device,
+                         min(args.batch_sizes), min(args.context) + args.new_tokens)
         model = load_weights(ckpt, args.weights[0], device, dtype)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -497,6 +537,9 @@ def main(argv=None) -> int:
     if pngs and len(args.weights) > 1:
         pngs.append(plot_weights(rows, prefix))
     print(summary(rows))
+    for r in rows:  # the report's warning (generate.py), one line per noisy row
+        if "error" not in r and (w := spread_warning(r["decode_ms_p10"], r["decode_ms_p90"])):
+            print(f"warning: {row_label(r)}: {w.removeprefix('warning: ')}", file=sys.stderr)
     print(f"measured copy bandwidth {bandwidth:.1f} GB/s")
     print(f"wrote {prefix.with_suffix('.json')}" + "".join(f"\n      {p}" for p in pngs))
     if fault is not None:
@@ -504,6 +547,21 @@ def main(argv=None) -> int:
         return 1
     tp.shutdown()
     return rows_exit_status(rows)
+
+
+def check_out_dir(out: str) -> None:
+    """Fail before the load when the results root ``out`` cannot hold the results: a file in
+    its place, or no permission to write where it is or would be created.
+
+    Raises:
+        ConfigError: naming ``--out`` and the path.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {out}: not a directory")
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {existing} is not writable")
 
 
 def row_label(row: dict) -> str:
@@ -515,15 +573,5 @@ def row_label(row: dict) -> str:
         + weights
 
 
-def fault_line(fault: tuple[str, BaseException], rows: list[dict], path) -> str:
-    """The one stderr line of a run a CUDA error ended: the row, the error, what was saved."""
-    label, e = fault
-    first = (str(e).splitlines() or [""])[0]
-    done = sum("error" not in r for r in rows)
-    rest = sum(str(r.get("error", "")).startswith("skipped: not run after") for r in rows)
-    return (f"error: {label}: {type(e).__name__}: {first}; the device is unusable after it, so "
-            f"the run stopped (rows measured: {done}, not run: {rest}; saved in {path})")
-
-
 if __name__ == "__main__":
-    tp.exit_now(main()) if tp.launched() else sys.exit(main())
+    tp.exit_now(run(ARGS)) if tp.launched() else sys.exit(run(ARGS))

@@ -7,8 +7,8 @@ over a grid of launch configurations: which one reads the weights fastest.
         --grid none --iters 1                            # a smoke run (CPU times mean nothing)
 
 For each projection of one decoder layer (q/k/v with RoPE and the token's write, the output
-projection with the residual, gate/up with SwiGLU, down with the residual) and the LM head
-with the final norm, at each batch size, one row per launch configuration of ours
+projection with the residual, gate/up with SwiGLU, down with the residual) and the LM head with
+the final norm, at each batch size, one row per launch configuration of ours
 (``kernels.dense``'s ``TARGET_PROGRAMS``, ``MAX_BLOCK_N``, ``K_BLOCK_GEMV`` or ``K_BLOCK_DOT``,
 ``NUM_WARPS``) and one row for ``torch.nn.functional.linear`` of the same weight (cuBLAS on
 CUDA; the matmul alone, without the norm and epilogue our kernels include). Each row:
@@ -17,10 +17,10 @@ the copy bandwidth measured in the same run (``bandwidth_gbps``), and ``vs_refer
 time / the reference's). On CUDA a launch is timed inside a CUDA graph of ``--reps`` launches
 replayed ``--iters`` times (CUDA events), so launch overhead is not counted, as in the decode
 step's graph; on CPU by wall clock. Rows go to ``--json`` (default
-``results/<device>/bench_dense-<time>.json``), saved after every shape. The configuration the
-decode step launches (``default: true`` rows) is the tuned table's entry for the launch on this
-GPU (``kernels/tuned/*.json``, ``tuned: true``) or else the module's constants; the grid's rows
-time the constants with the table set aside.
+``./<device>/bench_dense-<time>.json`` under the current directory), saved after every shape.
+The configuration the decode step launches (``default: true`` rows) is the tuned table's entry
+for the launch on this GPU (``kernels/tuned/*.json``, ``tuned: true``) or else the module's
+constants; the grid's rows time the constants with the table set aside.
 
 ``--tuned PATH`` also writes the fastest configuration of each launch (its ``key``: epilogue,
 weight format, one batch row or several, K, N) as a tuned table for this GPU, with the times
@@ -43,6 +43,7 @@ import os
 import sys
 import time
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 import torch.nn.functional as F
 
@@ -206,7 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--weights", nargs="+", default=["float"],
                    help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
-    p.add_argument("--json", metavar="PATH", help="rows (default results/<device>/"
+    p.add_argument("--json", metavar="PATH", help="rows (default ./<device>/"
                                                   "bench_dense-<time>.json)")
     p.add_argument("--tuned", metavar="PATH", help="also write each launch's fastest "
                    "configuration here, a table for kernels/tuned/")
@@ -239,7 +240,11 @@ def main(argv=None) -> int:
     bandwidth = measure_bandwidth(device)
     rows = []
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = args.json or str(results_dir("results", device) / f"bench_dense-{stamp}.json")
+    if args.json:
+        path = args.json
+    else:  # under the current directory, not the repository's results/
+        (out_dir := results_dir(".", device)).mkdir(parents=True, exist_ok=True)
+        path = str(out_dir / f"bench_dense-{stamp}.json")
 
     meta = {"device": device_name(device), "torch_version": torch.__version__,
             "model": args.checkpoint, "dtype": str(dtype).removeprefix("torch."),

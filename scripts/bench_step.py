@@ -48,7 +48,11 @@ name (``kernels.tuning``).
 
 Methods whose layers differ (omnikv, duoattention) have no single representative layer and are
 refused; use ``scripts/bench.py``. Results: ``--json`` (default
-``results/<device>/bench_step-<timestamp>.json``; ``--out`` is its deprecated spelling).
+``./<device>/bench_step-<timestamp>.json`` under the current directory; ``--out`` is its
+deprecated spelling), rewritten after every row. A row that fails records its ``error`` and
+the run goes on, except after a CUDA error (``cli.device_fault``: every later CUDA call fails),
+which ends the run as in ``bench.py``: the rows after it listed as not run, one ``error:`` line
+naming the row (``cli.fault_line``), no ``--tuned`` table, exit status 1.
 """
 
 from __future__ import annotations
@@ -61,21 +65,85 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import DTYPE_NAMES, OneLineParser, add_method_flags, deprecated_alias
+
+
+def parse_knob(text: str) -> tuple[str, list[int]]:
+    """``NAME=V1,V2,...`` -> (NAME, [V1, V2, ...]) for ``--knob`` (the name and the values are
+    checked once the kernels' constants are known: ``knob_error``).
+
+    Raises:
+        argparse.ArgumentTypeError: a value that is not an integer."""
+    name, _, values = text.partition("=")
+    try:
+        vals = [int(v) for v in values.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: values must be integers, as "
+                                         f"{name}=256,512") from None
+    return name, list(dict.fromkeys(vals))
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default="llama-3.1-8b", metavar="NAME",
+                   help="named config: the shapes of the layer (default llama-3.1-8b)")
+    p.add_argument("--context", type=int, nargs="+", default=[32768], help="prompt tokens")
+    p.add_argument("--methods", nargs="+", default=["full", "exact_topk", "quest", "sparq",
+                                                    "hybrid", "rocketkv"])
+    p.add_argument("--budgets", type=int, nargs="+", default=[256])
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=64,
+                   help="slots reserved for generated tokens (at least the steps run)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=DTYPE_NAMES)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the step (default: on for cuda, with CUDA graphs)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="no compile: the eager step captured in a CUDA graph, replayed (CUDA)")
+    p.add_argument("--json", metavar="PATH",
+                   help="rows JSON (default ./<device>/bench_step-<time>.json)")
+    p.add_argument("--split-pages", type=int, nargs="+", metavar="N",
+                   help="repeat each configuration with the fused selection split at N pages "
+                        "a program (kernels.sparse.SPLIT_PAGES; where the kernels run)")
+    p.add_argument("--tuned", metavar="PATH", help="also write the --knob setting whose steps "
+                   "ran fastest (relative to each configuration's best) as a table for "
+                   "kernels/tuned/")
+    p.add_argument("--knob", type=parse_knob, action="append", default=[],
+                   metavar="NAME=V1,V2", help="repeat each configuration at every combination "
+                   "of these launch constants of the fused kernels (kernels.sparse's, "
+                   "as listed above; where the kernels run)")
+    add_method_flags(p.add_argument_group("method options"))
+    deprecated_alias(p, "--model", "--checkpoint")
+    deprecated_alias(p, "--out", "--json")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 from cli import (
-    DTYPES,
-    OneLineParser,
     check_json_path,
     command_line,
-    deprecated_alias,
+    device_fault,
+    fault_line,
+    release_device,
     row_error,
     rows_exit_status,
     write_json,
 )
-from compression import add_method_options, build_caches, check_methods, options_for
+from compression import build_caches, check_methods, options_for
 from evals.bench import measure_bandwidth, resolve_run, results_dir
 from evals.harness import configurations
 from kernels import tuning
@@ -140,24 +208,16 @@ def fill_cache(cache, args: ModelArgs, batch: int, context: int, dtype, device, 
         cache.store_recorded_prompt(k, v, q_obs, sums, {})
 
 
-def parse_knob(text: str) -> tuple[str, list[int]]:
-    """``NAME=V1,V2,...`` -> (NAME, [V1, V2, ...]) for ``--knob``.
-
-    Raises:
-        argparse.ArgumentTypeError: an unknown name, or a value that is not a positive integer
-            (a power of two of at least its minimum in ``kernels.tuning.CONSTANTS``)."""
-    name, _, values = text.partition("=")
+def knob_error(name: str, values: list[int]) -> str | None:
+    """Why ``--knob NAME=V1,...`` (its syntax checked by ``parse_knob``) cannot be set: an
+    unknown name, or a value that is not a power of two of at least its minimum in
+    ``kernels.tuning.CONSTANTS``; None when it can."""
     if name not in KNOBS:
-        raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(KNOBS)}")
-    try:
-        vals = [int(v) for v in values.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: values must be integers, as "
-                                         f"{name}=256,512") from None
-    for v in vals:
+        return f"{name!r} is not one of {', '.join(KNOBS)}"
+    for v in values:
         if (why := tuning.value_error(name, v, tuning.CONSTANTS["sparse"][name])) is not None:
-            raise argparse.ArgumentTypeError(why)
-    return name, list(dict.fromkeys(vals))
+            return why
+    return None
 
 
 def knob_settings(knobs: list[tuple[str, list[int]]]) -> list[dict[str, int]]:
@@ -311,50 +371,20 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(description=__doc__.split("\n\n")[0],
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=list(CONFIGS),
-                   metavar="NAME", help="named config: the shapes of the layer (default "
-                   "llama-3.1-8b)")
-    p.add_argument("--context", type=int, nargs="+", default=[32768], help="prompt tokens")
-    p.add_argument("--methods", nargs="+", default=["full", "exact_topk", "quest", "sparq",
-                                                    "hybrid", "rocketkv"])
-    p.add_argument("--budgets", type=int, nargs="+", default=[256])
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--new-tokens", type=int, default=64,
-                   help="slots reserved for generated tokens (at least the steps run)")
-    p.add_argument("--steps", type=int, default=20, help="timed decode steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", choices=list(DTYPES))
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the step (default: on for cuda, with CUDA graphs)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="no compile: the eager step captured in a CUDA graph, replayed (CUDA)")
-    p.add_argument("--json", metavar="PATH",
-                   help="rows JSON (default results/<device>/bench_step-<time>.json)")
-    p.add_argument("--split-pages", type=int, nargs="+", metavar="N",
-                   help="repeat each configuration with the fused selection split at N pages "
-                        "a program (kernels.sparse.SPLIT_PAGES; where the kernels run)")
-    p.add_argument("--tuned", metavar="PATH", help="also write the --knob setting whose steps "
-                   "ran fastest (relative to each configuration's best) as a table for "
-                   "kernels/tuned/")
-    p.add_argument("--knob", type=parse_knob, action="append", default=[],
-                   metavar="NAME=V1,V2", help="repeat each configuration at every combination "
-                   f"of these launch constants of the fused kernels ({', '.join(KNOBS)}; "
-                   "where the kernels run)")
-    add_method_options(p.add_argument_group("method options"))
-    deprecated_alias(p, "--model", "--checkpoint")
-    deprecated_alias(p, "--out", "--json")
-    return p
-
-
 def main(argv=None) -> int:
-    opts = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv), argv)
+
+
+def run(opts, argv=None) -> int:
+    """The rows the parsed arguments ``opts`` ask for (``argv``: the command recorded, the
+    process's own when None); the exit status."""
+    for name, values in opts.knob:
+        if (why := knob_error(name, values)) is not None:
+            build_parser().error(f"argument --knob: {why}")  # as argparse says it
     try:
+        if opts.checkpoint not in CONFIGS:
+            raise ConfigError(f"--checkpoint: unknown config {opts.checkpoint!r} (choose from "
+                              f"{', '.join(CONFIGS)})")
         for name in ("context", "budgets"):
             if min(getattr(opts, name)) <= 0:
                 raise ConfigError(f"--{name} must be positive")
@@ -394,47 +424,77 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(opts.json) if opts.json else results_dir("results", device) / \
+    out = Path(opts.json) if opts.json else results_dir(".", device) / \
         f"bench_step-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     if out.suffix != ".json":
         print(f"error: --json must name a .json file, got {out}", file=sys.stderr)
+        return 2
+    try:
+        if opts.json:
+            check_json_path(opts.json)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     bandwidth = measure_bandwidth(device)
     command = command_line("bench_step.py", argv)
     rows = []
     module = kernels.ops() if kernels.in_use(device) else None
     default = {n: getattr(module, n) for n in KNOBS} if module is not None else {}
+    name = device_name(device)  # asked once: after a CUDA error no CUDA call is safe
+    fault = None  # (the failing row's label, its error) once the device is unusable
     for index, setting in enumerate(settings):
-        for name, value in setting.items():
-            setattr(module, name, value)
+        for knob, value in setting.items():
+            setattr(module, knob, value)
         try:
             for context in opts.context:
                 for method, budget in configurations(opts.methods, opts.budgets):
-                    try:
-                        row = run_one(args, method, budget, context, opts, dtype, device,
-                                      bandwidth)
-                    except Exception as e:  # noqa: BLE001 (a failed row: row_error)
-                        row = {"method": method, "budget": budget, "context": context,
-                               "split_pages": setting.get("SPLIT_PAGES"),
-                               "knobs": {**default, **setting} if module else None,
-                               "error": row_error(e)}
+                    base = {"method": method, "budget": budget, "context": context,
+                            "split_pages": setting.get("SPLIT_PAGES"),
+                            "knobs": {**default, **setting} if module else None}
+                    if fault is not None:
+                        row = {**base, "error": "skipped: not run after the CUDA error of "
+                               f"{fault[0]}"}
+                    else:
+                        try:
+                            row = run_one(args, method, budget, context, opts, dtype, device,
+                                          bandwidth)
+                        except Exception as e:  # noqa: BLE001 (a failed row: row_error)
+                            row = {**base, "error": row_error(e)}
+                            # nothing here may raise: after a CUDA error every CUDA call does
+                            broken = e if device_fault(e) else release_device(device)
+                            if broken is not None:
+                                fault = (row_label(row, setting if len(settings) > 1
+                                                   else {}), broken)
                     row.update(command=command, setting=index)
                     rows.append(row)
                     write_json(out, rows)
         finally:
-            for name, value in default.items():
-                setattr(module, name, value)
-    if opts.tuned:
+            for knob, value in default.items():
+                setattr(module, knob, value)
+    if opts.tuned and fault is None:
         best, totals = best_setting(rows, settings)
         write_json(opts.tuned, {"device": tuning.table_device(device), "command": command,
                                 "rows": str(out),
                                 "constants": {"sparse": best} if best else {},
                                 "settings": totals})
     print(summary(rows))
-    print(f"copy bandwidth {bandwidth:.1f} GB/s on {device_name(device)}")
+    print(f"copy bandwidth {bandwidth:.1f} GB/s on {name}")
     print(f"wrote {out}")
+    if fault is not None:
+        print(fault_line(fault, rows, out), file=sys.stderr)
+        return 1
     return rows_exit_status(rows)
 
 
+def row_label(row: dict, setting: dict[str, int]) -> str:
+    """``rocketkv @256 at 32768 tokens`` (with the ``--knob`` setting when there are several):
+    the configuration of a row, as an error line names it."""
+    budget = f" @{row['budget']}" if row.get("budget") is not None else ""
+    knobs = "".join(f", {k}={v}" for k, v in setting.items())
+    return f"{row['method']}{budget} at {row['context']} tokens{knobs}"
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

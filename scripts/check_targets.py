@@ -55,7 +55,23 @@ import json
 import sys
 from pathlib import Path
 
-from cli import OneLineParser, write_json
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import OneLineParser
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", help="bench result JSON files")
+    p.add_argument("--json", metavar="PATH", help="write the target results here")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
+from cli import write_json
 from evals.bench import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, DEFAULT_METHODS, REGIMES
 from evals.peers import PEERS
 
@@ -353,10 +369,11 @@ def markdown(results: dict[str, list[dict]], rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("results", nargs="+", help="bench result JSON files")
-    p.add_argument("--json", metavar="PATH", help="write the target results here")
-    a = p.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(a) -> int:
+    """Check the rows the parsed arguments ``a`` name; the exit status."""
     try:
         rows = load_rows(a.results)
     except ValueError as e:
@@ -370,4 +387,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

@@ -36,11 +36,11 @@ runs R times per configuration and the run with the lowest decode median is kept
 ``scripts/bench.py`` does); ``load_average_1min`` in each row tells how busy the machine was
 (other processes on the same cores slow multi-threaded CPU runs a lot). Rows (device, CPU
 model, torch and transformers versions, threads, command, every figure) go to ``--json``
-(default ``results/<device>/compare_hf-<timestamp>.json``), rewritten after every row, and a
-markdown table to stdout; progress (tqdm) to stderr. On CPU these are CPU figures: ``device``
-says so in every row. Bad input (missing checkpoint, unknown method, context plus decode
-steps beyond the model's context, non-positive numbers, unreadable prompt file) prints one
-``error: ...`` line and exits with status 2.
+(default ``./<device>/compare_hf-<timestamp>.json`` under the current directory), rewritten
+after every row, and a markdown table to stdout; progress (tqdm) to stderr. On CPU these are
+CPU figures: ``device`` says so in every row. Bad input (missing checkpoint, unknown method,
+context plus decode steps beyond the model's context, non-positive numbers, unreadable prompt
+file) prints one ``error: ...`` line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -55,12 +55,60 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import DTYPE_NAMES, OneLineParser
+
+DEFAULT_CONTEXTS = (2048, 7168)
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="a GGUF file or a Hugging Face directory (config.json + safetensors)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-file", metavar="FILE",
+                     help="prompt text, tokenized with our tokenizer, repeated/cut to each context")
+    src.add_argument("--random", action="store_true", help="random prompt token ids (--seed)")
+    p.add_argument("--tokenizer", help="tokenizer for --prompt-file (default: the checkpoint's)")
+    p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_CONTEXTS),
+                   metavar="N", help="prompt lengths in tokens (default 2048 7168)")
+    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"], metavar="METHOD",
+                   help="our KV cache methods (python -m compression lists them; default: "
+                        "full rocketkv)")
+    p.add_argument("--budgets", nargs="+", type=int, default=[256], metavar="N",
+                   help="token budgets of the compressing methods (default 256)")
+    p.add_argument("--decode-steps", type=int, default=32,
+                   help="timed decode steps per run (default 32)")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="decode steps run before the timed ones, left out (default 2)")
+    p.add_argument("--check-tokens", type=int, default=8,
+                   help="greedy tokens recorded and compared between the engines (default 8)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each engine per configuration, the one with the lowest decode "
+                        "median kept (default 1; more damp other processes' interference)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random ids (default 0)")
+    p.add_argument("--device", default=None, help="cuda if available, else cpu")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+                   help="both engines' dtype (default float32)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile our decode step (the warm-up steps cover compilation)")
+    p.add_argument("--json", metavar="PATH",
+                   help="rows JSON (default ./<device>/compare_hf-<timestamp>.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
 from checkpoint import load_model, resolve_checkpoint
 from cli import (
     DTYPES,
-    OneLineParser,
     check_json_path,
     check_positive,
     command_line,
@@ -71,14 +119,11 @@ from cli import (
 )
 from compression import METHODS, check_methods
 from evals.bench import results_dir
-from evals.data import ROOT
 from evals.harness import configurations
 from generate import generate
 from measure import device_name, percentile, sync
 from model import ConfigError, Transformer
 from tokenizer import load_tokenizer
-
-DEFAULT_CONTEXTS = (2048, 7168)
 
 
 def cpu_model() -> str:
@@ -249,44 +294,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 # CLI
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True,
-                   help="a GGUF file or a Hugging Face directory (config.json + safetensors)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt-file", metavar="FILE",
-                     help="prompt text, tokenized with our tokenizer, repeated/cut to each context")
-    src.add_argument("--random", action="store_true", help="random prompt token ids (--seed)")
-    p.add_argument("--tokenizer", help="tokenizer for --prompt-file (default: the checkpoint's)")
-    p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_CONTEXTS),
-                   metavar="N", help="prompt lengths in tokens (default 2048 7168)")
-    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"], metavar="METHOD",
-                   help=f"our KV cache methods, any of {', '.join(METHODS)} "
-                        "(default: full rocketkv)")
-    p.add_argument("--budgets", nargs="+", type=int, default=[256], metavar="N",
-                   help="token budgets of the compressing methods (default 256)")
-    p.add_argument("--decode-steps", type=int, default=32,
-                   help="timed decode steps per run (default 32)")
-    p.add_argument("--warmup-steps", type=int, default=2,
-                   help="decode steps run before the timed ones, left out (default 2)")
-    p.add_argument("--check-tokens", type=int, default=8,
-                   help="greedy tokens recorded and compared between the engines (default 8)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs of each engine per configuration, the one with the lowest decode "
-                        "median kept (default 1; more damp other processes' interference)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --random ids (default 0)")
-    p.add_argument("--device", default=None, help="cuda if available, else cpu")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                   help="both engines' dtype (default float32)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile our decode step (the warm-up steps cover compilation)")
-    p.add_argument("--json", metavar="PATH",
-                   help="rows JSON (default results/<device>/compare_hf-<timestamp>.json)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
 def check_args(args: argparse.Namespace) -> None:
     """ConfigError for values no run can use (before anything is loaded)."""
     check_positive(args, "decode_steps", "check_tokens", "threads", "repeats")
@@ -310,7 +317,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv), argv)
+
+
+def run(args, argv=None) -> int:
+    """Compare as the parsed arguments ``args`` say; the exit status."""
     try:
         check_args(args)
         device = resolve_device(args.device)
@@ -337,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dev = device_name(device)
     json_path = args.json
     if json_path is None:
-        out_dir = results_dir(ROOT / "results", device)
+        out_dir = results_dir(".", device)  # under the current directory, not results/
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path = out_dir / f"compare_hf-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     base = {
@@ -392,4 +403,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
 import kernels
 from cli import OneLineParser, write_json
 from model import CONFIGS, ModelArgs

@@ -15,11 +15,30 @@ renamed at the end, so a failed conversion leaves no half-written directory behi
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import DTYPE_NAMES, OneLineParser, deprecated_alias
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", metavar="GGUF",
+                   help="llama- or qwen2-architecture GGUF file (required)")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+                   help="dtype of the written weights (default float32: exact)")
+    deprecated_alias(p, "--gguf", "--checkpoint")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
 from checkpoint import (
@@ -29,7 +48,7 @@ from checkpoint import (
     meta_to_hf_state_dict,
     write_directory,
 )
-from cli import DTYPES, deprecated_alias
+from cli import DTYPES
 from model import ConfigError
 from tokenizer import gguf_tokenizer
 
@@ -65,16 +84,13 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = tor
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", metavar="GGUF",
-                   help="llama- or qwen2-architecture GGUF file (required)")
-    p.add_argument("--out", required=True, help="output directory (new or empty)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                   help="dtype of the written weights (default float32: exact)")
-    deprecated_alias(p, "--gguf", "--checkpoint")
-    a = p.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(a) -> int:
+    """Convert as the parsed arguments ``a`` say; the exit status."""
     if a.checkpoint is None:  # not required=True: --gguf may give it
-        p.error("the following arguments are required: --checkpoint")
+        build_parser().error("the following arguments are required: --checkpoint")
     try:
         out = convert(a.checkpoint, a.out, DTYPES[a.dtype])
     except ConfigError as e:
@@ -85,4 +101,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

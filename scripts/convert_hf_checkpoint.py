@@ -10,10 +10,26 @@ renaming. ``generate.py`` also loads HF directories directly; converting is opti
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import DTYPE_NAMES, OneLineParser
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="HF directory (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="cast weights (default: keep)")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
 from checkpoint import load_model, save_native
@@ -28,11 +44,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="HF directory (config.json + safetensors)")
-    p.add_argument("--out", required=True, help="output checkpoint directory")
-    p.add_argument("--dtype", choices=list(DTYPES), help="cast weights (default: keep)")
-    a = p.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(a) -> int:
+    """Convert as the parsed arguments ``a`` say; the exit status."""
     src = Path(a.checkpoint)
     try:
         if not (src / "config.json").is_file():
@@ -52,4 +68,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

@@ -14,11 +14,27 @@ the classifier [V, D] when not shared. Matrices are (out, in); RoPE rotates adja
 
 from __future__ import annotations
 
-import argparse
 import struct
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import OneLineParser
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="llama2.c .bin file")
+    p.add_argument("--tokenizer", required=True, help="SentencePiece .model of the checkpoint")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
 from checkpoint import save_native
@@ -85,11 +101,11 @@ def read_llama2c(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="llama2.c .bin file")
-    p.add_argument("--tokenizer", required=True, help="SentencePiece .model of the checkpoint")
-    p.add_argument("--out", required=True, help="output checkpoint directory")
-    a = p.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(a) -> int:
+    """Convert as the parsed arguments ``a`` say; the exit status."""
     try:
         args, sd = read_llama2c(a.checkpoint)
         tok = load_tokenizer(a.tokenizer)
@@ -105,4 +121,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

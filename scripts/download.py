@@ -10,11 +10,28 @@ is a directory that ``generate.py --checkpoint`` loads as it is, by path or, in
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import OneLineParser
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repo-id", required=True, help="e.g. meta-llama/Llama-3.1-8B-Instruct, or "
+                   "a short name (llama3.1-8b, mistral-7b-v0.2, longchat-7b, smollm2-135m)")
+    p.add_argument("--out", default="checkpoints", help="parent directory (default checkpoints/)")
+    p.add_argument("--hf-token", default=os.environ.get("HF_TOKEN"))
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 from checkpoint import KNOWN_CHECKPOINTS
 
 PATTERNS = ["config.json", "generation_config.json", "*.safetensors",
@@ -57,12 +74,11 @@ def download(repo_id: str, out_dir: str | Path, token: str | None = None) -> Pat
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repo-id", required=True, help="e.g. meta-llama/Llama-3.1-8B-Instruct, or "
-                   "a short name (llama3.1-8b, mistral-7b-v0.2, longchat-7b, smollm2-135m)")
-    p.add_argument("--out", default="checkpoints", help="parent directory (default checkpoints/)")
-    p.add_argument("--hf-token", default=os.environ.get("HF_TOKEN"))
-    a = p.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(a) -> int:
+    """Download as the parsed arguments ``a`` say; the exit status."""
     repo_id = KNOWN_CHECKPOINTS.get(a.repo_id, a.repo_id)
     try:
         path = download(repo_id, a.out, a.hf_token)
@@ -74,4 +90,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

@@ -49,18 +49,53 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from evals.data import TEXT  # (paths only: no torch)
+from flags import OneLineParser
+
+DEFAULT_TEXT = TEXT / "tinystories_valid_excerpt_30KB.txt"
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint (GGUF file, HF or converted directory, short name)")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="writes full_attention_heads.tsv and config.json here")
+    p.add_argument("--text", default=str(DEFAULT_TEXT), metavar="PATH",
+                   help="haystack: a text file or a directory of *.txt (default: TinyStories "
+                        "text, disjoint from the accuracy harness's essays)")
+    p.add_argument("--steps", type=int, default=80, help="optimizer steps (default 80)")
+    p.add_argument("--lengths", nargs=2, type=int, default=[512, 1024], metavar=("MIN", "MAX"),
+                   help="sequence lengths drawn uniformly in [MIN, MAX] (default 512 1024)")
+    p.add_argument("--sink", type=int, default=32, help="streaming sinks (default 32)")
+    p.add_argument("--recent", type=int, default=64, help="streaming recent window (64)")
+    p.add_argument("--passkeys", type=int, default=4, help="pass keys per sequence (default 4)")
+    p.add_argument("--digits", type=int, default=8, help="digits per pass key (default 8)")
+    p.add_argument("--lr", type=float, default=0.05, help="Adam's (default 0.05; paper 0.02)")
+    p.add_argument("--reg-weight", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="cpu (default) or cuda")
+    p.add_argument("--threads", type=int, help="CPU threads for torch")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from checkpoint import load_model, resolve_checkpoint
-from cli import OneLineParser, check_positive, resolve_device
-from evals.data import TEXT
+from cli import check_positive, resolve_device
 from evals.prompts import read_texts, text_files
 from model import ConfigError, Transformer, precompute_rope
 from tokenizer import load_tokenizer
-
-DEFAULT_TEXT = TEXT / "tinystories_valid_excerpt_30KB.txt"
 
 
 def streaming_mask(T: int, sink: int, recent: int, device=None) -> Tensor:
@@ -202,32 +237,6 @@ def write_pattern(out: Path, gates: Tensor, config: dict[str, Any]) -> list[Path
     return paths
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True,
-                   help="checkpoint (GGUF file, HF or converted directory, short name)")
-    p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="writes full_attention_heads.tsv and config.json here")
-    p.add_argument("--text", default=str(DEFAULT_TEXT), metavar="PATH",
-                   help="haystack: a text file or a directory of *.txt (default: TinyStories "
-                        "text, disjoint from the accuracy harness's essays)")
-    p.add_argument("--steps", type=int, default=80, help="optimizer steps (default 80)")
-    p.add_argument("--lengths", nargs=2, type=int, default=[512, 1024], metavar=("MIN", "MAX"),
-                   help="sequence lengths drawn uniformly in [MIN, MAX] (default 512 1024)")
-    p.add_argument("--sink", type=int, default=32, help="streaming sinks (default 32)")
-    p.add_argument("--recent", type=int, default=64, help="streaming recent window (64)")
-    p.add_argument("--passkeys", type=int, default=4, help="pass keys per sequence (default 4)")
-    p.add_argument("--digits", type=int, default=8, help="digits per pass key (default 8)")
-    p.add_argument("--lr", type=float, default=0.05, help="Adam's (default 0.05; paper 0.02)")
-    p.add_argument("--reg-weight", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", help="cpu (default) or cuda")
-    p.add_argument("--threads", type=int, help="CPU threads for torch")
-    p.add_argument("--no-progress", action="store_true")
-    return p
-
-
 def check_args(args: argparse.Namespace) -> None:
     check_positive(args, "steps", "recent", "passkeys", "digits", "threads")
     lo, hi = args.lengths
@@ -246,7 +255,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv), argv)
+
+
+def run(args, argv=None) -> int:
+    """Identify the heads as the parsed arguments ``args`` say; the exit status."""
     t0 = time.perf_counter()
     try:
         check_args(args)
@@ -296,4 +309,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

@@ -50,6 +50,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 from checkpoint import load_model, resolve_checkpoint

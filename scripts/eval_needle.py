@@ -35,6 +35,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
 from cli import OneLineParser, rows_exit_status
 from compression import given_options
 from evals.harness import (

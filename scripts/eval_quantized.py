@@ -40,23 +40,56 @@ Outputs: the table on stdout; ``--out DIR`` writes ``quantization[-dev].json`` /
 
 from __future__ import annotations
 
-import argparse
 import copy
 import re
 import sys
 import time
 from collections.abc import Sequence
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import CLASSIFIER_CHOICES, DTYPE_NAMES, OneLineParser
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="float checkpoint (any format)")
+    p.add_argument("--variants", nargs="+", default=["int8", "int4-g32", "int4-g64"],
+                   help="int8 and/or int4-g<G> (float is always the reference)")
+    p.add_argument("--classifier", nargs="+", choices=CLASSIFIER_CHOICES,
+                   default=list(CLASSIFIER_CHOICES),
+                   help="classifier storage(s) per variant (quantize.py --classifier)")
+    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
+    p.add_argument("--budgets", nargs="+", type=int, default=[256])
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="T (default 2048)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="m (default 32)")
+    p.add_argument("--num-prompts", type=int, default=4, help="N (default 4)")
+    p.add_argument("--limit", type=int, help="quick run: at most this many prompts")
+    p.add_argument("--split", choices=["eval", "dev"], default="eval")
+    p.add_argument("--text", nargs="+", metavar="PATH",
+                   help="texts the prompts come from (default: evals.fidelity.DEFAULT_TEXTS)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", metavar="DIR")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
 from checkpoint import load_model, resolve_checkpoint
-from cli import DTYPES, OneLineParser, check_positive, command_line, rows_exit_status
+from cli import DTYPES, check_positive, command_line, rows_exit_status
 from evals.fidelity import DEFAULT_TEXTS, run_variant, split_prompts
 from evals.harness import configurations, progress_bar
 from evals.prompts import text_files
 from evals.reports import quantization_plot, quantization_table, write_outputs
 from model import ConfigError
-from quantized import CLASSIFIER_CHOICES, GROUPSIZES, classifier_mode, quantize_model
+from quantized import GROUPSIZES, classifier_mode, quantize_model
 from tokenizer import load_tokenizer
 
 VARIANT = re.compile(r"^(int8|int4-g(\d+))$")
@@ -72,32 +105,14 @@ def parse_variant(spec: str) -> tuple[str, int | None]:
 
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="float checkpoint (any format)")
-    p.add_argument("--variants", nargs="+", default=["int8", "int4-g32", "int4-g64"],
-                   help="int8 and/or int4-g<G> (float is always the reference)")
-    p.add_argument("--classifier", nargs="+", choices=CLASSIFIER_CHOICES,
-                   default=list(CLASSIFIER_CHOICES),
-                   help="classifier storage(s) per variant (quantize.py --classifier)")
-    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
-    p.add_argument("--budgets", nargs="+", type=int, default=[256])
-    p.add_argument("--prompt-tokens", type=int, default=2048, help="T (default 2048)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="m (default 32)")
-    p.add_argument("--num-prompts", type=int, default=4, help="N (default 4)")
-    p.add_argument("--limit", type=int, help="quick run: at most this many prompts")
-    p.add_argument("--split", choices=["eval", "dev"], default="eval")
-    p.add_argument("--text", nargs="+", default=[str(t) for t in DEFAULT_TEXTS])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", metavar="DIR")
-    p.add_argument("--no-progress", action="store_true")
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv), argv)
+
+
+def run(args, argv=None) -> int:
+    """Evaluate as the parsed arguments ``args`` say; the exit status."""
+    if args.text is None:
+        args.text = [str(t) for t in DEFAULT_TEXTS]
     t0 = time.perf_counter()
     try:
         check_positive(args, "prompt_tokens", "max_new_tokens", "num_prompts", "threads",
@@ -168,4 +183,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

@@ -36,6 +36,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
 from cli import OneLineParser, rows_exit_status
 from compression import given_options
 from evals.data import ESSAYS

@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 from cli import OneLineParser, rows_exit_status

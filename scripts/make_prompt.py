@@ -36,7 +36,37 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cli import OneLineParser
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import OneLineParser
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--text", nargs="+", required=True, metavar="PATH",
+                   help="text source(s): a .txt file, a directory of .txt files (sorted), or "
+                        'a JSON file with a "text" field')
+    p.add_argument("--tokens", type=int, default=3000,
+                   help="prompt length in tokens, at most (default 3000)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="count tokens with this tokenizer (a file or checkpoint directory); "
+                        "default: estimate characters / 4")
+    p.add_argument("--depth", type=float, default=0.5,
+                   help="where the needle goes: 0 = start of the document, 1 = end (default 0.5)")
+    p.add_argument("--seed", type=int, default=0, help="draws the default needle (default 0)")
+    p.add_argument("--needle", help="your own fact sentence (with --question)")
+    p.add_argument("--question", help="your own question about it (with --needle)")
+    p.add_argument("--answer", help="the expected answer to your own question (for --answer-json)")
+    p.add_argument("--out", required=True, metavar="PATH", help="prompt text file (- for stdout)")
+    p.add_argument("--answer-json", metavar="PATH",
+                   help="write the expected answer, depth, token count and seed here")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 from evals.prompts import chars_per_4, make_prompt, read_texts
 from model import ConfigError
 from tokenizer import load_tokenizer
@@ -77,30 +107,12 @@ def write_whole(outputs: Sequence[tuple[str, str]]) -> None:
             sys.stdout.write(text)
 
 
-def build_parser() -> OneLineParser:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--text", nargs="+", required=True, metavar="PATH",
-                   help="text source(s): a .txt file, a directory of .txt files (sorted), or "
-                        'a JSON file with a "text" field')
-    p.add_argument("--tokens", type=int, default=3000,
-                   help="prompt length in tokens, at most (default 3000)")
-    p.add_argument("--tokenizer", metavar="PATH",
-                   help="count tokens with this tokenizer (a file or checkpoint directory); "
-                        "default: estimate characters / 4")
-    p.add_argument("--depth", type=float, default=0.5,
-                   help="where the needle goes: 0 = start of the document, 1 = end (default 0.5)")
-    p.add_argument("--seed", type=int, default=0, help="draws the default needle (default 0)")
-    p.add_argument("--needle", help="your own fact sentence (with --question)")
-    p.add_argument("--question", help="your own question about it (with --needle)")
-    p.add_argument("--answer", help="the expected answer to your own question (for --answer-json)")
-    p.add_argument("--out", required=True, metavar="PATH", help="prompt text file (- for stdout)")
-    p.add_argument("--answer-json", metavar="PATH",
-                   help="write the expected answer, depth, token count and seed here")
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args) -> int:
+    """Write the prompt the parsed arguments ``args`` describe; the exit status."""
     try:
         if args.tokens <= 0:
             raise ConfigError(f"--tokens must be positive, got {args.tokens}")
@@ -150,4 +162,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

@@ -22,7 +22,28 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from cli import OneLineParser
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import OneLineParser
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", help="bench.py result JSON files")
+    p.add_argument("--out", required=True, metavar="PREFIX",
+                   help="charts are written as PREFIX-a_speedup.png etc.")
+    p.add_argument("--regime", choices=["static", "dynamic", "graphs", "eager"],
+                   help="the compile regime to draw (needed when the files hold several)")
+    p.add_argument("--weights", default="float", help="weights mode of the rows (float, "
+                   "int8, int4-g128, ...)")
+    p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 from scripts.bench import plot
 from scripts.check_targets import engine_rows, load_rows, regime
 
@@ -53,16 +74,11 @@ def select(rows: list[dict], wanted: str | None, weights: str) -> tuple[list[dic
 
 
 def main(argv=None) -> int:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("results", nargs="+", help="bench.py result JSON files")
-    p.add_argument("--out", required=True, metavar="PREFIX",
-                   help="charts are written as PREFIX-a_speedup.png etc.")
-    p.add_argument("--regime", choices=["static", "dynamic", "graphs", "eager"],
-                   help="the compile regime to draw (needed when the files hold several)")
-    p.add_argument("--weights", default="float", help="weights mode of the rows (float, "
-                   "int8, int4-g128, ...)")
-    p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
-    a = p.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(a) -> int:
+    """Draw as the parsed arguments ``a`` say; the exit status."""
     try:
         rows, _ = select(load_rows(a.results), a.regime, a.weights)
         out = Path(a.out)
@@ -77,4 +93,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

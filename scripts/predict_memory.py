@@ -32,13 +32,40 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import DTYPE_NAMES, OneLineParser, deprecated_alias
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default="llama-3.1-8b", metavar="NAME",
+                   help="named config (default llama-3.1-8b)")
+    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
+    p.add_argument("--budgets", nargs="+", type=int, default=[256])
+    p.add_argument("--context", nargs="+", type=int, default=[131072 - 64])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
+    p.add_argument("--tp", nargs="+", type=int, default=[1], metavar="N",
+                   help="tensor-parallel ranks (tp.py): the figures are per rank, and the table "
+                        "says whether they fit on N H100s")
+    p.add_argument("--json", metavar="PATH", help="write the rows here")
+    deprecated_alias(p, "--model", "--checkpoint")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 import tp
-from cli import DTYPES, OneLineParser, command_line, deprecated_alias, rows_exit_status, write_json
+from cli import DTYPES, command_line, rows_exit_status, write_json
 from compression import build_caches, check_methods
 from evals.harness import configurations
 from measure import weight_bytes
@@ -206,21 +233,15 @@ def summary(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=list(CONFIGS),
-                   metavar="NAME", help="named config (default llama-3.1-8b)")
-    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
-    p.add_argument("--budgets", nargs="+", type=int, default=[256])
-    p.add_argument("--context", nargs="+", type=int, default=[131072 - 64])
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    p.add_argument("--tp", nargs="+", type=int, default=[1], metavar="N",
-                   help="tensor-parallel ranks (tp.py): the figures are per rank, and the table "
-                        "says whether they fit on N H100s")
-    p.add_argument("--json", metavar="PATH", help="write the rows here")
-    deprecated_alias(p, "--model", "--checkpoint")
-    a = p.parse_args(argv)
+    return run(build_parser().parse_args(argv), argv)
+
+
+def run(a, argv=None) -> int:
+    """Predict as the parsed arguments ``a`` say; the exit status."""
+    if a.checkpoint not in CONFIGS:  # (the parser, built before torch, lists none)
+        print(f"error: --checkpoint: unknown config {a.checkpoint!r} (choose from "
+              f"{', '.join(CONFIGS)})", file=sys.stderr)
+        return 2
     try:
         check_methods(a.methods)
         for name in ("budgets", "context"):
@@ -262,4 +283,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

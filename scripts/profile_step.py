@@ -1,7 +1,7 @@
 """Where one decode step's time goes: the kernels of the compiled decode step by GPU time.
 
     python scripts/profile_step.py --context 131008 --methods full rocketkv --budgets 256 \
-        --out results/NVIDIA-H200
+        --out results/NVIDIA-H200   # (default --out: the current directory)
 
 For each method (and budget) a random-weight model at a named shape prefills ``--context``
 tokens, decodes through ``generate()`` exactly as ``bench.py`` does (compiled, CUDA graphs on
@@ -28,15 +28,47 @@ import os
 import sys
 from pathlib import Path
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+
+from flags import DTYPE_NAMES, OneLineParser, add_kernels_option, deprecated_alias
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default="llama-3.1-8b", metavar="NAME",
+                   help="named config (random weights; default llama-3.1-8b)")
+    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
+    p.add_argument("--budgets", nargs="+", type=int, default=[256])
+    p.add_argument("--context", type=int, default=131072 - 64)
+    p.add_argument("--steps", type=int, default=5, help="decode steps recorded")
+    p.add_argument("--top", type=int, default=15, help="kernels per method in the table")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=DTYPE_NAMES)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: on for cuda)")
+    p.add_argument("--compile-regime", choices=["static", "graphs"], default="static",
+                   help="static: each configuration compiles its own graph (bench.py's "
+                   "default); graphs: no torch.compile, the eager step captured in a CUDA graph "
+                   "(CUDA only)")
+    add_kernels_option(p)
+    p.add_argument("--out", default=".", metavar="DIR",
+                   help="directory for profile-<context>.{json,md} (default: the current one)")
+    deprecated_alias(p, "--model", "--checkpoint")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
 from checkpoint import RANDOM_PREFIX, load_model
 from cli import (
-    OneLineParser,
-    add_kernels_option,
     check_json_path,
     command_line,
-    deprecated_alias,
     device_fault,
     release_device,
     row_error,
@@ -142,32 +174,19 @@ def markdown(results: list[dict], top: int, header: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=list(CONFIGS),
-                   metavar="NAME", help="named config (random weights; default llama-3.1-8b)")
-    p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
-    p.add_argument("--budgets", nargs="+", type=int, default=[256])
-    p.add_argument("--context", type=int, default=131072 - 64)
-    p.add_argument("--steps", type=int, default=5, help="decode steps recorded")
-    p.add_argument("--top", type=int, default=15, help="kernels per method in the table")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decode step (default: on for cuda)")
-    p.add_argument("--compile-regime", choices=["static", "graphs"], default="static",
-                   help="static: each configuration compiles its own graph (bench.py's "
-                   "default); graphs: no torch.compile, the eager step captured in a CUDA graph "
-                   "(CUDA only)")
-    add_kernels_option(p)
-    p.add_argument("--out", default="results", help="directory for profile-<context>.{json,md}")
-    deprecated_alias(p, "--model", "--checkpoint")
-    args = p.parse_args(argv)
+    return run(build_parser().parse_args(argv), argv)
+
+
+def run(args, argv=None) -> int:
+    """Profile as the parsed arguments ``args`` say (``argv``: the command recorded, the
+    process's own when None); the exit status."""
     try:
         device, dtype = resolve_run(args)
         if args.compile_regime == "graphs" and device.type != "cuda":
             raise ConfigError(f"--compile-regime graphs needs a CUDA device, not {device.type}")
+        if args.checkpoint not in CONFIGS:
+            raise ConfigError(f"--checkpoint: unknown config {args.checkpoint!r} (choose from "
+                              f"{', '.join(CONFIGS)})")
         check_methods(args.methods)
         for flag in ("context", "steps", "top"):
             if getattr(args, flag) <= 0:
@@ -227,4 +246,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ARGS))

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import sys
 
+import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import numpy as np
 
-from cli import OneLineParser
+from flags import OneLineParser
 
 SHAPES = ((1171, 112, 256), (2736, 12, 256), (8192, 1, 256), (8192, 1, 4096))
 SCORES = {

@@ -62,8 +62,12 @@ def test_a_row_that_cannot_fit_is_refused_before_allocating(tmp_path, monkeypatc
 
     # full: 2 x 5 layers x 4 KV heads x 8 dims x 4 B = 1280 B a token (+ one layer's prompt
     # K/V in prefill): 87 KiB at 64 + 4 tokens, 600 KiB at 400 + 4
+    import scripts.bench as bench
+
     free = 300 * 2 ** 10
     monkeypatch.setattr(measure, "available_bytes", lambda device: free)
+    # (the check before the load, float weights + the smallest row, would refuse the run)
+    monkeypatch.setattr(bench, "check_memory", lambda *a: None)
     rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64", "400",
                "--methods", "full", "--new-tokens", "4", "--out", str(tmp_path), "--no-plots",
                "--no-progress"])
@@ -310,7 +314,8 @@ def test_a_cuda_error_ends_the_sweep_with_the_rows_saved(tmp_path, monkeypatch, 
     assert rows[1]["error"] == "RuntimeError: CUDA error: an illegal memory access was " \
         "encountered"
     assert rows[2]["error"].startswith("skipped:") and "full at 64 tokens" in rows[2]["error"]
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [x for x in capsys.readouterr().err.strip().splitlines()
+           if not x.startswith("warning: ")]  # (a loaded machine's step-spread warning)
     assert len(err) == 1 and err[0].startswith("error: ") and "full at 64 tokens" in err[0]
     assert "illegal memory access" in err[0] and str(out) in err[0]
 
@@ -333,3 +338,58 @@ def test_the_error_handler_cannot_raise(monkeypatch):
     assert device_fault(RuntimeError("Triton Error [CUDA]: an illegal memory access"))
     assert not device_fault(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
     assert not device_fault(RuntimeError("Dynamo failed to run FX node"))
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch, capsys):
+    """Bare ``bench.py`` on a CPU (llama-3.1-8b's random float32 weights: 32 GB): one
+    ``error:`` line naming what it needs and what is free, exit 2, and nothing loaded."""
+    import measure
+    import scripts.bench as bench
+
+    def loaded(*_):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(measure, "available_bytes", lambda device: 16 * 2 ** 30)
+    monkeypatch.setattr(bench, "load_weights", loaded)
+    assert main(["--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    # 8.03e9 parameters x 4 bytes; 32 layers x 2 x 8 KV heads x 128 x 4 B x (16384 + 64)
+    assert len(err) == 1 and err[0].startswith("error: this run needs at least 33.9 GiB")
+    assert "float32 weights 29.9 GiB + KV cache 4.0 GiB" in err[0]
+    assert "cpu has 16.0 GiB free" in err[0]
+
+
+def test_results_go_to_the_current_directory_by_default(tmp_path, monkeypatch):
+    """No ``--out``: the JSON lands under the current directory (``./<device>/``), not the
+    repository's ``results/``; an ``--out`` that is a file is refused before the load."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64",
+                 "--methods", "full", "--time-limit", "0", "--no-progress"]) == 0
+    assert len(list((tmp_path / "cpu").glob("bench-*.json"))) == 1
+    assert not (tmp_path / "results").exists()
+    (tmp_path / "f").write_text("")
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--out", "f"]) == 2
+
+
+def test_noisy_rows_get_the_warning_of_generate(tmp_path, monkeypatch, capsys):
+    """A row whose decode steps vary 50x (p90/p10) gets the warning ``generate.py``'s report
+    gives a run as noisy, in its words, naming the row; a steady row gets none."""
+    import scripts.bench as bench
+    from generate import format_report
+
+    one, real, results = bench.run_one, bench.generate, []
+
+    def noisy(model, batch, context, *a, **kw):
+        row = one(model, batch, context, *a, **kw)
+        return {**row, "decode_ms_p10": 1.0, "decode_ms_p90": 50.0 if context == 64 else 1.5}
+
+    monkeypatch.setattr(bench, "run_one", noisy)
+    monkeypatch.setattr(bench, "generate", lambda *a, **kw: results.append(real(*a, **kw))
+                        or results[-1])
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "48", "64",
+                 "--methods", "full", "--new-tokens", "3", "--out", str(tmp_path), "--no-plots",
+                 "--no-progress"]) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning:")]
+    report = format_report(dict(results[-1], decode_ms_p10=1.0, decode_ms_p90=50.0))
+    (line,) = [x for x in report.splitlines() if x.startswith("warning:")]
+    assert err == [line.replace("warning: ", "warning: full at 64 tokens, batch 1: ")]

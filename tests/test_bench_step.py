@@ -134,3 +134,49 @@ def test_the_tuned_setting_weighs_each_configuration_alike():
     assert best == {"SPLIT_PAGES": 2048}
     assert [t["step_ms_total"] for t in totals] == [11.0, 12.5, None]
     assert [t["relative"] for t in totals][:2] == [(1.0 + 2.0) / 2, (1.2 + 1.0) / 2]
+
+
+def test_a_cuda_error_ends_the_run_with_the_rows_saved(tmp_path, monkeypatch, capsys):
+    """A sticky CUDA error (every later CUDA call raises, ``empty_cache`` included) in the 2nd
+    of 3 rows: the 1st stays as measured, the 2nd records the error, the 3rd is listed as not
+    run, exit status 1 with one stderr line naming the row (no traceback)."""
+    import torch
+
+    import scripts.bench_step as bs
+
+    one, calls = bs.run_one, []
+
+    def faulty(args, method, budget, context, *a, **kw):
+        calls.append(context)
+        if len(calls) == 2:
+            def broken(*_):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            monkeypatch.setattr(torch.cuda, "empty_cache", broken)
+            monkeypatch.setattr(torch.cuda, "synchronize", broken)
+            broken()
+        return one(args, method, budget, context, *a, **kw)
+
+    monkeypatch.setattr(bs, "run_one", faulty)
+    out = tmp_path / "step.json"
+    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "48", "64", "80",
+               "--methods", "full", "--steps", "1", "--warmup", "0", "--json", str(out)])
+    assert rc == 1 and calls == [48, 64]
+    rows = json.loads(out.read_text())
+    assert [r["context"] for r in rows] == [48, 64, 80]
+    assert "error" not in rows[0] and rows[0]["step_ms_median"] > 0
+    assert rows[1]["error"] == "RuntimeError: CUDA error: an illegal memory access was " \
+        "encountered"
+    assert rows[2]["error"].startswith("skipped:") and "full at 64 tokens" in rows[2]["error"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: full at 64 tokens: RuntimeError")
+    assert "not run: 1" in err[0] and str(out) in err[0]
+
+
+def test_rows_go_to_the_current_directory_by_default(tmp_path, monkeypatch):
+    """No ``--json``: the rows land under the current directory, not the repository's
+    ``results/``."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "48",
+                 "--methods", "full", "--steps", "1", "--warmup", "0"]) == 0
+    assert len(list((tmp_path / "cpu").glob("bench_step-*.json"))) == 1
+    assert not (tmp_path / "results").exists()
