@@ -125,8 +125,8 @@ def families(model: nn.Module) -> dict[str, list]:
     out: dict[str, list] = {"prefix": [None]}
     seen = set()
     for cache in model.caches:
-        sel = getattr(cache, "selector", None)
-        if sel is None or _describe(sel) in seen:
+        sel = getattr(cache, "selector", None)  # OmniKV's is its context rule's name
+        if not isinstance(sel, Selector) or _describe(sel) in seen:
             continue
         seen.add(_describe(sel))
         if type(sel).attend is not Selector.attend:

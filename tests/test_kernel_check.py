@@ -201,3 +201,28 @@ def test_the_check_runs_alone_and_passes_every_family_on_cpu():
     lines = p.stdout.splitlines()[1:]
     assert {line.split()[1] for line in lines} == set(kernels.FAMILIES)
     assert all(line.startswith("PASS") for line in lines), p.stdout
+
+
+def test_the_families_of_every_method_are_found_without_error():
+    """Every registered method's caches: ``families`` names the selectors that launch the
+    sparse kernels and passes over a cache whose ``selector`` is no Selector (OmniKV's is the
+    name of its context rule: ``vars()`` of that string raised TypeError in every OmniKV run
+    on CUDA, and under torchrun on CPU)."""
+    from compression import METHODS
+    from compression.selection import Selector
+
+    model = tiny_model()
+    previous = kernels.set_mode("off")  # the caches alone: nothing is checked or launched
+    try:
+        for name, method in METHODS.items():
+            g.generate(model, [t % ARGS.vocab_size for t in range(1, 200)], method=name,
+                       budget=128 if method.budgeted else None, max_new_tokens=1,
+                       compile=False)
+            found = check.families(model)
+            assert found["prefix"] == [None], name
+            selectors = [c.selector for c in model.caches
+                         if isinstance(getattr(c, "selector", None), Selector)
+                         and type(c.selector).attend is not Selector.attend]
+            assert bool(selectors) == ("sparse" in found), name
+    finally:
+        kernels.set_mode(previous)
