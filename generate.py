@@ -32,7 +32,12 @@ from kernels.fuse import fused_layers
 from measure import MemoryMeter, StepTimer, sync
 from model import ConfigError, Transformer
 from prefill import PrefilledPrompt, as_prompt, store_prefilled
-from report import SPREAD_WARN, format_report, result_record  # noqa: F401 (re-exported)
+from report import (  # noqa: F401 (SPREAD_WARN, format_report: re-exported)
+    SPREAD_WARN,
+    GenerateResult,
+    format_report,
+    result_record,
+)
 from session import (  # noqa: F401 (release_caches, rewind_conversation: re-exported)
     Session,
     prepare_caches,
@@ -133,7 +138,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
              continue_conversation: bool = False,
              prefilled: PrefilledPrompt | None = None, on_token=None,
              stop_check_every: int = 1, compile_dynamic: bool | None = None,
-             on_prefill_layer=None, cuda_graphs: bool = False) -> dict[str, Any]:
+             on_prefill_layer=None, cuda_graphs: bool = False) -> GenerateResult:
     """Prefill ``prompt``, then decode until a stop token, ``max_new_tokens`` or the context end.
 
     Args:
@@ -183,12 +188,11 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
             same, the steps run past the stop are dropped. Without ``stop_ids`` nothing is
             read back during decoding.
     Returns:
-        dict with ``token_ids`` (per sequence, stop token included), ``prefill_s``,
-        ``decode_ms`` (one entry per decode step), summary latencies, ``tokens_per_s`` (tokens
-        from decode steps over their time), ``peak_memory_bytes`` {prefill, decode, total},
-        ``kv_cache_bytes``, ``kv_bytes_per_step``, ``weight_bytes``, ``bandwidth_gbps``, the
-        method's parameters, ``conversation`` {start, position, room} (positions; room:
-        tokens a continuation may still feed) and ``kernels`` (per kernel family what ran:
+        a dict (``report.GenerateResult`` names every key) with ``token_ids`` (per sequence,
+        stop token included), ``prefill_s``, ``decode_ms`` (one entry per decode step),
+        summary latencies, ``tokens_per_s``, ``peak_memory_bytes`` {prefill, decode, total},
+        the bytes the caches and weights hold and read per step, the method's parameters,
+        ``conversation`` {start, position, room} and ``kernels`` (per kernel family what ran:
         ``kernels.report``, after the first-use self-check ``kernels.check.ensure``).
     Raises:
         ConfigError: empty prompt, prompt that leaves no room in the model's context, bad

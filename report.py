@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor
@@ -29,11 +29,61 @@ from tokenizer import Tokenizer
 SPREAD_WARN = 4.0  # p90/p10 of decode steps above which the report warns of contention
 
 
+class GenerateResult(TypedDict):
+    """``generate``'s result: a plain dict (JSON as ``--json`` writes it; callers index it and
+    add keys: the CLI's ``text``, ``checkpoint``, ``load_s``...), its keys in this order.
+    Times in seconds (``*_s``) or milliseconds (``*_ms*``), sizes in bytes (this rank's under
+    tensor parallelism)."""
+
+    method: str
+    budget: int | None
+    method_params: dict[str, Any]  # the method's derived parameters and the options given
+    batch_size: int
+    prompt_tokens: int
+    prompt_token_ids: list[list[int]]
+    token_ids: list[list[int]]  # per sequence, cut after its first stop token (kept)
+    new_tokens: int  # tokens generated (the longest sequence)
+    stop_reason: str  # eos, max_new_tokens, context_length, reserve, prefill_only, interrupted
+    conversation: dict[str, int]  # {start, position, room}: positions; room: tokens to feed
+    prefill_s: float
+    prefill_shared: bool  # the caches were built from a shared prefill (``prefilled``)
+    decode_steps: int  # timed decode steps (the warm-up left out)
+    decode_ms: list[float]  # one entry per timed decode step
+    decode_ms_median: float | None
+    decode_ms_p10: float | None
+    decode_ms_p90: float | None
+    tokens_per_s: float | None  # tokens of the timed steps (all sequences) over their time
+    tokens_per_s_per_sequence: float | None
+    peak_memory_bytes: dict[str, int]  # {prefill, decode, total (the caches' setup counted)}
+    peak_memory_kind: str  # what the meter measures (``measure.MemoryMeter.kind``)
+    kv_cache_bytes: int  # the caches' allocation
+    kv_bytes_per_step: int  # KV read per decode step
+    kv_ideal_bytes_per_step: int
+    kv_host_bytes: int  # KV held in host memory (offload)
+    offload_bytes_per_step: int
+    prompt_tokens_kept: dict[str, float]  # per layer: {min, max, mean}
+    full_kv_bytes: int  # what the full cache would hold (and read per step) for this run
+    weight_bytes: int
+    weight_bytes_per_step: int
+    weights: str  # ``measure.weights_label``
+    bandwidth_gbps: float | None  # (weights + KV read per step) / median step time
+    compile_s: float | None  # the warm-up steps (compile, graph capture)
+    warmup_steps: int
+    compiled: bool  # StepMode static or dynamic
+    device: str
+    dtype: str
+    torch_version: str
+    cuda_graphs: bool  # StepMode graphs
+    fused_kernels: bool  # the sparse kernels ran
+    dense_kernels: bool  # the dense kernels ran in at least one layer
+    kernels: dict[str, str]  # family -> "fused" or "pytorch (why)" (``kernels.report``)
+
+
 def result_record(model: Transformer, spec: dict[str, Any], prompt: Tensor,
                   run: dict[str, Any], *, stop_ids: Sequence[int], max_new_tokens: int,
                   limit_reason: str, conversation: dict[str, int], shared: bool,
                   peak_setup: int, memory_kind: str, mode: StepMode, fused: bool, dense: bool,
-                  kernels: dict[str, str]) -> dict[str, Any]:
+                  kernels: dict[str, str]) -> GenerateResult:
     """``generate``'s result (see its Returns) from ``_run``'s: tokens cut at each sequence's
     stop token, the stop reason, latency, memory (``peak_setup``: the caches' allocation,
     counted in the total) and the bytes the caches and weights hold and move; then how the

@@ -88,6 +88,7 @@ from kernels import tuning
 from measure import check_memory, check_run_memory, device_name
 from model import CONFIGS, ConfigError
 from quantized import parse_weights, quantize_model
+from step import StepMode
 
 
 def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype):
@@ -111,14 +112,11 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
     best = None
     for _ in range(args.repeats):
         opts = options_for(method, args)
-        if args.compile and args.compile_regime == "static":
+        mode = StepMode(args.compile_regime) if args.compile else StepMode.EAGER
+        if mode is StepMode.STATIC:
             torch._dynamo.reset()  # this row compiles its own static-shape graph
-        graphs = args.compile_regime == "graphs" and args.compile
         r = generate(model, prompt, method=method, budget=budget,
-                     max_new_tokens=args.new_tokens,
-                     compile=None if args.compile and not graphs else False,
-                     method_options=opts, cuda_graphs=graphs,
-                     compile_dynamic=args.compile_regime == "dynamic" or None)
+                     max_new_tokens=args.new_tokens, method_options=opts, **mode.options)
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
     step_bytes = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]
@@ -382,7 +380,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
     add_kernels_option(p)
-    p.add_argument("--compile-regime", choices=["static", "dynamic", "graphs"],
+    p.add_argument("--compile-regime", choices=[m.value for m in StepMode if m.value != "eager"],
                    default="static",
                    help="static (default): every row compiles its own static-shape graph "
                         "(compile cache reset per row); dynamic: one symbolic-shape graph per "
@@ -401,8 +399,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         device, dtype = resolve_run(args)
-        if args.compile_regime == "graphs" and device.type != "cuda":
-            raise ConfigError(f"--compile-regime graphs needs a CUDA device, not {device.type}")
+        StepMode(args.compile_regime).check_device(device, "--compile-regime graphs")
         rank, world = tp.init(device.type)  # under torchrun: one rank of the model
         if args.methods == ["all"]:
             args.methods = list(METHODS)

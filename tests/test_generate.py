@@ -515,6 +515,18 @@ def test_cli_says_once_when_max_new_tokens_exceeds_the_context(stories_dir):
     assert "generated 12 (context_length)" in p.stderr
 
 
+def test_the_result_has_the_keys_generate_result_names_in_order(stories_model):
+    """report.GenerateResult lists every key of generate's result, in the JSON's order; the
+    record is built whole (no key left None to be filled later)."""
+    from report import GenerateResult
+
+    r = generate(stories_model, [1, 2, 3, 4], max_new_tokens=3, compile=False)
+    assert list(r) == list(GenerateResult.__annotations__)
+    assert r["conversation"] == {"start": 0, "position": 6, "room": 0}  # 4 + 3 positions
+    assert r["prefill_shared"] is False and r["compiled"] is False
+    assert r["peak_memory_kind"] is not None
+
+
 def test_report_warns_when_step_times_spread(stories_model):
     from report import format_report
 
