@@ -66,7 +66,7 @@ from measure import check_memory
 from model import ConfigError
 from report import PROGRESS_TOKENS, TextStreamer, bar_step, format_report, prefill_bar
 from session import rewind_conversation
-from step import StepMode
+from step import StepMode, default_compile
 from tokenizer import Tokenizer
 
 Generate = Callable[..., dict[str, Any]]  # generate.generate
@@ -190,9 +190,7 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         apply_kernels_option(args)
-        # default: compiled on CUDA where the method's caches allow (OmniKV's --offload not)
-        compile = args.compile if args.compile is not None else \
-            (None if device.type == "cuda" else False)
+        compile = default_compile(args.compile, device)
         if args.system is not None and not args.chat:
             raise ConfigError("--system needs --chat (it is a message of the chat template)")
         if args.chat and args.prompt_tokens is not None:

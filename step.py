@@ -134,6 +134,15 @@ def compiled_decode(device: torch.device, backend: Any = None, dynamic: bool | N
     return _compiled[key]
 
 
+def default_compile(compile: bool | None, device: torch.device) -> bool | None:
+    """``generate``'s ``compile`` for a run that did not choose (``compile`` None): None (compiled
+    where the method's caches can be: OmniKV's offload cannot) on CUDA, False elsewhere (a
+    compile takes about a minute on CPU for little gain). The CLI's and the API's default."""
+    if compile is not None:
+        return compile
+    return None if device.type == "cuda" else False
+
+
 class StepMode(str, enum.Enum):
     """How the decode step runs: ``eager`` (``decode_one_token`` as is), ``static`` (compiled,
     static shapes first; a later run of other sizes recompiles once with them symbolic:

@@ -50,3 +50,14 @@ def test_the_eager_mode_runs_uncompiled():
                          "cpu", torch.float32)
     r = generate(model, [1, 2, 3], max_new_tokens=4, **StepMode.EAGER.options)
     assert r["compiled"] is False and r["cuda_graphs"] is False and r["compile_s"] is None
+
+
+def test_the_default_compiles_on_cuda_only():
+    """The CLI's and the API's default: compiled where the caches allow on CUDA, eager on CPU;
+    a choice made is kept."""
+    from step import default_compile
+
+    assert default_compile(None, torch.device("cpu")) is False
+    assert default_compile(None, torch.device("cuda")) is None
+    assert default_compile(True, torch.device("cpu")) is True
+    assert default_compile(False, torch.device("cuda")) is False
