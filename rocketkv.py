@@ -46,6 +46,7 @@ from cli import DTYPES, resolve_device
 from documents import CacheSnapshot, document_ids, prefill_summary, question_ids
 from measure import check_memory
 from model import ConfigError, Transformer
+from step import default_compile
 from tokenizer import Tokenizer
 
 __all__ = ["ConfigError", "Document", "Engine", "Result", "load"]
@@ -112,10 +113,8 @@ def load(checkpoint: str, *, device: str | torch.device | None = None,
 
 
 def _compile(model: Transformer, compile: bool | None) -> bool | None:
-    """``generate.py``'s default: compiled on CUDA where the method's caches allow."""
-    if compile is not None:
-        return compile
-    return None if model.tok_embeddings.weight.device.type == "cuda" else False
+    """``generate.py``'s default (``step.default_compile``) for the model's device."""
+    return default_compile(compile, model.tok_embeddings.weight.device)
 
 
 class Engine:

@@ -18,11 +18,8 @@ import torch
 from cli import DTYPES, apply_kernels_option, resolve_device
 from measure import device_name
 from model import ConfigError
+from step import REGIMES  # noqa: F401 (a row's compile_regime in words: step.StepMode)
 
-REGIMES = {  # a row's compile_regime, in words (check_targets' tables, profile_step's)
-    "static": "compiled, one static graph per row", "dynamic": "compiled with dynamic shapes",
-    "graphs": "a CUDA graph of the eager step (no torch.compile)", "eager": "eager, no graph",
-}
 # the default sweep: the paper's Fig. 5 (scripts/check_targets.py times a run that covers it)
 DEFAULT_METHODS = ("full", "gptfast_dense", "rocketkv")
 DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096)

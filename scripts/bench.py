@@ -151,6 +151,7 @@ from kernels import tuning
 from measure import check_memory, check_run_memory, device_name, spread_warning
 from model import CONFIGS, ConfigError
 from quantized import parse_weights, quantize_model
+from step import StepMode
 
 
 def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype):
@@ -174,14 +175,11 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
     best = None
     for _ in range(args.repeats):
         opts = options_for(method, args)
-        if args.compile and args.compile_regime == "static":
+        mode = StepMode(args.compile_regime) if args.compile else StepMode.EAGER
+        if mode is StepMode.STATIC:
             torch._dynamo.reset()  # this row compiles its own static-shape graph
-        graphs = args.compile_regime == "graphs" and args.compile
         r = generate(model, prompt, method=method, budget=budget,
-                     max_new_tokens=args.new_tokens,
-                     compile=None if args.compile and not graphs else False,
-                     method_options=opts, cuda_graphs=graphs,
-                     compile_dynamic=args.compile_regime == "dynamic" or None)
+                     max_new_tokens=args.new_tokens, method_options=opts, **mode.options)
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
     step_bytes = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]
@@ -437,8 +435,7 @@ def run(args, argv=None) -> int:
             setattr(args, name, list(default))
     try:
         device, dtype = resolve_run(args)
-        if args.compile_regime == "graphs" and device.type != "cuda":
-            raise ConfigError(f"--compile-regime graphs needs a CUDA device, not {device.type}")
+        StepMode(args.compile_regime).check_device(device, "--compile-regime graphs")
         rank, world = tp.init(device.type)  # under torchrun: one rank of the model
         if args.methods == ["all"]:
             args.methods = list(METHODS)

@@ -11,6 +11,7 @@ import torch
 from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 
 import generate as g
+import generate_cli
 import rocketkv
 from model import ConfigError, Transformer
 from tokenizer import load_tokenizer
@@ -237,7 +238,7 @@ def test_questions_errors_are_one_line_before_the_weights_load(stories_dir, tmp_
     def load(*a, **kw):
         raise AssertionError("the weights were loaded before the error")
 
-    monkeypatch.setattr(g, "load_model", load)
+    monkeypatch.setattr(generate_cli, "load_model", load)
     rc = g.main(["--checkpoint", str(stories_dir), *argv, "--questions",
                  str(tmp_path / qfile)])
     err = capsys.readouterr().err

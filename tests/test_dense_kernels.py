@@ -257,7 +257,7 @@ def decode_logits(model, method, fused, T=72, steps=2, batch=2, replay=False, **
     """Logits (steps, B, vocab) of greedy decode steps after a prefill of ``T`` random
     tokens, with every kernel (``fused``) or none: the PyTorch path; ``options`` the
     method's (``build_caches``). ``replay``: as a CUDA graph of the eager step runs it
-    (``generate.GraphStep``): the first step is traced (``make_fx``: what the step reads of
+    (``step.GraphStep``): the first step is traced (``make_fx``: what the step reads of
     Python values is frozen into the trace, as a capture freezes its kernels' arguments; a
     sync with the host fails the trace, as it fails a capture) and the later steps replay
     the trace, the token and the position tensor advanced in place."""

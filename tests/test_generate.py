@@ -260,7 +260,7 @@ def test_a_closed_stdout_ends_quietly_with_the_json_written(stories_dir, tmp_pat
 def test_prefill_progress_on_a_log_file_is_plain_lines(capsys, monkeypatch):
     """stderr not a terminal (a log file): prefill progress is plain lines, at most one per
     interval, never tqdm's carriage returns; none for a short prompt or --no-progress."""
-    import generate as g
+    import report as g
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     assert g.prefill_bar(4, g.PROGRESS_TOKENS - 1, False) is None
@@ -451,11 +451,12 @@ def test_cli_bad_input_one_clear_line(bad_inputs, stories_dir, case, argv, messa
 def test_method_and_prompt_errors_come_before_the_weights_load(bad_inputs, stories_dir, case,
                                                                 monkeypatch, capsys):
     import generate as g
+    import generate_cli
 
     def load(*a, **kw):
         raise AssertionError("the weights were loaded before the error")
 
-    monkeypatch.setattr(g, "load_model", load)
+    monkeypatch.setattr(generate_cli, "load_model", load)
     argv = next(b[1] for b in BAD if b[0] == case)
     rc = g.main([a.format(d=bad_inputs, s=stories_dir) for a in argv])
     err = capsys.readouterr().err
@@ -514,8 +515,20 @@ def test_cli_says_once_when_max_new_tokens_exceeds_the_context(stories_dir):
     assert "generated 12 (context_length)" in p.stderr
 
 
+def test_the_result_has_the_keys_generate_result_names_in_order(stories_model):
+    """report.GenerateResult lists every key of generate's result, in the JSON's order; the
+    record is built whole (no key left None to be filled later)."""
+    from report import GenerateResult
+
+    r = generate(stories_model, [1, 2, 3, 4], max_new_tokens=3, compile=False)
+    assert list(r) == list(GenerateResult.__annotations__)
+    assert r["conversation"] == {"start": 0, "position": 6, "room": 0}  # 4 + 3 positions
+    assert r["prefill_shared"] is False and r["compiled"] is False
+    assert r["peak_memory_kind"] is not None
+
+
 def test_report_warns_when_step_times_spread(stories_model):
-    from generate import format_report
+    from report import format_report
 
     r = generate(stories_model, [1, 2, 3, 4], max_new_tokens=8)
     calm = format_report(r)
@@ -608,7 +621,7 @@ def test_a_run_that_replaces_the_caches_resets_its_memory_peak_after_freeing_the
     previous row left (H200: rocketkv@256 at 128K after full reported full's 31 GiB). The
     meter is reset only once every old cache is released, and not when the caches are
     reused (their buffers are this run's)."""
-    import generate as g
+    import session as g
 
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                      intermediate_size=16, vocab_size=64, max_seq_len=256)
@@ -624,12 +637,12 @@ def test_a_run_that_replaces_the_caches_resets_its_memory_peak_after_freeing_the
     spec = {"method": "full", "budget": None, "batch_size": 1, "prompt_len": 8,
             "new_tokens": 4, "dtype": torch.float32, "device": torch.device("cpu"),
             "options": {}}
-    g._prepare_caches(model, spec, Meter())
+    g.prepare_caches(model, spec, Meter())
     old = list(model.caches)
-    g._prepare_caches(model, dict(spec, method="streamingllm", budget=8), Meter())
+    g.prepare_caches(model, dict(spec, method="streamingllm", budget=8), Meter())
     assert len(resets) == 2 and all(c is None for caches in resets for c in caches)
     assert all(a is not b for a, b in zip(old, model.caches))
-    g._prepare_caches(model, dict(spec, method="streamingllm", budget=8), Meter())  # reused
+    g.prepare_caches(model, dict(spec, method="streamingllm", budget=8), Meter())  # reused
     assert len(resets) == 2
 
 
@@ -638,7 +651,7 @@ def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(sto
     """The tqdm bar only on a terminal; elsewhere plain lines (the test above)."""
     import io
 
-    import generate as g
+    import report as g
 
     seen = []
     generate(stories_model, list(range(1, 40)), max_new_tokens=2, reserve_tokens=8,
@@ -657,7 +670,7 @@ def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(sto
     assert g.prefill_bar(5, g.PROGRESS_TOKENS - 1, disabled=False) is None
     bar = g.prefill_bar(5, 4096, disabled=False)
     for i in range(5):
-        g._bar_step(bar)(i)
+        g.bar_step(bar)(i)
     assert bar.n == 5 and "prefill 4096 tokens" in tty.getvalue()
     bar.close()
 

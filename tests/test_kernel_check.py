@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT
 
 import generate as g
+import generate_cli
 import kernels
 from kernels import check
 from model import ModelArgs, Transformer
@@ -125,9 +126,9 @@ def test_strict_mode_makes_a_fault_an_error(monkeypatch):
 @pytest.fixture
 def tiny_cli(monkeypatch):
     """generate.main on the tiny model (``--checkpoint random:tiny``)."""
-    monkeypatch.setattr(g, "resolve_checkpoint", lambda c: c)
-    monkeypatch.setattr(g, "checkpoint_args", lambda c: ARGS)
-    monkeypatch.setattr(g, "load_model", lambda *a, **k: tiny_model())
+    monkeypatch.setattr(generate_cli, "resolve_checkpoint", lambda c: c)
+    monkeypatch.setattr(generate_cli, "checkpoint_args", lambda c: ARGS)
+    monkeypatch.setattr(generate_cli, "load_model", lambda *a, **k: tiny_model())
     return ["--checkpoint", "random:tiny", "--device", "cpu", "--prompt-tokens", "24",
             "--max-new-tokens", "3", "--no-stream"]
 

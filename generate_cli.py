@@ -1,0 +1,371 @@
+"""Generate text with a (compressed) static KV cache and measure latency and memory.
+
+The command line of ``generate.py`` (``python generate.py ...`` runs ``main`` here, with
+``generate.generate`` handed in: this module imports no ``generate``, which imports it):
+
+    python generate.py --checkpoint DIR --prompt FILE [--method full] [--budget N] [--json OUT]
+    python generate.py --checkpoint model.gguf --chat --method rocketkv --budget 256 --prompt FILE
+    python generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 --max-new-tokens 64
+    python generate.py --checkpoint model.gguf --chat --prompt doc.txt --questions q.txt
+
+Parsing, the checks before the load (``checks.py``), the load, the tensor-parallel gather,
+the exit statuses (``main``), SIGTERM as Ctrl-C, and ``--questions`` (one document prefilled
+once, ``session.rewind_conversation`` before each question).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import kernels
+import tp
+from checkpoint import (
+    KNOWN_CHECKPOINTS,
+    checkpoint_args,
+    is_quantized,
+    load_model,
+    resolve_checkpoint,
+)
+from checks import (
+    NO_TOKENIZER,
+    check_document,
+    check_fit,
+    check_request,
+    checkpoint_tokenizer,
+    result_text,
+)
+from cli import (
+    DTYPES,
+    OneLineParser,
+    add_kernels_option,
+    apply_kernels_option,
+    check_json_path,
+    check_positive,
+    read_prompt,
+    resolve_device,
+    write_json,
+    write_stdout,
+)
+from compression import METHODS, add_method_options, given_options, help_epilog
+from documents import (
+    CacheSnapshot,
+    document_ids,
+    prefill_summary,
+    question_ids,
+    read_questions,
+    summary_line,
+)
+from measure import check_memory
+from model import ConfigError
+from report import PROGRESS_TOKENS, TextStreamer, bar_step, format_report, prefill_bar
+from session import rewind_conversation
+from step import StepMode, default_compile
+from tokenizer import Tokenizer
+
+Generate = Callable[..., dict[str, Any]]  # generate.generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(description=__doc__.split("\n\n")[0], epilog=help_epilog(),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory (HF layout or converted), a .gguf file, a short "
+                        f"name ({', '.join(KNOWN_CHECKPOINTS)}: a local copy in checkpoints/ or "
+                        "the Hugging Face cache), or random:NAME with NAME a named config "
+                        "(random weights at the real shapes)")
+    p.add_argument("--tokenizer", help="tokenizer.json, tokenizer.model or .gguf file "
+                   "(default: the checkpoint's)")
+    p.add_argument("--method", default="full", choices=list(METHODS), metavar="METHOD",
+                   help="KV cache method (see below; default full)")
+    p.add_argument("--budget", type=int, help="token budget: KV pairs read per decode step per "
+                   "layer per KV-head group")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="FILE", help="prompt text file, - for stdin")
+    src.add_argument("-p", "--prompt-text", metavar="TEXT", help="the prompt text itself")
+    src.add_argument("--prompt-tokens", type=int, metavar="N",
+                     help="synthetic prompt of N random token ids (efficiency runs)")
+    add_method_options(p.add_argument_group(
+        "method options (every derived parameter is printed and saved)"))
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="copies of the prompt decoded together")
+    p.add_argument("--device", default=None, help="cuda if available, else cpu")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--dtype", choices=list(DTYPES),
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: on for cuda)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="instead of compiling, capture the eager decode step in a CUDA graph "
+                        "(about a second instead of a minute's compile; unfused kernels)")
+    add_kernels_option(p)
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is the user message of the checkpoint's chat template; "
+                        "generation stops at the template's end-of-turn token")
+    p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="print the text as it is decoded (default; batch 1 with a tokenizer). "
+                        "A host sync per token: --no-stream for timing runs")
+    p.add_argument("--questions", metavar="FILE",
+                   help="questions about the --prompt document, one a line (or JSON lines "
+                        "with a \"question\" key): the document is prefilled once and each "
+                        "question answered from its cache, rewound after each answer")
+    p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no prefill progress bar (shown on stderr when it is a terminal and "
+                        f"the prompt has at least {PROGRESS_TOKENS} tokens)")
+    return p
+
+
+
+def main(generate: Generate, argv: Sequence[str] | None = None) -> int:
+    """The command line: the generated text on stdout (a ``==> sequence i <==`` header before
+    each when the batch has several), the report on stderr, ``--json`` for every figure.
+
+    Exit status: 0; 2 for bad input (one ``error:`` line, before any slow work where it can
+    be checked); 1 out of memory or an unwritable JSON; 130 after Ctrl-C and 143 after SIGTERM
+    (what was generated, the report and the JSON are kept). Under ``torchrun`` (``tp.py``)
+    only rank 0 prints and writes; a collective that fails (another rank stopped) or times
+    out ends each rank with one ``error:`` line and status 1. ``generate`` is
+    ``generate.generate`` (``generate.main`` hands it in)."""
+    args = build_parser().parse_args(argv)
+    signals: list[int] = []
+
+    def on_sigterm(signum, frame):  # what `timeout` and job schedulers send: as Ctrl-C
+        signals.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        previous = None
+    try:
+        code = _main(args, generate)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return 128 + signal.SIGTERM if signals and code == 130 else code
+
+
+def _kernel_fault(e: Exception) -> int:
+    """1, after one ``error:`` line, for a kernel's fault that escaped the self-check (a
+    failed ``--kernels on`` self-check, a Triton compile error, a CUDA error:
+    ``kernels.fault``); any other exception is raised again."""
+    reason = kernels.fault(e)
+    if reason is None:
+        raise e
+    print(f"error: {reason}" + ("" if isinstance(e, kernels.KernelCheckError) else
+                                "; --kernels off runs the PyTorch path"), file=sys.stderr)
+    return 1
+
+
+def _main(args: argparse.Namespace, generate: Generate) -> int:
+    rank, world = tp.rank(), 1  # world 1 until torchrun's process group is joined
+    try:
+        check_positive(args, "batch_size", "prompt_tokens", "threads")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        options = given_options(args)
+        check_request(args.method, args.budget, options, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        if args.temperature == 0 and (args.top_k or args.top_p is not None) and rank == 0:
+            print("note: --top-k and --top-p shape sampling; at --temperature 0 (greedy, the "
+                  "default) they change nothing", file=sys.stderr)
+        check_json_path(args.json)
+        device = resolve_device(args.device)
+        StepMode.of(False, args.cuda_graphs).check_device(device)
+        rank, world = tp.init(device.type)  # torchrun: this process is one rank of world
+        dtype = DTYPES[args.dtype] if args.dtype else (
+            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        apply_kernels_option(args)
+        compile = default_compile(args.compile, device)
+        if args.system is not None and not args.chat:
+            raise ConfigError("--system needs --chat (it is a message of the chat template)")
+        if args.chat and args.prompt_tokens is not None:
+            raise ConfigError("--chat needs a text --prompt or --prompt-text")
+        text = args.prompt_text if args.prompt_text is not None else \
+            read_prompt(args.prompt) if args.prompt is not None else None
+        if text is not None and not text.strip():
+            raise ConfigError("--prompt-text is empty")
+
+        t_load = time.perf_counter()
+        checkpoint = resolve_checkpoint(args.checkpoint)
+        margs = checkpoint_args(checkpoint)
+        tok = checkpoint_tokenizer(checkpoint, margs, args.tokenizer)
+        if tok is None and text is not None:
+            raise ConfigError(NO_TOKENIZER)
+        if args.questions is not None:  # one document, many questions: rocketkv.py
+            if world > 1:
+                raise ConfigError("--questions runs in one process, not under torchrun")
+            return _answer_questions(args, generate, checkpoint, margs, tok, text, device,
+                                     dtype, options, compile, t_load)
+        if text is not None:
+            ids = tok.encode_chat(text, system=args.system) if args.chat else tok.encode(text)
+        else:
+            gen = torch.Generator().manual_seed(args.seed)
+            ids = torch.randint(0, margs.vocab_size, (args.prompt_tokens,),
+                                generator=gen).tolist()
+        tp.check_world(margs, world)
+        # every method setting is checked here, before the weights load
+        room = check_fit(args.method, margs, len(ids), args.max_new_tokens, args.budget,
+                         options)
+        if not is_quantized(checkpoint):
+            check_memory(tp.local_args(margs, world), dtype, device, args.batch_size,
+                         len(ids) + args.max_new_tokens)
+        model = load_model(checkpoint, device, dtype, shard=(rank, world))
+        load_s = time.perf_counter() - t_load
+        if rank == 0:  # now, not after the prefill: a long prefill would hide a finished load
+            print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
+        prompt = torch.tensor([ids] * args.batch_size)
+        if room < args.max_new_tokens:
+            print(f"note: --max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the "
+                  f"model's context ({model.args.max_seq_len}) leaves after the {len(ids)}-token "
+                  "prompt; generation stops at the context end", file=sys.stderr)
+        stop_ids = () if (tok is None or args.ignore_eos) else (
+            tok.chat_stop_ids if args.chat else tok.stop_ids)
+        streamer = TextStreamer(tok, stop_ids) if (
+            tok is not None and args.batch_size == 1 and args.stream and rank == 0) else None
+        bar = prefill_bar(model.args.n_layers, len(ids), args.no_progress or rank != 0)
+        try:
+            result = generate(model, prompt, method=args.method, budget=args.budget,
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              stop_ids=stop_ids, compile=compile, method_options=options,
+                              cuda_graphs=args.cuda_graphs,
+                              on_token=streamer,
+                              on_prefill_layer=None if bar is None else bar_step(bar))
+        finally:
+            if bar is not None:
+                bar.close()
+    except ConfigError as e:
+        if rank == 0:  # every rank runs the same checks: one line, not one per rank
+            print(f"error: {e}", file=sys.stderr)
+        elif tp.launched():  # let rank 0 print before torchrun ends the ranks
+            tp.wait_for_rank_0()
+        return 2
+    except torch.OutOfMemoryError as e:  # (a RuntimeError: before that clause)
+        print(f"error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # gloo and NCCL report a peer that stopped this way
+        if world == 1:
+            return _kernel_fault(e)
+        print(f"error: rank {rank} of {world}: {tp.failure(e)}", file=sys.stderr)
+        tp.exit_now(1)  # a broken process group aborts the interpreter's exit: skip it
+    except KeyboardInterrupt:  # before decoding started: nothing generated yet
+        if rank == 0:  # torchrun signals every rank, and ends the rest once one has stopped
+            print("error: interrupted before any token was generated", file=sys.stderr)
+        return 130
+    except Exception as e:  # a Triton compile error is no RuntimeError
+        return _kernel_fault(e)
+
+    result["world_size"] = world
+    if world > 1:  # every rank's share (a collective: all ranks take part); rank 0 reports
+        shares = tp.gather({k: result[k] for k in ("kv_cache_bytes", "kv_bytes_per_step",
+                                                   "weight_bytes", "peak_memory_bytes")})
+        result["per_rank"] = shares
+        for k in ("kv_cache_bytes", "kv_bytes_per_step", "weight_bytes"):
+            result[f"{k}_all_ranks"] = sum(s[k] for s in shares)
+        tp.shutdown()
+        if rank != 0:
+            return 0
+    result["text"] = result_text(tok, result["token_ids"], stop_ids)
+    result["checkpoint"] = args.checkpoint
+    result["model"] = model.args.name
+    result["load_s"] = load_s
+    interrupted = result["stop_reason"] == "interrupted"
+    result["interrupted"] = interrupted
+    if streamer is not None:
+        streamer.finish(result["text"][0])
+    elif result["text"] is not None:
+        for i, text in enumerate(result["text"]):
+            header = f"==> sequence {i} <==\n" if len(result["text"]) > 1 else ""
+            write_stdout(f"{header}{text}\n")
+    write_stdout("")
+    print(format_report(result, load_line=False), file=sys.stderr)
+    if args.json:
+        try:
+            write_json(args.json, result)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return 130 if interrupted else 0
+
+
+def _answer_questions(args: argparse.Namespace, generate: Generate, checkpoint: str, margs,
+                      tok: Tokenizer | None, text: str | None, device: torch.device,
+                      dtype: torch.dtype, options: dict[str, Any], compile: bool | None,
+                      t_load: float) -> int:
+    """``--questions``: the document prefilled once, then per question its answer block on
+    stdout (``==> question i: ... <==``) and a line on stderr, each answered from the
+    document's cache rewound (``rewind_conversation``); the prefill paid once on stderr and
+    in ``--json`` (``document``, one record per question in ``questions``). Everything is
+    checked before the weights load."""
+    if text is None:
+        raise ConfigError("--questions needs a text document (--prompt or --prompt-text)")
+    if args.batch_size != 1:
+        raise ConfigError("--questions answers one sequence: --batch-size must be 1")
+    questions = read_questions(args.questions)
+    doc = document_ids(tok, text, args.chat, args.system)
+    asks = [question_ids(tok, q, args.chat, text, args.system) for q in questions]
+    reserve = min(max(map(len, asks)) + args.max_new_tokens - 1, margs.max_seq_len - len(doc))
+    check_document(args.method, margs, len(doc), reserve, args.budget, options)
+    if not is_quantized(checkpoint):
+        check_memory(margs, dtype, device, 1, len(doc) + reserve)
+    model = load_model(checkpoint, device, dtype)
+    load_s = time.perf_counter() - t_load
+    print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
+    bar = prefill_bar(model.args.n_layers, len(doc), args.no_progress)
+    try:
+        first = generate(model, doc, method=args.method, budget=args.budget, max_new_tokens=0,
+                         reserve_tokens=reserve, compile=compile, method_options=options,
+                         on_prefill_layer=None if bar is None else bar_step(bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    snapshot = CacheSnapshot(model.caches)
+    stop_ids = () if args.ignore_eos else (tok.chat_stop_ids if args.chat else tok.stop_ids)
+    records: list[dict[str, Any]] = []
+    for i, (question, ids) in enumerate(zip(questions, asks), 1):
+        write_stdout(f"==> question {i}: {question} <==\n")
+        streamer = TextStreamer(tok, stop_ids) if args.stream else None
+        rewind_conversation(model, len(doc), snapshot)
+        r = generate(model, ids, continue_conversation=True,
+                     max_new_tokens=min(args.max_new_tokens, reserve - len(ids) + 1),
+                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                     seed=args.seed, stop_ids=stop_ids, compile=compile, on_token=streamer)
+        r.update(question=question, text=result_text(tok, r["token_ids"], stop_ids),
+                 document_prefill_s=first["prefill_s"])
+        if streamer is not None:
+            streamer.finish(r["text"][0])
+        else:
+            write_stdout(r["text"][0] + "\n")
+        records.append(r)
+        print(f"question {i}: {r['prompt_tokens']} tokens prefilled in "
+              f"{r['prefill_s'] * 1e3:.1f} ms, {r['new_tokens']} generated ({r['stop_reason']})",
+              file=sys.stderr)
+        if r["stop_reason"] == "interrupted":
+            break
+    summary = prefill_summary(len(doc), first["prefill_s"], records)
+    print(summary_line(summary), file=sys.stderr)
+    if args.json:
+        try:
+            write_json(args.json, {"checkpoint": args.checkpoint, "model": model.args.name,
+                                   "load_s": load_s, "document": first, **summary,
+                                   "questions": records})
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return 130 if records[-1]["stop_reason"] == "interrupted" else 0
+
