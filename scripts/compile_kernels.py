@@ -31,6 +31,7 @@ import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
 import kernels
 from cli import OneLineParser, write_json
+from flags import add_config_option
 from model import CONFIGS, ModelArgs
 
 DTYPES = {"bfloat16": ("*bf16", "native"), "float16": ("*fp16", "native"),  # pointers, tl.dot
@@ -201,14 +202,13 @@ def compile_one(kernel, pointers: dict, constexprs: dict, num_warps: int, arch: 
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90)")
-    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=[
-        n for n in CONFIGS if ModelArgs.from_name(n).head_dim >= 16], metavar="NAME",
-        help="the model shape, a named config (default llama-3.1-8b)")
+    add_config_option(p, choices=[n for n in CONFIGS if ModelArgs.from_name(n).head_dim >= 16],
+                      help="the model shape, a named config (default llama-3.1-8b)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
                    help="the model's and cache's dtype (default bfloat16)")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     args = p.parse_args(argv)
-    shape = ModelArgs.from_name(args.checkpoint)
+    shape = ModelArgs.from_name(args.config)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: TRITON_INTERPRET=1 is set: the kernels would be interpreted, not "
               "compiled", file=sys.stderr)
