@@ -138,3 +138,25 @@ def test_an_old_spelling_still_runs_with_a_note(tmp_path, capsys):
     assert out.exists()
     assert notes == ["note: --tokens is deprecated; use --context",
                      "note: --out is deprecated; use --prompt-out"]
+
+
+def test_a_shape_given_as_checkpoint_still_means_the_shape(capsys, tmp_path, monkeypatch):
+    """bench.py: --config NAME, or --checkpoint weights; --checkpoint NAME of a shape (and no
+    such path) is the shape of before, with a note; neither gives the default."""
+    from flags import named_config
+
+    configs = {"stories260K": {}, "llama-3.1-8b": {}}
+    monkeypatch.chdir(tmp_path)
+
+    def ns(config=None, checkpoint=None):
+        return argparse.Namespace(config=config, checkpoint=checkpoint)
+
+    assert named_config(ns(config="stories260K"), configs, "llama-3.1-8b") == "stories260K"
+    assert named_config(ns(), configs, "llama-3.1-8b") == "llama-3.1-8b"
+    assert named_config(ns(checkpoint="random:stories260K"), configs, "llama-3.1-8b") is None
+    assert capsys.readouterr().err == ""
+    assert named_config(ns(checkpoint="stories260K"), configs, "llama-3.1-8b") == "stories260K"
+    assert capsys.readouterr().err.startswith(
+        "note: --checkpoint stories260K for a model shape is deprecated; use --config")
+    (tmp_path / "stories260K").mkdir()  # a path of that name: the weights
+    assert named_config(ns(checkpoint="stories260K"), configs, "llama-3.1-8b") is None
