@@ -108,7 +108,9 @@ def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, *,
             raise ValueError(f"a required {new} takes an alias in a OneLineParser only")
         action.required = False
         parser._required_aliased = [*getattr(parser, "_required_aliased", ()), action]
-    parser.add_argument(old, dest=action.dest, nargs=action.nargs,
+    group = next((g for g in parser._mutually_exclusive_groups if action in g._group_actions),
+                 parser)  # an option of a mutually exclusive group: the old spelling too
+    group.add_argument(old, dest=action.dest, nargs=action.nargs,
                         type=action.type if type is None else type,
                         choices=action.choices, metavar=action.metavar,
                         default=argparse.SUPPRESS, help=argparse.SUPPRESS,

@@ -160,3 +160,24 @@ def test_a_shape_given_as_checkpoint_still_means_the_shape(capsys, tmp_path, mon
         "note: --checkpoint stories260K for a model shape is deprecated; use --config")
     (tmp_path / "stories260K").mkdir()  # a path of that name: the weights
     assert named_config(ns(checkpoint="stories260K"), configs, "llama-3.1-8b") is None
+
+
+def test_an_alias_keeps_the_rules_of_its_option(capsys):
+    """An old spelling is in its option's mutually exclusive group, and gives a required
+    option (one ``note:`` line, then the usual error when neither spelling is given)."""
+    p = OneLineParser()
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt")
+    g.add_argument("--context", type=int)
+    p.add_argument("--prompt-out", required=True)
+    deprecated_alias(p, "--prompt-tokens", "--context")
+    deprecated_alias(p, "--out", "--prompt-out")
+    args = p.parse_args(["--prompt-tokens", "5", "--out", "f"])
+    assert (args.context, args.prompt_out) == (5, "f")
+    for argv in (["--prompt-tokens", "5", "--prompt", "x", "--out", "f"], ["--context", "5"]):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(argv)
+        assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "error: the following arguments are required: --prompt-out"
+    assert "error: argument --prompt: not allowed with argument --prompt-tokens" in err
