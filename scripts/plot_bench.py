@@ -46,7 +46,7 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 from scripts.bench import plot
-from scripts.check_targets import engine_rows, load_rows, regime
+from tools.check_targets import engine_rows, load_rows, regime
 
 
 def select(rows: list[dict], wanted: str | None, weights: str) -> tuple[list[dict], str]:

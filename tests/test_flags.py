@@ -10,7 +10,8 @@ from conftest import ROOT
 
 from flags import OneLineParser, add_time_limit_option, deprecated_alias, is_deprecated
 
-ENTRY_POINTS = sorted(f"scripts/{p.name}" for p in (ROOT / "scripts").glob("*.py")
+ENTRY_POINTS = sorted(f"{d}/{p.name}" for d in ("scripts", "tools")
+                      for p in (ROOT / d).glob("*.py")
                       if p.name not in ("__init__.py", "_here.py")) \
     + ["quantize.py", "kernels/check.py"]
 

@@ -533,10 +533,10 @@ def test_every_kernel_compiles_for_hopper(checkpoint, dtype, n, biased, tmp_path
     interpreter) compiles for sm_90 at every launch configuration, through triton's own
     ptxas, without a GPU, at llama-3.1-8b's shape in bfloat16 and at Qwen2.5-0.5B's in float32
     (head dim 64, query groups of 7, q/k/v biases: ``biased`` q/k/v launches); register spills
-    stay small (scripts/compile_kernels.py)."""
+    stay small (tools/compile_kernels.py)."""
     out = tmp_path / "regs.json"
-    r = compiled_triton(ROOT / "scripts" / "compile_kernels.py", "--json", str(out),
-                        "--checkpoint", checkpoint, "--dtype", dtype)
+    r = compiled_triton(ROOT / "tools" / "compile_kernels.py", "--json", str(out),
+                        "--config", checkpoint, "--dtype", dtype)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
     assert len(rows) == n and all(row["registers"] for row in rows)

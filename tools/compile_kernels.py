@@ -1,9 +1,9 @@
 """Compile every fused kernel (kernels/sparse.py, kernels/dense.py) for a GPU architecture
 without a GPU.
 
-    python scripts/compile_kernels.py                  # sm_90 (H100/H200), llama-3.1-8b, bf16
-    python scripts/compile_kernels.py --arch 100 --json /tmp/regs.json
-    python scripts/compile_kernels.py --checkpoint qwen2.5-0.5b --dtype float32
+    python tools/compile_kernels.py                  # sm_90 (H100/H200), llama-3.1-8b, bf16
+    python tools/compile_kernels.py --arch 100 --json /tmp/regs.json
+    python tools/compile_kernels.py --config qwen2.5-0.5b --dtype float32
 
 Triton's front end and the ``ptxas`` its wheel bundles turn each kernel, at the configurations
 the engine launches for a model's shape (``--checkpoint``, a named config: its head dim and
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+import _here  # noqa: F401  (this checkout's engine: tools/_here.py)
 
 import kernels
 from cli import OneLineParser, write_json
