@@ -2,10 +2,13 @@
 writes, early checks of paths and numbers, the device choice, prompt files, and the one flag
 vocabulary of the scripts.
 
-Every script names a checkpoint (or a named config) ``--checkpoint``, methods ``--methods``,
-budgets ``--budgets``, an output directory ``--out``, a single output file ``--json``, a quick
-run ``--limit`` and a quiet one ``--no-progress``. Spellings a script used before stay for one
-release as hidden aliases (``deprecated_alias``) that say which flag to use instead.
+Every script names weights ``--checkpoint``, a model shape ``--config``, prompt tokens
+``--context``, generated tokens ``--max-new-tokens``, a time limit in seconds ``--time-limit``,
+methods ``--methods``, budgets ``--budgets``, an output directory ``--out``, a single output
+file ``--json``, a quick run ``--limit`` and a quiet one ``--no-progress``; ``--device``
+defaults to cuda if available, else cpu (``flags.VOCABULARY``, docs/flags.md). Spellings a
+script used before stay for one release as hidden aliases (``deprecated_alias``) that say
+which flag to use instead.
 """
 
 from __future__ import annotations

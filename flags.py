@@ -11,6 +11,7 @@ names beside the helpers that need torch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from functools import partial
 from typing import Any
@@ -26,6 +27,17 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, then the check of required options that have a deprecated spelling
+        (``deprecated_alias``: argparse would not count the old spelling as giving them)."""
+        namespace, rest = super().parse_known_args(args, namespace)
+        missing = [a for a in getattr(self, "_required_aliased", ())
+                   if getattr(namespace, a.dest, None) is None]
+        if missing:
+            self.error("the following arguments are required: "
+                       + ", ".join(a.option_strings[0] for a in missing))
+        return namespace, rest
 
 
 def add_kernels_option(p: argparse.ArgumentParser) -> None:
@@ -44,6 +56,25 @@ def add_kernels_option(p: argparse.ArgumentParser) -> None:
                         "and selection only (sparse), or none (off)")
 
 
+# The flag vocabulary (issue 46): one spelling and one unit per concept in every entry point.
+# Old spellings stay for one release as ``deprecated_alias``es; tests/test_flags.py walks every
+# script's parser and fails on another spelling of these concepts. docs/flags.md lists them.
+VOCABULARY = {
+    "--checkpoint": "the weights: a checkpoint path (GGUF file, Hugging Face or converted "
+                    "directory, quantize.py directory), a short name of "
+                    "checkpoint.KNOWN_CHECKPOINTS, or random:CONFIG (random weights at a "
+                    "named shape): whatever checkpoint.resolve_checkpoint takes",
+    "--config": "a named model shape of model.CONFIGS (scripts that need no weights, or "
+                "random ones)",
+    "--context": "prompt length in tokens; a list where the script sweeps lengths",
+    "--max-new-tokens": "tokens generated after the prompt",
+    "--time-limit": "seconds (metavar SECONDS)",
+    "--out": "a folder the script writes its files into (metavar DIR)",
+    "--json": "one JSON file (metavar PATH)",
+    "--device": "default: cuda if available, else cpu (cli.resolve_device(None))",
+}
+
+
 class _Deprecated(argparse.Action):
     """Stores into the new flag's destination after a one-line note on stderr."""
 
@@ -56,11 +87,15 @@ class _Deprecated(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, *,
+                     type: Any = None, use: str | None = None) -> None:
     """Accept ``old`` (e.g. ``--model``) as a hidden spelling of the option ``new`` (e.g.
     ``--checkpoint``), added to ``parser`` before: the same destination, type, choices and
     number of values, left out of ``--help``; using it prints ``note: OLD is deprecated; use
-    NEW`` on stderr.
+    NEW`` on stderr. A required ``new`` may be given by either spelling (``OneLineParser``
+    checks it after parsing). ``type`` replaces the new option's argparse type for the old
+    spelling (a unit conversion: ``--time-limit-min`` gives minutes as seconds); ``use``
+    replaces NEW in the note.
 
     Raises:
         ValueError: ``parser`` has no option ``new``.
@@ -68,10 +103,93 @@ def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> Non
     action = next((a for a in parser._actions if new in a.option_strings), None)
     if action is None:
         raise ValueError(f"the parser has no option {new}")
-    parser.add_argument(old, dest=action.dest, nargs=action.nargs, type=action.type,
+    if action.required:  # given by either spelling: OneLineParser checks it after parsing
+        if not isinstance(parser, OneLineParser):
+            raise ValueError(f"a required {new} takes an alias in a OneLineParser only")
+        action.required = False
+        parser._required_aliased = [*getattr(parser, "_required_aliased", ()), action]
+    group = next((g for g in parser._mutually_exclusive_groups if action in g._group_actions),
+                 parser)  # an option of a mutually exclusive group: the old spelling too
+    group.add_argument(old, dest=action.dest, nargs=action.nargs,
+                        type=action.type if type is None else type,
                         choices=action.choices, metavar=action.metavar,
                         default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-                        action=partial(_Deprecated, use=new))
+                        action=partial(_Deprecated, use=use or new))
+
+
+def is_deprecated(action: argparse.Action) -> bool:
+    """Whether ``action`` is an old spelling added by ``deprecated_alias``."""
+    return isinstance(action, _Deprecated)
+
+
+def _minutes(text: str) -> float:
+    """``--time-limit-min`` (deprecated): minutes, stored as seconds."""
+    try:
+        return 60 * float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+
+
+class _SecondsNow(argparse.Action):
+    """``--time-limit`` of a script that took minutes before: stores the seconds and says, in
+    one ``note:`` line, that the unit changed (so old minutes are not read as seconds
+    unnoticed)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"note: {option_string} is in seconds now (it was minutes): stopping after "
+              f"{values:g} s; --time-limit-min takes minutes for one more release",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_time_limit_option(p: argparse.ArgumentParser, help: str, *,
+                          was_minutes: bool = False) -> None:
+    """``--time-limit SECONDS`` (float, default None: no limit) with ``help``.
+    ``was_minutes``: the script took minutes before (the evals harness: eval_needle.py,
+    eval_ruler.py, kept_tokens.py): every use prints a ``note:`` that the unit changed, and
+    the deprecated ``--time-limit-min MINUTES`` still takes minutes (stored as seconds)."""
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   action=_SecondsNow if was_minutes else "store", help=help)
+    if was_minutes:
+        deprecated_alias(p, "--time-limit-min", "--time-limit", type=_minutes,
+                         use="--time-limit SECONDS")
+
+
+def add_device_option(p: argparse.ArgumentParser) -> None:
+    """``--device`` (default None: cuda if available, else cpu; ``cli.resolve_device``)."""
+    p.add_argument("--device", default=None,
+                   help="cuda, cuda:N or cpu (default: cuda if available, else cpu)")
+
+
+def named_config(args: argparse.Namespace, configs: Any, default: str) -> str | None:
+    """The shape of a script that takes ``--config NAME`` or ``--checkpoint`` (weights):
+    ``args.config``; ``default`` when neither was given; None when ``--checkpoint`` names the
+    weights. ``--checkpoint NAME`` with NAME a config of ``configs`` and no such path (the
+    shape, before issue 46) still means ``--config NAME`` for one release, with a ``note:``."""
+    if args.config is not None:
+        return args.config
+    if args.checkpoint is None:
+        return default
+    if args.checkpoint in configs and not os.path.exists(args.checkpoint):
+        print(f"note: --checkpoint {args.checkpoint} for a model shape is deprecated; use "
+              f"--config {args.checkpoint} (or --checkpoint random:{args.checkpoint})",
+              file=sys.stderr)
+        return args.checkpoint
+    return None
+
+
+def add_config_option(p: argparse.ArgumentParser, default: str | None = "llama-3.1-8b", *,
+                      checkpoint_alias: bool = True, **kwargs: Any) -> None:
+    """``--config NAME``: a named model shape (``model.CONFIGS``; checked where the script
+    loads it, or by ``choices`` given in ``kwargs``). ``checkpoint_alias``: the script took the
+    shape as ``--checkpoint NAME`` (and ``--model NAME``) before: both stay as deprecated
+    spellings for one release."""
+    p.add_argument("--config", default=default, metavar="NAME",
+                   help=kwargs.pop("help", None) or
+                   f"named model shape (model.CONFIGS; default {default})", **kwargs)
+    if checkpoint_alias:
+        deprecated_alias(p, "--checkpoint", "--config")
+        deprecated_alias(p, "--model", "--config")
 
 
 def layer_list(text: str) -> list[int]:

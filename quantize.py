@@ -32,7 +32,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--mode", required=True, choices=MODES)
     p.add_argument("--groupsize", type=int, choices=GROUPSIZES,
                    help="int4 only: input features per scale/zero group")
-    p.add_argument("--out", help="output directory (new or empty; default: ./<source name>-<mode>)")
+    p.add_argument("--out", metavar="DIR",
+                   help="output directory (new or empty; default: ./<source name>-<mode>)")
     p.add_argument("--classifier", choices=CLASSIFIER_CHOICES, default="int8",
                    help="the classifier in int8 (default), in the layers' mode (same) or float")
     p.add_argument("--dtype", choices=DTYPE_NAMES,

@@ -3,7 +3,7 @@ the run's device, dtype and compile choice, the device's measured copy bandwidth
 roofline's denominator) and where a device's results go.
 
 Used by ``scripts/bench.py``, ``scripts/bench_step.py``, ``scripts/profile_step.py``,
-``scripts/check_targets.py`` (which judges a run against the default sweep) and
+``tools/check_targets.py`` (which judges a run against the default sweep) and
 ``scripts/compare_hf.py``.
 """
 
@@ -20,7 +20,7 @@ from measure import device_name
 from model import ConfigError
 from step import REGIMES  # noqa: F401 (a row's compile_regime in words: step.StepMode)
 
-# the default sweep: the paper's Fig. 5 (scripts/check_targets.py times a run that covers it)
+# the default sweep: the paper's Fig. 5 (tools/check_targets.py times a run that covers it)
 DEFAULT_METHODS = ("full", "gptfast_dense", "rocketkv")
 DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096)
 DEFAULT_CONTEXTS = (16384, 32768, 65536, 98304, 131072 - 64)

@@ -53,6 +53,7 @@ from checkpoint import load_model, resolve_checkpoint
 from cli import check_positive, resolve_device
 from compression import METHODS, add_method_options, check_methods, options_for
 from evals.data import ROOT
+from flags import add_device_option, add_time_limit_option
 from generate import generate
 from model import ConfigError, Transformer
 from prefill import extend_prefilled, prefill_once
@@ -502,7 +503,9 @@ def progress_bar(total: int, enabled: bool = True, **kwargs: Any):
 
 
 def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
-    """--checkpoint, --methods, --budgets, --out, --limit, --seed and the method options."""
+    """--checkpoint, --methods, --budgets, --out, --limit, --seed, --modes, --batch-size,
+    --time-limit (seconds), --device, --dtype, --threads, --workers and the method options
+    (flags.VOCABULARY's spellings)."""
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint (GGUF file, HF or converted directory) with a chat template")
     p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
@@ -510,7 +513,8 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
                    metavar="METHOD", help=f"default: {' '.join(DEFAULT_METHODS)}")
     p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS),
                    metavar="N", help="token budgets (default 128 256 512)")
-    p.add_argument("--out", default=default_out, help=f"output directory (default {default_out})")
+    p.add_argument("--out", default=default_out, metavar="DIR",
+                   help=f"output directory (default {default_out})")
     p.add_argument("--limit", type=int, help="quick run: at most this many prompts")
     p.add_argument("--seed", type=int, default=0, help="draws of needles, keys and values")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
@@ -520,11 +524,12 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
                         "Both share the document's prefill (default: both)")
     p.add_argument("--batch-size", type=int, default=10,
                    help="equal-length prompts decoded together (default 10)")
-    p.add_argument("--time-limit", type=float, metavar="MINUTES",
-                   help="start no batch after this many minutes of evaluation: the results "
-                        "cover the prompts finished (the JSON's 'unfinished' counts the rest) "
-                        "and the same command later runs only the rest")
-    p.add_argument("--device", help="cpu (default) or cuda")
+    add_time_limit_option(
+        p, "start no batch after this many seconds of evaluation (it was minutes: "
+           "--time-limit-min still takes minutes for one release): the results cover the "
+           "prompts finished (the JSON's 'unfinished' counts the rest) and the same command "
+           "later runs only the rest", was_minutes=True)
+    add_device_option(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default bfloat16 on cuda and on CPUs with native bfloat16 "
                         "(AMX or AVX512-BF16), float32 on other CPUs")
@@ -567,7 +572,7 @@ def load(args: argparse.Namespace):
     """(model, tokenizer, device) for the run; the tokenizer must have a chat template."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device or "cpu")
+    device = resolve_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
         args.dtype or ("bfloat16" if device.type == "cuda" or cpu_has_native_bf16()
                        else "float32")]
@@ -598,5 +603,5 @@ def resume_options(args: argparse.Namespace, task: str, model: Transformer,
     return {"partial": Path(args.out) / f"{task}.partial.jsonl",
             "run_key": [args.checkpoint, args.tokenizer, device.type, str(dtype),
                         spec["threads"] if workers > 1 else threads],  # sums' order
-            "stop": None if limit is None else lambda: time.perf_counter() - t0 > 60 * limit,
+            "stop": None if limit is None else lambda: time.perf_counter() - t0 > limit,
             "workers": workers, "load_worker": partial(_load_worker, spec)}

@@ -54,6 +54,7 @@ from evals.prompts import (
 )
 from evals.ruler import WORD_POOL
 from evals.scoring import first_value_pass
+from flags import deprecated_alias
 from model import ConfigError
 from tokenizer import Tokenizer
 
@@ -258,13 +259,15 @@ def substring_score(answer: str, item: Item) -> float:
 
 
 def add_needle_args(p: argparse.ArgumentParser) -> None:
-    """The grid's flags (after ``evals.harness.add_common_args``): --text, --lengths, --depths,
+    """The grid's flags (after ``evals.harness.add_common_args``): --text, --context, --depths,
     --needles, --split, --max-new-tokens and a fact of one's own (--needle, --question,
     --answer, --answer-prefix)."""
     p.add_argument("--text", nargs="+", default=[str(ESSAYS)],
                    help="haystack: text files, directories of *.txt or RULER's JSON")
-    p.add_argument("--lengths", nargs="+", type=int, default=list(DEFAULT_LENGTHS),
+    p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_LENGTHS),
+                   metavar="N",
                    help="context lengths in tokens (whole prompt; default 1024 2048 4096 8000)")
+    deprecated_alias(p, "--lengths", "--context")
     p.add_argument("--depths", type=int, default=10, help="depths from 0 to 1 (default 10)")
     p.add_argument("--needles", type=int, default=5, help="needles per cell (default 5)")
     p.add_argument("--split", choices=["eval", "dev"], default="eval",

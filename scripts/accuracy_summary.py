@@ -2,7 +2,7 @@
 result files merged across runs, and ``summary.json`` beside them.
 
     python scripts/accuracy_summary.py results/accuracy/qwen2.5-coder-0.5b/*/ \\
-        --out results/accuracy/qwen2.5-coder-0.5b/tables.md [--allow-mixed] [--json PATH]
+        --markdown results/accuracy/qwen2.5-coder-0.5b/tables.md [--allow-mixed] [--json PATH]
 
 Reads the JSON files of ``scripts/eval_needle.py`` and ``scripts/eval_ruler.py`` (files, or
 directories whose ``*.json`` are read; other JSON files there are skipped). Runs that evaluated
@@ -37,7 +37,7 @@ for pass/fail, sign-flip for partial credit or pooled strata). A difference is s
 where p < 0.05; otherwise the line says "no detectable difference at n = ...". The p-values
 are per comparison, not corrected for the many comparisons made.
 
-``summary.json`` (beside ``--out``, or ``--json``): ``cells`` (one per bench x task x length x
+``summary.json`` (beside ``--markdown``, or ``--json``): ``cells`` (one per bench x task x length x
 method x budget x mode, plus the pooled ones with task or length "pooled": ``n``, ``score``,
 ``ci_low``, ``ci_high`` in percent, ``interval``, ``score_substring``, ``commit``),
 ``comparisons``, ``weak`` units, the ``files`` read with their commits. Exit status 0, or 2 on
@@ -55,7 +55,7 @@ from typing import Any
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from cli import OneLineParser
+from cli import OneLineParser, deprecated_alias
 from compression import METHODS
 from evals.ruler import PASS_FAIL_TASKS, score_task
 from evals.scoring import first_value_pass
@@ -446,9 +446,10 @@ def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = Fal
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="result JSON files or directories of them")
-    p.add_argument("--out", metavar="PATH", help="write the Markdown here (default: stdout); "
-                   "summary.json goes beside it")
+    p.add_argument("--markdown", metavar="PATH", help="write the Markdown here (default: "
+                   "stdout); summary.json goes beside it")
     p.add_argument("--json", metavar="PATH", help="write the summary JSON here instead")
+    deprecated_alias(p, "--out", "--markdown")  # --out is a folder elsewhere
     p.add_argument("--allow-mixed", action="store_true",
                    help="merge files of different commits (each cell names its commits)")
     a = p.parse_args(argv)
@@ -459,10 +460,11 @@ def main(argv=None) -> int:
         return 2
     text = ("# Accuracy per prompt length\n\n`scripts/accuracy_summary.py` over "
             + ", ".join(f"`{r}`" for r in a.results) + ".\n\n" + md)
-    json_path = a.json or (str(Path(a.out).parent / "summary.json") if a.out else None)
+    json_path = a.json or (str(Path(a.markdown).parent / "summary.json") if a.markdown
+                           else None)
     try:
-        if a.out:
-            Path(a.out).write_text(text)
+        if a.markdown:
+            Path(a.markdown).write_text(text)
         else:
             print(text)
         if json_path:

@@ -1,12 +1,13 @@
 """Decode speed and memory sweep: the RocketKV paper's Fig. 5, measured against the roofline.
 
     python scripts/bench.py                       # paper defaults: llama-3.1-8b, bf16, CUDA
-    python scripts/bench.py --device cpu --checkpoint stories260K --context 128 256 \\
-        --budgets 64 --new-tokens 8               # CPU smoke run (under a minute)
+    python scripts/bench.py --device cpu --config stories260K --context 128 256 \\
+        --budgets 64 --max-new-tokens 8           # CPU smoke run (under a minute)
 
 For every (batch size, context, method, budget) the script runs ``generate.generate`` on a
-random prompt of ``context`` tokens with random weights at the model's real shapes (or a real
-checkpoint directory) and records, from the repeat with the median decode step:
+random prompt of ``context`` tokens with random weights at a model's real shapes (``--config``,
+default llama-3.1-8b) or real weights (``--checkpoint``) and records, from the repeat with the
+median decode step:
 
 * ``decode_ms_median/p10/p90``: per-step latency (CUDA events around each step on GPU,
   synchronized wall clock on CPU) after the first decode steps, which compile the step or find
@@ -67,16 +68,22 @@ import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 from flags import (
     DTYPE_NAMES,
     OneLineParser,
+    add_device_option,
     add_kernels_option,
     add_method_flags,
+    add_time_limit_option,
     deprecated_alias,
+    named_config,
 )
 
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="llama-3.1-8b",
-                   help="named config (random weights) or a checkpoint directory")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--config", metavar="NAME",
+                       help="named model shape, random weights (default llama-3.1-8b)")
+    which.add_argument("--checkpoint",
+                       help="weights instead: a checkpoint path, a short name or random:NAME")
     p.add_argument("--methods", nargs="+",
                    help="methods, or 'all'; also 'transformers' (Hugging Face transformers "
                         "with its static cache at the same shape; default: "
@@ -89,10 +96,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--weights", nargs="+", default=["float"],
                    help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="tokens decoded per run (default 64)")
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration (best kept)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
+    add_device_option(p)
     p.add_argument("--dtype", choices=DTYPE_NAMES)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
@@ -111,10 +119,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_method_flags(p.add_argument_group(
         "method options (applied to every method that takes them)"))
-    p.add_argument("--time-limit", type=float, metavar="S",
-                   help="start no configuration after S seconds (the rest are listed as "
-                        "skipped); results are saved after every configuration anyway")
+    add_time_limit_option(p, "start no configuration after this many seconds (the rest are "
+                             "listed as skipped); results are saved after every configuration "
+                             "anyway")
     deprecated_alias(p, "--model", "--checkpoint")
+    deprecated_alias(p, "--new-tokens", "--max-new-tokens")
     return p
 
 
@@ -125,7 +134,13 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 import torch
 
 import tp
-from checkpoint import RANDOM_PREFIX, checkpoint_args, is_quantized, load_model
+from checkpoint import (
+    RANDOM_PREFIX,
+    checkpoint_args,
+    is_quantized,
+    load_model,
+    resolve_checkpoint,
+)
 from cli import (
     command_line,
     device_fault,
@@ -179,7 +194,7 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         if mode is StepMode.STATIC:
             torch._dynamo.reset()  # this row compiles its own static-shape graph
         r = generate(model, prompt, method=method, budget=budget,
-                     max_new_tokens=args.new_tokens, method_options=opts, **mode.options)
+                     max_new_tokens=args.max_new_tokens, method_options=opts, **mode.options)
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
     step_bytes = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]
@@ -187,7 +202,7 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         "device": device_name(device), "torch_version": torch.__version__,
         "model": model.args.name, "dtype": best["dtype"], "method": method, "budget": budget,
         "weights": best["weights"],
-        "context": context, "batch_size": batch, "new_tokens": args.new_tokens,
+        "context": context, "batch_size": batch, "new_tokens": args.max_new_tokens,
         "decode_ms_median": best["decode_ms_median"], "decode_ms_p10": best["decode_ms_p10"],
         "decode_ms_p90": best["decode_ms_p90"], "tokens_per_s": best["tokens_per_s"],
         "prefill_s": best["prefill_s"], "compile_s": best["compile_s"],
@@ -218,10 +233,10 @@ def run_peer(model, batch: int, context: int, method: str, args, bandwidth: floa
     theirs."""
     free_weights(model, device)
     # its float weights and a full-size static cache
-    check_memory(model.args, dtype, device, batch, context + args.new_tokens)
+    check_memory(model.args, dtype, device, batch, context + args.max_new_tokens)
     best = None
     for _ in range(args.repeats):
-        r = run_transformers(model.args, batch, context, args.new_tokens, device=device,
+        r = run_transformers(model.args, batch, context, args.max_new_tokens, device=device,
                              dtype=dtype, seed=args.seed, compile=args.compile)
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
@@ -229,7 +244,7 @@ def run_peer(model, batch: int, context: int, method: str, args, bandwidth: floa
     roofline = step_bytes / (bandwidth * 1e9) * 1e3
     return {**best, "torch_version": torch.__version__, "model": model.args.name,
             "method": method, "budget": None, "context": context, "batch_size": batch,
-            "new_tokens": args.new_tokens, "bandwidth_gbps": bandwidth,
+            "new_tokens": args.max_new_tokens, "bandwidth_gbps": bandwidth,
             "achieved_gbps": step_bytes / (best["decode_ms_median"] * 1e-3) / 1e9,
             "roofline_ms": roofline, "ideal_roofline_ms": roofline,
             # transformers compiles its static-cache forward itself, whatever our regime
@@ -443,7 +458,9 @@ def run(args, argv=None) -> int:
         for name in ("budgets", "context", "batch_sizes"):
             if min(getattr(args, name)) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
-        ckpt = RANDOM_PREFIX + args.checkpoint if args.checkpoint in CONFIGS else args.checkpoint
+        args.config = named_config(args, CONFIGS, "llama-3.1-8b")
+        ckpt = RANDOM_PREFIX + args.config if args.config else \
+            resolve_checkpoint(args.checkpoint)
         if world > 1 and any(m in PEERS for m in args.methods):
             raise ConfigError("transformers rows run on one GPU: drop them under torchrun")
         args.weights = list(dict.fromkeys(args.weights))
@@ -452,7 +469,7 @@ def run(args, argv=None) -> int:
         check_out_dir(args.out)
         if not is_quantized(ckpt):  # the float weights and the smallest row's full cache
             check_memory(tp.local_args(checkpoint_args(ckpt), world), dtype, device,
-                         min(args.batch_sizes), min(args.context) + args.new_tokens)
+                         min(args.batch_sizes), min(args.context) + args.max_new_tokens)
         model = load_weights(ckpt, args.weights[0], device, dtype)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -502,7 +519,7 @@ def run(args, argv=None) -> int:
             try:
                 if method not in PEERS:  # (a peer's row checks its own memory)
                     check_run_memory(model, method, batch=batch, prompt_len=context,
-                                     new_tokens=args.new_tokens, budget=budget,
+                                     new_tokens=args.max_new_tokens, budget=budget,
                                      options=options_for(method, args))
                 row = run_peer(model, batch, context, method, args, bandwidth, device, dtype) \
                     if method in PEERS else \

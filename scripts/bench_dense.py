@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import kernels
 from cli import OneLineParser, check_json_path, command_line, write_json
 from evals.bench import measure_bandwidth, resolve_run, results_dir
+from flags import add_config_option, add_device_option
 from kernels import tuning
 from measure import device_name, percentile, sync
 from model import CONFIGS, ConfigError, ModelArgs, precompute_rope
@@ -194,8 +195,8 @@ def tuned_entries(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=list(CONFIGS),
-                   metavar="NAME", help="named config (random weights; default llama-3.1-8b)")
+    add_config_option(p, choices=list(CONFIGS),
+                      help="named model shape, random weights (default llama-3.1-8b)")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
     p.add_argument("--grid", choices=list(GRIDS), default="quick",
                    help="launch configurations tried beside the default (quick: 8, full: 72)")
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20, help="launches per CUDA graph")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int)
-    p.add_argument("--device", default=None)
+    add_device_option(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--weights", nargs="+", default=["float"],
                    help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
     dense = importlib.import_module("kernels.dense")  # imported by kernels.ops() above
 
     knobs = dense.launch_knobs
-    margs = ModelArgs.from_name(args.checkpoint)
+    margs = ModelArgs.from_name(args.config)
     bandwidth = measure_bandwidth(device)
     rows = []
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
         path = str(out_dir / f"bench_dense-{stamp}.json")
 
     meta = {"device": device_name(device), "torch_version": torch.__version__,
-            "model": args.checkpoint, "dtype": str(dtype).removeprefix("torch."),
+            "model": args.config, "dtype": str(dtype).removeprefix("torch."),
             "command": command_line("bench_dense.py", argv)}
 
     def save() -> None:  # after every shape: a run cut off keeps the rows it has

@@ -67,7 +67,14 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import DTYPE_NAMES, OneLineParser, add_method_flags, deprecated_alias
+from flags import (
+    DTYPE_NAMES,
+    OneLineParser,
+    add_config_option,
+    add_device_option,
+    add_method_flags,
+    deprecated_alias,
+)
 
 
 def parse_knob(text: str) -> tuple[str, list[int]]:
@@ -88,19 +95,20 @@ def parse_knob(text: str) -> tuple[str, list[int]]:
 def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default="llama-3.1-8b", metavar="NAME",
-                   help="named config: the shapes of the layer (default llama-3.1-8b)")
-    p.add_argument("--context", type=int, nargs="+", default=[32768], help="prompt tokens")
+    add_config_option(p, help="named model shape: the shapes of the layer (default "
+                              "llama-3.1-8b)")
+    p.add_argument("--context", type=int, nargs="+", default=[32768], metavar="N",
+                   help="prompt tokens")
     p.add_argument("--methods", nargs="+", default=["full", "exact_topk", "quest", "sparq",
                                                     "hybrid", "rocketkv"])
     p.add_argument("--budgets", type=int, nargs="+", default=[256])
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--new-tokens", type=int, default=64,
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="slots reserved for generated tokens (at least the steps run)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
+    add_device_option(p)
     p.add_argument("--dtype", choices=DTYPE_NAMES)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -120,7 +128,7 @@ def build_parser() -> OneLineParser:
                    "of these launch constants of the fused kernels (kernels.sparse's, "
                    "as listed above; where the kernels run)")
     add_method_flags(p.add_argument_group("method options"))
-    deprecated_alias(p, "--model", "--checkpoint")
+    deprecated_alias(p, "--new-tokens", "--max-new-tokens")
     deprecated_alias(p, "--out", "--json")
     return p
 
@@ -273,7 +281,7 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
     layer_args = dataclasses.replace(args, n_layers=1)
     options = options_for(method, opts)
     cache = build_caches(method, layer_args, batch_size=opts.batch_size, prompt_len=context,
-                         max_new_tokens=max(opts.new_tokens, n_steps + 2), budget=budget,
+                         max_new_tokens=max(opts.max_new_tokens, n_steps + 2), budget=budget,
                          dtype=dtype, device=device, **options)[0]
     fill_cache(cache, args, opts.batch_size, context, dtype, device, gen)
     B, H, Hkv, D = opts.batch_size, args.n_heads, args.n_kv_heads, args.head_dim
@@ -382,13 +390,13 @@ def run(opts, argv=None) -> int:
         if (why := knob_error(name, values)) is not None:
             build_parser().error(f"argument --knob: {why}")  # as argparse says it
     try:
-        if opts.checkpoint not in CONFIGS:
-            raise ConfigError(f"--checkpoint: unknown config {opts.checkpoint!r} (choose from "
+        if opts.config not in CONFIGS:
+            raise ConfigError(f"--config: unknown model shape {opts.config!r} (choose from "
                               f"{', '.join(CONFIGS)})")
         for name in ("context", "budgets"):
             if min(getattr(opts, name)) <= 0:
                 raise ConfigError(f"--{name} must be positive")
-        for name in ("steps", "batch_size", "new_tokens"):
+        for name in ("steps", "batch_size", "max_new_tokens"):
             if getattr(opts, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if opts.warmup < 0:
@@ -405,7 +413,7 @@ def run(opts, argv=None) -> int:
             if device.type != "cuda":
                 raise ConfigError(f"--cuda-graphs needs a CUDA device, not {device.type}")
             opts.compile = False
-        args = ModelArgs.from_name(opts.checkpoint)
+        args = ModelArgs.from_name(opts.config)
         if opts.split_pages:
             opts.knob.append(("SPLIT_PAGES", opts.split_pages))
         settings = knob_settings(opts.knob)

@@ -28,7 +28,7 @@ def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", metavar="GGUF",
                    help="llama- or qwen2-architecture GGUF file (required)")
-    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument("--out", metavar="DIR", required=True, help="output directory (new or empty)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                    help="dtype of the written weights (default float32: exact)")
     deprecated_alias(p, "--gguf", "--checkpoint")

@@ -21,7 +21,7 @@ from flags import DTYPE_NAMES, OneLineParser
 def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="HF directory (config.json + safetensors)")
-    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--out", metavar="DIR", required=True, help="output checkpoint directory")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="cast weights (default: keep)")
     return p
 

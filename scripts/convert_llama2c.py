@@ -27,7 +27,7 @@ def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="llama2.c .bin file")
     p.add_argument("--tokenizer", required=True, help="SentencePiece .model of the checkpoint")
-    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--out", metavar="DIR", required=True, help="output checkpoint directory")
     return p
 
 

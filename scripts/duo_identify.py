@@ -1,7 +1,7 @@
 """DuoAttention's retrieval-head identification for any model: one gate per KV head, learned.
 
     python scripts/duo_identify.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --out patterns/SmolLM2-135M-Instruct [--steps 80] [--lengths 512 1024] \\
+        --out patterns/SmolLM2-135M-Instruct [--steps 80] [--context 512 1024] \\
         [--sink 32 --recent 64] [--text FILE_OR_DIR]
 
 The optimization of the DuoAttention paper (Xiao et al. 2025, Sec. 3.2): every KV head (layer
@@ -25,14 +25,14 @@ steps, lr 0.05) let a CPU run move a gate all the way within its steps.
 
 Data: synthetic passkey retrieval (the paper's "multiple passkey" set): a haystack of ``--text``
 (default TinyStories text, not the Paul Graham essays the accuracy harness evaluates on) cut to
-a length drawn from ``--lengths``, ``--passkeys`` sentences "The pass key {i} is {digits}.
+a length drawn from ``--context``, ``--passkeys`` sentences "The pass key {i} is {digits}.
 Remember it." at random depths in [0.05, 0.95], then "What are the pass keys? The pass keys
 are" and the answer, the keys in order. Deterministic under ``--seed``.
 
 Output in ``--out``: ``full_attention_heads.tsv`` (one row per layer, one tab-separated gate per
 KV head: the format of DuoAttention's released patterns, read by ``--duo-patterns``) and
 ``config.json`` (the settings, the command line, the loss history and the time taken).
-Everything runs on CPU by default (``--device cuda`` where one exists): the paper trains at up
+It runs on CUDA where one exists, else on CPU (``--device``): the paper trains at up
 to 128K tokens on 8 GPUs; a CPU run uses short contexts, a bounded number of steps, and a
 correspondingly small streaming window.
 """
@@ -52,7 +52,7 @@ from typing import Any
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
 from evals.data import TEXT  # (paths only: no torch)
-from flags import OneLineParser
+from flags import OneLineParser, add_device_option, deprecated_alias
 
 DEFAULT_TEXT = TEXT / "tinystories_valid_excerpt_30KB.txt"
 
@@ -68,7 +68,7 @@ def build_parser() -> OneLineParser:
                    help="haystack: a text file or a directory of *.txt (default: TinyStories "
                         "text, disjoint from the accuracy harness's essays)")
     p.add_argument("--steps", type=int, default=80, help="optimizer steps (default 80)")
-    p.add_argument("--lengths", nargs=2, type=int, default=[512, 1024], metavar=("MIN", "MAX"),
+    p.add_argument("--context", nargs=2, type=int, default=[512, 1024], metavar=("MIN", "MAX"),
                    help="sequence lengths drawn uniformly in [MIN, MAX] (default 512 1024)")
     p.add_argument("--sink", type=int, default=32, help="streaming sinks (default 32)")
     p.add_argument("--recent", type=int, default=64, help="streaming recent window (64)")
@@ -77,9 +77,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--lr", type=float, default=0.05, help="Adam's (default 0.05; paper 0.02)")
     p.add_argument("--reg-weight", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", help="cpu (default) or cuda")
+    add_device_option(p)
     p.add_argument("--threads", type=int, help="CPU threads for torch")
     p.add_argument("--no-progress", action="store_true")
+    deprecated_alias(p, "--lengths", "--context")
     return p
 
 
@@ -239,9 +240,9 @@ def write_pattern(out: Path, gates: Tensor, config: dict[str, Any]) -> list[Path
 
 def check_args(args: argparse.Namespace) -> None:
     check_positive(args, "steps", "recent", "passkeys", "digits", "threads")
-    lo, hi = args.lengths
+    lo, hi = args.context
     if not 0 < lo <= hi:
-        raise ConfigError(f"--lengths needs 0 < MIN <= MAX, got {lo} {hi}")
+        raise ConfigError(f"--context needs 0 < MIN <= MAX, got {lo} {hi}")
     if args.sink < 0:
         raise ConfigError(f"--sink must not be negative, got {args.sink}")
     if args.sink + args.recent >= lo:
@@ -266,11 +267,11 @@ def run(args, argv=None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         text_files([args.text])
-        device = resolve_device(args.device or "cpu")
+        device = resolve_device(args.device)
         checkpoint = resolve_checkpoint(args.checkpoint)
         model = load_model(checkpoint, device, torch.float32)
-        if args.lengths[1] > model.args.max_seq_len:
-            raise ConfigError(f"--lengths {args.lengths[1]} exceeds the model's context "
+        if args.context[1] > model.args.max_seq_len:
+            raise ConfigError(f"--context {args.context[1]} exceeds the model's context "
                               f"({model.args.max_seq_len} tokens)")
         tok = load_tokenizer(args.tokenizer or checkpoint)
         haystack = tok.encode(" ".join(" ".join(read_texts([args.text])).split()), bos=False)
@@ -278,7 +279,7 @@ def run(args, argv=None) -> int:
         bos = [tok.bos_id] if tok.bos_id is not None else []
 
         def samples(step: int):
-            n = rng.randint(*args.lengths) - len(bos)
+            n = rng.randint(*args.context) - len(bos)
             ids, answer = passkey_sample(haystack, lambda s: tok.encode(s, bos=False), n,
                                          args.passkeys, args.digits, rng)
             return torch.tensor([bos + ids], device=device), answer
@@ -292,7 +293,7 @@ def run(args, argv=None) -> int:
     config = {"model": model.args.name, "checkpoint": args.checkpoint,
               "command": "python scripts/duo_identify.py " + shlex.join(
                   sys.argv[1:] if argv is None else list(argv)),
-              "text": args.text, "steps": args.steps, "lengths": args.lengths,
+              "text": args.text, "steps": args.steps, "lengths": args.context,
               "sink_size": args.sink, "recent_size": args.recent, "passkeys": args.passkeys,
               "digits": args.digits, "lr": args.lr, "reg_weight": args.reg_weight,
               "seed": args.seed, "initial_value": 1.0, "supervision": "distill",

@@ -4,18 +4,18 @@ selected tokens against Exact-TopK, and the bytes each method stores and reads.
 
     python scripts/eval_accuracy.py \\
         --checkpoint ../shared/data/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --prompt-tokens 2048 --budgets 128 256 512 --num-prompts 4 --out results/accuracy
-    python scripts/eval_accuracy.py --checkpoint checkpoints/stories260K --prompt-tokens 400 \\
+        --context 2048 --budgets 128 256 512 --num-prompts 4 --out results/accuracy
+    python scripts/eval_accuracy.py --checkpoint checkpoints/stories260K --context 400 \\
         --text ../shared/data/text/tinystories_*.txt --budgets 64 128 256 --json e.json
 
 Quick run: ``--limit 1`` (at most one prompt per prompt length). SmolLM2 (8K context) takes
-``--prompt-tokens`` up to 8160 with ``--max-new-tokens 32`` (several values: one table each,
+``--context`` up to 8160 with ``--max-new-tokens 32`` (several values: one table each,
 e.g. ``2048 4096``); the recorded run (``results/accuracy``) is the command above, 2048 being
-the default. stories260K (512-token context) needs ``--prompt-tokens`` <= 480 and
+the default. stories260K (512-token context) needs ``--context`` <= 480 and
 TinyStories ``--text``.
 
 Definitions (``evals/fidelity.py``'s module docstring): the prompt set (non-overlapping windows
-of the ``--text`` documents, T = ``--prompt-tokens`` prompt tokens and m = ``--max-new-tokens``
+of the ``--text`` documents, T = ``--context`` prompt tokens and m = ``--max-new-tokens``
 continuation tokens each, N = ``--num-prompts`` spread over the text under ``--seed 0``), one
 prefill per prompt shared by every (method, budget), and every number: ``match_prefix``,
 ``teacher_forced_top1``, ``perplexity``, ``kl_divergence``, ``attention_recall`` (how the
@@ -54,7 +54,7 @@ import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 from checkpoint import load_model, resolve_checkpoint
-from cli import OneLineParser, check_positive, write_json
+from cli import OneLineParser, check_positive, deprecated_alias, write_json
 from compression import METHODS
 from evals.data import (
     ESSAYS,
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N", help="token budgets (default "
                    f"{' '.join(map(str, DEFAULT_BUDGETS))})")
     p.add_argument("--max-new-tokens", type=int, default=32, help="m (default 32)")
-    p.add_argument("--prompt-tokens", nargs="+", type=int, default=list(DEFAULT_PROMPT_TOKENS),
+    p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_PROMPT_TOKENS),
                    metavar="T", help="prompt lengths T, BOS prefix included; one table each "
                    "(default 2048, for SmolLM2; stories260K needs <= 480)")
     p.add_argument("--num-prompts", type=int, default=4, help="N per prompt length (default 4)")
@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    deprecated_alias(p, "--prompt-tokens", "--context")
     return p
 
 
@@ -116,7 +117,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_positive(args, "max_new_tokens", "num_prompts", "threads", "limit")
     if args.seed < 0:
         raise ConfigError(f"--seed must not be negative, got {args.seed}")
-    for name, values in (("prompt-tokens", args.prompt_tokens), ("budgets", args.budgets)):
+    for name, values in (("context", args.context), ("budgets", args.budgets)):
         bad = [v for v in values if v <= 0]
         if bad:
             raise ConfigError(f"--{name} must be positive numbers of tokens, got {bad[0]}")
@@ -143,10 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only "
                               f"{model.args.vocab_size}")
         m = args.max_new_tokens
-        lengths = list(dict.fromkeys(args.prompt_tokens))
+        lengths = list(dict.fromkeys(args.context))
         for T in lengths:
             if T + m > model.args.max_seq_len:
-                raise ConfigError(f"--prompt-tokens {T} + --max-new-tokens {m} exceed the "
+                raise ConfigError(f"--context {T} + --max-new-tokens {m} exceed the "
                                   f"model's context ({model.args.max_seq_len} tokens)")
         n = min(args.num_prompts, args.limit or args.num_prompts)
         prompt_sets = [build_prompt_set(tok, args.text, T, m, n, args.seed) for T in lengths]

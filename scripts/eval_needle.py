@@ -2,7 +2,7 @@
 budget, one heatmap per method and budget (RocketKV paper Fig. 12).
 
     python scripts/eval_needle.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --out results/accuracy [--lengths 1024 2048 4096 8000] [--depths 10] [--needles 5] \\
+        --out results/accuracy [--context 1024 2048 4096 8000] [--depths 10] [--needles 5] \\
         [--methods ...] [--budgets 128 256 512] [--modes standard question_agnostic] \\
         [--limit N]
 
@@ -85,15 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--needle, --question and --answer go together")
         texts = read_texts(args.text)
         model, tok, device = load(args)
-        too_long = [n for n in args.lengths if n + args.max_new_tokens > model.args.max_seq_len]
+        too_long = [n for n in args.context if n + args.max_new_tokens > model.args.max_seq_len]
         if too_long:
-            raise ConfigError(f"--lengths {too_long[0]} + --max-new-tokens exceed the model's "
+            raise ConfigError(f"--context {too_long[0]} + --max-new-tokens exceed the model's "
                               f"context ({model.args.max_seq_len} tokens)")
         fact = None if args.needle is None else {
             "needle": args.needle, "question": args.question, "answer": args.answer,
             "answer_prefix": args.answer_prefix}
         depths = depth_grid(args.depths)
-        items = build_items(tok, Haystack(tok, texts), args.lengths, depths, args.needles,
+        items = build_items(tok, Haystack(tok, texts), args.context, depths, args.needles,
                             args.seed, args.split, fact, args.variant)
         if args.limit:
             items = items[:args.limit]

@@ -5,7 +5,7 @@ cache and with compressed ones (what quantized weights plus RocketKV cost togeth
     python scripts/eval_quantized.py \\
         --checkpoint ../shared/data/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --variants int8 int4-g32 int4-g64 --classifier int8 same float \\
-        --methods full rocketkv --budgets 256 --prompt-tokens 2048 --num-prompts 4 \\
+        --methods full rocketkv --budgets 256 --context 2048 --num-prompts 4 \\
         --out results/quantization
 
 Variants: ``float`` (always, the reference) and each of ``--variants`` (``int8``,
@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import CLASSIFIER_CHOICES, DTYPE_NAMES, OneLineParser
+from flags import CLASSIFIER_CHOICES, DTYPE_NAMES, OneLineParser, deprecated_alias
 
 
 def build_parser() -> OneLineParser:
@@ -61,7 +61,8 @@ def build_parser() -> OneLineParser:
                    help="classifier storage(s) per variant (quantize.py --classifier)")
     p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
     p.add_argument("--budgets", nargs="+", type=int, default=[256])
-    p.add_argument("--prompt-tokens", type=int, default=2048, help="T (default 2048)")
+    p.add_argument("--context", type=int, default=2048, metavar="T",
+                   help="prompt tokens T (default 2048)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="m (default 32)")
     p.add_argument("--num-prompts", type=int, default=4, help="N (default 4)")
     p.add_argument("--limit", type=int, help="quick run: at most this many prompts")
@@ -73,6 +74,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", metavar="DIR")
     p.add_argument("--no-progress", action="store_true")
+    deprecated_alias(p, "--prompt-tokens", "--context")
     return p
 
 
@@ -115,7 +117,7 @@ def run(args, argv=None) -> int:
         args.text = [str(t) for t in DEFAULT_TEXTS]
     t0 = time.perf_counter()
     try:
-        check_positive(args, "prompt_tokens", "max_new_tokens", "num_prompts", "threads",
+        check_positive(args, "context", "max_new_tokens", "num_prompts", "threads",
                        "limit")
         if min(args.budgets) <= 0:
             raise ConfigError("--budgets must be positive numbers of tokens")
@@ -128,9 +130,9 @@ def run(args, argv=None) -> int:
         if float_model.quantization is not None:
             raise ConfigError("--checkpoint must be a float checkpoint (this one is quantized)")
         tok = load_tokenizer(checkpoint)
-        T, m = args.prompt_tokens, args.max_new_tokens
+        T, m = args.context, args.max_new_tokens
         if T + m > float_model.args.max_seq_len:
-            raise ConfigError(f"--prompt-tokens {T} + --max-new-tokens {m} exceed the model's "
+            raise ConfigError(f"--context {T} + --max-new-tokens {m} exceed the model's "
                               f"context ({float_model.args.max_seq_len} tokens)")
         n = min(args.num_prompts, args.limit or args.num_prompts)
         prompts = split_prompts(tok, args.text, T, m, n, args.seed, args.split)

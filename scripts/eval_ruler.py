@@ -2,7 +2,7 @@
 every method and budget (RocketKV paper Tables 4-19, on tasks our code generates).
 
     python scripts/eval_ruler.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --out results/accuracy [--tasks ...] [--lengths 4096] [--samples 5] \\
+        --out results/accuracy [--tasks ...] [--context 4096] [--samples 5] \\
         [--methods ...] [--budgets 128 256 512] [--modes ...] [--limit N]
 
 Samples (``evals/ruler.py``; deterministic under ``--seed``): for every task and context
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from cli import OneLineParser, rows_exit_status
+from cli import OneLineParser, deprecated_alias, rows_exit_status
 from compression import given_options
 from evals.data import ESSAYS
 from evals.harness import (
@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(p, "results/accuracy")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS),
                    metavar="TASK", help=f"default: all ({' '.join(TASKS)})")
-    p.add_argument("--lengths", nargs="+", type=int, default=list(DEFAULT_LENGTHS),
-                   help="prompt lengths in tokens (default 4096)")
+    p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_LENGTHS),
+                   metavar="N", help="prompt lengths in tokens (default 4096)")
+    deprecated_alias(p, "--lengths", "--context")
     p.add_argument("--samples", type=int, default=5, help="samples per task and length")
     p.add_argument("--split", choices=["eval", "dev"], default="eval")
     p.add_argument("--essays", default=str(ESSAYS), help="essay haystack directory")
@@ -81,12 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not Path(args.essays).exists():
             raise ConfigError(f"essay haystack not found: {args.essays}")
         model, tok, device = load(args)
-        too_long = [n for n in args.lengths if n + 96 > model.args.max_seq_len]
+        too_long = [n for n in args.context if n + 96 > model.args.max_seq_len]
         if too_long:
-            raise ConfigError(f"--lengths {too_long[0]} + the longest answer (96 tokens) exceed "
+            raise ConfigError(f"--context {too_long[0]} + the longest answer (96 tokens) exceed "
                               f"the model's context ({model.args.max_seq_len} tokens)")
         tasks = list(dict.fromkeys(args.tasks))
-        items = build_items(tok, load_essays(args.essays), tasks, args.lengths, args.samples,
+        items = build_items(tok, load_essays(args.essays), tasks, args.context, args.samples,
                             args.seed, args.split)
         if args.limit:
             items = items[:args.limit]
@@ -103,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = report_modes(args, got, model, "ruler", {
-        "tasks": tasks, "lengths": list(args.lengths), "samples": args.samples,
+        "tasks": tasks, "lengths": list(args.context), "samples": args.samples,
         "budgets": budgets, "scoring": "boundary_f1",
         "pass_fail_tasks": [t for t in tasks if t in PASS_FAIL_TASKS],
         "items": [{k: v for k, v in it.meta.items() if k != "group"} | {"tokens": it.tokens}

@@ -80,7 +80,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-M="--checkpoint llama-3.1-8b --no-plots --out $out"
+M="--config llama-3.1-8b --no-plots --out $out"
 G="$M --compile-regime graphs"
 export TRITON_INTERPRET=0  # the kernels compiled for the GPU, never the interpreter
 step() { echo "=== $(date +%T) $*"; }

@@ -2,7 +2,7 @@
 
     python scripts/kept_tokens.py \\
         --checkpoint ../shared/data/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --methods keydiff h2o snapkv_pp streamingllm --budgets 128 256 512 --lengths 2048 \\
+        --methods keydiff h2o snapkv_pp streamingllm --budgets 128 256 512 --context 2048 \\
         --depths 5 --needles 1 --out results/accuracy/keydiff_omnikv
 
 The prompts are ``scripts/eval_needle.py``'s (``evals/needle.py``: same generator, seed and
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         texts = read_texts(args.text)
         model, tok, _ = load(args)
         depths = depth_grid(args.depths)
-        items = build_items(tok, Haystack(tok, texts), args.lengths, depths, args.needles,
+        items = build_items(tok, Haystack(tok, texts), args.context, depths, args.needles,
                             args.seed, args.split)
         if args.limit:
             items = items[:args.limit]
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = kept_table(rows)
     print(table)
     result = {"task": "kept_tokens", "checkpoint": args.checkpoint, "split": args.split,
-              "seed": args.seed, "lengths": args.lengths, "depths": depths,
+              "seed": args.seed, "lengths": args.context, "depths": depths,
               "needles": args.needles, "method_options": options, "rows": rows,
               "sinks": SINKS, "recent": RECENT, "runtime_s": time.perf_counter() - t0,
               "torch_version": torch.__version__, "threads": torch.get_num_threads()}

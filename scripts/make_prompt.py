@@ -1,8 +1,9 @@
 """Build a document-question prompt: real text with one fact ("needle") hidden in it.
 
-    python scripts/make_prompt.py --text ../shared/data/text/PaulGrahamEssays --tokens 3000 \\
-        --out prompt.txt [--tokenizer ../shared/data/models/SmolLM2-135M-Instruct.Q4_1.gguf] \\
-        [--depth 0.5] [--seed 0] [--answer-json answer.json]
+    python scripts/make_prompt.py --text ../shared/data/text/PaulGrahamEssays --context 3000 \\
+        --prompt-out prompt.txt \\
+        [--tokenizer ../shared/data/models/SmolLM2-135M-Instruct.Q4_1.gguf] [--depth 0.5] \\
+        [--seed 0] [--answer-json answer.json]
     python generate.py --checkpoint SmolLM2.gguf --chat --method rocketkv --budget 256 \\
         --prompt prompt.txt
 
@@ -10,7 +11,7 @@ The document is whole sentences of the text, in order: a ``.txt`` file, every ``
 a directory (sorted by name), or a JSON file with a ``"text"`` field (RULER's haystack); several
 ``--text`` sources are read one after the other, each ending a paragraph. Sentences are taken
 from the start until the whole prompt (document, needle, blank line, question) holds at most
-``--tokens`` tokens, so it falls short of that by less than one sentence. Tokens are counted with
+``--context`` tokens, so it falls short of that by less than one sentence. Tokens are counted with
 ``--tokenizer`` (``encode(text, bos=False)``: no BOS, no chat template) or, without one,
 estimated as characters / 4; a line on stderr says which.
 
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import OneLineParser
+from flags import OneLineParser, deprecated_alias
 
 
 def build_parser() -> OneLineParser:
@@ -46,7 +47,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("--text", nargs="+", required=True, metavar="PATH",
                    help="text source(s): a .txt file, a directory of .txt files (sorted), or "
                         'a JSON file with a "text" field')
-    p.add_argument("--tokens", type=int, default=3000,
+    p.add_argument("--context", type=int, default=3000, metavar="N",
                    help="prompt length in tokens, at most (default 3000)")
     p.add_argument("--tokenizer", metavar="PATH",
                    help="count tokens with this tokenizer (a file or checkpoint directory); "
@@ -57,9 +58,12 @@ def build_parser() -> OneLineParser:
     p.add_argument("--needle", help="your own fact sentence (with --question)")
     p.add_argument("--question", help="your own question about it (with --needle)")
     p.add_argument("--answer", help="the expected answer to your own question (for --answer-json)")
-    p.add_argument("--out", required=True, metavar="PATH", help="prompt text file (- for stdout)")
+    p.add_argument("--prompt-out", required=True, metavar="PATH",
+                   help="prompt text file (- for stdout; required)")
     p.add_argument("--answer-json", metavar="PATH",
                    help="write the expected answer, depth, token count and seed here")
+    deprecated_alias(p, "--tokens", "--context")
+    deprecated_alias(p, "--out", "--prompt-out")  # --out is a folder elsewhere
     return p
 
 
@@ -114,18 +118,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args) -> int:
     """Write the prompt the parsed arguments ``args`` describe; the exit status."""
     try:
-        if args.tokens <= 0:
-            raise ConfigError(f"--tokens must be positive, got {args.tokens}")
+        if args.context <= 0:
+            raise ConfigError(f"--context must be positive, got {args.context}")
         if not 0.0 <= args.depth <= 1.0:
             raise ConfigError(f"--depth must lie in [0, 1], got {args.depth}")
         if args.answer is not None and args.needle is None:
             raise ConfigError("--answer goes with --needle and --question")
-        _check_writable(args.out, "--out")
+        _check_writable(args.prompt_out, "--prompt-out")
         if args.answer_json:
             _check_writable(args.answer_json, "--answer-json")
             if args.answer_json != "-" and Path(args.answer_json).resolve() == \
-                    Path(args.out).resolve():
-                raise ConfigError("--out and --answer-json name the same file")
+                    Path(args.prompt_out).resolve():
+                raise ConfigError("--prompt-out and --answer-json name the same file")
         texts = read_texts(args.text)
         if args.tokenizer:
             tok = load_tokenizer(args.tokenizer)
@@ -140,11 +144,11 @@ def run(args) -> int:
             count = chars_per_4
             counter = "characters/4"
             how = "tokens estimated as characters / 4 (give --tokenizer for exact counts)"
-        prompt, info = make_prompt(texts, args.tokens, count, depth=args.depth, seed=args.seed,
+        prompt, info = make_prompt(texts, args.context, count, depth=args.depth, seed=args.seed,
                                    needle=args.needle, question=args.question,
                                    answer=args.answer)
-        info.update(token_counter=counter, sources=list(args.text), prompt_file=args.out)
-        outputs = [(args.out, prompt + "\n")]
+        info.update(token_counter=counter, sources=list(args.text), prompt_file=args.prompt_out)
+        outputs = [(args.prompt_out, prompt + "\n")]
         if args.answer_json:
             outputs.append((args.answer_json, json.dumps(info, indent=1) + "\n"))
         write_whole(outputs)
@@ -154,10 +158,10 @@ def run(args) -> int:
     print(how, file=sys.stderr)  # after the checks: a bad input gets one error line only
     if info["text_exhausted"]:
         print(f"note: the text ran out: the prompt has {info['prompt_tokens']} tokens, fewer "
-              f"than --tokens {args.tokens}", file=sys.stderr)
-    print(f"wrote {args.out}: {info['prompt_tokens']} tokens ({counter}), {info['sentences']} "
-          f"sentences, needle at depth {info['needle_depth']:.3f} (asked {args.depth:g}); "
-          f"answer: {info['answer']}", file=sys.stderr)
+              f"than --context {args.context}", file=sys.stderr)
+    print(f"wrote {args.prompt_out}: {info['prompt_tokens']} tokens ({counter}), "
+          f"{info['sentences']} sentences, needle at depth {info['needle_depth']:.3f} "
+          f"(asked {args.depth:g}); answer: {info['answer']}", file=sys.stderr)
     return 0
 
 

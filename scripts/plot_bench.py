@@ -1,7 +1,7 @@
 """Draw ``bench.py``'s charts from result files: several runs merged, one compile regime.
 
     python scripts/plot_bench.py results/NVIDIA-H100/bench-*.json --regime graphs \
-        --out results/NVIDIA-H100/grid
+        --prefix results/NVIDIA-H100/grid
 
 The paper's grid (Fig. 5) takes two GPU calls (``gpu_checklist.sh g1`` and ``g2``), each a run
 of its own, and a GPU run is made with ``--no-plots`` (the device returns at most 8 files):
@@ -10,10 +10,10 @@ this draws the charts afterwards from the committed rows. Rows are merged as
 configuration and regime; predictions never count) and kept for one compile regime
 (``--regime``; needed when the files hold several, since a compiled row and a CUDA graph of
 the eager step are two measurements), one weights mode (``--weights``, default ``float``)
-and the smallest batch. Writes ``<out>-a_speedup.png`` (decode speedup vs Full-KV and vs
-``gptfast_dense`` per budget, the paper's Fig. 5a), ``<out>-b_memory.png`` (peak-memory saving
-vs Full-KV, Fig. 5b), ``<out>-c_latency.png`` (step time and roofline) and
-``<out>-d_methods.png`` (every method at ``--compare-context``), and prints their paths. Bad
+and the smallest batch. Writes ``<prefix>-a_speedup.png`` (decode speedup vs Full-KV and vs
+``gptfast_dense`` per budget, the paper's Fig. 5a), ``<prefix>-b_memory.png`` (peak-memory saving
+vs Full-KV, Fig. 5b), ``<prefix>-c_latency.png`` (step time and roofline) and
+``<prefix>-d_methods.png`` (every method at ``--compare-context``), and prints their paths. Bad
 input (no file, no row left, an ambiguous regime) is one ``error:`` line and exit status 2.
 """
 
@@ -24,19 +24,20 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import OneLineParser
+from flags import OneLineParser, deprecated_alias
 
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="bench.py result JSON files")
-    p.add_argument("--out", required=True, metavar="PREFIX",
+    p.add_argument("--prefix", required=True, metavar="PREFIX",
                    help="charts are written as PREFIX-a_speedup.png etc.")
     p.add_argument("--regime", choices=["static", "dynamic", "graphs", "eager"],
                    help="the compile regime to draw (needed when the files hold several)")
     p.add_argument("--weights", default="float", help="weights mode of the rows (float, "
                    "int8, int4-g128, ...)")
     p.add_argument("--compare-context", type=int, default=32768, help="context of chart (d)")
+    deprecated_alias(p, "--out", "--prefix")  # --out is a folder elsewhere
     return p
 
 
@@ -45,7 +46,7 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 from scripts.bench import plot
-from scripts.check_targets import engine_rows, load_rows, regime
+from tools.check_targets import engine_rows, load_rows, regime
 
 
 def select(rows: list[dict], wanted: str | None, weights: str) -> tuple[list[dict], str]:
@@ -81,7 +82,7 @@ def run(a) -> int:
     """Draw as the parsed arguments ``a`` say; the exit status."""
     try:
         rows, _ = select(load_rows(a.results), a.regime, a.weights)
-        out = Path(a.out)
+        out = Path(a.prefix)
         if not out.parent.is_dir():
             raise ValueError(f"no directory {out.parent} for the charts")
     except ValueError as e:

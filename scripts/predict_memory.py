@@ -1,7 +1,7 @@
 """Predict the peak device memory of a run without a GPU: the model on the meta device.
 
     python scripts/predict_memory.py       # llama-3.1-8b bf16, 128K: full vs rocketkv at 256
-    python scripts/predict_memory.py --checkpoint mistral-7b-v0.2 --context 32704 \\
+    python scripts/predict_memory.py --config mistral-7b-v0.2 --context 32704 \\
         --methods full snapkv_pp --budgets 256 1024 --json out.json
 
 Meta tensors carry shapes and dtypes but no data, so the real model code (``Transformer.prefill``
@@ -34,24 +34,23 @@ from typing import Any
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import DTYPE_NAMES, OneLineParser, deprecated_alias
+from flags import DTYPE_NAMES, OneLineParser, add_config_option, deprecated_alias
 
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="llama-3.1-8b", metavar="NAME",
-                   help="named config (default llama-3.1-8b)")
+    add_config_option(p)
     p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
     p.add_argument("--budgets", nargs="+", type=int, default=[256])
-    p.add_argument("--context", nargs="+", type=int, default=[131072 - 64])
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--context", nargs="+", type=int, default=[131072 - 64], metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
     p.add_argument("--tp", nargs="+", type=int, default=[1], metavar="N",
                    help="tensor-parallel ranks (tp.py): the figures are per rank, and the table "
                         "says whether they fit on N H100s")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
-    deprecated_alias(p, "--model", "--checkpoint")
+    deprecated_alias(p, "--new-tokens", "--max-new-tokens")
     return p
 
 
@@ -238,8 +237,8 @@ def main(argv=None) -> int:
 
 def run(a, argv=None) -> int:
     """Predict as the parsed arguments ``a`` say; the exit status."""
-    if a.checkpoint not in CONFIGS:  # (the parser, built before torch, lists none)
-        print(f"error: --checkpoint: unknown config {a.checkpoint!r} (choose from "
+    if a.config not in CONFIGS:  # (the parser, built before torch, lists none)
+        print(f"error: --config: unknown model shape {a.config!r} (choose from "
               f"{', '.join(CONFIGS)})", file=sys.stderr)
         return 2
     try:
@@ -247,11 +246,11 @@ def run(a, argv=None) -> int:
         for name in ("budgets", "context"):
             if min(getattr(a, name)) <= 0:
                 raise ConfigError(f"--{name} must be positive")
-        if a.new_tokens <= 0 or a.batch_size <= 0:
-            raise ConfigError("--new-tokens and --batch-size must be positive")
+        if a.max_new_tokens <= 0 or a.batch_size <= 0:
+            raise ConfigError("--max-new-tokens and --batch-size must be positive")
         if a.json and not Path(a.json).resolve().parent.is_dir():
             raise ConfigError(f"--json: directory {Path(a.json).resolve().parent} does not exist")
-        args = ModelArgs.from_name(a.checkpoint)
+        args = ModelArgs.from_name(a.config)
         for n in a.tp:
             if n <= 0:
                 raise ConfigError("--tp must be positive")
@@ -264,7 +263,7 @@ def run(a, argv=None) -> int:
         for context in a.context:
             for method, budget in configurations(a.methods, a.budgets):
                 try:
-                    rows.append(predict(args, method, budget, context, a.new_tokens,
+                    rows.append(predict(args, method, budget, context, a.max_new_tokens,
                                         a.batch_size, DTYPES[a.dtype], world=world))
                 except ConfigError as e:
                     rows.append({"device": "meta", "predicted": True, "model": args.name,

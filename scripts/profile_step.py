@@ -30,21 +30,27 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import DTYPE_NAMES, OneLineParser, add_kernels_option, deprecated_alias
+from flags import (
+    DTYPE_NAMES,
+    OneLineParser,
+    add_config_option,
+    add_device_option,
+    add_kernels_option,
+)
 
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="llama-3.1-8b", metavar="NAME",
-                   help="named config (random weights; default llama-3.1-8b)")
+    add_config_option(p, help="named model shape, random weights (default llama-3.1-8b)")
     p.add_argument("--methods", nargs="+", default=["full", "rocketkv"])
     p.add_argument("--budgets", nargs="+", type=int, default=[256])
-    p.add_argument("--context", type=int, default=131072 - 64)
+    p.add_argument("--context", type=int, default=131072 - 64, metavar="N",
+                   help="prompt tokens (default 131008)")
     p.add_argument("--steps", type=int, default=5, help="decode steps recorded")
     p.add_argument("--top", type=int, default=15, help="kernels per method in the table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int)
-    p.add_argument("--device", default=None)
+    add_device_option(p)
     p.add_argument("--dtype", choices=DTYPE_NAMES)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
@@ -55,7 +61,6 @@ def build_parser() -> OneLineParser:
     add_kernels_option(p)
     p.add_argument("--out", default=".", metavar="DIR",
                    help="directory for profile-<context>.{json,md} (default: the current one)")
-    deprecated_alias(p, "--model", "--checkpoint")
     return p
 
 
@@ -184,8 +189,8 @@ def run(args, argv=None) -> int:
         device, dtype = resolve_run(args)
         if args.compile_regime == "graphs" and device.type != "cuda":
             raise ConfigError(f"--compile-regime graphs needs a CUDA device, not {device.type}")
-        if args.checkpoint not in CONFIGS:
-            raise ConfigError(f"--checkpoint: unknown config {args.checkpoint!r} (choose from "
+        if args.config not in CONFIGS:
+            raise ConfigError(f"--config: unknown model shape {args.config!r} (choose from "
                               f"{', '.join(CONFIGS)})")
         check_methods(args.methods)
         for flag in ("context", "steps", "top"):
@@ -197,13 +202,13 @@ def run(args, argv=None) -> int:
         except OSError as e:
             raise ConfigError(f"--out {out}: {e.strerror or e}") from None
         check_json_path(str(out / f"profile-{args.context}.json"), "--out")
-        model = load_model(RANDOM_PREFIX + args.checkpoint, device, dtype)
+        model = load_model(RANDOM_PREFIX + args.config, device, dtype)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     command = command_line("profile_step.py", argv)
     meta = {"device": device_name(device), "torch_version": torch.__version__,
-            "model": args.checkpoint, "dtype": str(dtype).removeprefix("torch."),
+            "model": args.config, "dtype": str(dtype).removeprefix("torch."),
             "command": command}
     header = (f"Kernels of one decode step by time, {meta['device']}, torch "
               f"{meta['torch_version']}, {meta['model']} random weights, {meta['dtype']}, batch 1, "

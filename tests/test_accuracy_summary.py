@@ -31,7 +31,7 @@ def _run(tmp_path, *results, capsys, flags=(), status=0):
     paths = [_write(tmp_path / f"r{i}.json", r) for i, r in enumerate(results)]
     out = tmp_path / "out" / "tables.md"
     out.parent.mkdir(exist_ok=True)
-    assert main([*paths, "--out", str(out), *flags]) == status
+    assert main([*paths, "--markdown", str(out), *flags]) == status
     if status:
         return capsys.readouterr().err, None
     return out.read_text(), json.loads((out.parent / "summary.json").read_text())

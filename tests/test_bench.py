@@ -18,8 +18,8 @@ KEYS = ("device", "torch_version", "model", "dtype", "method", "budget", "contex
 
 
 def test_cpu_sweep(tmp_path, capsys):
-    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "96", "160",
-               "--budgets", "48", "96", "--new-tokens", "6", "--batch-sizes", "1", "2",
+    rc = main(["--device", "cpu", "--config", "stories260K", "--context", "96", "160",
+               "--budgets", "48", "96", "--max-new-tokens", "6", "--batch-sizes", "1", "2",
                "--methods", "full", "gptfast_dense", "rocketkv", "snapkv",
                "--out", str(tmp_path), "--compare-context", "160"])
     assert rc == 1  # the snapkv rows below its smallest budget failed; the rest are written
@@ -68,8 +68,8 @@ def test_a_row_that_cannot_fit_is_refused_before_allocating(tmp_path, monkeypatc
     monkeypatch.setattr(measure, "available_bytes", lambda device: free)
     # (the check before the load, float weights + the smallest row, would refuse the run)
     monkeypatch.setattr(bench, "check_memory", lambda *a: None)
-    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64", "400",
-               "--methods", "full", "--new-tokens", "4", "--out", str(tmp_path), "--no-plots",
+    rc = main(["--device", "cpu", "--config", "stories260K", "--context", "64", "400",
+               "--methods", "full", "--max-new-tokens", "4", "--out", str(tmp_path), "--no-plots",
                "--no-progress"])
     (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
     rows = {r["context"]: r for r in json.loads(out.read_text())}
@@ -79,8 +79,8 @@ def test_a_row_that_cannot_fit_is_refused_before_allocating(tmp_path, monkeypatc
 
 
 def test_time_limit_skips_the_rest_and_saves(tmp_path):
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "96",
-                 "--methods", "full", "rocketkv", "--budgets", "48", "--new-tokens", "4",
+    assert main(["--device", "cpu", "--config", "stories260K", "--context", "96",
+                 "--methods", "full", "rocketkv", "--budgets", "48", "--max-new-tokens", "4",
                  "--time-limit", "0", "--out", str(tmp_path)]) == 0
     (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
     rows = json.loads(out.read_text())
@@ -91,8 +91,8 @@ def test_time_limit_skips_the_rest_and_saves(tmp_path):
 def test_weight_modes_in_one_run(tmp_path, capsys):
     """--weights float int8: every configuration once per mode, rows labelled, the int8 rows
     reading a quarter of the float32 linear weights per step, and chart (e) drawn."""
-    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "96",
-               "--methods", "full", "rocketkv", "--budgets", "48", "--new-tokens", "4",
+    rc = main(["--device", "cpu", "--config", "stories260K", "--context", "96",
+               "--methods", "full", "rocketkv", "--budgets", "48", "--max-new-tokens", "4",
                "--weights", "float", "int8", "--out", str(tmp_path)])
     assert rc == 0
     (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
@@ -103,9 +103,9 @@ def test_weight_modes_in_one_run(tmp_path, capsys):
     assert rows[2]["weight_bytes_per_step"] < rows[0]["weight_bytes_per_step"] / 2
     assert len(list((tmp_path / "cpu").glob("bench-*e_weights.png"))) == 1
     assert "| int8 | 1 | 96 | rocketkv | 48 |" in capsys.readouterr().out
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--weights", "int4-g32"]) == 2
+    assert main(["--device", "cpu", "--config", "stories260K", "--weights", "int4-g32"]) == 2
     assert "does not divide the input width 172" in capsys.readouterr().err
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--weights", "int5"]) == 2
+    assert main(["--device", "cpu", "--config", "stories260K", "--weights", "int5"]) == 2
 
 
 def test_context_labels_and_threads(capsys):
@@ -113,7 +113,7 @@ def test_context_labels_and_threads(capsys):
 
     assert [context_label(c) for c in (512, 1536, 16384, 32768, 131008, 131072)] == \
         ["512", "1.5K", "16K", "32K", "128K", "128K"]
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--threads", "0"]) == 2
+    assert main(["--device", "cpu", "--config", "stories260K", "--threads", "0"]) == 2
     assert "--threads must be positive" in capsys.readouterr().err
 
 
@@ -140,8 +140,8 @@ def test_one_compile_regime_per_sweep(tmp_path, monkeypatch):
         counter.clear()
         asked.clear()
         out = tmp_path / regime
-        assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "160", "256",
-                     "--methods", "streamingllm", "--budgets", "32", "--new-tokens", "5",
+        assert main(["--device", "cpu", "--config", "stories260K", "--context", "160", "256",
+                     "--methods", "streamingllm", "--budgets", "32", "--max-new-tokens", "5",
                      "--compile", "--compile-regime", regime, "--out", str(out),
                      "--no-plots"]) == 0
         rows = json.loads(next((out / "cpu").glob("bench-*.json")).read_text())
@@ -187,8 +187,8 @@ def test_transformers_peer_rows_beside_ours(tmp_path):
     static cache, in the same run, with the fields of our rows and its version; its static
     cache holds context + new tokens for every layer. The peer's rows come after all of
     ours, whatever the order asked (our weights are freed for them)."""
-    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64", "48",
-               "--methods", "transformers", "full", "--new-tokens", "6", "--out", str(tmp_path),
+    rc = main(["--device", "cpu", "--config", "stories260K", "--context", "64", "48",
+               "--methods", "transformers", "full", "--max-new-tokens", "6", "--out", str(tmp_path),
                "--no-plots", "--no-progress"])
     assert rc == 0
     (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
@@ -270,9 +270,9 @@ def test_a_row_that_fails_is_its_error_and_the_run_goes_on(tmp_path, monkeypatch
         return one(model, batch, context, method, *a, **kw)
 
     monkeypatch.setattr(bench, "run_one", ours)
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64",
+    assert main(["--device", "cpu", "--config", "stories260K", "--context", "64",
                  "--methods", "snapkv", "full", "transformers", "--budgets", "70",
-                 "--new-tokens", "6", "--out", str(tmp_path), "--no-plots",
+                 "--max-new-tokens", "6", "--out", str(tmp_path), "--no-plots",
                  "--no-progress"]) == 1
     (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
     rows = {r["method"]: r for r in json.loads(out.read_text())}
@@ -303,8 +303,8 @@ def test_a_cuda_error_ends_the_sweep_with_the_rows_saved(tmp_path, monkeypatch, 
         return one(model, batch, context, *a, **kw)
 
     monkeypatch.setattr(bench, "run_one", faulty)
-    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "48", "64", "80",
-               "--methods", "full", "--new-tokens", "4", "--out", str(tmp_path), "--no-plots",
+    rc = main(["--device", "cpu", "--config", "stories260K", "--context", "48", "64", "80",
+               "--methods", "full", "--max-new-tokens", "4", "--out", str(tmp_path), "--no-plots",
                "--no-progress"])
     assert rc == 1 and calls == [48, 64]  # the sweep stopped at the fault
     (out,) = list((tmp_path / "cpu").glob("bench-*.json"))
@@ -363,12 +363,12 @@ def test_results_go_to_the_current_directory_by_default(tmp_path, monkeypatch):
     """No ``--out``: the JSON lands under the current directory (``./<device>/``), not the
     repository's ``results/``; an ``--out`` that is a file is refused before the load."""
     monkeypatch.chdir(tmp_path)
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64",
+    assert main(["--device", "cpu", "--config", "stories260K", "--context", "64",
                  "--methods", "full", "--time-limit", "0", "--no-progress"]) == 0
     assert len(list((tmp_path / "cpu").glob("bench-*.json"))) == 1
     assert not (tmp_path / "results").exists()
     (tmp_path / "f").write_text("")
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--out", "f"]) == 2
+    assert main(["--device", "cpu", "--config", "stories260K", "--out", "f"]) == 2
 
 
 def test_noisy_rows_get_the_warning_of_generate(tmp_path, monkeypatch, capsys):
@@ -386,8 +386,8 @@ def test_noisy_rows_get_the_warning_of_generate(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "run_one", noisy)
     monkeypatch.setattr(bench, "generate", lambda *a, **kw: results.append(real(*a, **kw))
                         or results[-1])
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "48", "64",
-                 "--methods", "full", "--new-tokens", "3", "--out", str(tmp_path), "--no-plots",
+    assert main(["--device", "cpu", "--config", "stories260K", "--context", "48", "64",
+                 "--methods", "full", "--max-new-tokens", "3", "--out", str(tmp_path), "--no-plots",
                  "--no-progress"]) == 0
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning:")]
     report = format_report(dict(results[-1], decode_ms_p10=1.0, decode_ms_p90=50.0))

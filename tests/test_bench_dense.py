@@ -34,7 +34,7 @@ def test_rows_per_shape_and_configuration(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dense, "launch_config", spy)
     out, table = tmp_path / "dense.json", tmp_path / "tuned.json"
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--batch-sizes", "1",
+    assert main(["--device", "cpu", "--config", "stories260K", "--batch-sizes", "1",
                  "--grid", "one", "--iters", "1", "--reps", "1", "--json", str(out),
                  "--tuned", str(table)]) == 0
     rows = json.loads(out.read_text())["results"]

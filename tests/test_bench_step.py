@@ -9,7 +9,7 @@ from scripts.bench_step import main
 
 def test_rows_counts_and_bytes(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "300",
+    assert main(["--device", "cpu", "--config", "stories260K", "--context", "300",
                  "--methods", "full", "exact_topk", "quest", "sparq", "hybrid", "rocketkv",
                  "h2o", "--budgets", "64", "--steps", "2", "--warmup", "1",
                  "--json", str(out)]) == 0
@@ -31,20 +31,20 @@ def test_rows_counts_and_bytes(tmp_path, capsys):
 
 
 def test_refuses_methods_whose_layers_differ(capsys):
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--methods", "omnikv"]) == 2
+    assert main(["--device", "cpu", "--config", "stories260K", "--methods", "omnikv"]) == 2
     assert "its layers differ" in capsys.readouterr().err
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--steps", "0"]) == 2
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--split-pages", "512"]) == 2
+    assert main(["--device", "cpu", "--config", "stories260K", "--steps", "0"]) == 2
+    assert main(["--device", "cpu", "--config", "stories260K", "--split-pages", "512"]) == 2
     assert "--knob and --split-pages set the fused kernels' launch constants" in \
         capsys.readouterr().err
 
 
 def test_old_flag_spellings_still_work_with_a_note(capsys):
-    """--model and --out (a file) are --checkpoint and --json, with a deprecation note."""
+    """--model and --out (a file) are --config and --json, with a deprecation note."""
     assert main(["--device", "cpu", "--model", "stories260K", "--steps", "0",
                  "--out", "rows.json"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[:2] == ["note: --model is deprecated; use --checkpoint",
+    assert err[:2] == ["note: --model is deprecated; use --config",
                        "note: --out is deprecated; use --json"]
     assert "--steps must be positive" in err[2]
 
@@ -68,7 +68,7 @@ def test_knobs_repeat_each_configuration_and_reach_the_kernels(tmp_path, capsys,
         monkeypatch.setattr(module, "prefix_splits", spy)
         out = tmp_path / "step.json"
         # qwen2.5-0.5b's layer: 2 KV heads of 64 dims (the kernels need 16 at least)
-        assert main(["--device", "cpu", "--checkpoint", "qwen2.5-0.5b", "--context", "300",
+        assert main(["--device", "cpu", "--config", "qwen2.5-0.5b", "--context", "300",
                      "--methods", "full", "--steps", "1", "--warmup", "0", "--knob",
                      "PREFIX_SPLIT=64", "--knob", "PREFIX_PROGRAMS=2,16", "--json",
                      str(out), "--tuned", str(tmp_path / "tuned.json")]) == 0
@@ -96,20 +96,20 @@ def test_knobs_repeat_each_configuration_and_reach_the_kernels(tmp_path, capsys,
                                                "least 16, got 48"),
                           ("NUM_WARPS=4,x", "values must be integers")):
         with pytest.raises(SystemExit) as stop:  # argparse's own exit, one line
-            main(["--device", "cpu", "--checkpoint", "stories260K", "--knob", knob])
+            main(["--device", "cpu", "--config", "stories260K", "--knob", knob])
         err = capsys.readouterr().err.strip()
         assert stop.value.code == 2 and "\n" not in err
         assert err.startswith("error: argument --knob") and message in err, err
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--knob", "NUM_WARPS=4",
+    assert main(["--device", "cpu", "--config", "stories260K", "--knob", "NUM_WARPS=4",
                  "--knob", "NUM_WARPS=8"]) == 2
     assert "--knob NUM_WARPS given twice" in capsys.readouterr().err
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--cuda-graphs"]) == 2
+    assert main(["--device", "cpu", "--config", "stories260K", "--cuda-graphs"]) == 2
     assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--tuned", "t.json"]) == 2
+    assert main(["--device", "cpu", "--config", "stories260K", "--tuned", "t.json"]) == 2
     assert "--tuned chooses among --knob settings" in capsys.readouterr().err
     previous = kernels.set_mode("force")
     try:  # an unwritable table is refused before the run
-        assert main(["--device", "cpu", "--checkpoint", "qwen2.5-0.5b", "--knob",
+        assert main(["--device", "cpu", "--config", "qwen2.5-0.5b", "--knob",
                      "PREFIX_PROGRAMS=2", "--tuned", "/nonexistent/dir/t.json"]) == 2
     finally:
         kernels.set_mode(previous)
@@ -158,7 +158,7 @@ def test_a_cuda_error_ends_the_run_with_the_rows_saved(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(bs, "run_one", faulty)
     out = tmp_path / "step.json"
-    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "48", "64", "80",
+    rc = main(["--device", "cpu", "--config", "stories260K", "--context", "48", "64", "80",
                "--methods", "full", "--steps", "1", "--warmup", "0", "--json", str(out)])
     assert rc == 1 and calls == [48, 64]
     rows = json.loads(out.read_text())
@@ -176,7 +176,7 @@ def test_rows_go_to_the_current_directory_by_default(tmp_path, monkeypatch):
     """No ``--json``: the rows land under the current directory, not the repository's
     ``results/``."""
     monkeypatch.chdir(tmp_path)
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "48",
+    assert main(["--device", "cpu", "--config", "stories260K", "--context", "48",
                  "--methods", "full", "--steps", "1", "--warmup", "0"]) == 0
     assert len(list((tmp_path / "cpu").glob("bench_step-*.json"))) == 1
     assert not (tmp_path / "results").exists()

@@ -1,8 +1,8 @@
-"""scripts/check_targets.py: each target's verdict from synthetic bench rows."""
+"""tools/check_targets.py: each target's verdict from synthetic bench rows."""
 
 import json
 
-from scripts.check_targets import by_regime, evaluate, load_rows, main
+from tools.check_targets import by_regime, evaluate, load_rows, main
 
 GB = 1e9
 

@@ -13,9 +13,10 @@ import textwrap
 import pytest
 from conftest import ROOT
 
-SCRIPTS = sorted(p for p in (ROOT / "scripts").glob("*.py")
+SCRIPTS = sorted(p for d in ("scripts", "tools") for p in (ROOT / d).glob("*.py")
                  if p.name not in ("__init__.py", "_here.py"))
-ENGINE = {p.stem for p in ROOT.glob("*.py")} | {"compression", "evals", "kernels", "scripts"}
+ENGINE = {p.stem for p in ROOT.glob("*.py")} | {"compression", "evals", "kernels", "scripts",
+                                                    "tools"}
 
 
 def test_every_script_imports_here_before_the_engine():
@@ -35,20 +36,23 @@ def test_every_script_imports_here_before_the_engine():
     assert not late, "\n".join(late)
 
 
-def test_a_script_imports_its_own_checkouts_modules(tmp_path):
-    """A second clone's script, run with the first clone on the path (as an editable install of
-    the first puts it), imports the second clone's modules, not the first's."""
+@pytest.mark.parametrize("folder, script", [("scripts", "download.py"),
+                                            ("tools", "selection_steps.py")])
+def test_a_script_imports_its_own_checkouts_modules(folder, script, tmp_path):
+    """A second clone's script (a user's script or a developer tool), run with the first clone
+    on the path (as an editable install of the first puts it), imports the second clone's
+    modules, not the first's."""
     clone = tmp_path / "clone"
-    (clone / "scripts").mkdir(parents=True)
-    for name in ("__init__.py", "_here.py", "selection_steps.py"):
-        shutil.copy(ROOT / "scripts" / name, clone / "scripts" / name)
+    (clone / folder).mkdir(parents=True)
+    for name in ("__init__.py", "_here.py", script):
+        shutil.copy(ROOT / folder / name, clone / folder / name)
     for name in ("cli", "flags"):  # the script's parser class comes from one of them
         (clone / f"{name}.py").write_text(
             "import argparse\nimport sys\n\n"
             f"print('{name} of the clone', file=sys.stderr)\n"
             "OneLineParser = argparse.ArgumentParser\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the first clone
-    p = subprocess.run([sys.executable, str(clone / "scripts" / "selection_steps.py"), "--help"],
+    p = subprocess.run([sys.executable, str(clone / folder / script), "--help"],
                        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "of the clone" in p.stderr
@@ -58,16 +62,16 @@ FAST_PARSE = {  # script -> a usage error its parser refuses
     "scripts/bench.py": ["--budgets", "many", "--rocket-split", "sqrt"],
     "scripts/bench_step.py": ["--knob", "NUM_WARPS=4,x"],
     "quantize.py": ["--checkpoint", "x", "--mode", "int9"],
-    "scripts/make_prompt.py": ["--text", "a.txt", "--out", "p.txt", "--tokens", "many"],
+    "scripts/make_prompt.py": ["--text", "a.txt", "--prompt-out", "p.txt", "--context", "many"],
     "scripts/profile_step.py": ["--context", "many"],
     "scripts/predict_memory.py": ["--tp", "two"],
     "scripts/download.py": ["--repo-id"],
     "scripts/convert_gguf.py": ["--dtype", "int3"],
     "scripts/convert_hf_checkpoint.py": ["--dtype", "int3"],
     "scripts/convert_llama2c.py": ["--out"],
-    "scripts/plot_bench.py": ["rows.json", "--out", "p", "--compare-context", "32K"],
-    "scripts/check_targets.py": ["rows.json", "--json"],
-    "scripts/selection_steps.py": ["--trials", "many"],
+    "scripts/plot_bench.py": ["rows.json", "--prefix", "p", "--compare-context", "32K"],
+    "tools/check_targets.py": ["rows.json", "--json"],
+    "tools/selection_steps.py": ["--trials", "many"],
     "scripts/compare_hf.py": ["--checkpoint", "c", "--random", "--dtype", "int3"],
     "scripts/duo_identify.py": ["--checkpoint", "c", "--out", "d", "--steps", "many"],
     "scripts/eval_quantized.py": ["--checkpoint", "c", "--classifier", "int3"],

@@ -386,7 +386,7 @@ def test_a_new_selector_gets_recall_figures(stories_model, prompts):
 def test_cli_writes_json_and_prints_the_table(stories_dir, texts, tmp_path, capsys):
     out = tmp_path / "eval.json"
     rc = main(["--checkpoint", str(stories_dir), "--json", str(out), "--methods", "full",
-               "quest", "--budgets", "64", "--num-prompts", "1", "--prompt-tokens", "100",
+               "quest", "--budgets", "64", "--num-prompts", "1", "--context", "100",
                "--max-new-tokens", "4", "--no-progress", "--text", *map(str, texts)])
     assert rc == 0
     data = json.loads(out.read_text())
@@ -403,7 +403,7 @@ def test_cli_writes_json_and_prints_the_table(stories_dir, texts, tmp_path, caps
 def test_cli_quick_run_on_smollm2_writes_the_three_files(tmp_path, capsys):
     gguf, essays = shared_file(SMOLLM2_GGUF), shared_file(ESSAYS)
     out = tmp_path / "fid"
-    rc = main(["--checkpoint", str(gguf), "--text", str(essays), "--prompt-tokens", "256",
+    rc = main(["--checkpoint", str(gguf), "--text", str(essays), "--context", "256",
                "--num-prompts", "4", "--limit", "2", "--methods", "full", "quest",
                "--budgets", "128", "--max-new-tokens", "6", "--out", str(out),
                "--no-progress", "--threads", "1"])
@@ -431,8 +431,8 @@ def test_cli_quick_run_on_smollm2_writes_the_three_files(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--budgets", "0"], "--budgets must be positive"),
-    (["--prompt-tokens", "500"], "exceed the model's context"),
-    (["--prompt-tokens", "100", "--num-prompts", "100000"], "windows"),
+    (["--context", "500"], "exceed the model's context"),
+    (["--context", "100", "--num-prompts", "100000"], "windows"),
     (["--json", "/nonexistent/dir/out.json"], "does not exist"),
     (["--limit", "0"], "--limit must be positive"),
     (["--text", "/nonexistent/file.txt"], "text file not found"),

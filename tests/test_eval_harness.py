@@ -180,7 +180,7 @@ def test_methods_that_prefill_their_own_way_alone_skip_the_shared_prefill(smollm
 
 def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
     rc = needle_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
-                      "--lengths", "512", "--depths", "2", "--needles", "1", "--methods",
+                      "--context", "512", "--depths", "2", "--needles", "1", "--methods",
                       "full", "quest", "--budgets", "64", "--threads", "1", "--workers", "1",
                       "--no-progress",
                       "--modes", "standard"])
@@ -211,7 +211,7 @@ def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
 
 def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
     rc = kept_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
-                    "--lengths", "512", "--depths", "1", "--needles", "1", "--methods",
+                    "--context", "512", "--depths", "1", "--needles", "1", "--methods",
                     "snapkv_pp", "keydiff", "quest", "--budgets", "128", "--threads", "1"])
     assert rc == 0
     rows = {r["method"]: r for r in json.loads((tmp_path / "kept.json").read_text())["rows"]}
@@ -227,7 +227,7 @@ def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
 
 def test_ruler_cli_quick_run(tmp_path):
     rc = ruler_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
-                     "--lengths", "600", "--samples", "1", "--tasks", "niah_single_noise",
+                     "--context", "600", "--samples", "1", "--tasks", "niah_single_noise",
                      "vt", "--methods", "full", "hybrid", "--budgets", "96", "--threads", "1",
                      "--workers", "1", "--no-progress", "--modes", "question_agnostic"])
     assert rc == 0

@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("", "compression", "evals", "kernels", "scripts")  # tests/ import anything
+SOURCE_DIRS = ("", "compression", "evals", "kernels", "scripts", "tools")  # tests/ import anything
 
 
 def project_modules() -> dict[str, Path]:

@@ -536,14 +536,14 @@ def test_every_kernel_compiles_for_hopper(checkpoint, dtype, n, biased, runs, tm
     interpreter) compiles for sm_90 at every launch configuration of the table, through
     triton's own ptxas, without a GPU, at llama-3.1-8b's shape in bfloat16 and at
     Qwen2.5-0.5B's in float32 (head dim 64, query groups of 7, q/k/v biases: ``biased``
-    q/k/v launches); register spills stay small (scripts/compile_kernels.py). At llama's
+    q/k/v launches); register spills stay small (tools/compile_kernels.py). At llama's
     shape the launches of RocketKV @256's decode steps at 32K and 128K compile as they run,
     captured from the engine's own code: page lists of 1024 and 2048 registers (740 and 1171
     pages), integers equal to 1 made constants and multiples of 16 marked divisible (the
     other runs, ``--runs all``, are a command in docs/design.md: about a minute more)."""
     out = tmp_path / "regs.json"
-    r = compiled_triton(ROOT / "scripts" / "compile_kernels.py", "--json", str(out),
-                        "--checkpoint", checkpoint, "--dtype", dtype, "--runs", runs)
+    r = compiled_triton(ROOT / "tools" / "compile_kernels.py", "--json", str(out),
+                        "--config", checkpoint, "--dtype", dtype, "--runs", runs)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
     table = [row for row in rows if "runs" not in row]

@@ -117,7 +117,7 @@ def test_cli_directory_source(tmp_path):
     (d / "a.txt").write_text("Alpha one. Alpha two.")
     (d / "skip.md").write_text("Not read.")
     out, ans = tmp_path / "p.txt", tmp_path / "a.json"
-    assert main(["--text", str(d), "--tokens", "1000", "--out", str(out),
+    assert main(["--text", str(d), "--context", "1000", "--prompt-out", str(out),
                  "--answer-json", str(ans), "--depth", "1"]) == 0
     text = out.read_text()
     info = json.loads(ans.read_text())
@@ -126,14 +126,14 @@ def test_cli_directory_source(tmp_path):
     assert f"Bravo three.\n\n{info['needle']}\n\n{info['question']}" in text  # at the end
     assert info["text_exhausted"] and info["token_counter"] == "characters/4"
     assert info["seed"] == 0 and info["depth"] == 1.0 and info["needle_depth"] == 1.0
-    assert main(["--text", str(d), "--tokens", "1000", "--out", str(tmp_path / "q.txt"),
+    assert main(["--text", str(d), "--context", "1000", "--prompt-out", str(tmp_path / "q.txt"),
                  "--depth", "1"]) == 0
     assert (tmp_path / "q.txt").read_text() == text  # deterministic
 
 
 def test_cli_json_source_with_tokenizer(tmp_path, capsys):
     out, ans = tmp_path / "p.txt", tmp_path / "a.json"
-    assert main(["--text", str(shared_file(RULER)), "--tokens", "800", "--out", str(out),
+    assert main(["--text", str(shared_file(RULER)), "--context", "800", "--prompt-out", str(out),
                  "--tokenizer", str(shared_file(LLAMA2_TOK)), "--answer-json", str(ans),
                  "--seed", "3"]) == 0
     info = json.loads(ans.read_text())
@@ -152,16 +152,16 @@ def test_bad_input_one_error_line_exit_2(tmp_path, capsys):
     bad_json.write_text('{"body": "no text field"}')
     out = tmp_path / "out.txt"
     cases = {
-        "missing": ["--text", str(tmp_path / "nope.txt"), "--out", str(out)],
-        "empty": ["--text", str(empty), "--out", str(out)],
-        "json": ["--text", str(bad_json), "--out", str(out)],
-        "depth": ["--text", str(good), "--depth", "1.5", "--out", str(out)],
-        "tokens": ["--text", str(good), "--tokens", "0", "--out", str(out)],
-        "out": ["--text", str(good), "--out", str(tmp_path / "no" / "dir" / "p.txt")],
-        "outdir": ["--text", str(good), "--out", str(tmp_path)],
-        "json_out": ["--text", str(good), "--out", str(out), "--answer-json",
+        "missing": ["--text", str(tmp_path / "nope.txt"), "--prompt-out", str(out)],
+        "empty": ["--text", str(empty), "--prompt-out", str(out)],
+        "json": ["--text", str(bad_json), "--prompt-out", str(out)],
+        "depth": ["--text", str(good), "--depth", "1.5", "--prompt-out", str(out)],
+        "tokens": ["--text", str(good), "--context", "0", "--prompt-out", str(out)],
+        "out": ["--text", str(good), "--prompt-out", str(tmp_path / "no" / "dir" / "p.txt")],
+        "outdir": ["--text", str(good), "--prompt-out", str(tmp_path)],
+        "json_out": ["--text", str(good), "--prompt-out", str(out), "--answer-json",
                      str(tmp_path / "no" / "a.json")],
-        "needle": ["--text", str(good), "--needle", "A fact.", "--out", str(out)],
+        "needle": ["--text", str(good), "--needle", "A fact.", "--prompt-out", str(out)],
     }
     for name, argv in cases.items():  # in-process: every case
         assert main(argv) == 2, name

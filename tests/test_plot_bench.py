@@ -13,10 +13,10 @@ def test_charts_from_the_committed_h200_runs(tmp_path, capsys):
     """The H200's twelve runs hold a dynamic-regime row beside the static ones: the regime
     must be chosen; the static rows of every run give the four charts."""
     assert len(H200) == 12
-    assert main([*H200, "--out", str(tmp_path / "h200")]) == 2
+    assert main([*H200, "--prefix", str(tmp_path / "h200")]) == 2
     assert capsys.readouterr().err.strip() == ("error: the rows hold the regimes dynamic, "
                                                "static: choose one with --regime")
-    assert main([*H200, "--out", str(tmp_path / "h200"), "--regime", "static"]) == 0
+    assert main([*H200, "--prefix", str(tmp_path / "h200"), "--regime", "static"]) == 0
     drawn = capsys.readouterr().out.split()
     assert [Path(p).name for p in drawn] == [f"h200-{c}.png" for c in (
         "a_speedup", "b_memory", "c_latency", "d_methods")]
@@ -32,18 +32,18 @@ def test_rows_of_two_runs_merge_and_bad_input_is_one_line(tmp_path, capsys):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps([r for r in ok if r["context"] <= 65536]))
     b.write_text(json.dumps([r for r in ok if r["context"] > 65536]))
-    assert main([str(a), str(b), "--out", str(tmp_path / "grid")]) == 0
+    assert main([str(a), str(b), "--prefix", str(tmp_path / "grid")]) == 0
     assert len(capsys.readouterr().out.split()) == 4
     for argv, message in (
             (["--regime", "static"], "no measured float row of regime static (present: "
                                      "graphs)"),
             (["--weights", "int4-g128"], "no measured int4-g128 row of regime graphs"),
     ):
-        assert main([str(a), str(b), "--out", str(tmp_path / "g"), *argv]) == 2
+        assert main([str(a), str(b), "--prefix", str(tmp_path / "g"), *argv]) == 2
         assert capsys.readouterr().err.strip().startswith(f"error: {message}")
-    assert main([str(a), "--out", str(tmp_path / "no" / "g")]) == 2
+    assert main([str(a), "--prefix", str(tmp_path / "no" / "g")]) == 2
     assert "no directory" in capsys.readouterr().err
-    assert main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "g")]) == 2
+    assert main([str(tmp_path / "missing.json"), "--prefix", str(tmp_path / "g")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
 

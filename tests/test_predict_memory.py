@@ -75,8 +75,8 @@ def test_full_cache_is_written_in_place_and_resident_bytes_add_up():
 
 def test_cli_writes_rows(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert main(["--checkpoint", "stories260K", "--context", "400", "--methods", "full",
-                 "rocketkv", "snapkv", "--budgets", "64", "--new-tokens", "8",
+    assert main(["--config", "stories260K", "--context", "400", "--methods", "full",
+                 "rocketkv", "snapkv", "--budgets", "64", "--max-new-tokens", "8",
                  "--json", str(out)]) == 1  # a requested row (snapkv at 64) failed
     rows = json.loads(out.read_text())  # the rest are written all the same
     assert [r["method"] for r in rows] == ["full", "rocketkv", "snapkv"]
@@ -85,4 +85,4 @@ def test_cli_writes_rows(tmp_path, capsys):
     printed = capsys.readouterr()
     assert "not measured on a GPU" in printed.out and "1 of 3 configurations failed" in printed.err
     assert main(["--model", "stories260K", "--methods", "magic"]) == 2  # the old spelling
-    assert "note: --model is deprecated; use --checkpoint" in capsys.readouterr().err
+    assert "note: --model is deprecated; use --config" in capsys.readouterr().err

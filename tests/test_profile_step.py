@@ -9,7 +9,7 @@ def test_profile_records_exactly_the_asked_steps(tmp_path, capsys):
     """The trace holds the asked decode steps and no other: every per-layer operator's calls
     divide evenly by the layers (stories260K: 5) at every step, the LM head's matrix product
     runs once per step, and the table is written per method."""
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "200",
+    assert main(["--device", "cpu", "--config", "stories260K", "--context", "200",
                  "--methods", "full", "rocketkv", "--budgets", "64", "--steps", "3",
                  "--top", "4", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "profile-200.json").read_text())
@@ -27,8 +27,8 @@ def test_profile_records_exactly_the_asked_steps(tmp_path, capsys):
     assert main(["--device", "cpu", "--model", "stories260K", "--steps", "0"]) == 2
     err = capsys.readouterr().err
     assert "--steps must be positive" in err
-    assert "note: --model is deprecated; use --checkpoint" in err
-    assert main(["--device", "cpu", "--checkpoint", "stories260K", "--compile-regime",
+    assert "note: --model is deprecated; use --config" in err
+    assert main(["--device", "cpu", "--config", "stories260K", "--compile-regime",
                  "graphs"]) == 2
     assert "--compile-regime graphs needs a CUDA device" in capsys.readouterr().err
 
@@ -53,7 +53,7 @@ def test_each_method_is_saved_as_it_finishes(tmp_path, monkeypatch, capsys):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(ps, "profile_one", faulty)
-    rc = main(["--device", "cpu", "--checkpoint", "stories260K", "--context", "64",
+    rc = main(["--device", "cpu", "--config", "stories260K", "--context", "64",
                "--methods", "full", "streamingllm", "snapkv", "quest", "--budgets", "32",
                "--steps", "1", "--top", "2", "--out", str(tmp_path)])
     assert rc == 1 and seen == ["full", "streamingllm", "snapkv"]

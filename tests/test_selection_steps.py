@@ -1,9 +1,9 @@
-"""scripts/selection_steps.py: the NumPy model of the selection's threshold search."""
+"""tools/selection_steps.py: the NumPy model of the selection's threshold search."""
 
 import numpy as np
 import pytest
 
-from scripts.selection_steps import main, order_keys, search
+from tools.selection_steps import main, order_keys, search
 
 
 def test_the_search_finds_a_sorts_threshold_in_fewer_steps(capsys):

@@ -1,6 +1,6 @@
 """Steps of the fused selection's threshold search, modelled in NumPy (a CPU model, no GPU).
 
-    python scripts/selection_steps.py [--trials 20] [--seed 0]
+    python tools/selection_steps.py [--trials 20] [--seed 0]
 
 ``kernels.sparse._choose`` finds tau, the largest order key whose pages hold at least k slots,
 by a bisection over the int32 key range whose bounds snap to the pages' keys; each step is one
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+import _here  # noqa: F401  (this checkout's engine: tools/_here.py)
 import numpy as np
 
 from flags import OneLineParser

@@ -1,7 +1,7 @@
 """Check bench results against the speed and memory targets, as a Markdown table.
 
-    python scripts/check_targets.py results/NVIDIA-H200/bench-*.json
-    python scripts/check_targets.py results/NVIDIA-H200/bench-*.json \
+    python tools/check_targets.py results/NVIDIA-H200/bench-*.json
+    python tools/check_targets.py results/NVIDIA-H200/bench-*.json \
         results/NVIDIA-H200/profile-*.json --json targets.json
 
 Reads ``scripts/bench.py`` result files (rows of every file together; a later row replaces an
@@ -55,7 +55,7 @@ import json
 import sys
 from pathlib import Path
 
-import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+import _here  # noqa: F401  (this checkout's engine: tools/_here.py)
 
 from flags import OneLineParser
 

@@ -1,10 +1,10 @@
 """Compile every fused kernel (kernels/sparse.py, kernels/dense.py) for a GPU architecture
 without a GPU.
 
-    python scripts/compile_kernels.py                  # sm_90 (H100/H200), llama-3.1-8b, bf16
-    python scripts/compile_kernels.py --arch 100 --json /tmp/regs.json
-    python scripts/compile_kernels.py --checkpoint qwen2.5-0.5b --dtype float32
-    python scripts/compile_kernels.py --runs rocketkv,dense --no-table  # some runs only
+    python tools/compile_kernels.py                  # sm_90 (H100/H200), llama-3.1-8b, bf16
+    python tools/compile_kernels.py --arch 100 --json /tmp/regs.json
+    python tools/compile_kernels.py --config qwen2.5-0.5b --dtype float32
+    python tools/compile_kernels.py --runs rocketkv,dense --no-table  # some runs only
 
 Triton's front end and the ``ptxas`` its wheel bundles turn each kernel, at the configurations
 the engine launches for a model's shape (``--checkpoint``, a named config: its head dim and
@@ -43,13 +43,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
+import _here  # noqa: F401  (this checkout's engine: tools/_here.py)
 import torch
 from torch import Tensor
 
 import kernels
 from cli import OneLineParser, write_json
 from compression import build_caches
+from flags import add_config_option
 from model import CONFIGS, ModelArgs
 
 DTYPES = {"bfloat16": ("*bf16", "native"), "float16": ("*fp16", "native"),  # pointers, tl.dot
@@ -410,9 +411,8 @@ def compile_one(kernel, pointers: dict, constexprs: dict, num_warps: int, attrs:
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90)")
-    p.add_argument("--checkpoint", default="llama-3.1-8b", choices=[
-        n for n in CONFIGS if ModelArgs.from_name(n).head_dim >= 16], metavar="NAME",
-        help="the model shape, a named config (default llama-3.1-8b)")
+    add_config_option(p, choices=[n for n in CONFIGS if ModelArgs.from_name(n).head_dim >= 16],
+                      help="the model shape, a named config (default llama-3.1-8b)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
                    help="the model's and cache's dtype (default bfloat16)")
     p.add_argument("--runs", default="all", metavar="NAMES",
@@ -422,7 +422,7 @@ def main(argv=None) -> int:
                    help="compile the captured runs only, not the table of variants")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     args = p.parse_args(argv)
-    shape = ModelArgs.from_name(args.checkpoint)
+    shape = ModelArgs.from_name(args.config)
     runs = list(RUNS) if args.runs == "all" else [] if args.runs == "none" else \
         [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = [r for r in runs if r not in RUNS]
