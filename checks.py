@@ -16,7 +16,7 @@ from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
 NO_TOKENIZER = ("a text prompt needs a tokenizer: the checkpoint has none ("
                 f"{', '.join(TOKENIZER_FILES)} or GGUF tokenizer metadata); pass --tokenizer "
-                "FILE or use --prompt-tokens N")
+                "FILE or use --context N")
 
 
 def check_request(method: str, budget: int | None, options: dict[str, Any], *,

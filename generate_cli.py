@@ -5,7 +5,7 @@ The command line of ``generate.py`` (``python generate.py ...`` runs ``main`` he
 
     python generate.py --checkpoint DIR --prompt FILE [--method full] [--budget N] [--json OUT]
     python generate.py --checkpoint model.gguf --chat --method rocketkv --budget 256 --prompt FILE
-    python generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 --max-new-tokens 64
+    python generate.py --checkpoint random:llama-3.1-8b --context 32768 --max-new-tokens 64
     python generate.py --checkpoint model.gguf --chat --prompt doc.txt --questions q.txt
 
 Parsing, the checks before the load (``checks.py``), the load, the tensor-parallel gather,
@@ -48,6 +48,7 @@ from cli import (
     apply_kernels_option,
     check_json_path,
     check_positive,
+    deprecated_alias,
     read_prompt,
     resolve_device,
     write_json,
@@ -89,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="FILE", help="prompt text file, - for stdin")
     src.add_argument("-p", "--prompt-text", metavar="TEXT", help="the prompt text itself")
-    src.add_argument("--prompt-tokens", type=int, metavar="N",
+    src.add_argument("--context", type=int, metavar="N",
                      help="synthetic prompt of N random token ids (efficiency runs)")
+    deprecated_alias(p, "--prompt-tokens", "--context")
     add_method_options(p.add_argument_group(
         "method options (every derived parameter is printed and saved)"))
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -174,7 +176,7 @@ def _kernel_fault(e: Exception) -> int:
 def _main(args: argparse.Namespace, generate: Generate) -> int:
     rank, world = tp.rank(), 1  # world 1 until torchrun's process group is joined
     try:
-        check_positive(args, "batch_size", "prompt_tokens", "threads")
+        check_positive(args, "batch_size", "context", "threads")
         if args.threads:
             torch.set_num_threads(args.threads)
         options = given_options(args)
@@ -193,7 +195,7 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
         compile = default_compile(args.compile, device)
         if args.system is not None and not args.chat:
             raise ConfigError("--system needs --chat (it is a message of the chat template)")
-        if args.chat and args.prompt_tokens is not None:
+        if args.chat and args.context is not None:
             raise ConfigError("--chat needs a text --prompt or --prompt-text")
         text = args.prompt_text if args.prompt_text is not None else \
             read_prompt(args.prompt) if args.prompt is not None else None
@@ -215,7 +217,7 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
             ids = tok.encode_chat(text, system=args.system) if args.chat else tok.encode(text)
         else:
             gen = torch.Generator().manual_seed(args.seed)
-            ids = torch.randint(0, margs.vocab_size, (args.prompt_tokens,),
+            ids = torch.randint(0, margs.vocab_size, (args.context,),
                                 generator=gen).tolist()
         tp.check_world(margs, world)
         # every method setting is checked here, before the weights load

@@ -2,7 +2,7 @@
 of documents), the greedy and teacher-forced passes through each method's caches, and the
 numbers of every (method, budget). ``scripts/eval_accuracy.py`` runs it over prompt lengths and
 writes the tables; ``scripts/eval_quantized.py`` runs the same passes for quantized weights.
-Definitions (``T`` = ``--prompt-tokens``, ``m`` = ``--max-new-tokens``, ``N`` =
+Definitions (``T`` = ``--context``, ``m`` = ``--max-new-tokens``, ``N`` =
 ``--num-prompts``, flags of ``scripts/eval_accuracy.py``):
 
 Prompt set (deterministic). Documents: each ``--text`` path in order, a directory standing for
@@ -20,7 +20,7 @@ and the continuation its last m tokens. With K candidate windows in document ord
 first), the prompts are the windows ``floor(i * K / N)`` for ``i = 0 .. N-1`` (evenly spread;
 N = ``--num-prompts``, or ``--limit`` when smaller) under ``--seed 0`` (the default); any other
 seed draws N distinct windows with Python's ``random.Random(seed).sample`` and keeps them in
-document order. Fewer than N windows is an error. Each ``--prompt-tokens`` value T gets its own
+document order. Fewer than N windows is an error. Each ``--context`` value T gets its own
 prompt set and its own table; nothing else is random (greedy decoding, no dropout), so a run is
 reproducible for a given seed.
 

@@ -93,8 +93,6 @@ def test_every_entry_point_speaks_the_vocabulary(script, monkeypatch):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="generate.py's flags are aligned by the lead after its "
-                   "parser moves (issue 46): --prompt-tokens is --context")
 def test_generate_speaks_the_vocabulary(monkeypatch):
     assert not divergences("generate.py", parser_of("generate.py", monkeypatch))
 

@@ -335,7 +335,7 @@ def test_cli_checkpoint_loads_as_the_in_memory_quantization(tmp_path, capsys):
     b = generate(ref, prompt, method="full", max_new_tokens=8)
     assert a["token_ids"] == b["token_ids"]
     assert a["weight_bytes_per_step"] == b["weight_bytes_per_step"]
-    r = _run("generate.py", "--checkpoint", str(out), "--prompt-tokens", "40",
+    r = _run("generate.py", "--checkpoint", str(out), "--context", "40",
              "--max-new-tokens", "4")
     assert r.returncode == 0, r.stderr
 
@@ -570,7 +570,7 @@ def test_accuracy_scripts_load_a_quantized_checkpoint(stories_dir, tmp_path, cap
 
     out = quantize_checkpoint(str(stories_dir), "int8", None, tmp_path / "q", progress=False)
     texts = [str(shared_file(p)) for p in TINYSTORIES_TEXTS]
-    rc = eval_accuracy(["--checkpoint", str(out), "--text", *texts, "--prompt-tokens", "120",
+    rc = eval_accuracy(["--checkpoint", str(out), "--text", *texts, "--context", "120",
                         "--max-new-tokens", "8", "--num-prompts", "1", "--methods", "full",
                         "rocketkv", "--budgets", "256", "--json", str(tmp_path / "e.json"),
                         "--no-progress"])
