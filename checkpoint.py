@@ -737,9 +737,10 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
 
     Float tensors are cast to ``dtype`` when given, else kept as stored (GGUF tensors are
     dequantized to float32; ``random:NAME`` weights are drawn in ``random_dtype``); a quantized
-    checkpoint's tensors are always returned as stored. ``gguf_weights="quantized"`` (GGUF
-    files only): the GGUF's 4-bit and other block-quantized layers as a quantized
-    checkpoint's int4/int8 tensors and config (``gguf_quantized``), the rest in ``dtype``.
+    checkpoint's tensors are always returned as stored. ``gguf_weights`` ``"quantized"`` or
+    ``"quantized-int8-classifier"`` (GGUF files only): the GGUF's 4-bit and other
+    block-quantized layers as a quantized checkpoint's int4/int8 tensors and config
+    (``gguf_quantized``), the rest in ``dtype``.
 
     Raises:
         ConfigError: missing or unreadable checkpoint, config without weights, unsupported
@@ -757,10 +758,12 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
         model = random_model(args, "cpu", dtype or random_dtype)
         return args, dict(model.state_dict()), None
     ckpt = _checked_path(checkpoint)
-    if is_gguf(ckpt) and gguf_weights == "quantized":
+    if is_gguf(ckpt) and gguf_weights != "float":
         reader = open_gguf(ckpt)
         args = gguf_args(reader, name=None)
-        sd, quant = gguf_quantized_state_dict(reader, args, dtype or torch.float32)
+        sd, quant = gguf_quantized_state_dict(
+            reader, args, dtype or torch.float32,
+            classifier="int8" if gguf_weights.endswith("int8-classifier") else "float")
         return args, sd, quant
     if is_gguf(ckpt):
         args, sd = load_gguf(ckpt, dtype)
@@ -789,7 +792,9 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
     checkpoint from ``quantize.py`` keeps its int8/int4 layers, laid out for ``device``).
     ``gguf_weights``: ``"float"`` (default) dequantizes a GGUF's weights to ``dtype``;
     ``"quantized"`` keeps its 4-bit blocks as int4 (groups of 32, exact up to the scales'
-    dtype) and its other block types as per-channel int8 (``gguf_quantized``).
+    dtype) and its other block types as per-channel int8, the embedding and classifier in
+    ``dtype``; ``"quantized-int8-classifier"`` also the classifier in int8
+    (``gguf_quantized``).
     ``shard`` (rank, world size): only that rank's share under tensor parallelism
     (``tp.shard_state_dict``; float, int8 and int4 alike) reaches the device, and the model
     is that rank's (``tp.attach``).

@@ -28,8 +28,12 @@ How each GGUF type maps (block layouts: ggml-common.h / ggml-quants.c; ``decode_
   4-bit blocks, float when all are float, else int8 (each part's rows requantized, which is
   the same as requantizing the fused rows: int8 scales are per row).
 * The token embedding is dequantized to the activation dtype (a step gathers B of its rows).
-  The classifier follows the rules above (a tied one, SmolLM2's ``Q8_0`` embedding, becomes its
-  own int8 copy, as ``quantize.py``'s default int8 classifier does).
+  The classifier too, with ``"quantized"`` (a tied one stays tied). With
+  ``"quantized-int8-classifier"`` it is requantized to per-channel int8 whatever its GGUF type
+  (a tied one, SmolLM2's ``Q8_0`` embedding, becomes its own int8 copy, as ``quantize.py``'s
+  default int8 classifier does): a quarter of float32's bytes, at a measured cost in accuracy
+  (docs/quantization.md: SmolLM2's per-channel int8 classifier is what moves its logits, not
+  the int4 layers).
 * qwen2's q/k rows are permuted to Meta's RoPE order as on the float path
   (``checkpoint.hf_to_meta_rope_rows``): rows of 4-bit values and their per-row scales alike.
 
@@ -47,7 +51,9 @@ from torch import Tensor
 from model import ConfigError, ModelArgs
 from quantized import FORMAT_VERSION, output_dim, quantize_int8
 
-GGUF_WEIGHTS = ("float", "quantized")  # load_model(gguf_weights=...), --gguf-weights
+# load_model(gguf_weights=...), --gguf-weights: the GGUF's weights dequantized to float, or kept
+# quantized with the classifier in float (the activation dtype) or in int8
+GGUF_WEIGHTS = ("float", "quantized", "quantized-int8-classifier")
 INT4_GROUPSIZE = 32  # the GGUF 4-bit types' (sub-)block of values with one scale and minimum
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")  # mapped to int4 g32 exactly
 FLOAT_KINDS = ("F32", "F16", "BF16")  # kept in float
@@ -165,7 +171,8 @@ def _fused(parts: list, dtype: torch.dtype, perms: list[int | None]
     return mode, {s: torch.cat([st[s] for st in stored], dim=output_dim(s)) for s in stored[0]}
 
 
-def gguf_quantized_state_dict(reader, args: ModelArgs, dtype: torch.dtype
+def gguf_quantized_state_dict(reader, args: ModelArgs, dtype: torch.dtype,
+                              classifier: str = "float"
                               ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The stored tensors and ``quantization.json`` config of a quantized checkpoint holding
     a GGUF's weights as they are mapped (module docstring), for ``quantized.load_quantized``
@@ -175,6 +182,7 @@ def gguf_quantized_state_dict(reader, args: ModelArgs, dtype: torch.dtype
         reader: a ``gguf.GGUFReader`` (``gguf_reader.open_gguf``) of a llama or qwen2 file.
         args: its config (``checkpoint.gguf_args``).
         dtype: of the tensors kept in float (embedding, norms, biases, float layers).
+        classifier: ``"float"`` (in ``dtype``; a tied classifier stays tied) or ``"int8"``.
     Returns:
         (state dict in ``model.py``'s names, quantized layers by their ``quantize_tensor``
         suffixes; config with ``format_version``, ``mode`` ("int4" when any layer is int4,
@@ -207,8 +215,11 @@ def gguf_quantized_state_dict(reader, args: ModelArgs, dtype: torch.dtype
     emb = pop("token_embd.weight")
     sd["tok_embeddings.weight"] = _dequantized(emb).to(dtype)
     sd["norm.weight"] = _dequantized(pop("output_norm.weight")).to(dtype)
-    head = tensors.pop("output.weight", None) or emb
-    put("output", *_fused([head], dtype, [None]))
+    head = tensors.pop("output.weight", None)
+    if classifier == "int8":
+        put("output", "int8", _part(head or emb, "int8", dtype, None))
+    elif head is not None:  # untied: its own float matrix (a tied one is tied on load)
+        sd["output.weight"] = _dequantized(head).to(dtype)
     rotate_half = gguf_field(reader, "general.architecture") in GGUF_ROTATE_HALF
     qk_perm = [args.n_heads, args.n_kv_heads, None] if rotate_half else [None] * 3
     fused_linears = {"attention.wqkv": (("attn_q", "attn_k", "attn_v"), qk_perm),
