@@ -18,7 +18,7 @@ How each GGUF type maps (block layouts: ggml-common.h / ggml-quants.c; ``decode_
   ``minimum`` = ``-8 d``, ``m`` or ``-dmin mn``, so that ``quantized.dequantize_int4``'s ``(q -
   8) scale + zero`` is the GGUF's ``scale q + minimum``. The only change is the dtype of the
   stored scales and zeros: ``quantized.kernel_dtype`` (bfloat16 on the CPU with float32
-  activations), a relative error of at most 2^-9 on each (tests/test_gguf.py bounds it).
+  activations), a relative error of at most 2^-8 on each (tests/test_gguf.py bounds it).
 * Every other block type (``Q8_0``, ``Q5_0``, ``Q5_1``, ``Q5_K``, ``Q6_K``, ``Q2_K``, ``Q3_K``,
   the ``IQ`` types) is dequantized and requantized to symmetric per-output-channel int8
   (``quantized.quantize_int8``): not exact, since one scale per row replaces one per block of
