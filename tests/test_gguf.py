@@ -505,6 +505,49 @@ def test_cli_gguf_weights_quantized_generates_the_float_models_greedy_tokens(
     assert ref[:len(new)].argmax(-1).tolist() == new
 
 
+@pytest.mark.parametrize("arch, qtype", [("llama", Q.Q4_0), ("qwen2", Q.Q4_1)])
+def test_quantized_layers_are_the_float_loaders_weights(tmp_path, tiny_hf, arch, qtype):
+    """A small file per architecture, layer 0's v projection stored as Q8_0 (a mixed q/k/v,
+    as Q4_K_M files have): every layer's stored int4/int8 tensors dequantize to the float
+    loader's weight of the same file (int4 exactly, up to float32 rounding of the zero; int8
+    within half its step), qwen2's q/k rows permuted alike, the biases and norms as on the
+    float path; and the model's logits stay close to the float model's."""
+    from test_model import make_hf_model
+
+    from quantized import dequantize_int4, dequantize_int8
+
+    if arch == "qwen2":
+        hf = make_hf_model(tmp_path / "hf", "Qwen2Config", dict(
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=128))
+    else:
+        hf = tiny_hf
+    raw = {"blk.0.attn_v.weight": Q.Q8_0}  # zero blocks: a v projection of zeros
+    path = str(write_gguf(tmp_path / "m.gguf", hf, qtype, arch=arch, raw_types=raw))
+    _, ref, _ = checkpoint.read_checkpoint(path, dtype=torch.float32)
+    _, sd, quant = checkpoint.read_checkpoint(path, dtype=torch.float32,
+                                              gguf_weights="quantized")
+    assert quant["linears"]["layers.0.attention.wqkv"] == "int8"
+    assert quant["linears"]["layers.1.attention.wqkv"] == "int4"
+    assert "output" not in quant["linears"] and torch.equal(sd["output.weight"],
+                                                            ref["output.weight"])
+    for name, mode in quant["linears"].items():
+        w = ref.pop(f"{name}.weight")
+        if mode == "int4":
+            got = dequantize_int4(sd.pop(f"{name}.int4_weight"),
+                                  sd.pop(f"{name}.int4_scales_and_zeros"), 32)
+            torch.testing.assert_close(got, w, rtol=0, atol=1e-6)
+        else:
+            s = sd.pop(f"{name}.int8_scales")
+            got = dequantize_int8(sd.pop(f"{name}.int8_weight"), s)
+            assert ((got - w).abs() <= 0.5001 * s[:, None]).all(), name
+    assert sd.keys() == ref.keys() and all(torch.equal(sd[n], ref[n]) for n in sd)
+    ours, theirs = (load_model(path, "cpu", torch.float32, gguf_weights=g)
+                    for g in ("quantized", "float"))
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
+    got, expected = (logits_along(m, ids, 8) for m in (ours, theirs))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.03 * expected.abs().max().item())
+
+
 def test_cli_bad_gguf_weights_value_gives_one_line():
     p = cli("--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--gguf-weights", "int3",
             "--prompt-tokens", "8", "--max-new-tokens", "2")
