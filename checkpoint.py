@@ -17,7 +17,8 @@ Layouts accepted by ``load_model``:
   stores them, and the q/k biases, in HF's rotate-half order (llama.cpp runs qwen2 with its
   NEOX, rotate-half RoPE), so they are permuted on load like an HF checkpoint's
   (``tests/test_gguf.py`` and ``tests/test_qwen2.py`` check both against transformers' GGUF
-  reader).
+  reader). Opt-in, ``gguf_weights="quantized"`` keeps the 4-bit blocks as int4 and the other
+  block types as int8 layers instead (``gguf_quantized.py``).
 * ``random:NAME``: the named config of ``model.CONFIGS`` with random weights (cost depends on
   shapes, not values).
 * A short name (``KNOWN_CHECKPOINTS``: ``llama3.1-8b``, ``smollm2-135m``...): resolved to a
