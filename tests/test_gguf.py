@@ -561,3 +561,13 @@ def test_gguf_weights_are_checked(tmp_path):
         load_model(str(shared_file(SMOLLM2_GGUF)), "cpu", torch.float32, gguf_weights="int4")
     with pytest.raises(ConfigError, match="applies to GGUF checkpoints only"):
         load_model("random:stories260K", "cpu", torch.float32, gguf_weights="quantized")
+
+
+def test_api_load_takes_gguf_weights():
+    import rocketkv
+    from quantized import Int4Linear, Int8Linear
+
+    engine = rocketkv.load(str(shared_file(SMOLLM2_GGUF)), device="cpu",
+                           gguf_weights="quantized-int8-classifier")
+    assert isinstance(engine.model.layers[0].feed_forward.w13, Int4Linear)
+    assert isinstance(engine.model.output, Int8Linear)
