@@ -17,7 +17,8 @@ Layouts accepted by ``load_model``:
   stores them, and the q/k biases, in HF's rotate-half order (llama.cpp runs qwen2 with its
   NEOX, rotate-half RoPE), so they are permuted on load like an HF checkpoint's
   (``tests/test_gguf.py`` and ``tests/test_qwen2.py`` check both against transformers' GGUF
-  reader).
+  reader). Opt-in, ``gguf_weights="quantized"`` keeps the 4-bit blocks as int4 and the other
+  block types as int8 layers instead (``gguf_quantized.py``).
 * ``random:NAME``: the named config of ``model.CONFIGS`` with random weights (cost depends on
   shapes, not values).
 * A short name (``KNOWN_CHECKPOINTS``: ``llama3.1-8b``, ``smollm2-135m``...): resolved to a
@@ -40,6 +41,7 @@ import torch
 from torch import Tensor
 
 import tp
+from gguf_quantized import check_gguf_weights, gguf_quantized_state_dict
 from gguf_reader import MISSING, gguf_field, is_gguf, open_gguf
 from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, rope_inv_freq
 from quantized import QUANT_CONFIG, load_quantized, output_dim
@@ -746,24 +748,41 @@ def _native_args(ckpt: Path) -> ModelArgs:
 
 
 def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
-                    random_dtype: torch.dtype = torch.float32
+                    random_dtype: torch.dtype = torch.float32, gguf_weights: str = "float"
                     ) -> tuple[ModelArgs, dict[str, Tensor], dict[str, Any] | None]:
     """Config, state dict (``model.py``'s names, on the CPU) and quantization config
     (``quantized.QUANT_CONFIG``; None for float checkpoints) of ``checkpoint``.
 
     Float tensors are cast to ``dtype`` when given, else kept as stored (GGUF tensors are
     dequantized to float32; ``random:NAME`` weights are drawn in ``random_dtype``); a quantized
-    checkpoint's tensors are always returned as stored.
+    checkpoint's tensors are always returned as stored. ``gguf_weights`` ``"quantized"`` or
+    ``"quantized-int8-classifier"`` (GGUF files only): the GGUF's 4-bit and other
+    block-quantized layers as a quantized checkpoint's int4/int8 tensors and config
+    (``gguf_quantized``), the rest in ``dtype``.
 
     Raises:
         ConfigError: missing or unreadable checkpoint, config without weights, unsupported
-            architecture or quantization type, truncated file.
+            architecture or quantization type, truncated file; ``gguf_weights`` not one of
+            ``gguf_quantized.GGUF_WEIGHTS``, or ``"quantized"`` for a checkpoint that is not
+            a GGUF file.
     """
+    check_gguf_weights(gguf_weights)
+    if gguf_weights != "float" and (checkpoint.startswith(RANDOM_PREFIX)
+                                    or not is_gguf(_checked_path(checkpoint))):
+        raise ConfigError(f"--gguf-weights {gguf_weights} applies to GGUF checkpoints only, "
+                          f"not {checkpoint}")
     if checkpoint.startswith(RANDOM_PREFIX):
         args = ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):])
         model = random_model(args, "cpu", dtype or random_dtype)
         return args, dict(model.state_dict()), None
     ckpt = _checked_path(checkpoint)
+    if is_gguf(ckpt) and gguf_weights != "float":
+        reader = open_gguf(ckpt)
+        args = gguf_args(reader, name=None)
+        sd, quant = gguf_quantized_state_dict(
+            reader, args, dtype or torch.float32,
+            classifier="int8" if gguf_weights.endswith("int8-classifier") else "float")
+        return args, sd, quant
     if is_gguf(ckpt):
         args, sd = load_gguf(ckpt, dtype)
         return args, sd, None
@@ -784,10 +803,16 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
     return args, sd, quant
 
 
-def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1)) -> Transformer:
+def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
+               gguf_weights: str = "float") -> Transformer:
     """Load ``checkpoint`` (a directory, a GGUF file, ``random:NAME`` or a short name of
     ``KNOWN_CHECKPOINTS``) onto ``device`` in ``dtype`` (the activation dtype; a quantized
     checkpoint from ``quantize.py`` keeps its int8/int4 layers, laid out for ``device``).
+    ``gguf_weights``: ``"float"`` (default) dequantizes a GGUF's weights to ``dtype``;
+    ``"quantized"`` keeps its 4-bit blocks as int4 (groups of 32, exact up to the scales'
+    dtype) and its other block types as per-channel int8, the embedding and classifier in
+    ``dtype``; ``"quantized-int8-classifier"`` also the classifier in int8
+    (``gguf_quantized``).
     ``shard`` (rank, world size): only that rank's share under tensor parallelism
     (``tp.shard_state_dict``; float, int8 and int4 alike) reaches the device, and the model
     is that rank's (``tp.attach``).
@@ -796,14 +821,15 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1)) 
         ConfigError: missing or unreadable checkpoint, config without weights, unsupported
             architecture or quantization type, truncated file, weights that do not match
             the config, a quantized layout with no kernel for ``device``/``dtype``, or a world
-            size that does not split the model.
+            size that does not split the model; a bad ``gguf_weights`` (``read_checkpoint``).
     """
     rank, world = shard
-    if checkpoint.startswith(RANDOM_PREFIX):
+    check_gguf_weights(gguf_weights)
+    if checkpoint.startswith(RANDOM_PREFIX) and gguf_weights == "float":
         return random_model(ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):]), device, dtype,
                             shard=shard)
     args, sd, quant = read_checkpoint(checkpoint, dtype=dtype if _is_gguf_path(checkpoint)
-                                      else None)
+                                      else None, gguf_weights=gguf_weights)
     local = args
     if world > 1:
         sd = tp.shard_state_dict(sd, args, rank, world, (quant or {}).get("groupsize"))

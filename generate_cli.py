@@ -63,6 +63,7 @@ from documents import (
     read_questions,
     summary_line,
 )
+from gguf_quantized import GGUF_WEIGHTS
 from measure import check_memory
 from model import ConfigError
 from report import PROGRESS_TOKENS, TextStreamer, bar_step, format_report, prefill_bar
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default="float",
+                   help="a GGUF's weights dequantized to float (default), or kept quantized "
+                        "(4-bit blocks as int4, others int8; docs/quantization.md)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -226,7 +230,8 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
         if not is_quantized(checkpoint):
             check_memory(tp.local_args(margs, world), dtype, device, args.batch_size,
                          len(ids) + args.max_new_tokens)
-        model = load_model(checkpoint, device, dtype, shard=(rank, world))
+        model = load_model(checkpoint, device, dtype, shard=(rank, world),
+                           gguf_weights=args.gguf_weights)
         load_s = time.perf_counter() - t_load
         if rank == 0:  # now, not after the prefill: a long prefill would hide a finished load
             print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
@@ -325,7 +330,7 @@ def _answer_questions(args: argparse.Namespace, generate: Generate, checkpoint: 
     check_document(args.method, margs, len(doc), reserve, args.budget, options)
     if not is_quantized(checkpoint):
         check_memory(margs, dtype, device, 1, len(doc) + reserve)
-    model = load_model(checkpoint, device, dtype)
+    model = load_model(checkpoint, device, dtype, gguf_weights=args.gguf_weights)
     load_s = time.perf_counter() - t_load
     print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
     bar = prefill_bar(model.args.n_layers, len(doc), args.no_progress)

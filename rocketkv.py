@@ -85,7 +85,8 @@ def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype
 
 
 def load(checkpoint: str, *, device: str | torch.device | None = None,
-         dtype: torch.dtype | str | None = None, tokenizer: str | None = None) -> Engine:
+         dtype: torch.dtype | str | None = None, tokenizer: str | None = None,
+         gguf_weights: str = "float") -> Engine:
     """Load a model and its tokenizer, as ``generate.py --checkpoint`` does.
 
     Args:
@@ -95,6 +96,9 @@ def load(checkpoint: str, *, device: str | torch.device | None = None,
         dtype: of the weights and the KV cache (a ``torch.dtype`` or its name); default
             bfloat16 on cuda, float32 on cpu.
         tokenizer: a tokenizer file or directory (default: the checkpoint's own).
+        gguf_weights: a GGUF's weights ``"float"`` (dequantized, default), ``"quantized"``
+            or ``"quantized-int8-classifier"`` (``generate.py --gguf-weights``,
+            ``gguf_quantized``).
     Raises:
         ConfigError: what ``generate.py`` reports for the same checkpoint, device or
             tokenizer (a missing file, an unsupported architecture, no CUDA, weights that do
@@ -108,7 +112,7 @@ def load(checkpoint: str, *, device: str | torch.device | None = None,
     tok = checkpoint_tokenizer(ckpt, margs, tokenizer)
     if not is_quantized(ckpt):
         check_memory(margs, dtype, device, 1, 1)  # the weights; each run checks its own KV
-    model = load_model(ckpt, device, dtype)
+    model = load_model(ckpt, device, dtype, gguf_weights=gguf_weights)
     return Engine(model, tok, checkpoint=str(checkpoint), load_s=time.perf_counter() - t0)
 
 

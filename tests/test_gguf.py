@@ -371,3 +371,203 @@ def test_cli_short_name_without_a_local_copy(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1
     assert "scripts/download.py --repo-id mistralai/Mistral-7B-Instruct-v0.2" in lines[0]
+
+
+# --------------------------------------------------------------------------------------------
+# gguf_weights="quantized": the GGUF's blocks kept quantized (gguf_quantized.py)
+
+
+def _bf16_bound(sz: torch.Tensor) -> torch.Tensor:
+    """Per group, the most that rounding a scale and a zero (float32 (G, out, 2)) to bfloat16
+    moves ``(q - 8) scale + zero``: 8 |scale| 2^-8 + |zero| 2^-8 (bfloat16 keeps 8
+    significant bits: its unit roundoff is 2^-8), as (out, G)."""
+    return ((8 * sz[..., 0].abs() + sz[..., 1].abs()) * 2.0 ** -8).T
+
+
+def _q4k_blocks(rng, n_blocks: int) -> np.ndarray:
+    """Random but valid Q4_K super-blocks (ggml-common.h: f16 d, f16 dmin, 12 bytes of 6-bit
+    scales and minimums, 128 bytes of 4-bit values), which gguf cannot write itself."""
+    d = (rng.uniform(1e-4, 1e-2, (n_blocks, 2))).astype(np.float16).view(np.uint8)
+    rest = rng.integers(0, 256, (n_blocks, 140), dtype=np.uint8)
+    return np.concatenate([d, rest], axis=1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4bit_blocks_map_to_int4_g32_exactly(kind):
+    """decode_int4's ``scale q + minimum`` is the gguf package's dequantized weight bit for
+    bit; the int4 layer's ``(q - 8) scale + zero`` equals it up to float32 rounding of the
+    zero, and with the scales and zeros in bfloat16 (the CPU kernels' dtype) within their
+    rounding bound; the layer computes x W^T with that weight."""
+    from gguf_quantized import decode_int4, int4_stored
+    from quantized import Int4Linear, dequantize_int4
+
+    rng = np.random.default_rng(1)
+    rows, cols = 48, 512
+    if kind == "Q4_K":
+        raw = _q4k_blocks(rng, rows * cols // 256).reshape(rows, -1)
+    else:
+        x = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 1, (rows, 1)))
+        raw = gguf.quants.quantize(x.astype(np.float32), getattr(Q, kind))
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, getattr(Q, kind)))
+    q, scale, minimum = decode_int4(raw, kind)
+    assert q.dtype == torch.uint8 and tuple(q.shape) == (rows, cols) and q.max() <= 15
+    got = scale.repeat_interleave(32, 1) * q.float() + minimum.repeat_interleave(32, 1)
+    assert torch.equal(got, expected)
+    stored = int4_stored(q, scale, minimum)
+    sz = stored["int4_scales_and_zeros"]
+    w32 = dequantize_int4(stored["int4_weight"], sz, 32)
+    torch.testing.assert_close(w32, expected, rtol=0, atol=1e-6 * expected.abs().max().item())
+    w16 = dequantize_int4(stored["int4_weight"], sz.bfloat16().float(), 32)
+    bound = _bf16_bound(sz).repeat_interleave(32, 1)
+    err = (w16 - expected).abs()
+    assert (err <= bound * 1.001 + 1e-7).all() and err.max() > 0  # rounded, within the bound
+    layer = Int4Linear(stored["int4_weight"], sz, 32, "cpu", torch.float32)
+    xin = torch.randn(2, cols, generator=torch.Generator().manual_seed(0))
+    ref = xin.bfloat16().float() @ w16.T
+    torch.testing.assert_close(layer(xin), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def smollm2_quantized():
+    return load_model(str(shared_file(SMOLLM2_GGUF)), "cpu", torch.float32,
+                      gguf_weights="quantized")
+
+
+def test_smollm2_quantized_weights_equal_the_gguf_dequantized_ones(smollm2_model):
+    """On SmolLM2's file: every Q4_1 layer as int4 g32 within the bfloat16 rounding of its
+    scales and zeros, the Q8_0 classifier as per-channel int8 within half its step (what it
+    is: requantized), the embedding and norms unchanged; 90.5 MiB read per step with the int8
+    classifier against 513 MiB dequantized."""
+    import measure
+    from quantized import dequantize_int4, dequantize_int8
+
+    path = str(shared_file(SMOLLM2_GGUF))
+    args, sd, quant = checkpoint.read_checkpoint(path, dtype=torch.float32,
+                                                 gguf_weights="quantized-int8-classifier")
+    ref = dict(smollm2_model.named_parameters())
+    assert quant["groupsize"] == 32 and quant["classifier"] == "int8"
+    modes = set(quant["linears"].values())
+    assert modes == {"int4", "int8"} and len(quant["linears"]) == 4 * args.n_layers + 1
+    for name, mode in quant["linears"].items():
+        if mode == "int4":
+            w = ref[f"{name}.weight"]
+            sz = sd[f"{name}.int4_scales_and_zeros"]
+            got = dequantize_int4(sd[f"{name}.int4_weight"], sz.bfloat16().float(), 32)
+            bound = _bf16_bound(sz).repeat_interleave(32, 1)
+            assert ((got - w).abs() <= bound * 1.001 + 1e-7).all(), name
+        else:
+            assert name == "output"
+            w = ref["tok_embeddings.weight"]
+            s = sd["output.int8_scales"]
+            got = dequantize_int8(sd["output.int8_weight"], s)
+            assert ((got - w).abs() <= s[:, None] * 0.5001).all()
+    for name in ("tok_embeddings.weight", "norm.weight", "layers.3.ffn_norm.weight"):
+        assert torch.equal(sd[name], ref[name])
+    m8 = load_model(path, "cpu", torch.float32, gguf_weights="quantized-int8-classifier")
+    assert measure.weight_bytes_per_step(smollm2_model) / 2**20 == pytest.approx(513.1, abs=0.1)
+    assert measure.weight_bytes_per_step(m8) / 2**20 == pytest.approx(90.5, abs=0.1)
+
+
+def test_smollm2_quantized_predicts_like_the_float_model(smollm2_model, smollm2_quantized):
+    """Teacher-forced on 32 tokens of text after a 24-token prefill, through the decode
+    step's int4 kernels: the int4 layers with the float classifier agree with the dequantized
+    float model on every top-1 but one at most (measured on 64 tokens: 64 of 64, mean KL
+    0.0003 nats, docs/quantization.md); the logits move (they are not the float model's)."""
+    from tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(shared_file(SMOLLM2_GGUF)))
+    text = (ROOT / "README.md").read_text()
+    ids = torch.tensor([tok.encode(text)[:56]])
+    ref, got = (logits_along(m, ids, 24)[:32] for m in (smollm2_model, smollm2_quantized))
+    assert smollm2_quantized.quantization["mode"] == "int4"
+    assert smollm2_quantized.output.weight is smollm2_quantized.tok_embeddings.weight
+    assert (ref.argmax(-1) == got.argmax(-1)).sum() >= 31
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    assert 0 < kl.mean() < 0.002
+
+
+def test_cli_gguf_weights_quantized_generates_the_float_models_greedy_tokens(
+        tmp_path, smollm2_model):
+    """generate.py --gguf-weights quantized: its greedy tokens are the float model's greedy
+    choices along them (teacher-forced), and the report names the int4 weights."""
+    import json
+
+    out = tmp_path / "run.json"
+    p = cli("--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--gguf-weights", "quantized",
+            "-p", "The capital of France is", "--max-new-tokens", "8", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "int4-g32, classifier float" in p.stderr
+    r = json.loads(out.read_text())
+    prompt, new = r["prompt_token_ids"][0], r["token_ids"][0]
+    ids = torch.tensor([prompt + new])
+    ref = logits_along(smollm2_model, ids, len(prompt))
+    assert ref[:len(new)].argmax(-1).tolist() == new
+
+
+@pytest.mark.parametrize("arch, qtype", [("llama", Q.Q4_0), ("qwen2", Q.Q4_1)])
+def test_quantized_layers_are_the_float_loaders_weights(tmp_path, tiny_hf, arch, qtype):
+    """A small file per architecture, layer 0's v projection stored as Q8_0 (a mixed q/k/v,
+    as Q4_K_M files have): every layer's stored int4/int8 tensors dequantize to the float
+    loader's weight of the same file (int4 exactly, up to float32 rounding of the zero; int8
+    within half its step), qwen2's q/k rows permuted alike, the biases and norms as on the
+    float path; and the model's logits stay close to the float model's."""
+    from test_model import make_hf_model
+
+    from quantized import dequantize_int4, dequantize_int8
+
+    if arch == "qwen2":
+        hf = make_hf_model(tmp_path / "hf", "Qwen2Config", dict(
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=128))
+    else:
+        hf = tiny_hf
+    raw = {"blk.0.attn_v.weight": Q.Q8_0}  # zero blocks: a v projection of zeros
+    path = str(write_gguf(tmp_path / "m.gguf", hf, qtype, arch=arch, raw_types=raw))
+    _, ref, _ = checkpoint.read_checkpoint(path, dtype=torch.float32)
+    _, sd, quant = checkpoint.read_checkpoint(path, dtype=torch.float32,
+                                              gguf_weights="quantized")
+    assert quant["linears"]["layers.0.attention.wqkv"] == "int8"
+    assert quant["linears"]["layers.1.attention.wqkv"] == "int4"
+    assert "output" not in quant["linears"] and torch.equal(sd["output.weight"],
+                                                            ref["output.weight"])
+    for name, mode in quant["linears"].items():
+        w = ref.pop(f"{name}.weight")
+        if mode == "int4":
+            got = dequantize_int4(sd.pop(f"{name}.int4_weight"),
+                                  sd.pop(f"{name}.int4_scales_and_zeros"), 32)
+            torch.testing.assert_close(got, w, rtol=0, atol=1e-6)
+        else:
+            s = sd.pop(f"{name}.int8_scales")
+            got = dequantize_int8(sd.pop(f"{name}.int8_weight"), s)
+            assert ((got - w).abs() <= 0.5001 * s[:, None]).all(), name
+    assert sd.keys() == ref.keys() and all(torch.equal(sd[n], ref[n]) for n in sd)
+    ours, theirs = (load_model(path, "cpu", torch.float32, gguf_weights=g)
+                    for g in ("quantized", "float"))
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
+    got, expected = (logits_along(m, ids, 8) for m in (ours, theirs))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.03 * expected.abs().max().item())
+
+
+def test_cli_bad_gguf_weights_value_gives_one_line():
+    p = cli("--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--gguf-weights", "int3",
+            "--prompt-tokens", "8", "--max-new-tokens", "2")
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "int3" in lines[0], p.stderr
+
+
+def test_gguf_weights_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match="--gguf-weights must be one of float, quantized"):
+        load_model(str(shared_file(SMOLLM2_GGUF)), "cpu", torch.float32, gguf_weights="int4")
+    with pytest.raises(ConfigError, match="applies to GGUF checkpoints only"):
+        load_model("random:stories260K", "cpu", torch.float32, gguf_weights="quantized")
+
+
+def test_api_load_takes_gguf_weights():
+    import rocketkv
+    from quantized import Int4Linear, Int8Linear
+
+    engine = rocketkv.load(str(shared_file(SMOLLM2_GGUF)), device="cpu",
+                           gguf_weights="quantized-int8-classifier")
+    assert isinstance(engine.model.layers[0].feed_forward.w13, Int4Linear)
+    assert isinstance(engine.model.output, Int8Linear)
