@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
-from checkpoint import load_model, resolve_checkpoint
+from checkpoint import checkpoint_args, load_model, resolve_checkpoint
 from cli import check_positive, resolve_device
-from compression import METHODS, add_method_options, check_methods, options_for
+from compression import METHODS, add_method_options, check_methods, options_for, plan
 from evals.data import ROOT
 from flags import add_device_option, add_time_limit_option
 from generate import generate
@@ -553,6 +553,28 @@ def check_common(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
+
+
+def check_runs(args: argparse.Namespace, lengths: Sequence[int], new_tokens: int) -> None:
+    """Every run the script will make checked before the weights load, as ``generate.py``
+    checks its one run: each length with ``new_tokens`` inside the model's context, and each
+    method at each budget planned at each length (``compression.plan``: a budget too small
+    for a method names the smallest valid one). ``eval_needle.py --budgets 16`` prefilled
+    for minutes before; now it is one ``error:`` line.
+
+    Raises:
+        ConfigError: the first length or (method, budget, length) that cannot run.
+    """
+    margs = checkpoint_args(resolve_checkpoint(args.checkpoint))
+    too_long = [n for n in lengths if n + new_tokens > margs.max_seq_len]
+    if too_long:
+        raise ConfigError(f"--context {too_long[0]} + {new_tokens} new tokens exceed the "
+                          f"model's context ({margs.max_seq_len} tokens)")
+    for method, budget in configurations(list(dict.fromkeys(args.methods)),
+                                         list(dict.fromkeys(args.budgets))):
+        for n in lengths:
+            plan(method, margs, prompt_len=n, max_new_tokens=new_tokens, budget=budget,
+                 **options_for(method, args))
 
 
 def cpu_has_native_bf16() -> bool:

@@ -60,6 +60,7 @@ import argparse
 import datetime as dt
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -565,7 +566,8 @@ def run(args, argv=None) -> int:
 
 def check_out_dir(out: str) -> None:
     """Fail before the load when the results root ``out`` cannot hold the results: a file in
-    its place, or no permission to write where it is or would be created.
+    its place, or no permission to write where it is or would be created (a probe directory
+    is made there and removed: ``/proc`` passes ``os.access`` for root).
 
     Raises:
         ConfigError: naming ``--out`` and the path.
@@ -576,6 +578,11 @@ def check_out_dir(out: str) -> None:
     existing = next(p for p in (path, *path.absolute().parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {out}: {existing} is not writable")
+    try:  # os.access says yes to root on /proc and on some mounts: try it
+        os.rmdir(tempfile.mkdtemp(prefix=".probe.", dir=existing))
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create a directory in {existing} "
+                          f"({e.strerror or e})") from None
 
 
 def row_label(row: dict) -> str:

@@ -42,6 +42,7 @@ from compression import given_options
 from evals.harness import (
     add_common_args,
     check_common,
+    check_runs,
     configurations,
     evaluate_items,
     load,
@@ -84,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(x is not None for x in custom) and not all(x is not None for x in custom):
             raise ConfigError("--needle, --question and --answer go together")
         texts = read_texts(args.text)
+        check_runs(args, args.context, args.max_new_tokens)  # before the weights load
         model, tok, device = load(args)
         too_long = [n for n in args.context if n + args.max_new_tokens > model.args.max_seq_len]
         if too_long:

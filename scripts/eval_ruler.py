@@ -44,6 +44,7 @@ from evals.data import ESSAYS
 from evals.harness import (
     add_common_args,
     check_common,
+    check_runs,
     configurations,
     evaluate_items,
     load,
@@ -81,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--samples must be positive")
         if not Path(args.essays).exists():
             raise ConfigError(f"essay haystack not found: {args.essays}")
+        check_runs(args, args.context, 96)  # the longest answer; before the weights load
         model, tok, device = load(args)
         too_long = [n for n in args.context if n + 96 > model.args.max_seq_len]
         if too_long:

@@ -393,3 +393,24 @@ def test_noisy_rows_get_the_warning_of_generate(tmp_path, monkeypatch, capsys):
     report = format_report(dict(results[-1], decode_ms_p10=1.0, decode_ms_p90=50.0))
     (line,) = [x for x in report.splitlines() if x.startswith("warning:")]
     assert err == [line.replace("warning: ", "warning: full at 64 tokens, batch 1: ")]
+
+
+def test_an_out_the_filesystem_refuses_is_one_line_before_loading(monkeypatch, capsys):
+    """``--out /proc/x``: /proc passes os.access for root but takes no directory; one error
+    line and exit 2 before anything loads (a traceback after the load before)."""
+    import pathlib
+
+    import pytest
+
+    import scripts.bench as bench
+
+    if not pathlib.Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+
+    def loaded(*_):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(bench, "load_weights", loaded)
+    assert main(["--device", "cpu", "--config", "stories260K", "--out", "/proc/rocketkv"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out /proc/rocketkv: cannot create")

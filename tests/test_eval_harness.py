@@ -253,6 +253,28 @@ def test_bad_arguments_exit_2(capsys):
     assert "samples" in capsys.readouterr().err
 
 
+def test_a_budget_no_run_can_use_is_one_line_before_the_weights_load(capsys, monkeypatch):
+    """``eval_needle.py --budgets 16`` prefilled for minutes and then died in matplotlib;
+    like ``generate.py`` it now names the smallest valid budget before anything loads (the
+    loader is made to fail the test); so does a length past the model's context."""
+    import evals.harness as harness
+
+    def no_load(*a, **kw):
+        raise AssertionError("the weights were loaded before the runs were checked")
+
+    monkeypatch.setattr(harness, "load_model", no_load)
+    gguf = str(shared_file(SMOLLM2_GGUF))
+    assert needle_main(["--checkpoint", gguf, "--methods", "rocketkv", "--budgets", "16",
+                        "--context", "1024", "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "smallest valid budget" in err
+    assert len(err.strip().splitlines()) == 1
+    assert ruler_main(["--checkpoint", gguf, "--methods", "full", "--context", "8190",
+                       "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "exceed the model's context (8192 tokens)" in err and len(err.splitlines()) == 1
+
+
 def test_a_budget_error_fails_only_the_items_it_concerns(monkeypatch):
     """A method that rejects the budget for one group of items (a task whose long answer
     leaves t - m under the observation window) fails those items only: the row keeps the
