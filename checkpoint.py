@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 import tp
-from gguf_quantized import check_gguf_weights, gguf_quantized_state_dict
+from gguf_quantized import GGUFLoader, check_gguf_weights, gguf_quantized_state_dict
 from gguf_reader import MISSING, gguf_field, is_gguf, open_gguf
 from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, rope_inv_freq
 from quantized import QUANT_CONFIG, load_quantized, output_dim
@@ -781,7 +781,10 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
         args = gguf_args(reader, name=None)
         sd, quant = gguf_quantized_state_dict(
             reader, args, dtype or torch.float32,
-            classifier="int8" if gguf_weights.endswith("int8-classifier") else "float")
+            classifier="int8" if gguf_weights.endswith("int8-classifier") else "float",
+            loader=GGUFLoader(dequantize=_dequantize, rope_rows=hf_to_meta_rope_rows,
+                              layer_names=_GGUF_LAYER_NAMES, rotate_half=GGUF_ROTATE_HALF,
+                              fused_qkv=fused_qkv, qkv_names=qkv_names))
         return args, sd, quant
     if is_gguf(ckpt):
         args, sd = load_gguf(ckpt, dtype)

@@ -43,11 +43,14 @@ docs/quantization.md), so there is no on-disk cache of the repacked weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gguf_reader import gguf_field
 from model import ConfigError, ModelArgs
 from quantized import FORMAT_VERSION, output_dim, quantize_int8
 
@@ -129,10 +132,21 @@ def int4_stored(q: Tensor, scale: Tensor, minimum: Tensor) -> dict[str, Tensor]:
     return {"int4_weight": packed, "int4_scales_and_zeros": sz}
 
 
-def _dequantized(tensor) -> Tensor:
-    from checkpoint import _dequantize
+@dataclass(frozen=True)
+class GGUFLoader:
+    """What the float GGUF loader (``checkpoint.py``) knows and the quantized mapping reuses,
+    handed in by ``checkpoint.read_checkpoint`` (``checkpoint`` imports this module, so this
+    module cannot import it): ``dequantize`` (a GGUF tensor -> float32 Tensor),
+    ``rope_rows`` (``hf_to_meta_rope_rows``), ``layer_names`` (GGUF layer name -> the
+    model's), ``rotate_half`` (architectures stored in rotate-half order), ``fused_qkv`` and
+    ``qkv_names`` (the fused q/k/v layout)."""
 
-    return _dequantize(tensor)
+    dequantize: Callable[[Any], Tensor]
+    rope_rows: Callable[[Tensor, int], Tensor]
+    layer_names: dict[str, Any]
+    rotate_half: tuple[str, ...]
+    fused_qkv: Callable[..., Tensor]
+    qkv_names: Callable[[ModelArgs], dict[str, str]]
 
 
 def _mode(kinds: list[str]) -> str | None:
@@ -144,35 +158,33 @@ def _mode(kinds: list[str]) -> str | None:
     return "int8"
 
 
-def _part(tensor, mode: str | None, dtype: torch.dtype, perm_heads: int | None
-          ) -> dict[str, Tensor]:
+def _part(tensor, mode: str | None, dtype: torch.dtype, perm_heads: int | None,
+          loader: GGUFLoader) -> dict[str, Tensor]:
     """One GGUF linear weight in ``mode``, keyed by ``quantize_tensor``'s suffixes (``weight``
     for float), its rows permuted from rotate-half order when ``perm_heads`` is given."""
-    from checkpoint import hf_to_meta_rope_rows
-
     def rows(t: Tensor) -> Tensor:
-        return t if perm_heads is None else hf_to_meta_rope_rows(t, perm_heads)
+        return t if perm_heads is None else loader.rope_rows(t, perm_heads)
 
     if mode == "int4":
         q, scale, minimum = (rows(t) for t in decode_int4(tensor.data, tensor.tensor_type.name))
         return int4_stored(q, scale, minimum)
-    w = rows(_dequantized(tensor))
+    w = rows(loader.dequantize(tensor))
     if mode is None:
         return {"weight": w.to(dtype)}
     q8, s8 = quantize_int8(w)
     return {"int8_weight": q8, "int8_scales": s8}
 
 
-def _fused(parts: list, dtype: torch.dtype, perms: list[int | None]
+def _fused(parts: list, dtype: torch.dtype, perms: list[int | None], loader: GGUFLoader
            ) -> tuple[str | None, dict[str, Tensor]]:
     """``parts`` (GGUF tensors) as one layer, their rows concatenated in order."""
     mode = _mode([t.tensor_type.name for t in parts])
-    stored = [_part(t, mode, dtype, p) for t, p in zip(parts, perms)]
+    stored = [_part(t, mode, dtype, p, loader) for t, p in zip(parts, perms)]
     return mode, {s: torch.cat([st[s] for st in stored], dim=output_dim(s)) for s in stored[0]}
 
 
 def gguf_quantized_state_dict(reader, args: ModelArgs, dtype: torch.dtype,
-                              classifier: str = "float"
+                              classifier: str = "float", *, loader: GGUFLoader
                               ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The stored tensors and ``quantization.json`` config of a quantized checkpoint holding
     a GGUF's weights as they are mapped (module docstring), for ``quantized.load_quantized``
@@ -183,6 +195,7 @@ def gguf_quantized_state_dict(reader, args: ModelArgs, dtype: torch.dtype,
         args: its config (``checkpoint.gguf_args``).
         dtype: of the tensors kept in float (embedding, norms, biases, float layers).
         classifier: ``"float"`` (in ``dtype``; a tied classifier stays tied) or ``"int8"``.
+        loader: the float loader's pieces (``GGUFLoader``, ``checkpoint.GGUF_LOADER``).
     Returns:
         (state dict in ``model.py``'s names, quantized layers by their ``quantize_tensor``
         suffixes; config with ``format_version``, ``mode`` ("int4" when any layer is int4,
@@ -191,9 +204,6 @@ def gguf_quantized_state_dict(reader, args: ModelArgs, dtype: torch.dtype,
     Raises:
         ConfigError: a missing or unexpected tensor, or an undequantizable type.
     """
-    from checkpoint import _GGUF_LAYER_NAMES, GGUF_ROTATE_HALF, fused_qkv, qkv_names
-    from gguf_reader import gguf_field
-
     tensors = {t.name: t for t in reader.tensors}
     tensors.pop("rope_freqs.weight", None)  # in args.rope_scaling
 
@@ -213,33 +223,35 @@ def gguf_quantized_state_dict(reader, args: ModelArgs, dtype: torch.dtype,
             sd.update({f"{name}.{s}": t for s, t in stored.items()})
 
     emb = pop("token_embd.weight")
-    sd["tok_embeddings.weight"] = _dequantized(emb).to(dtype)
-    sd["norm.weight"] = _dequantized(pop("output_norm.weight")).to(dtype)
+    sd["tok_embeddings.weight"] = loader.dequantize(emb).to(dtype)
+    sd["norm.weight"] = loader.dequantize(pop("output_norm.weight")).to(dtype)
     head = tensors.pop("output.weight", None)
     if classifier == "int8":
-        put("output", "int8", _part(head or emb, "int8", dtype, None))
+        put("output", "int8", _part(head or emb, "int8", dtype, None, loader))
     elif head is not None:  # untied: its own float matrix (a tied one is tied on load)
-        sd["output.weight"] = _dequantized(head).to(dtype)
-    rotate_half = gguf_field(reader, "general.architecture") in GGUF_ROTATE_HALF
+        sd["output.weight"] = loader.dequantize(head).to(dtype)
+    rotate_half = gguf_field(reader, "general.architecture") in loader.rotate_half
     qk_perm = [args.n_heads, args.n_kv_heads, None] if rotate_half else [None] * 3
     fused_linears = {"attention.wqkv": (("attn_q", "attn_k", "attn_v"), qk_perm),
                      "feed_forward.w13": (("ffn_gate", "ffn_up"), [None, None])}
     single = {n.removesuffix(".weight"): m.removesuffix(".weight")
-              for n, m in _GGUF_LAYER_NAMES.items() if n.startswith(("attn_output", "ffn_down"))}
-    norms = {n: m for n, m in _GGUF_LAYER_NAMES.items() if n.endswith("norm.weight")}
+              for n, m in loader.layer_names.items()
+              if n.startswith(("attn_output", "ffn_down"))}
+    norms = {n: m for n, m in loader.layer_names.items() if n.endswith("norm.weight")}
     for i in range(args.n_layers):
         p = f"blk.{i}."
         for name, (parts, perms) in fused_linears.items():
             put(f"layers.{i}.{name}", *_fused([pop(f"{p}{n}.weight") for n in parts], dtype,
-                                             perms))
+                                             perms, loader))
         for gname, name in single.items():
-            put(f"layers.{i}.{name}", *_fused([pop(f"{p}{gname}.weight")], dtype, [None]))
+            put(f"layers.{i}.{name}", *_fused([pop(f"{p}{gname}.weight")], dtype, [None],
+                                                    loader))
         for gname, name in norms.items():
-            sd[f"layers.{i}.{name}"] = _dequantized(pop(p + gname)).to(dtype)
+            sd[f"layers.{i}.{name}"] = loader.dequantize(pop(p + gname)).to(dtype)
         if args.qkv_bias:
-            q, k, v = (_dequantized(pop(f"{p}attn_{n}.bias")).to(dtype) for n in "qkv")
-            sd[f"layers.{i}.{qkv_names(args)['bias']}"] = (
-                fused_qkv(q, k, v, args) if rotate_half else torch.cat([q, k, v]))
+            q, k, v = (loader.dequantize(pop(f"{p}attn_{n}.bias")).to(dtype) for n in "qkv")
+            sd[f"layers.{i}.{loader.qkv_names(args)['bias']}"] = (
+                loader.fused_qkv(q, k, v, args) if rotate_half else torch.cat([q, k, v]))
     if tensors:
         raise ConfigError(f"unexpected tensors in GGUF file: {', '.join(list(tensors)[:5])}")
     any_int4 = "int4" in linears.values()
