@@ -64,7 +64,7 @@ from model import ConfigError
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    add_common_args(p, "results/accuracy")
+    add_common_args(p, "accuracy")
     add_needle_args(p)
     p.add_argument("--variant", choices=VARIANTS, default="standard",
                    help="paraphrase: a needle whose question shares no content word with it "

@@ -60,7 +60,7 @@ DEFAULT_LENGTHS = (4096,)
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    add_common_args(p, "results/accuracy")
+    add_common_args(p, "accuracy")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS),
                    metavar="TASK", help=f"default: all ({' '.join(TASKS)})")
     p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_LENGTHS),

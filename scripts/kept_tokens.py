@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     """``scripts/eval_needle.py``'s flags: the same prompts (most of its other flags go
     unused)."""
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    add_common_args(p, "results/accuracy")
+    add_common_args(p, "accuracy")
     add_needle_args(p)
     return p
 
