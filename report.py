@@ -15,9 +15,11 @@ import torch
 from torch import Tensor
 
 from cli import write_stdout
-from measure import (
+from measure import (  # noqa: F401  (SPREAD_WARN: re-exported)
+    SPREAD_WARN,
     device_name,
     percentile,
+    spread_warning,
     weight_bytes,
     weight_bytes_per_step,
     weights_label,
@@ -25,8 +27,6 @@ from measure import (
 from model import Transformer
 from step import StepMode
 from tokenizer import Tokenizer
-
-SPREAD_WARN = 4.0  # p90/p10 of decode steps above which the report warns of contention
 
 
 class GenerateResult(TypedDict):
@@ -258,9 +258,7 @@ def format_report(r: dict[str, Any], load_line: bool = True) -> str:
             f"decode {r['decode_steps']} steps: median {r['decode_ms_median']:.2f} ms  "
             f"p10 {r['decode_ms_p10']:.2f} ms  p90 {r['decode_ms_p90']:.2f} ms  "
             f"{r['tokens_per_s']:.1f} tokens/s",
-            *([f"warning: step times vary {spread:.1f}x (p90/p10): other work is probably "
-                "competing for the device or CPU threads; these timings are unreliable"]
-              if (spread := r["decode_ms_p90"] / max(r["decode_ms_p10"], 1e-9)) > SPREAD_WARN
+            *([warn] if (warn := spread_warning(r["decode_ms_p10"], r["decode_ms_p90"]))
               else []),
             f"achieved bandwidth {r['bandwidth_gbps']:.1f} GB/s "
             f"(weights {mb(r['weight_bytes_per_step'])} + KV {mb(r['kv_bytes_per_step'])} "
