@@ -90,13 +90,19 @@ def twin_caches(name, k, args, T, steps, dtype, device, seed=0, B=1):
             cache.prefill(q[:, :, :T], kk[:, :, :T], v[:, :, :T])
         caches.append(cache)
     ref, ker = caches
-    ker.k_cache[:, :, T:] = float("nan")
-    ker.v_cache[:, :, T:] = float("nan")
-    aux = aux_of(ker.selector)
-    if aux is not None:
-        ps = ker.selector.page_size if isinstance(ker.selector, PagedSelector) else 1
-        aux[..., -(-T // ps):] = float("nan")  # pages (columns) no token reached yet
+    poison_unwritten(ker, T)
     return ref, ker, (q, kk, v)
+
+
+def poison_unwritten(cache, T):
+    """NaN in every slot past the ``T`` written ones and in every page (summary column) no
+    token reached yet: a kernel that reads one shows it in its output."""
+    cache.k_cache[:, :, T:] = float("nan")
+    cache.v_cache[:, :, T:] = float("nan")
+    aux = aux_of(cache.selector)
+    if aux is not None:
+        ps = cache.selector.page_size if isinstance(cache.selector, PagedSelector) else 1
+        aux[..., -(-T // ps):] = float("nan")
 
 
 def decode(cache, mode, q, k, v, t):
@@ -652,12 +658,7 @@ def device_caches(make, T, dtype, device, steps=2, seed=0):
             cache.store_prompt(k[:, :, :T], v[:, :, :T], q[:, :, :1])
         caches.append(cache)
     ref, ker = caches
-    ker.k_cache[:, :, T:] = float("nan")
-    ker.v_cache[:, :, T:] = float("nan")
-    aux = aux_of(ker.selector)
-    if aux is not None:
-        ps = ker.selector.page_size if isinstance(ker.selector, PagedSelector) else 1
-        aux[..., -(-T // ps):] = float("nan")
+    poison_unwritten(ker, T)
     return ref, ker, [(q[:, :, i:i + 1], k[:, :, T + i:T + i + 1], v[:, :, T + i:T + i + 1])
                       for i in range(steps)]
 
