@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 import tp
+from flags import KNOWN_CHECKPOINTS  # noqa: F401  (re-exported: short names)
 from gguf_quantized import GGUFLoader, check_gguf_weights, gguf_quantized_state_dict
 from gguf_reader import MISSING, gguf_field, is_gguf, open_gguf
 from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, rope_inv_freq
@@ -643,13 +644,6 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None
 # --------------------------------------------------------------------------------------------
 # Short names
 
-# name -> Hugging Face repository of the instruct model our users mean by it
-KNOWN_CHECKPOINTS = {
-    "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
-    "mistral-7b-v0.2": "mistralai/Mistral-7B-Instruct-v0.2",
-    "longchat-7b": "lmsys/longchat-7b-v1.5-32k",
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
-}
 CHECKPOINT_DIRS = (Path("checkpoints"), Path(__file__).resolve().parent / "checkpoints")
 
 

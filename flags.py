@@ -22,6 +22,47 @@ CLASSIFIER_CHOICES = ("int8", "same", "float")  # --classifier
 GROUPSIZES = (32, 64, 128, 256)  # int4's input features per scale/zero group
 
 
+GGUF_WEIGHTS = ("float", "quantized", "quantized-int8-classifier")  # --gguf-weights
+PROGRESS_TOKENS = 512  # prompts from this many tokens show a prefill progress bar
+# short name -> Hugging Face repository of the instruct model our users mean by it
+# (checkpoint.resolve_checkpoint, scripts/download.py)
+KNOWN_CHECKPOINTS = {
+    "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "mistral-7b-v0.2": "mistralai/Mistral-7B-Instruct-v0.2",
+    "longchat-7b": "lmsys/longchat-7b-v1.5-32k",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+# The registry's methods in its order, (name, description), for parsers built before torch
+# loads (generate.py's --method and --help); tests/test_entry_points.py fails, printing the
+# current list, when compression.METHODS differs.
+METHOD_TABLE: tuple[tuple[str, str], ...] = (
+    ("full", "Full-KV: every token cached and read at every step (no budget)"),
+    ("gptfast_dense", "benchmark baseline: Full-KV decoded as gpt-fast did (repeated K/V, math "
+                      "SDPA, max_seq^2 mask)"),
+    ("exact_topk", "oracle top-k on exact attention scores (k = t), exact attention over them"),
+    ("snapkv", "SnapKV: per-head observation-window voting evicts prompt tokens (budget t - m)"),
+    ("snapkv_pp", "SnapKV++: group-shared voting, adaptive max-pool kernel (RocketKV Alg. 1)"),
+    ("quest", "Quest: page min/max bounds rank tokens, exact attention over the top t/2"),
+    ("sparq", "SparQ: top-r query dims approximate scores, top-k exact attention (t/2 + t/2)"),
+    ("hybrid", "hybrid attention (RocketKV Alg. 2) on the full cache (t/2 + t/2)"),
+    ("rocketkv", "RocketKV: SnapKV++ at prefill, then hybrid attention at every decode step"),
+    ("streamingllm", "StreamingLLM: attention sinks + a recent window (ring buffer), budget t"),
+    ("h2o", "H2O: heavy hitters (accumulated attention) + recent tokens, evicting every step"),
+    ("duoattention", "DuoAttention: retrieval heads keep everything, streaming heads sinks + "
+                     "recent (--duo-patterns)"),
+    ("keydiff", "KeyDiff: keeps the most distinct keys (cosine to the mean key), block-wise "
+                "prefill within t + block slots"),
+    ("omnikv", "OmniKV: filter layers select t - 1 tokens for the layers after them, nothing "
+               "evicted (--offload: host memory)"),
+)
+
+
+def method_epilog() -> str:
+    """``--help``'s list of methods, one line each (``compression.help_epilog``'s text)."""
+    width = max(len(name) for name, _ in METHOD_TABLE) + 2
+    return "methods:\n" + "\n".join(f"  {name:<{width}}{text}" for name, text in METHOD_TABLE)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """ArgumentParser whose usage errors are one ``error: ...`` line and exit status 2."""
 

@@ -2,7 +2,7 @@
 
     python generate.py --checkpoint DIR --prompt FILE [--method full] [--budget N] [--json OUT]
     python generate.py --checkpoint model.gguf --chat --method rocketkv --budget 256 --prompt FILE
-    python generate.py --checkpoint random:llama-3.1-8b --prompt-tokens 32768 --max-new-tokens 64
+    python generate.py --checkpoint random:llama-3.1-8b --context 32768 --max-new-tokens 64
 
 The decode loop (``_run``) and the library call (``generate``); the rest lives beside it:
 the decode step and its modes in ``step.py`` (``StepMode``: eager, compiled static or
@@ -16,6 +16,13 @@ capture its graphs, timed apart (``compile_s``) and left out of the latency figu
 from __future__ import annotations
 
 import sys
+
+from generate_flags import build_parser
+
+if __name__ == "__main__":  # --help and usage errors before torch and the engine load
+    ARGS = build_parser().parse_args()
+
+# ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -319,12 +326,12 @@ def _next_turn(model: Transformer, prompt: Tensor, max_new_tokens: int,
                  lambda: model.prefill(chunk, start=start, on_layer=on_layer), "reserve")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, args=None) -> int:
     """The command line (``generate_cli.main``, running ``generate``): the text on stdout,
     the report on stderr, exit status 0, 2 for bad input, 1 out of memory, 130 after Ctrl-C,
-    143 after SIGTERM."""
-    return generate_cli.main(generate, argv)
+    143 after SIGTERM. ``args``: ``argv`` parsed already."""
+    return generate_cli.main(generate, argv, args)
 
 
 if __name__ == "__main__":
-    tp.exit_now(main()) if tp.launched() else sys.exit(main())
+    tp.exit_now(main(args=ARGS)) if tp.launched() else sys.exit(main(args=ARGS))

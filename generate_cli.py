@@ -27,7 +27,6 @@ import torch
 import kernels
 import tp
 from checkpoint import (
-    KNOWN_CHECKPOINTS,
     checkpoint_args,
     is_quantized,
     load_model,
@@ -43,18 +42,15 @@ from checks import (
 )
 from cli import (
     DTYPES,
-    OneLineParser,
-    add_kernels_option,
     apply_kernels_option,
     check_json_path,
     check_positive,
-    deprecated_alias,
     read_prompt,
     resolve_device,
     write_json,
     write_stdout,
 )
-from compression import METHODS, add_method_options, given_options, help_epilog
+from compression import given_options
 from documents import (
     CacheSnapshot,
     document_ids,
@@ -63,10 +59,10 @@ from documents import (
     read_questions,
     summary_line,
 )
-from gguf_quantized import GGUF_WEIGHTS
+from generate_flags import build_parser
 from measure import check_memory
 from model import ConfigError
-from report import PROGRESS_TOKENS, TextStreamer, bar_step, format_report, prefill_bar
+from report import TextStreamer, bar_step, format_report, prefill_bar
 from session import rewind_conversation
 from step import StepMode, default_compile
 from tokenizer import Tokenizer
@@ -74,69 +70,8 @@ from tokenizer import Tokenizer
 Generate = Callable[..., dict[str, Any]]  # generate.generate
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(description=__doc__.split("\n\n")[0], epilog=help_epilog(),
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True,
-                   help="checkpoint directory (HF layout or converted), a .gguf file, a short "
-                        f"name ({', '.join(KNOWN_CHECKPOINTS)}: a local copy in checkpoints/ or "
-                        "the Hugging Face cache), or random:NAME with NAME a named config "
-                        "(random weights at the real shapes)")
-    p.add_argument("--tokenizer", help="tokenizer.json, tokenizer.model or .gguf file "
-                   "(default: the checkpoint's)")
-    p.add_argument("--method", default="full", choices=list(METHODS), metavar="METHOD",
-                   help="KV cache method (see below; default full)")
-    p.add_argument("--budget", type=int, help="token budget: KV pairs read per decode step per "
-                   "layer per KV-head group")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", metavar="FILE", help="prompt text file, - for stdin")
-    src.add_argument("-p", "--prompt-text", metavar="TEXT", help="the prompt text itself")
-    src.add_argument("--context", type=int, metavar="N",
-                     help="synthetic prompt of N random token ids (efficiency runs)")
-    deprecated_alias(p, "--prompt-tokens", "--context")
-    add_method_options(p.add_argument_group(
-        "method options (every derived parameter is printed and saved)"))
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=1,
-                   help="copies of the prompt decoded together")
-    p.add_argument("--device", default=None, help="cuda if available, else cpu")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--dtype", choices=list(DTYPES),
-                   help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default="float",
-                   help="a GGUF's weights dequantized to float (default), or kept quantized "
-                        "(4-bit blocks as int4, others int8; docs/quantization.md)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decode step (default: on for cuda)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="instead of compiling, capture the eager decode step in a CUDA graph "
-                        "(about a second instead of a minute's compile; unfused kernels)")
-    add_kernels_option(p)
-    p.add_argument("--chat", action="store_true",
-                   help="the prompt is the user message of the checkpoint's chat template; "
-                        "generation stops at the template's end-of-turn token")
-    p.add_argument("--system", help="system message (with --chat)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
-                   help="print the text as it is decoded (default; batch 1 with a tokenizer). "
-                        "A host sync per token: --no-stream for timing runs")
-    p.add_argument("--questions", metavar="FILE",
-                   help="questions about the --prompt document, one a line (or JSON lines "
-                        "with a \"question\" key): the document is prefilled once and each "
-                        "question answered from its cache, rewound after each answer")
-    p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no prefill progress bar (shown on stderr when it is a terminal and "
-                        f"the prompt has at least {PROGRESS_TOKENS} tokens)")
-    return p
-
-
-
-def main(generate: Generate, argv: Sequence[str] | None = None) -> int:
+def main(generate: Generate, argv: Sequence[str] | None = None,
+         args: argparse.Namespace | None = None) -> int:
     """The command line: the generated text on stdout (a ``==> sequence i <==`` header before
     each when the batch has several), the report on stderr, ``--json`` for every figure.
 
@@ -145,8 +80,10 @@ def main(generate: Generate, argv: Sequence[str] | None = None) -> int:
     (what was generated, the report and the JSON are kept). Under ``torchrun`` (``tp.py``)
     only rank 0 prints and writes; a collective that fails (another rank stopped) or times
     out ends each rank with one ``error:`` line and status 1. ``generate`` is
-    ``generate.generate`` (``generate.main`` hands it in)."""
-    args = build_parser().parse_args(argv)
+    ``generate.generate`` (``generate.main`` hands it in); ``args``: ``argv`` parsed already
+    (``python generate.py`` parses before torch loads: ``generate_flags``)."""
+    if args is None:
+        args = build_parser().parse_args(argv)
     signals: list[int] = []
 
     def on_sigterm(signum, frame):  # what `timeout` and job schedulers send: as Ctrl-C

@@ -50,13 +50,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flags import GGUF_WEIGHTS
 from gguf_reader import gguf_field
 from model import ConfigError, ModelArgs
 from quantized import FORMAT_VERSION, output_dim, quantize_int8
 
 # load_model(gguf_weights=...), --gguf-weights: the GGUF's weights dequantized to float, or kept
 # quantized with the classifier in float (the activation dtype) or in int8
-GGUF_WEIGHTS = ("float", "quantized", "quantized-int8-classifier")
 INT4_GROUPSIZE = 32  # the GGUF 4-bit types' (sub-)block of values with one scale and minimum
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")  # mapped to int4 g32 exactly
 FLOAT_KINDS = ("F32", "F16", "BF16")  # kept in float

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from cli import write_stdout
+from flags import PROGRESS_TOKENS
 from measure import (  # noqa: F401  (SPREAD_WARN: re-exported)
     SPREAD_WARN,
     device_name,
@@ -172,7 +173,6 @@ def result_record(model: Transformer, spec: dict[str, Any], prompt: Tensor,
     }
 
 
-PROGRESS_TOKENS = 512  # prompts from this many tokens show a prefill progress bar
 
 
 def prefill_bar(n_layers: int, tokens: int, disabled: bool):

@@ -75,6 +75,7 @@ FAST_PARSE = {  # script -> a usage error its parser refuses
     "scripts/compare_hf.py": ["--checkpoint", "c", "--random", "--dtype", "int3"],
     "scripts/duo_identify.py": ["--checkpoint", "c", "--out", "d", "--steps", "many"],
     "scripts/eval_quantized.py": ["--checkpoint", "c", "--classifier", "int3"],
+    "generate.py": ["--checkpoint", "c", "--context", "many"],
 }
 
 
@@ -131,3 +132,15 @@ def test_the_torch_free_method_flags_are_the_registrys():
     assert actions(add_method_flags) == actions(add_method_options), \
         "flags.METHOD_OPTIONS differs from the registry; its entries now:\n" + \
         _method_options_text(every_option().values())
+
+
+def test_the_torch_free_method_table_is_the_registrys():
+    """``flags.METHOD_TABLE`` (generate.py's --method choices and --help list, before torch
+    loads) names the registry's methods in its order with their descriptions."""
+    from compression import METHODS, help_epilog
+    from flags import METHOD_TABLE, method_epilog
+
+    assert METHOD_TABLE == tuple((m.name, m.description) for m in METHODS.values()), \
+        "flags.METHOD_TABLE differs from compression.METHODS; its entries now:\n" + \
+        "\n".join(f"    ({m.name!r}, {m.description!r})," for m in METHODS.values())
+    assert method_epilog() == help_epilog()
