@@ -842,18 +842,15 @@ def _is_gguf_path(checkpoint: str) -> bool:
     return is_gguf(resolve_checkpoint(checkpoint))
 
 
-def check_new_directory(out: str | Path) -> Path:
-    """``out`` as a Path; ConfigError when it exists and is not an empty directory, or when it
-    cannot be made: its nearest existing ancestor is not a directory, or a directory cannot be
-    created in it (permissions, a read-only filesystem, or one such as ``/proc`` that takes no
-    new directories whatever its permission bits say). Called before expensive work, and again
-    by ``write_directory``; a probe directory is made in that ancestor and removed at once."""
+def check_creatable(out: str | Path, start: Path) -> None:
+    """ConfigError (naming ``--out {out}``) unless a directory can be created in ``start``'s
+    nearest existing ancestor (``start`` itself when it exists): it must be a directory, and
+    writable: permissions, a read-only filesystem, or one such as ``/proc`` that takes no new
+    directories whatever its permission bits say (``os.access`` says yes to root there, so a
+    probe directory is made and removed at once)."""
     import tempfile
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} exists and is not an empty directory")
-    parent = out.absolute().parent
+    parent = start.absolute()
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
@@ -861,11 +858,21 @@ def check_new_directory(out: str | Path) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {out}: {parent} is not writable (permissions or a read-only "
                           "filesystem)")
-    try:  # os.access says yes to root on /proc and on some mounts: try it
+    try:
         os.rmdir(tempfile.mkdtemp(prefix=".probe.", dir=parent))
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot create a directory in {parent} "
                           f"({e.strerror or e})") from None
+
+
+def check_new_directory(out: str | Path) -> Path:
+    """``out`` as a Path; ConfigError when it exists and is not an empty directory, or when it
+    cannot be made (``check_creatable``). Called before expensive work, and again by
+    ``write_directory``."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty directory")
+    check_creatable(out, out.absolute().parent)
     return out
 
 

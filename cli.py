@@ -164,19 +164,7 @@ def row_error(e: BaseException) -> str:
 # Messages of CUDA errors: the runtime's own ("CUDA error: an illegal memory access was
 # encountered", torch.AcceleratorError from torch 2.8, RuntimeError before) and those of a
 # Triton launch ("Triton Error [CUDA]: ...").
-_CUDA_ERRORS = ("CUDA error", "Triton Error [CUDA]", "device-side assert", "cudaError")
-
-
-def device_fault(e: BaseException) -> bool:
-    """Whether ``e`` is a CUDA error, after which the process's CUDA context may be unusable
-    (an illegal address, a misaligned access or a device-side assert are sticky: every later
-    CUDA call raises again, ``torch.cuda.empty_cache()`` included). An out-of-memory error is
-    not one (the allocator recovers); neither is a compile or Python error."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return False
-    if isinstance(e, getattr(torch, "AcceleratorError", ())):
-        return True
-    return any(s in str(e) for s in _CUDA_ERRORS)
+device_fault = kernels.cuda_error  # a CUDA error: the device may be unusable after it
 
 
 def release_device(device: torch.device) -> Exception | None:

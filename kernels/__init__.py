@@ -96,19 +96,33 @@ class KernelCheckError(RuntimeError):
     """A kernel family failed its self-check with ``set_strict(True)`` (``--kernels on``)."""
 
 
+_CUDA_ERRORS = ("CUDA error", "CUDA driver error", "Triton Error [CUDA]", "device-side assert",
+                "cudaError")
+
+
+def cuda_error(e: BaseException) -> bool:
+    """Whether ``e`` is a CUDA error, after which the process's CUDA context may be unusable
+    (an illegal address, a misaligned access or a device-side assert are sticky: every later
+    CUDA call raises again, ``torch.cuda.empty_cache()`` included): ``torch.AcceleratorError``
+    or a ``RuntimeError`` naming one. An out-of-memory error is not one (the allocator
+    recovers); neither is a compile or Python error. (``cli.device_fault`` for the scripts.)"""
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    if isinstance(e, getattr(torch, "AcceleratorError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _CUDA_ERRORS)
+
+
 def fault(e: BaseException) -> str | None:
     """The one-line reason when ``e`` is a kernel's fault that escaped the self-check: a failed
     strict self-check (``KernelCheckError``), a Triton compile or launch error (an exception of
-    a ``triton`` module), or a CUDA error (``torch.AcceleratorError``, a ``RuntimeError``
-    naming a CUDA error); None for anything else."""
+    a ``triton`` module), or a CUDA error (``cuda_error``); None for anything else."""
     first = (str(e).strip().splitlines() or [""])[0]
     if isinstance(e, KernelCheckError):
         return first
     if type(e).__module__.split(".")[0] == "triton":
         return f"Triton {type(e).__name__}: {first}"
-    cuda_error = getattr(torch, "AcceleratorError", ())
-    if isinstance(e, cuda_error) or (isinstance(e, RuntimeError) and (
-            "CUDA error" in str(e) or "CUDA driver error" in str(e))):
+    if cuda_error(e):
         return first if first.startswith("CUDA error") else f"CUDA error: {first}"
     return None
 
@@ -300,11 +314,8 @@ def selection_fits(n_pages: int, k: int, page_size: int) -> bool:
     registers, in one program per KV head or split over several
     (``kernels.sparse.selection_splits``). Else the PyTorch path (``torch.topk`` over every
     token) runs: pages of one slot past about 8192 x 8192 / k tokens (Exact-TopK at budget
-    4096 past 16K tokens, at 256 past 256K). False as well where the ``sparse`` family is
-    off (``family_on``; the selectors call this after ``enabled``, with no device: off on
-    any device counts, a process decodes on one)."""
-    if _only not in (None, "sparse") or any(f == "sparse" for f, _ in _failed):
-        return False
+    4096 past 16K tokens, at 256 past 256K). Whether the ``sparse`` family runs at all is
+    ``enabled(x, "sparse")``, which the selectors ask first."""
     return ops().selection_splits(n_pages, k, page_size) > 0
 
 

@@ -58,9 +58,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -137,6 +135,7 @@ import torch
 import tp
 from checkpoint import (
     RANDOM_PREFIX,
+    check_creatable,
     checkpoint_args,
     is_quantized,
     load_model,
@@ -566,8 +565,7 @@ def run(args, argv=None) -> int:
 
 def check_out_dir(out: str) -> None:
     """Fail before the load when the results root ``out`` cannot hold the results: a file in
-    its place, or no permission to write where it is or would be created (a probe directory
-    is made there and removed: ``/proc`` passes ``os.access`` for root).
+    its place, or a folder where nothing can be created (``checkpoint.check_creatable``).
 
     Raises:
         ConfigError: naming ``--out`` and the path.
@@ -575,14 +573,7 @@ def check_out_dir(out: str) -> None:
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {out}: not a directory")
-    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out}: {existing} is not writable")
-    try:  # os.access says yes to root on /proc and on some mounts: try it
-        os.rmdir(tempfile.mkdtemp(prefix=".probe.", dir=existing))
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot create a directory in {existing} "
-                          f"({e.strerror or e})") from None
+    check_creatable(out, path)
 
 
 def row_label(row: dict) -> str:

@@ -87,10 +87,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         texts = read_texts(args.text)
         check_runs(args, args.context, args.max_new_tokens)  # before the weights load
         model, tok, device = load(args)
-        too_long = [n for n in args.context if n + args.max_new_tokens > model.args.max_seq_len]
-        if too_long:
-            raise ConfigError(f"--context {too_long[0]} + --max-new-tokens exceed the model's "
-                              f"context ({model.args.max_seq_len} tokens)")
         fact = None if args.needle is None else {
             "needle": args.needle, "question": args.question, "answer": args.answer,
             "answer_prefix": args.answer_prefix}

@@ -13,6 +13,7 @@ from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 import generate as g
 import generate_cli
 import rocketkv
+from documents import document_ids, question_ids
 from model import ConfigError, Transformer
 from tokenizer import load_tokenizer
 
@@ -248,7 +249,6 @@ def test_questions_errors_are_one_line_before_the_weights_load(stories_dir, tmp_
 def test_document_and_question_ids_are_the_whole_prompt_split(smol):
     """The ids a document and a question are fed as are those of the prompt a separate run
     gets (plain and chat), trailing white space of the document included."""
-    from documents import document_ids, question_ids
 
     tok = smol["engine"].tokenizer
     for doc in ("The code is 1679215. Paris is in France.", "Hello world \n"):

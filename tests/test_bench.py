@@ -5,6 +5,7 @@ import json
 import torch
 import transformers
 
+from cli import device_fault, release_device
 from evals import peers
 from evals.peers import hf_model
 from measure import float_weight_bytes
@@ -324,7 +325,6 @@ def test_the_error_handler_cannot_raise(monkeypatch):
     """``release_device`` after a failed row on CUDA: a device whose every call raises (a
     sticky error) gives the exception back instead of raising it; ``device_fault`` tells a
     CUDA error from an out-of-memory one and from an ordinary failure."""
-    from cli import device_fault, release_device
 
     def broken(*_):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

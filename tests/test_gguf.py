@@ -11,6 +11,7 @@ import torch
 from conftest import ROOT, SMOLLM2_GGUF, shared_file
 
 import checkpoint
+import rocketkv
 from checkpoint import hf_config, hf_to_meta_rope_rows, load_model, resolve_checkpoint
 from compression import build_caches
 from model import ConfigError, ModelArgs, rope_inv_freq
@@ -564,7 +565,6 @@ def test_gguf_weights_are_checked(tmp_path):
 
 
 def test_api_load_takes_gguf_weights():
-    import rocketkv
     from quantized import Int4Linear, Int8Linear
 
     engine = rocketkv.load(str(shared_file(SMOLLM2_GGUF)), device="cpu",
