@@ -61,6 +61,7 @@ def test_a_script_imports_its_own_checkouts_modules(folder, script, tmp_path):
 FAST_PARSE = {  # script -> a usage error its parser refuses
     "scripts/bench.py": ["--budgets", "many", "--rocket-split", "sqrt"],
     "scripts/bench_step.py": ["--knob", "NUM_WARPS=4,x"],
+    "scripts/bench_cpu.py": ["--checkpoint", "c", "--gguf-weights", "int3"],
     "quantize.py": ["--checkpoint", "x", "--mode", "int9"],
     "scripts/make_prompt.py": ["--text", "a.txt", "--prompt-out", "p.txt", "--context", "many"],
     "scripts/profile_step.py": ["--context", "many"],
