@@ -5,10 +5,13 @@ ratios), ours alone on a non-GGUF checkpoint or without llama-bench, and bad inp
 import json
 import os
 import stat
+import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
+from model import ConfigError
 from scripts.bench_cpu import (
     LLAMA_NOT_FOUND,
     format_table,
@@ -97,8 +100,6 @@ def test_parse_a_recorded_llama_bench_json():
     assert (t["n_prompt"], t["n_gen"], t["n_depth"], t["avg_ts"]) == (0, 8, 64, 19.428023)
     assert (t["build_commit"], t["build_number"], t["n_threads"]) == ("0c1e570", 1, 2)
     assert llama_info(t)["model_type"] == "llama 256M Q4_1"
-    from model import ConfigError
-
     with pytest.raises(ConfigError, match="no JSON list"):
         parse_llama_bench("error: failed to load model")
 
@@ -247,3 +248,18 @@ def test_bad_input_is_one_error_line(tmp_path, extra, message, capsys):
 def test_missing_checkpoint(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path / "none.gguf")]) == 2
     assert capsys.readouterr().err.startswith("error: checkpoint not found")
+
+
+def test_the_build_script_names_a_missing_tool(tmp_path):
+    """tools/build_llama_cpp.sh without cmake on PATH: one error line, exit status 2, nothing
+    downloaded."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = subprocess.run(["/bin/bash", str(ROOT / "tools" / "build_llama_cpp.sh"),
+                        str(tmp_path / "llama")], capture_output=True, text=True, timeout=60,
+                       env={"PATH": str(empty), "PYTHON": sys.executable})
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "error: cmake not found (building llama.cpp needs python with pip, cmake and a C++ "
+        "compiler)"]
+    assert not (tmp_path / "llama").exists()
