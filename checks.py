@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from checkpoint import RANDOM_PREFIX
-from compression import METHODS, check_budget, check_options, plan
+from compression import check_budget, check_method, check_options, plan
 from model import ConfigError, ModelArgs
 from tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 
@@ -23,7 +23,8 @@ def check_request(method: str, budget: int | None, options: dict[str, Any], *,
                   max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                   top_p: float | None = None) -> None:
     """Every check of a run's settings that needs neither the prompt nor the model: sampling,
-    the method's name, budget and options (``compression.check_budget``, ``check_options``).
+    the method's name, budget and options (``compression.check_method``, ``check_budget``,
+    ``check_options``: the same functions ``compression.plan`` calls).
 
     Raises:
         ConfigError: the CLI's wording (``--max-new-tokens must be positive, got 0``).
@@ -35,11 +36,8 @@ def check_request(method: str, budget: int | None, options: dict[str, Any], *,
         raise ConfigError(f"--top-p must lie in (0, 1], got {top_p}")
     if not math.isfinite(temperature) or temperature < 0:
         raise ConfigError(f"--temperature must be a finite number >= 0, got {temperature}")
-    if method not in METHODS:
-        raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    check_method(method)
     check_budget(method, budget)
-    if not METHODS[method].budgeted and options:
-        raise ConfigError(f"method {method} takes no method options ({', '.join(options)})")
     check_options(method, options)
 
 

@@ -7,8 +7,9 @@
 The decode loop (``_run``) and the library call (``generate``); the rest lives beside it:
 the decode step and its modes in ``step.py`` (``StepMode``: eager, compiled static or
 dynamic, a CUDA graph of the eager step), the caches kept between calls in ``session.py``
-(``Session``, ``release_caches``, ``rewind_conversation``), the result record and the text
-report in ``report.py``, the command line in ``generate_cli.py`` (``main`` below runs it).
+(``Session``, ``release_caches``, ``rewind_conversation``), the result (``GenerateResult``, a
+dataclass) and the text report in ``report.py``, the command line in ``generate_cli.py``
+(``main`` below runs it).
 The prompt is prefilled once; the first decode steps (``WARMUP_STEPS``) compile the step and
 capture its graphs, timed apart (``compile_s``) and left out of the latency figures.
 """
@@ -195,10 +196,12 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
             same, the steps run past the stop are dropped. Without ``stop_ids`` nothing is
             read back during decoding.
     Returns:
-        a dict (``report.GenerateResult`` names every key) with ``token_ids`` (per sequence,
-        stop token included), ``prefill_s``, ``decode_ms`` (one entry per decode step),
-        summary latencies, ``tokens_per_s``, ``peak_memory_bytes`` {prefill, decode, total},
-        the bytes the caches and weights hold and read per step, the method's parameters,
+        a ``report.GenerateResult`` dataclass, read as attributes (``result.tokens_per_s``;
+        ``result.to_dict()`` is the ``--json`` record; ``result["key"]`` still reads it, for
+        compatibility, but it cannot be changed), with ``token_ids`` (per sequence, stop token
+        included), ``prefill_s``, ``decode_ms`` (one entry per decode step), summary
+        latencies, ``tokens_per_s``, ``peak_memory_bytes`` {prefill, decode, total}, the bytes
+        the caches and weights hold and read per step, the method's parameters,
         ``conversation`` {start, position, room} and ``kernels`` (per kernel family what ran:
         ``kernels.report``, after the first-use self-check ``kernels.check.ensure``).
     Raises:

@@ -62,12 +62,12 @@ from documents import (
 from generate_flags import build_parser
 from measure import check_memory
 from model import ConfigError
-from report import TextStreamer, bar_step, format_report, prefill_bar
+from report import GenerateResult, TextStreamer, bar_step, format_report, prefill_bar
 from session import rewind_conversation
 from step import StepMode, default_compile
 from tokenizer import Tokenizer
 
-Generate = Callable[..., dict[str, Any]]  # generate.generate
+Generate = Callable[..., GenerateResult]  # generate.generate
 
 
 def main(generate: Generate, argv: Sequence[str] | None = None,
@@ -183,13 +183,13 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
             tok is not None and args.batch_size == 1 and args.stream and rank == 0) else None
         bar = prefill_bar(model.args.n_layers, len(ids), args.no_progress or rank != 0)
         try:
-            result = generate(model, prompt, method=args.method, budget=args.budget,
-                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              stop_ids=stop_ids, compile=compile, method_options=options,
-                              cuda_graphs=args.cuda_graphs,
-                              on_token=streamer,
-                              on_prefill_layer=None if bar is None else bar_step(bar))
+            res = generate(model, prompt, method=args.method, budget=args.budget,
+                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           stop_ids=stop_ids, compile=compile, method_options=options,
+                           cuda_graphs=args.cuda_graphs,
+                           on_token=streamer,
+                           on_prefill_layer=None if bar is None else bar_step(bar))
         finally:
             if bar is not None:
                 bar.close()
@@ -214,7 +214,7 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
     except Exception as e:  # a Triton compile error is no RuntimeError
         return _kernel_fault(e)
 
-    result["world_size"] = world
+    result = {**res.to_dict(), "world_size": world}  # the JSON record: the CLI's keys added
     if world > 1:  # every rank's share (a collective: all ranks take part); rank 0 reports
         shares = tp.gather({k: result[k] for k in ("kv_cache_bytes", "kv_bytes_per_step",
                                                    "weight_bytes", "peak_memory_bytes")})
@@ -289,8 +289,9 @@ def _answer_questions(args: argparse.Namespace, generate: Generate, checkpoint: 
                      max_new_tokens=min(args.max_new_tokens, reserve - len(ids) + 1),
                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                      seed=args.seed, stop_ids=stop_ids, compile=compile, on_token=streamer)
-        r.update(question=question, text=result_text(tok, r["token_ids"], stop_ids),
-                 document_prefill_s=first["prefill_s"])
+        r = {**r.to_dict(), "question": question,
+             "text": result_text(tok, r["token_ids"], stop_ids),
+             "document_prefill_s": first.prefill_s}
         if streamer is not None:
             streamer.finish(r["text"][0])
         else:
@@ -301,12 +302,12 @@ def _answer_questions(args: argparse.Namespace, generate: Generate, checkpoint: 
               file=sys.stderr)
         if r["stop_reason"] == "interrupted":
             break
-    summary = prefill_summary(len(doc), first["prefill_s"], records)
+    summary = prefill_summary(len(doc), first.prefill_s, records)
     print(summary_line(summary), file=sys.stderr)
     if args.json:
         try:
             write_json(args.json, {"checkpoint": args.checkpoint, "model": model.args.name,
-                                   "load_s": load_s, "document": first, **summary,
+                                   "load_s": load_s, "document": first.to_dict(), **summary,
                                    "questions": records})
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)

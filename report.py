@@ -1,5 +1,6 @@
-"""What a ``generate`` run reports: its result record (``result_record``: the figures of
-``--json``), the text report of it (``format_report``: what ``generate.py`` prints on stderr),
+"""What a ``generate`` run reports: its result (``GenerateResult``, a dataclass built by
+``result_record``: the figures of ``--json``, read as attributes; ``to_dict()`` is the JSON
+record), the text report of it (``format_report``: what ``generate.py`` prints on stderr),
 and the command line's live output: the prefill's progress (``prefill_bar``, ``PlainProgress``)
 and the streamed text (``TextStreamer``).
 """
@@ -8,8 +9,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any, TypedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,11 +32,17 @@ from step import StepMode
 from tokenizer import Tokenizer
 
 
-class GenerateResult(TypedDict):
-    """``generate``'s result: a plain dict (JSON as ``--json`` writes it; callers index it and
-    add keys: the CLI's ``text``, ``checkpoint``, ``load_s``...), its keys in this order.
-    Times in seconds (``*_s``) or milliseconds (``*_ms*``), sizes in bytes (this rank's under
-    tensor parallelism)."""
+@dataclass(frozen=True)
+class GenerateResult(Mapping):
+    """``generate``'s result: one field per figure of ``--json``, in the JSON's order (read
+    them as attributes: ``result.tokens_per_s``). Times in seconds (``*_s``) or milliseconds
+    (``*_ms*``), sizes in bytes (this rank's under tensor parallelism).
+
+    ``to_dict()`` is the JSON record (a new dict: callers that add keys, as the CLI adds
+    ``text``, ``checkpoint``, ``load_s``..., add them to it). For compatibility with the dict
+    this was, the result also reads as a read-only mapping of that record: ``result["key"]``,
+    ``"key" in result``, ``result.get(...)``, iteration over the keys; ``result["key"] = x``
+    raises TypeError and the fields cannot be reassigned (frozen)."""
 
     method: str
     budget: int | None
@@ -78,6 +86,25 @@ class GenerateResult(TypedDict):
     fused_kernels: bool  # the sparse kernels ran
     dense_kernels: bool  # the dense kernels ran in at least one layer
     kernels: dict[str, str]  # family -> "fused" or "pytorch (why)" (``kernels.report``)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON record (``--json``): a new dict, the fields in order (the values are the
+        result's own, not copies)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in _RESULT_KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_RESULT_KEYS)
+
+    def __len__(self) -> int:
+        return len(_RESULT_KEYS)
+
+
+_RESULT_KEYS = {f.name: None for f in fields(GenerateResult)}  # the JSON keys, in order
 
 
 def result_record(model: Transformer, spec: dict[str, Any], prompt: Tensor,
@@ -124,53 +151,52 @@ def result_record(model: Transformer, spec: dict[str, Any], prompt: Tensor,
     full_kv_bytes = 2 * a.n_layers * B * a.n_kv_heads * a.head_dim * end * dtype.itemsize
     kept = [getattr(c, "kept", spec["prompt_len"]) for c in caches]  # prompt tokens kept
     w_per_step = weight_bytes_per_step(model)
-    return {
-        "method": spec["method"],
-        "budget": spec["budget"],
-        "method_params": {**caches[-1].method_params(), **spec["options"]},
-        "batch_size": B,
-        "prompt_tokens": T,
-        "prompt_token_ids": prompt.tolist(),
-        "token_ids": tokens,
-        "new_tokens": n_generated,
-        "stop_reason": stop_reason,
-        "conversation": conversation,
-        "prefill_s": run["prefill_s"],
-        "prefill_shared": shared,
-        "decode_steps": len(decode_ms),
-        "decode_ms": decode_ms,
-        "decode_ms_median": median,
-        "decode_ms_p10": percentile(decode_ms, 10),
-        "decode_ms_p90": percentile(decode_ms, 90),
-        "tokens_per_s": (B * len(decode_ms) / (sum(decode_ms) / 1e3)) if decode_ms else None,
-        "tokens_per_s_per_sequence": (len(decode_ms) / (sum(decode_ms) / 1e3))
+    return GenerateResult(
+        method=spec["method"],
+        budget=spec["budget"],
+        method_params={**caches[-1].method_params(), **spec["options"]},
+        batch_size=B,
+        prompt_tokens=T,
+        prompt_token_ids=prompt.tolist(),
+        token_ids=tokens,
+        new_tokens=n_generated,
+        stop_reason=stop_reason,
+        conversation=conversation,
+        prefill_s=run["prefill_s"],
+        prefill_shared=shared,
+        decode_steps=len(decode_ms),
+        decode_ms=decode_ms,
+        decode_ms_median=median,
+        decode_ms_p10=percentile(decode_ms, 10),
+        decode_ms_p90=percentile(decode_ms, 90),
+        tokens_per_s=(B * len(decode_ms) / (sum(decode_ms) / 1e3)) if decode_ms else None,
+        tokens_per_s_per_sequence=(len(decode_ms) / (sum(decode_ms) / 1e3))
         if decode_ms else None,
-        "peak_memory_bytes": {"prefill": run["peak_prefill"], "decode": run["peak_decode"],
-                              "total": max(peak_setup, run["peak_prefill"], run["peak_decode"])},
-        "peak_memory_kind": memory_kind,
-        "kv_cache_bytes": kv_cache_bytes,
-        "kv_bytes_per_step": kv_per_step,
-        "kv_ideal_bytes_per_step": kv_ideal,
-        "kv_host_bytes": kv_host,
-        "offload_bytes_per_step": sum(c.offload_bytes_per_step() for c in caches),
-        "prompt_tokens_kept": {"min": min(kept), "max": max(kept),
-                               "mean": sum(kept) / len(kept)},
-        "full_kv_bytes": full_kv_bytes,
-        "weight_bytes": weight_bytes(model),
-        "weight_bytes_per_step": w_per_step,
-        "weights": weights_label(model),
-        "bandwidth_gbps": ((w_per_step + kv_per_step) / (median / 1e3) / 1e9) if median else None,
-        "compile_s": run["compile_s"],
-        "warmup_steps": run["warmup_steps"],
-        "compiled": mode in (StepMode.STATIC, StepMode.DYNAMIC),
-        "device": device_name(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch_version": torch.__version__,
-        "cuda_graphs": mode is StepMode.GRAPHS,
-        "fused_kernels": fused,
-        "dense_kernels": dense,
-        "kernels": kernels,  # family -> "fused" or "pytorch (why)" (kernels.report)
-    }
+        peak_memory_bytes={"prefill": run["peak_prefill"], "decode": run["peak_decode"],
+                           "total": max(peak_setup, run["peak_prefill"], run["peak_decode"])},
+        peak_memory_kind=memory_kind,
+        kv_cache_bytes=kv_cache_bytes,
+        kv_bytes_per_step=kv_per_step,
+        kv_ideal_bytes_per_step=kv_ideal,
+        kv_host_bytes=kv_host,
+        offload_bytes_per_step=sum(c.offload_bytes_per_step() for c in caches),
+        prompt_tokens_kept={"min": min(kept), "max": max(kept), "mean": sum(kept) / len(kept)},
+        full_kv_bytes=full_kv_bytes,
+        weight_bytes=weight_bytes(model),
+        weight_bytes_per_step=w_per_step,
+        weights=weights_label(model),
+        bandwidth_gbps=((w_per_step + kv_per_step) / (median / 1e3) / 1e9) if median else None,
+        compile_s=run["compile_s"],
+        warmup_steps=run["warmup_steps"],
+        compiled=mode in (StepMode.STATIC, StepMode.DYNAMIC),
+        device=device_name(device),
+        dtype=str(dtype).removeprefix("torch."),
+        torch_version=torch.__version__,
+        cuda_graphs=mode is StepMode.GRAPHS,
+        fused_kernels=fused,
+        dense_kernels=dense,
+        kernels=kernels,  # family -> "fused" or "pytorch (why)" (kernels.report)
+    )
 
 
 
@@ -239,9 +265,10 @@ class TextStreamer:
         write_stdout(rest + "\n")
 
 
-def format_report(r: dict[str, Any], load_line: bool = True) -> str:
-    """The text report of a ``generate`` result (what the CLI prints on stderr); without
-    ``load_line`` the load time is left out (the CLI prints it when the load ends)."""
+def format_report(r: Mapping[str, Any], load_line: bool = True) -> str:
+    """The text report of a ``generate`` result, or of the CLI's record of it (its
+    ``to_dict()`` with ``load_s``, ``world_size``... added): what the CLI prints on stderr;
+    without ``load_line`` the load time is left out (the CLI prints it when the load ends)."""
     def mb(x):
         return f"{x / 2**20:.1f} MiB"
 

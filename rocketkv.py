@@ -11,8 +11,8 @@ one document from a single prefill of it.
 wording, before any prefill), encodes the prompt (a message list through the checkpoint's chat
 template; a string as plain text, or as one user turn with ``chat=True``), stops at the model's
 end of turn and returns a ``Result`` with the text, the token ids and every figure of
-``generate.py --json``. ``generate.generate`` stays the low-level call (token ids in, a dict
-out).
+``generate.py --json``. ``generate.generate`` stays the low-level call (token ids in, a
+``report.GenerateResult`` dataclass out).
 
 ``Engine.prefill_document`` prefills (and compresses) a document once; each
 ``Document.ask(question)`` then feeds the question after it (``generate(...,
@@ -46,6 +46,7 @@ from cli import DTYPES, resolve_device
 from documents import CacheSnapshot, document_ids, prefill_summary, question_ids
 from measure import check_memory
 from model import ConfigError, Transformer
+from report import GenerateResult
 from step import default_compile
 from tokenizer import Tokenizer
 
@@ -227,17 +228,15 @@ class Engine:
                         on_token=on_token)
         return self._result(r, stop)
 
-    def _result(self, r: dict[str, Any], stop: Sequence[int]) -> Result:
-        """The CLI's JSON record of a run (``text``, ``checkpoint``, ``model``, ``load_s``
-        added) as a ``Result``."""
-        texts = result_text(self.tokenizer, r["token_ids"], stop)
-        r["text"] = texts
-        r["checkpoint"], r["model"], r["load_s"] = self.checkpoint, self.model.args.name, \
-            self.load_s
-        r["world_size"] = 1
-        r["interrupted"] = r["stop_reason"] == "interrupted"
-        return Result(None if texts is None else texts[0], list(r["token_ids"][0]),
-                      r["stop_reason"], r)
+    def _result(self, r: GenerateResult, stop: Sequence[int], **extra: Any) -> Result:
+        """The CLI's JSON record of a run (``r.to_dict()``, then ``extra``, ``text``,
+        ``checkpoint``, ``model``, ``load_s`` added) as a ``Result``."""
+        texts = result_text(self.tokenizer, r.token_ids, stop)
+        record = {**r.to_dict(), **extra, "text": texts, "checkpoint": self.checkpoint,
+                  "model": self.model.args.name, "load_s": self.load_s, "world_size": 1,
+                  "interrupted": r.stop_reason == "interrupted"}
+        return Result(None if texts is None else texts[0], list(r.token_ids[0]),
+                      r.stop_reason, record)
 
     # ---- one document, many questions
 
@@ -273,7 +272,7 @@ class Engine:
         r = _g.generate(self.model, ids, method=method, budget=budget, max_new_tokens=0,
                         reserve_tokens=reserve_tokens, compile=_compile(self.model, compile),
                         method_options=options)
-        doc = Document(self, ids, r, chat=chat, system=system,
+        doc = Document(self, ids, r.to_dict(), chat=chat, system=system,
                        text=text if isinstance(text, str) else "", compile=compile)
         self._document = doc
         return doc
@@ -290,8 +289,9 @@ class Document:
     Attributes:
         ids: the document's token ids.
         prefill_s: seconds of the document's prefill (paid once).
-        metrics: the document prefill's figures (``generate.generate``'s dict, no tokens
-            generated): ``prompt_tokens_kept``, ``kv_cache_bytes``, ``method_params``...
+        metrics: the document prefill's figures (``generate.generate``'s result as its JSON
+            record, ``to_dict()``; no tokens generated): ``prompt_tokens_kept``,
+            ``kv_cache_bytes``, ``method_params``...
         room: positions after the document for a question and its answer.
         snapshot_bytes: bytes of the cache state copied to rewind to the document.
         answers: the ``metrics`` of each answer so far.
@@ -353,11 +353,11 @@ class Document:
                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, seed=seed, stop_ids=stop,
                         compile=_compile(engine.model, self._compile), on_token=on_token)
-        r["question"] = question if isinstance(question, str) else None
-        r["document_tokens"] = len(self.ids)
-        r["document_prefill_s"] = self.prefill_s
-        self.answers.append(r)
-        return engine._result(r, stop)
+        result = engine._result(r, stop,
+                                question=question if isinstance(question, str) else None,
+                                document_tokens=len(self.ids), document_prefill_s=self.prefill_s)
+        self.answers.append(result.metrics)
+        return result
 
     def prefill_summary(self) -> dict[str, Any]:
         """The prefill paid once against a separate run per question asked so far

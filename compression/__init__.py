@@ -21,6 +21,7 @@ from compression.registry import (
     add_method_options,
     build_caches,
     check_budget,
+    check_method,
     check_methods,
     check_options,
     derive,
@@ -47,5 +48,6 @@ from compression import keydiff  # noqa: F401
 from compression import omnikv  # noqa: F401
 
 __all__ = ["METHODS", "BudgetError", "Method", "Option", "add_method_options", "build_caches",
-           "check_budget", "check_methods", "check_options", "derive", "given_options",
-           "help_epilog", "methods_table", "options_for", "plan", "smallest_budget"]
+           "check_budget", "check_method", "check_methods", "check_options", "derive",
+           "given_options", "help_epilog", "methods_table", "options_for", "plan",
+           "smallest_budget"]

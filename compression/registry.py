@@ -340,6 +340,12 @@ def check_methods(names: list[str]) -> None:
         raise ConfigError(f"unknown methods {', '.join(unknown)}; known: {', '.join(METHODS)}")
 
 
+def check_method(method: str) -> None:
+    """Raises ConfigError when ``method`` is not a registered method."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+
+
 def every_option() -> dict[str, Option]:
     """Every option of every method, once each, in registration order (``--skip-layers``,
     shared by most, last)."""
@@ -445,8 +451,7 @@ def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
             unbudgeted method or too small (naming the smallest valid one); a bad option or
             an option the method does not read; what ``Method.validate`` rejects.
     """
-    if method not in METHODS:
-        raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    check_method(method)
     m = METHODS[method]
     T, new = prompt_len, max_new_tokens
     check_budget(method, budget)

@@ -121,6 +121,7 @@ from kv_cache import KVCache
 from measure import weight_bytes, weight_bytes_per_step
 from model import ConfigError, Transformer
 from prefill import PrefilledPrompt, prefill_once
+from report import GenerateResult
 from tokenizer import Tokenizer
 
 DEFAULT_TEXTS = (ESSAYS,)
@@ -249,7 +250,7 @@ def attach_caches(model: Transformer, method: str, budget: int | None, T: int,
 
 
 def build_from_prefill(model: Transformer, pre: PrefilledPrompt, method: str,
-                       budget: int | None, m: int) -> dict[str, Any]:
+                       budget: int | None, m: int) -> GenerateResult:
     """Caches of ``method`` at ``budget`` built from ``pre`` (room for m new tokens), left in
     ``model``: ``generate(max_new_tokens=0, reserve_tokens=m, prefilled=pre)``, whose report
     it returns. Raises ConfigError for a budget the method rejects."""
@@ -282,7 +283,7 @@ def teacher_forced_logprobs(model: Transformer, prompt: Sequence[int],
 
 def greedy_continuation(model: Transformer, method: str, budget: int | None,
                         prompt: Sequence[int], m: int,
-                        prefilled: PrefilledPrompt | None = None) -> dict[str, Any]:
+                        prefilled: PrefilledPrompt | None = None) -> GenerateResult:
     """``generate.generate``'s report for m greedy tokens (the first from prefill, then m - 1
     decode steps; no stop token) with fresh caches of ``method``, built from ``prefilled``
     when given; its ``token_ids[0]`` is the continuation."""

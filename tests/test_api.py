@@ -114,6 +114,8 @@ ERRORS = [
     (dict(temperature=float("nan")), "finite number"),
     (dict(method="quest", budget=64, rocket_split="sqrt"),
      "--rocket-split does not apply to method quest"),
+    # an unbudgeted method's options: check_options's words, the one check of them
+    (dict(page_size=16), "--page-size does not apply to method full (its options: none)"),
     (dict(system="be brief"), "--system needs --chat"),
 ]
 

@@ -1,5 +1,6 @@
 """generate.py on the real stories260K checkpoint and on tiny random models."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from compression import build_caches
 from generate import generate, sample
 from measure import percentile
 from model import ConfigError, ModelArgs
+from report import GenerateResult
 from tokenizer import load_tokenizer
 
 # llama2.c doc/stories260K.md: greedy decoding from BOS with the full cache begins with this
@@ -236,6 +238,10 @@ def test_cli_end_to_end_json(stories_dir, tmp_path):
     assert r["peak_memory_bytes"]["total"] >= max(r["peak_memory_bytes"]["prefill"],
                                                   r["peak_memory_bytes"]["decode"]) > 0
     assert r["kv_bytes_per_step"] == r["kv_cache_bytes"] > 0
+    # the record: generate's result (its fields in order), then the keys the CLI adds
+    names = [f.name for f in dataclasses.fields(GenerateResult)]
+    assert list(r) == names + ["world_size", "text", "checkpoint", "model", "load_s",
+                               "interrupted"]
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -515,16 +521,35 @@ def test_cli_says_once_when_max_new_tokens_exceeds_the_context(stories_dir):
     assert "generated 12 (context_length)" in p.stderr
 
 
-def test_the_result_has_the_keys_generate_result_names_in_order(stories_model):
-    """report.GenerateResult lists every key of generate's result, in the JSON's order; the
-    record is built whole (no key left None to be filled later)."""
-    from report import GenerateResult
+def test_the_result_is_a_dataclass_whose_fields_are_the_json_keys_in_order(stories_model):
+    """generate returns a report.GenerateResult dataclass: its fields are the JSON record's
+    keys in order (``to_dict()``, what --json writes, a JSON round trip), built whole (no
+    field left None to be filled later); reading by key (the dict it was) agrees with the
+    attributes, and nothing can be written into it."""
 
     r = generate(stories_model, [1, 2, 3, 4], max_new_tokens=3, compile=False)
-    assert list(r) == list(GenerateResult.__annotations__)
-    assert r["conversation"] == {"start": 0, "position": 6, "room": 0}  # 4 + 3 positions
-    assert r["prefill_shared"] is False and r["compiled"] is False
-    assert r["peak_memory_kind"] is not None
+    assert isinstance(r, GenerateResult) and dataclasses.is_dataclass(r)
+    names = [f.name for f in dataclasses.fields(GenerateResult)]
+    record = r.to_dict()
+    assert type(record) is dict and list(record) == names and list(r) == names
+    assert json.loads(json.dumps(record)) == record
+    assert record is not r.to_dict()  # a new dict each time: callers add their keys to it
+    assert all(r[k] is getattr(r, k) is record[k] for k in names)
+    assert r.conversation == {"start": 0, "position": 6, "room": 0}  # 4 + 3 positions
+    assert r.prefill_shared is False and r.compiled is False
+    assert r.peak_memory_kind is not None
+    assert "tokens_per_s" in r and "text" not in r and r.get("text") is None
+    assert len(r) == len(names) and dict(r) == record
+    with pytest.raises(KeyError):
+        r["text"]
+    with pytest.raises(TypeError):
+        r["x"] = 1
+    with pytest.raises(TypeError):
+        r["tokens_per_s"] = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.tokens_per_s = 1.0
+    with pytest.raises(TypeError):  # not a dict: a JSON writer takes r.to_dict()
+        json.dumps(r)
 
 
 def test_report_warns_when_step_times_spread(stories_model):
