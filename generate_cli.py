@@ -133,7 +133,7 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         apply_kernels_option(args)
-        compile = default_compile(args.compile, device)
+        compile = default_compile(args.compile, device, args.max_new_tokens)
         if args.system is not None and not args.chat:
             raise ConfigError("--system needs --chat (it is a message of the chat template)")
         if args.chat and args.context is not None:

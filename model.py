@@ -384,13 +384,15 @@ class Transformer(nn.Module):
     def caches(self) -> list[nn.Module]:
         return [layer.attention.kv_cache for layer in self.layers]
 
-    def forward(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor, block=None) -> Tensor:
         """Decode step: ``tokens`` (B, 1) int64 at position ``input_pos`` (1,) int64 on the
-        model's device. Returns logits (B, vocab) in the model dtype."""
+        model's device. Returns logits (B, vocab) in the model dtype. ``block``: called as
+        ``block(layer, x, rope, input_pos)`` instead of ``layer(x, rope, input_pos)`` (the
+        CPU's per-layer compiled step, ``step.LayerCompiledStep``); None: each layer itself."""
         rope = self.rope[input_pos]  # (1, D/2, 2)
         x = self.tok_embeddings(tokens)  # (B, 1, dim)
         for layer in self.layers:
-            x = layer(x, rope, input_pos)
+            x = layer(x, rope, input_pos) if block is None else block(layer, x, rope, input_pos)
         return self.output(self.norm(x))[:, -1]
 
     @torch.no_grad()

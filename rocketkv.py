@@ -117,9 +117,10 @@ def load(checkpoint: str, *, device: str | torch.device | None = None,
     return Engine(model, tok, checkpoint=str(checkpoint), load_s=time.perf_counter() - t0)
 
 
-def _compile(model: Transformer, compile: bool | None) -> bool | None:
-    """``generate.py``'s default (``step.default_compile``) for the model's device."""
-    return default_compile(compile, model.tok_embeddings.weight.device)
+def _compile(model: Transformer, compile: bool | None, decode_steps: int) -> bool | None:
+    """``generate.py``'s default (``step.default_compile``) for the model's device and a run of
+    ``decode_steps`` (its ``max_new_tokens``)."""
+    return default_compile(compile, model.tok_embeddings.weight.device, decode_steps)
 
 
 class Engine:
@@ -203,7 +204,8 @@ class Engine:
             stop_ids: the tokens that end the answer; default ``stop_ids`` (EOS and the
                 template's end of turn), ``()`` to run to ``max_new_tokens``.
             compile: compile the decode step; default as ``generate.py`` (on CUDA when the
-                method allows, never on CPU).
+                method allows; on CPU from ``step.CPU_COMPILE_MIN_STEPS`` max_new_tokens when
+                a C++ compiler is found).
             on_token: called with the tokens so far, (1, n) int64, after each one (streaming).
             method_options: the method's options by their flag names (``page_size=16``,
                 ``rocket_split="adaptive"``: ``docs/methods.md``).
@@ -224,8 +226,8 @@ class Engine:
         r = _g.generate(self.model, ids, method=method, budget=budget,
                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, seed=seed, stop_ids=stop,
-                        compile=_compile(self.model, compile), method_options=options,
-                        on_token=on_token)
+                        compile=_compile(self.model, compile, max_new_tokens),
+                        method_options=options, on_token=on_token)
         return self._result(r, stop)
 
     def _result(self, r: GenerateResult, stop: Sequence[int], **extra: Any) -> Result:
@@ -270,7 +272,7 @@ class Engine:
         check_document(method, self.model.args, len(ids), reserve_tokens, budget, options)
         self._document = None
         r = _g.generate(self.model, ids, method=method, budget=budget, max_new_tokens=0,
-                        reserve_tokens=reserve_tokens, compile=_compile(self.model, compile),
+                        reserve_tokens=reserve_tokens, compile=_compile(self.model, compile, 0),
                         method_options=options)
         doc = Document(self, ids, r.to_dict(), chat=chat, system=system,
                        text=text if isinstance(text, str) else "", compile=compile)
@@ -352,7 +354,8 @@ class Document:
         r = _g.generate(engine.model, ids, continue_conversation=True,
                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, seed=seed, stop_ids=stop,
-                        compile=_compile(engine.model, self._compile), on_token=on_token)
+                        compile=_compile(engine.model, self._compile, max_new_tokens),
+                        on_token=on_token)
         result = engine._result(r, stop,
                                 question=question if isinstance(question, str) else None,
                                 document_tokens=len(self.ids), document_prefill_s=self.prefill_s)

@@ -12,10 +12,12 @@ compiles once per run. Compilation and graph capture happen in the first decode 
 from __future__ import annotations
 
 import enum
+import os
+import shutil
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from model import ConfigError, Transformer
 
@@ -118,10 +120,37 @@ def _configure_dynamo() -> None:
             setattr(config, name, value)
 
 
+def _block(layer: nn.Module, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
+    """One decoder layer's decode step (``Transformer.forward``'s ``block``)."""
+    return layer(x, rope, input_pos)
+
+
+class LayerCompiledStep:
+    """``decode_one_token`` with each decoder layer run through one compiled graph (regional
+    compilation): the CPU's compiled step. Called as ``decode_one_token``.
+
+    Dynamo lifts a layer's weights and cache buffers into the graph's inputs, so the layers
+    of one structure share one graph: Inductor lowers and g++ builds one layer instead of
+    all of them. SmolLM2-135M (30 layers, float32, 1 thread, load average 5 on 2 cores) at 4K:
+    the whole-step graph compiled in 98 s (``full``) and 334 s (``rocketkv`` @256), the
+    per-layer graph in about 10 s, for most of the gain (``docs/generate.md``). The
+    embedding, final norm, LM head and sampling (a few large ops) run eagerly."""
+
+    def __init__(self, **compile_kw):
+        self.block = torch.compile(_block, **compile_kw)
+
+    def __call__(self, model: Transformer, tokens: Tensor, input_pos: Tensor,
+                 temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
+        return sample(model(tokens, input_pos, block=self.block), temperature, top_k, top_p)
+
+
 def compiled_decode(device: torch.device, backend: Any = None, dynamic: bool | None = None):
     """``decode_one_token`` compiled once per (device type, backend, dynamic) and reused
     across calls (see ``DYNAMO_CONFIG`` for reuse across shapes); ``dynamic=True`` compiles
-    symbolic shapes from the first call (``torch.compile(dynamic=True)``)."""
+    symbolic shapes from the first call (``torch.compile(dynamic=True)``). On CPU with
+    Inductor (``backend`` None) each layer is compiled (``LayerCompiledStep``); elsewhere,
+    and with a given backend (tests' counting backends: the whole step traced as one
+    graph), the whole step is one graph."""
     key = (device.type, backend, dynamic)
     if key not in _compiled:
         _configure_dynamo()
@@ -130,17 +159,39 @@ def compiled_decode(device: torch.device, backend: Any = None, dynamic: bool | N
             kw["backend"] = backend
         elif device.type == "cuda":
             kw["mode"] = "reduce-overhead"
-        _compiled[key] = torch.compile(decode_one_token, **kw)
+        _compiled[key] = LayerCompiledStep(**kw) if device.type == "cpu" and backend is None \
+            else torch.compile(decode_one_token, **kw)
     return _compiled[key]
 
 
-def default_compile(compile: bool | None, device: torch.device) -> bool | None:
+# A CPU run compiles its step by default from this many decode steps (--max-new-tokens): the
+# per-layer compile (LayerCompiledStep) took 8.5-10 s and saved 15-20 ms a step on SmolLM2-135M
+# at 4K (float32, 1 thread, load average 4-5 on 2 cores; docs/generate.md has the table), so it
+# pays back after 500-700 steps; shorter runs stay eager.
+CPU_COMPILE_MIN_STEPS = 1024
+
+
+def cpp_compiler_found() -> bool:
+    """Whether Inductor's CPU backend finds a C++ compiler (``$CXX``, else ``g++``, on PATH)."""
+    return shutil.which(os.environ.get("CXX") or "g++") is not None
+
+
+def default_compile(compile: bool | None, device: torch.device,
+                    decode_steps: int | None = None) -> bool | None:
     """``generate``'s ``compile`` for a run that did not choose (``compile`` None): None (compiled
-    where the method's caches can be: OmniKV's offload cannot) on CUDA, False elsewhere (a
-    compile takes about a minute on CPU for little gain). The CLI's and the API's default."""
+    where the method's caches can be: OmniKV's offload cannot) on CUDA; on CPU None when the run
+    asks for at least ``CPU_COMPILE_MIN_STEPS`` decode steps (``decode_steps``, the run's
+    ``max_new_tokens``; None: unknown) and a C++ compiler is found, else False (eager: a
+    shorter run would not pay the compile back); False elsewhere. A choice made
+    (``compile`` True or False) is kept. The CLI's and the API's default."""
     if compile is not None:
         return compile
-    return None if device.type == "cuda" else False
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and decode_steps is not None and \
+            decode_steps >= CPU_COMPILE_MIN_STEPS and cpp_compiler_found():
+        return None
+    return False
 
 
 class StepMode(str, enum.Enum):

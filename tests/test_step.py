@@ -4,10 +4,18 @@ import pytest
 import torch
 
 import evals.bench
+import step
 from checkpoint import random_model
 from generate import generate
 from model import ConfigError, ModelArgs
-from step import REGIMES, StepMode, decode_one_token
+from step import (
+    CPU_COMPILE_MIN_STEPS,
+    REGIMES,
+    LayerCompiledStep,
+    StepMode,
+    decode_one_token,
+    default_compile,
+)
 
 
 def test_step_mode_is_the_one_table_of_regimes():
@@ -52,12 +60,46 @@ def test_the_eager_mode_runs_uncompiled():
     assert r["compiled"] is False and r["cuda_graphs"] is False and r["compile_s"] is None
 
 
-def test_the_default_compiles_on_cuda_only():
-    """The CLI's and the API's default: compiled where the caches allow on CUDA, eager on CPU;
-    a choice made is kept."""
-    from step import default_compile
+def test_the_default_compiles_on_cuda_and_long_cpu_runs():
+    """The CLI's and the API's default: compiled where the caches allow on CUDA; on CPU from
+    CPU_COMPILE_MIN_STEPS decode steps when a C++ compiler is there, else eager; a choice made
+    is kept."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_compile(None, cpu) is False
+    assert default_compile(None, cpu, CPU_COMPILE_MIN_STEPS - 1) is False
+    assert default_compile(None, cpu, CPU_COMPILE_MIN_STEPS) is (
+        None if step.cpp_compiler_found() else False)
+    assert default_compile(None, cuda) is None
+    assert default_compile(None, cuda, 1) is None
+    assert default_compile(True, cpu) is True
+    assert default_compile(False, cuda) is False
+    assert default_compile(False, cpu, 10 * CPU_COMPILE_MIN_STEPS) is False
 
-    assert default_compile(None, torch.device("cpu")) is False
-    assert default_compile(None, torch.device("cuda")) is None
-    assert default_compile(True, torch.device("cpu")) is True
-    assert default_compile(False, torch.device("cuda")) is False
+
+def test_the_cpu_default_stays_eager_without_a_compiler(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert not step.cpp_compiler_found()
+    assert default_compile(None, torch.device("cpu"), 10 * CPU_COMPILE_MIN_STEPS) is False
+
+
+def test_the_cpu_compiled_step_compiles_a_layer_once_and_decodes_as_eager(stories_model):
+    """Inductor on CPU (a C++ compiler needed): each layer through one compiled graph shared
+    by the model's 5 layers (one graph per method), the same greedy tokens as eager, the
+    compile reported apart. About 20-60 s on 2 loaded cores (two compiles)."""
+    if not step.cpp_compiler_found():
+        pytest.skip("no C++ compiler for Inductor's CPU backend")
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    step._compiled.clear()
+    dynamo_utils.counters.clear()
+    prompt = torch.randint(1, 512, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    for method, budget in (("full", None), ("rocketkv", 48)):
+        kw = {"method": method, "budget": budget, "max_new_tokens": 8}
+        eager = generate(stories_model, prompt, **kw)
+        compiled = generate(stories_model, prompt, compile=True, **kw)
+        assert compiled["token_ids"] == eager["token_ids"], method
+        assert compiled["compiled"] and compiled["compile_s"] > 0
+        assert eager["compiled"] is False
+    assert isinstance(step.compiled_decode(torch.device("cpu")), LayerCompiledStep)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2  # not one per layer
