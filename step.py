@@ -133,8 +133,9 @@ class LayerCompiledStep:
     of one structure share one graph: Inductor lowers and g++ builds one layer instead of
     all of them. SmolLM2-135M (30 layers, float32, 1 thread, load average 5 on 2 cores) at 4K:
     the whole-step graph compiled in 98 s (``full``) and 334 s (``rocketkv`` @256), the
-    per-layer graph in about 10 s, for most of the gain (``docs/generate.md``). The
-    embedding, final norm, LM head and sampling (a few large ops) run eagerly."""
+    per-layer graph in 8.5-10 s (21-25 s with int4 weights), for most of the gain at 4K; at
+    16 tokens the call per layer costs part of it (``docs/generate.md``). The embedding,
+    final norm, LM head and sampling (a few large ops) run eagerly."""
 
     def __init__(self, **compile_kw):
         self.block = torch.compile(_block, **compile_kw)
