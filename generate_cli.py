@@ -164,6 +164,8 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
         # every method setting is checked here, before the weights load
         room = check_fit(args.method, margs, len(ids), args.max_new_tokens, args.budget,
                          options)
+        # the decode steps the context leaves room for (CPU's default compiles long runs only)
+        compile = default_compile(args.compile, device, min(args.max_new_tokens, room))
         if not is_quantized(checkpoint):
             check_memory(tp.local_args(margs, world), dtype, device, args.batch_size,
                          len(ids) + args.max_new_tokens)
