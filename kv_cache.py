@@ -98,6 +98,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
     if S != start + Tq:
         raise ValueError(f"{Tq} queries from position {start} need {start + Tq} keys, got {S}")
     gqa = H != k.shape[1]
+    if q.device.type == "cpu" and CPU_FLASH_PREFILL and hasattr(torch.ops.aten, _CPU_FLASH):
+        return _cpu_flash_causal(q, k, v, start)
     if start == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if _flash_available(q, k, v, gqa):
@@ -118,6 +120,40 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
 
 
 MASK_ELEMENTS = 1 << 26  # bound on (rows x keys x heads) per fallback block in causal_attention
+CPU_FLASH_PREFILL = True  # False: CPU prefill keeps SDPA with explicit masks (for comparisons)
+
+
+def _grouped(t: Tensor, G: int) -> Tensor:
+    """K or V (B, H_kv, S, D) as (B * H_kv, G, S, D), each KV head repeated G times by a
+    stride-0 view (no copy): query head h of (B * H_kv, G) reads KV head h // G."""
+    B, Hkv, S, D = t.shape
+    return t.reshape(B * Hkv, 1, S, D).expand(B * Hkv, G, S, D)
+
+
+def _cpu_flash_causal(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    """``causal_attention`` on the CPU by SDPA's CPU flash kernel (``_CPU_FLASH``), which
+    takes no bottom-right causal mask and no GQA: K/V enter as stride-0 views per query head
+    (``_grouped``), and a chunk at ``start > 0`` is two passes, (a) every query to the keys
+    before ``start`` without a mask and (b) the chunk's queries to its own keys, causal
+    (top-left), each returning its output and log-sum-exp, merged in float32:
+    ``o = o_a exp(l_a - l) + o_b exp(l_b - l)`` with ``l = logaddexp(l_a, l_b)``. Neither a
+    mask nor a score matrix exists; (B, H, Tq, D) float32 temporaries at most.
+    Shapes as ``causal_attention``."""
+    flash = getattr(torch.ops.aten, _CPU_FLASH)
+    B, H, Tq, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    qg = q.reshape(B * Hkv, G, Tq, D)
+    kg, vg = _grouped(k, G), _grouped(v, G)
+    o_b, l_b = flash(qg, kg[:, :, start:], vg[:, :, start:], 0.0, True)[:2]
+    if start == 0:
+        return o_b.reshape(B, H, Tq, D)
+    o_a, l_a = flash(qg, kg[:, :, :start], vg[:, :, :start], 0.0, False)[:2]
+    lse = torch.logaddexp(l_a, l_b)  # (B * H_kv, G, Tq) float32
+    w_a = (l_a - lse).exp_().unsqueeze(-1)
+    w_b = (l_b - lse).exp_().unsqueeze(-1)
+    out = o_a.float().mul_(w_a).add_(o_b.float().mul_(w_b))
+    return out.to(q.dtype).reshape(B, H, Tq, D)
 
 
 def attention_column_sums(q: Tensor, k: Tensor, start: int = 0,
