@@ -84,12 +84,14 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
             H a multiple of H_kv.
         start: position of the first query (0: the whole prompt at once).
     Returns:
-        (B, H, Tq, D), dtype of q: query i attends to keys ``<= start + i``. ``start == 0`` is
-        SDPA's own causal mask; otherwise the causal diagonal is aligned to the bottom right
-        (``torch.nn.attention.bias.causal_lower_right``), which runs flash attention on CUDA.
-        Where flash cannot run, an explicit boolean mask is used, with the query rows split so
-        that the mask (and any score matrix a fallback kernel makes) stays under 2^26 elements.
-        No T x T mask ever exists.
+        (B, H, Tq, D), dtype of q: query i attends to keys ``<= start + i``. On the CPU,
+        SDPA's CPU flash kernel without any mask (``_cpu_flash_causal``: the keys before
+        ``start`` unmasked, the chunk's own causally, merged by log-sum-exp). Elsewhere
+        ``start == 0`` is SDPA's own causal mask; otherwise the causal diagonal is aligned to
+        the bottom right (``torch.nn.attention.bias.causal_lower_right``), which runs flash
+        attention on CUDA. Where flash cannot run, an explicit boolean mask is used, with the
+        query rows split so that the mask (and any score matrix a fallback kernel makes)
+        stays under 2^26 elements. No T x T mask ever exists.
     Raises:
         ValueError: ``k`` does not hold exactly ``start + Tq`` positions.
     """
