@@ -221,21 +221,35 @@ def _column_sums_by_lse(q: Tensor, k: Tensor, start: int) -> Tensor:
     """
     flash = getattr(torch.ops.aten, _CPU_FLASH)
     B, H, Tq, D = q.shape
-    S = k.shape[2]
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
     scale = 1 / math.sqrt(D)
-    keys = k.repeat_interleave(H // k.shape[1], dim=1)  # (B, H, S, D)
-    zeros = torch.zeros_like(keys)
-    lse = flash(q, keys[:, :, start:], zeros[:, :, start:], 0.0, True, scale=scale)[1]
+    # K/V per query head as stride-0 views of the KV heads (``_grouped``), the values zeros
+    # (only the log-sum-exp is used) of one row: no (B, H, S, D) tensor exists
+    qg = q.reshape(B * Hkv, G, Tq, D)
+    keys = _grouped(k, G)  # (B * H_kv, G, S, D)
+    zeros = k.new_zeros(1, 1, 1, D).expand(B * Hkv, G, S, D)
+    lse = flash(qg, keys[:, :, start:], zeros[:, :, start:], 0.0, True, scale=scale)[1]
     if start:
-        prefix = flash(q, keys[:, :, :start], zeros[:, :, :start], 0.0, False, scale=scale)[1]
+        prefix = flash(qg, keys[:, :, :start], zeros[:, :, :start], 0.0, False, scale=scale)[1]
         lse = torch.logaddexp(lse, prefix)
-    bias = -lse.float() / scale  # (B, H, Tq)
+    bias = -lse.float().reshape(B, H, Tq) / scale
     hi = bias.to(q.dtype)
     lo = (bias - hi.float()).to(q.dtype)
-    rows = torch.cat([keys, keys.new_ones(B, H, S, 2)], dim=-1).flip(2)
-    cols = torch.cat([q, hi[..., None], lo[..., None]], dim=-1).flip(2)
-    lse_t = flash(rows, cols, torch.zeros_like(cols), 0.0, True, scale=scale)[1]  # (B, H, S)
-    return lse_t.float().flip(2).exp()
+    rows = torch.cat([k, k.new_ones(B, Hkv, S, 2)], dim=-1).flip(2)  # (B, H_kv, S, D + 2)
+    cols = torch.cat([q, hi[..., None], lo[..., None]], dim=-1).flip(2)  # (B, H, Tq, D + 2)
+    cols = cols.reshape(B * Hkv, G, Tq, D + 2)
+    rows, zeros = _grouped(rows, G), cols.new_zeros(1, 1, 1, D + 2).expand_as(cols)
+    # the transposed problem's first Tq rows are its causal square; every later row sees all
+    # Tq columns: unmasked, in blocks of LSE_ROWS rows, so that the kernel's unused output
+    # (rows x (D + 2) per query head) stays block-sized
+    lse_t = [flash(rows[:, :, :Tq], cols, zeros, 0.0, True, scale=scale)[1]]
+    for r in range(Tq, S, LSE_ROWS):
+        lse_t.append(flash(rows[:, :, r:r + LSE_ROWS], cols, zeros, 0.0, False, scale=scale)[1])
+    return torch.cat(lse_t, dim=2).float().reshape(B, H, S).flip(2).exp()
+
+
+LSE_ROWS = 4096  # rows (keys) per block of _column_sums_by_lse's transposed pass
 
 
 def _flash_available(q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> bool:
