@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1,
                    help="copies of the prompt decoded together")
     p.add_argument("--device", default=None, help="cuda if available, else cpu")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int,
+                   help="torch CPU threads (default: torch's; use the physical cores, not SMT "
+                        "threads)")
     p.add_argument("--dtype", choices=list(DTYPE_NAMES),
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default="float",

@@ -84,6 +84,28 @@ def _gguf_reader(reader_cls, path: Path, size: int, mtime_ns: int):
         raise ConfigError(f"cannot read GGUF file {path}: truncated or corrupt ({e})") from None
 
 
+def release_pages(reader) -> bool:
+    """Drop the pages of ``reader``'s file mapping from this process's resident set
+    (``madvise(MADV_DONTNEED)`` on the read-only shared mapping), once the weights are built
+    from it: the mapping stays valid, the pages stay in the kernel's page cache, and a later
+    read (the tokenizer's fields, a tensor still viewing the file) faults them back in from
+    there. Without it every page the load touched counts in the process's peak resident set
+    until exit (the whole file: 469 MiB for Qwen2.5-Coder-0.5B Q4_K_M). Returns whether it
+    could (False where numpy or the platform offers no such call)."""
+    import mmap
+
+    base = getattr(reader, "data", None)
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None)
+    if base is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return False
+    try:
+        base.madvise(mmap.MADV_DONTNEED)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 MISSING = object()  # gguf_field: no default given
 
 

@@ -84,12 +84,14 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
             H a multiple of H_kv.
         start: position of the first query (0: the whole prompt at once).
     Returns:
-        (B, H, Tq, D), dtype of q: query i attends to keys ``<= start + i``. ``start == 0`` is
-        SDPA's own causal mask; otherwise the causal diagonal is aligned to the bottom right
-        (``torch.nn.attention.bias.causal_lower_right``), which runs flash attention on CUDA.
-        Where flash cannot run, an explicit boolean mask is used, with the query rows split so
-        that the mask (and any score matrix a fallback kernel makes) stays under 2^26 elements.
-        No T x T mask ever exists.
+        (B, H, Tq, D), dtype of q: query i attends to keys ``<= start + i``. On the CPU,
+        SDPA's CPU flash kernel without any mask (``_cpu_flash_causal``: the keys before
+        ``start`` unmasked, the chunk's own causally, merged by log-sum-exp). Elsewhere
+        ``start == 0`` is SDPA's own causal mask; otherwise the causal diagonal is aligned to
+        the bottom right (``torch.nn.attention.bias.causal_lower_right``), which runs flash
+        attention on CUDA. Where flash cannot run, an explicit boolean mask is used, with the
+        query rows split so that the mask (and any score matrix a fallback kernel makes)
+        stays under 2^26 elements. No T x T mask ever exists.
     Raises:
         ValueError: ``k`` does not hold exactly ``start + Tq`` positions.
     """
@@ -98,6 +100,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
     if S != start + Tq:
         raise ValueError(f"{Tq} queries from position {start} need {start + Tq} keys, got {S}")
     gqa = H != k.shape[1]
+    if q.device.type == "cpu" and CPU_FLASH_PREFILL and hasattr(torch.ops.aten, _CPU_FLASH):
+        return _cpu_flash_causal(q, k, v, start)
     if start == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if _flash_available(q, k, v, gqa):
@@ -118,6 +122,40 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
 
 
 MASK_ELEMENTS = 1 << 26  # bound on (rows x keys x heads) per fallback block in causal_attention
+CPU_FLASH_PREFILL = True  # False: CPU prefill keeps SDPA with explicit masks (for comparisons)
+
+
+def _grouped(t: Tensor, G: int) -> Tensor:
+    """K or V (B, H_kv, S, D) as (B * H_kv, G, S, D), each KV head repeated G times by a
+    stride-0 view (no copy): query head h of (B * H_kv, G) reads KV head h // G."""
+    B, Hkv, S, D = t.shape
+    return t.reshape(B * Hkv, 1, S, D).expand(B * Hkv, G, S, D)
+
+
+def _cpu_flash_causal(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    """``causal_attention`` on the CPU by SDPA's CPU flash kernel (``_CPU_FLASH``), which
+    takes no bottom-right causal mask and no GQA: K/V enter as stride-0 views per query head
+    (``_grouped``), and a chunk at ``start > 0`` is two passes, (a) every query to the keys
+    before ``start`` without a mask and (b) the chunk's queries to its own keys, causal
+    (top-left), each returning its output and log-sum-exp, merged in float32:
+    ``o = o_a exp(l_a - l) + o_b exp(l_b - l)`` with ``l = logaddexp(l_a, l_b)``. Neither a
+    mask nor a score matrix exists; (B, H, Tq, D) float32 temporaries at most.
+    Shapes as ``causal_attention``."""
+    flash = getattr(torch.ops.aten, _CPU_FLASH)
+    B, H, Tq, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    qg = q.reshape(B * Hkv, G, Tq, D)
+    kg, vg = _grouped(k, G), _grouped(v, G)
+    o_b, l_b = flash(qg, kg[:, :, start:], vg[:, :, start:], 0.0, True)[:2]
+    if start == 0:
+        return o_b.reshape(B, H, Tq, D)
+    o_a, l_a = flash(qg, kg[:, :, :start], vg[:, :, :start], 0.0, False)[:2]
+    lse = torch.logaddexp(l_a, l_b)  # (B * H_kv, G, Tq) float32
+    w_a = (l_a - lse).exp_().unsqueeze(-1)
+    w_b = (l_b - lse).exp_().unsqueeze(-1)
+    out = o_a.float().mul_(w_a).add_(o_b.float().mul_(w_b))
+    return out.to(q.dtype).reshape(B, H, Tq, D)
 
 
 def attention_column_sums(q: Tensor, k: Tensor, start: int = 0,
@@ -183,21 +221,35 @@ def _column_sums_by_lse(q: Tensor, k: Tensor, start: int) -> Tensor:
     """
     flash = getattr(torch.ops.aten, _CPU_FLASH)
     B, H, Tq, D = q.shape
-    S = k.shape[2]
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
     scale = 1 / math.sqrt(D)
-    keys = k.repeat_interleave(H // k.shape[1], dim=1)  # (B, H, S, D)
-    zeros = torch.zeros_like(keys)
-    lse = flash(q, keys[:, :, start:], zeros[:, :, start:], 0.0, True, scale=scale)[1]
+    # K/V per query head as stride-0 views of the KV heads (``_grouped``), the values zeros
+    # (only the log-sum-exp is used) of one row: no (B, H, S, D) tensor exists
+    qg = q.reshape(B * Hkv, G, Tq, D)
+    keys = _grouped(k, G)  # (B * H_kv, G, S, D)
+    zeros = k.new_zeros(1, 1, 1, D).expand(B * Hkv, G, S, D)
+    lse = flash(qg, keys[:, :, start:], zeros[:, :, start:], 0.0, True, scale=scale)[1]
     if start:
-        prefix = flash(q, keys[:, :, :start], zeros[:, :, :start], 0.0, False, scale=scale)[1]
+        prefix = flash(qg, keys[:, :, :start], zeros[:, :, :start], 0.0, False, scale=scale)[1]
         lse = torch.logaddexp(lse, prefix)
-    bias = -lse.float() / scale  # (B, H, Tq)
+    bias = -lse.float().reshape(B, H, Tq) / scale
     hi = bias.to(q.dtype)
     lo = (bias - hi.float()).to(q.dtype)
-    rows = torch.cat([keys, keys.new_ones(B, H, S, 2)], dim=-1).flip(2)
-    cols = torch.cat([q, hi[..., None], lo[..., None]], dim=-1).flip(2)
-    lse_t = flash(rows, cols, torch.zeros_like(cols), 0.0, True, scale=scale)[1]  # (B, H, S)
-    return lse_t.float().flip(2).exp()
+    rows = torch.cat([k, k.new_ones(B, Hkv, S, 2)], dim=-1).flip(2)  # (B, H_kv, S, D + 2)
+    cols = torch.cat([q, hi[..., None], lo[..., None]], dim=-1).flip(2)  # (B, H, Tq, D + 2)
+    cols = cols.reshape(B * Hkv, G, Tq, D + 2)
+    rows, zeros = _grouped(rows, G), cols.new_zeros(1, 1, 1, D + 2).expand_as(cols)
+    # the transposed problem's first Tq rows are its causal square; every later row sees all
+    # Tq columns: unmasked, in blocks of LSE_ROWS rows, so that the kernel's unused output
+    # (rows x (D + 2) per query head) stays block-sized
+    lse_t = [flash(rows[:, :, :Tq], cols, zeros, 0.0, True, scale=scale)[1]]
+    for r in range(Tq, S, LSE_ROWS):
+        lse_t.append(flash(rows[:, :, r:r + LSE_ROWS], cols, zeros, 0.0, False, scale=scale)[1])
+    return torch.cat(lse_t, dim=2).float().reshape(B, H, S).flip(2).exp()
+
+
+LSE_ROWS = 4096  # rows (keys) per block of _column_sums_by_lse's transposed pass
 
 
 def _flash_available(q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> bool:

@@ -204,7 +204,10 @@ class Int8Linear(nn.Module):
             # crashes on a weight not 64-byte aligned: __init__ aligns the whole weight, this
             # checks a row slice eagerly; compiled graphs see whole, aligned weights)
             y = torch.ops.aten._weight_int8pack_mm(x2.to(scales.dtype).contiguous(), q, scales)
-        else:  # CUDA (fused by torch.compile), CPU prefill: dequantize, dense matmul
+        elif x.device.type == "cpu":  # CPU prefill: the scaled weight dequantized, one dense
+            # matmul (scaling the (rows, out) output instead costs a pass and a copy of it)
+            y = F.linear(x2, q.to(x.dtype).mul_(scales.to(x.dtype)[:, None]))
+        else:  # CUDA (fused by torch.compile): dequantize, dense matmul
             y = F.linear(x2, q.to(x.dtype)) * scales
         return y.to(x.dtype).reshape(*lead, q.shape[0])
 

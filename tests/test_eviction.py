@@ -133,6 +133,8 @@ def test_attention_column_sums_against_the_whole_matrix(monkeypatch, path, start
     if path == "blocks":
         monkeypatch.setattr(kv_cache, "_CPU_FLASH", "no such kernel")
         monkeypatch.setattr(kv_cache, "MASK_ELEMENTS", 50)  # many small row blocks
+    else:
+        monkeypatch.setattr(kv_cache, "LSE_ROWS", 5)  # the transposed pass in several blocks
     got = attention_column_sums(q[:, :, start:], k, start)
     torch.testing.assert_close(got, want.view(B, Hkv, G, S).sum(2), rtol=1e-5, atol=1e-5)
     per_head = attention_column_sums(q[:, :, start:], k, start, per_query_head=True)

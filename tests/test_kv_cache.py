@@ -44,12 +44,14 @@ def test_causal_attention_matches_loop(H, Hkv):
 
 
 @pytest.mark.parametrize("start", [1, 5, 8])
-@pytest.mark.parametrize("mask_elements", [1 << 26, 50])  # one block; one query row per block
-def test_causal_attention_of_a_query_block(start, mask_elements, monkeypatch):
-    """Queries start..8 over keys 0..8: the causal diagonal sits at the bottom right."""
+@pytest.mark.parametrize("mask_elements,flash", [(1 << 26, False), (50, False), (0, True)])
+def test_causal_attention_of_a_query_block(start, mask_elements, flash, monkeypatch):
+    """Queries start..8 over keys 0..8: the causal diagonal sits at the bottom right. Masked
+    path in one block and one query row per block; the CPU flash path (two passes merged)."""
     import kv_cache
 
-    monkeypatch.setattr(kv_cache, "MASK_ELEMENTS", mask_elements)
+    monkeypatch.setattr(kv_cache, "MASK_ELEMENTS", mask_elements or 1 << 26)
+    monkeypatch.setattr(kv_cache, "CPU_FLASH_PREFILL", flash)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, 9, 8, generator=g)
     k, v = torch.randn(2, 2, 2, 9, 8, generator=g)
@@ -57,6 +59,43 @@ def test_causal_attention_of_a_query_block(start, mask_elements, monkeypatch):
     assert torch.allclose(causal_attention(q[:, :, start:], k, v, start), ref, atol=1e-5)
     with pytest.raises(ValueError, match="got 9"):
         causal_attention(q[:, :, start:], k, v, start - 1)
+
+
+def masked_reference(q, k, v, start):
+    """Explicit (Tq, S) boolean mask, K/V repeated per query head, float64 softmax."""
+    G = q.shape[1] // k.shape[1]
+    kr, vr = (t.double().repeat_interleave(G, dim=1) for t in (k, v))
+    s = q.double() @ kr.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    keys, rows = torch.arange(k.shape[2]), torch.arange(start, start + q.shape[2])
+    s = s.masked_fill(keys[None, :] > rows[:, None], float("-inf"))
+    return s.softmax(-1) @ vr
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("start", [0, 1, 23, 61])
+def test_cpu_flash_prefill_chunk_matches_explicit_mask(start, dtype, atol, monkeypatch):
+    """A prefill chunk at ``start`` through the CPU flash kernel (prefix without a mask plus
+    the chunk causally, merged by log-sum-exp) equals masked attention: GQA (6 query heads
+    on 2 KV heads), batch 2, 37 queries, queries transposed from (B, T, H, D) and keys a
+    slice of a longer buffer, as the model and the caches pass them. No SDPA call with a
+    mask (the math kernel) may run."""
+    import kv_cache
+
+    monkeypatch.setattr(kv_cache, "CPU_FLASH_PREFILL", True)
+
+    def no_sdpa(*a, **kw):
+        raise AssertionError("SDPA called: the flash path did not run")
+
+    monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", no_sdpa)
+    g = torch.Generator().manual_seed(3)
+    Tq, D = 37, 16
+    q = torch.randn(2, Tq, 6, D, generator=g).to(dtype).transpose(1, 2)
+    k_buf, v_buf = torch.randn(2, 2, 2, 130, D, generator=g).to(dtype)
+    k, v = k_buf[:, :, :start + Tq], v_buf[:, :, :start + Tq]
+    out = causal_attention(q, k, v, start)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = masked_reference(q, k, v, start)
+    assert torch.allclose(out.double(), ref, atol=atol), (out.double() - ref).abs().max()
 
 
 def test_attend_with_mask_matches_loop():

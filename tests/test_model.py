@@ -85,13 +85,14 @@ def test_prefill_chunking_does_not_change_logits(tmp_path):
     ours = load_model(str(tmp_path), "cpu", torch.float32)
     ids = torch.randint(0, 97, (1, 50))
     outs = []
-    for chunk in (4096, 7):
-        ours.prefill_chunk_size = chunk
+    for chunk, mlp_rows in ((4096, 4096), (7, 4096), (16, 5)):  # query chunks, MLP rows
+        ours.prefill_chunk_size, ours.prefill_mlp_rows = chunk, mlp_rows
         ours.setup_caches(build_caches("full", ours.args, batch_size=1, prompt_len=50,
                                        max_new_tokens=1, budget=None, dtype=torch.float32,
                                        device="cpu"), 51)
         outs.append(ours.prefill(ids))
-    assert (outs[0] - outs[1]).abs().max() < 1e-5
+    for out in outs[1:]:
+        assert (outs[0] - out).abs().max() < 1e-5
 
 
 # ---- config parsing ------------------------------------------------------------------------
