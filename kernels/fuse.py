@@ -59,7 +59,7 @@ STOCK_CODE = {
     "Attention.out": "ca609f8c02d5e102",
     "apply_rope": "5421d59e3f44d4c5",
     "TransformerBlock.forward": "cacadb75c8a397f0",
-    "Transformer.forward": "6015cbeb2d82f6c2",
+    "Transformer.forward": "137d55738b3884e8",
 }
 _SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
          tokenize.ENDMARKER}
@@ -191,19 +191,20 @@ class FusedTransformer(Transformer):
     kernel where the dense kernels run (and the head is one they read), else
     ``Transformer.forward``. Made by ``fuse``."""
 
-    def forward(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor, block=None) -> Tensor:
         """Decode step: ``tokens`` (B, 1) int64 at ``input_pos`` (1,) int64 -> logits (B,
-        vocab) in the model dtype."""
+        vocab) in the model dtype; ``block`` as ``Transformer.forward`` takes it (the CPU's
+        per-layer compiled step)."""
         head = None
         if kernels.dense_in_use(tokens.device) and type(self.norm) is RMSNorm and \
                 not _hooked(self.norm):
             head = kernel_weight(self.output)
         if head is None:
-            return super().forward(tokens, input_pos)
+            return super().forward(tokens, input_pos, block)
         rope = self.rope[input_pos]  # (1, D/2, 2)
         x = self.tok_embeddings(tokens)  # (B, 1, dim)
         for layer in self.layers:
-            x = layer(x, rope, input_pos)
+            x = layer(x, rope, input_pos) if block is None else block(layer, x, rope, input_pos)
         w, scales, group = head  # norm + LM head in one kernel
         return kernels.linear(x, w, self.norm.weight, self.norm.eps, scales=scales,
                               groupsize=group)[:, -1]
