@@ -38,6 +38,15 @@ TOK512 = SHARED / "tokenizers" / "tok512.model"
 SMOLLM2_GGUF = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def sigint_default() -> None:
+    """``preexec_fn`` of a test's child process that is sent SIGINT: SIGINT's default action
+    restored, since a shell running the suite in the background (``pytest ... &``) starts it
+    with SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def shared_file(path: Path) -> Path:
     """A file from the data directory (``evals.data.DATA``); skip when absent outside CI, fail
     in CI."""

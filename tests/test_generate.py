@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SHARED
+from conftest import ROOT, SHARED, sigint_default
 
 from checkpoint import random_model
 from compression import build_caches
@@ -623,7 +623,7 @@ def test_ctrl_c_keeps_what_was_generated(tmp_path, sig, code):
          "--max-new-tokens", "4000", "--no-compile",  # decoding is interrupted, not a compile
          "--json", str(out),
          "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, preexec_fn=sigint_default)
     streamed = b""
     deadline = time.time() + 120
     while len(streamed) < 20 and time.time() < deadline:  # wait for streamed text

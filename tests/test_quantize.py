@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
+from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file, sigint_default
 
 import kernels
 from checkpoint import load_model, random_model
@@ -435,7 +435,8 @@ def test_ctrl_c_in_quantize_is_one_line_and_leaves_nothing(tmp_path):
     proc = subprocess.Popen([sys.executable, "quantize.py", "--checkpoint",
                              str(shared_file(SMOLLM2_GGUF)), "--mode", "int4", "--groupsize",
                              "32", "--out", str(out)],
-                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                            preexec_fn=sigint_default)
     seen, deadline = b"", time.time() + 120
     while b"quantize int4" not in seen and time.time() < deadline:  # the progress bar
         if select.select([proc.stderr], [], [], 1.0)[0]:
