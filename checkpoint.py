@@ -29,6 +29,7 @@ The tokenizer (``tokenizer.py``) comes from the directory's ``tokenizer.json`` o
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -848,8 +849,6 @@ def _trim_heap() -> None:
     the C library has none). The load's temporaries (dequantized and repacked copies) leave
     hundreds of MiB free but resident in the heap: 234 MiB for SmolLM2-135M with
     ``--gguf-weights quantized``, which every later peak of the process would count."""
-    import ctypes
-
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):

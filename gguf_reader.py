@@ -7,6 +7,7 @@ The ``gguf`` package is imported only when a GGUF file is opened.
 from __future__ import annotations
 
 import functools
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +93,6 @@ def release_pages(reader) -> bool:
     there. Without it every page the load touched counts in the process's peak resident set
     until exit (the whole file: 469 MiB for Qwen2.5-Coder-0.5B Q4_K_M). Returns whether it
     could (False where numpy or the platform offers no such call)."""
-    import mmap
-
     base = getattr(reader, "data", None)
     while base is not None and not isinstance(base, mmap.mmap):
         base = getattr(base, "base", None)

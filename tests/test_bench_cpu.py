@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
+from test_gguf import write_gguf
 
 from model import ConfigError
 from scripts.bench_cpu import (
@@ -107,9 +109,6 @@ def test_parse_a_recorded_llama_bench_json():
 def tiny_gguf(path):
     transformers = pytest.importorskip("transformers")
     gguf = pytest.importorskip("gguf")
-    import torch
-    from test_gguf import write_gguf
-
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4,

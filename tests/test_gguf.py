@@ -14,6 +14,7 @@ import checkpoint
 import rocketkv
 from checkpoint import hf_config, hf_to_meta_rope_rows, load_model, resolve_checkpoint
 from compression import build_caches
+from gguf_reader import open_gguf, release_pages
 from model import ConfigError, ModelArgs, rope_inv_freq
 
 gguf = pytest.importorskip("gguf")
@@ -210,8 +211,6 @@ def test_release_pages_drops_the_mapping_from_rss_and_keeps_it_readable(tmp_path
     """After the load the file's pages leave the process's resident set (Linux: RssFile of
     /proc/self/smaps_rollup drops by about the file's size); the tensors and fields still
     read the same bytes (faulted back in from the page cache)."""
-    from gguf_reader import open_gguf, release_pages
-
     path = write_gguf(tmp_path / "pages.gguf", tiny_hf, Q.F32,
                       extra_tensors=[("pad.weight", np.ones((1 << 20,), np.float32), None)])
     reader = open_gguf(path)

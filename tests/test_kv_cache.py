@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import kv_cache
 from compression import build_caches
 from kv_cache import (
     FLEX_BLOCK,
@@ -48,8 +49,6 @@ def test_causal_attention_matches_loop(H, Hkv):
 def test_causal_attention_of_a_query_block(start, mask_elements, flash, monkeypatch):
     """Queries start..8 over keys 0..8: the causal diagonal sits at the bottom right. Masked
     path in one block and one query row per block; the CPU flash path (two passes merged)."""
-    import kv_cache
-
     monkeypatch.setattr(kv_cache, "MASK_ELEMENTS", mask_elements or 1 << 26)
     monkeypatch.setattr(kv_cache, "CPU_FLASH_PREFILL", flash)
     g = torch.Generator().manual_seed(1)
