@@ -826,8 +826,9 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
     if checkpoint.startswith(RANDOM_PREFIX) and gguf_weights == "float":
         return random_model(ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):]), device, dtype,
                             shard=shard)
-    args, sd, quant = read_checkpoint(checkpoint, dtype=dtype if _is_gguf_path(checkpoint)
-                                      else None, gguf_weights=gguf_weights)
+    gguf = _is_gguf_path(checkpoint)
+    args, sd, quant = read_checkpoint(checkpoint, dtype=dtype if gguf else None,
+                                      gguf_weights=gguf_weights)
     local = args
     if world > 1:
         sd = tp.shard_state_dict(sd, args, rank, world, (quant or {}).get("groupsize"))
@@ -837,7 +838,7 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
     else:
         model = _materialize(local, sd, device, dtype)
     del sd
-    if _is_gguf_path(checkpoint):  # the weights are built: the file's pages leave our RSS
+    if gguf:  # the weights are built: the file's pages leave our RSS
         release_pages(open_gguf(resolve_checkpoint(checkpoint)))
     if torch.device(device).type == "cpu":
         _trim_heap()
