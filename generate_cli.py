@@ -133,7 +133,6 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         apply_kernels_option(args)
-        compile = default_compile(args.compile, device, args.max_new_tokens)
         if args.system is not None and not args.chat:
             raise ConfigError("--system needs --chat (it is a message of the chat template)")
         if args.chat and args.context is not None:
@@ -152,6 +151,7 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
         if args.questions is not None:  # one document, many questions: rocketkv.py
             if world > 1:
                 raise ConfigError("--questions runs in one process, not under torchrun")
+            compile = default_compile(args.compile, device, args.max_new_tokens)
             return _answer_questions(args, generate, checkpoint, margs, tok, text, device,
                                      dtype, options, compile, t_load)
         if text is not None:
