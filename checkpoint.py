@@ -46,7 +46,13 @@ from flags import KNOWN_CHECKPOINTS  # noqa: F401  (re-exported: short names)
 from gguf_quantized import GGUFLoader, check_gguf_weights, gguf_quantized_state_dict
 from gguf_reader import MISSING, gguf_field, is_gguf, open_gguf, release_pages
 from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, rope_inv_freq
-from quantized import QUANT_CONFIG, load_quantized, output_dim
+from quantized import (
+    QUANT_CONFIG,
+    int8_activations_available,
+    load_quantized,
+    output_dim,
+    use_int8_activations,
+)
 
 NATIVE_CONFIG = "model_args.json"
 NATIVE_WEIGHTS = "model.safetensors"
@@ -751,7 +757,8 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
     Float tensors are cast to ``dtype`` when given, else kept as stored (GGUF tensors are
     dequantized to float32; ``random:NAME`` weights are drawn in ``random_dtype``); a quantized
     checkpoint's tensors are always returned as stored. ``gguf_weights`` ``"quantized"`` or
-    ``"quantized-int8-classifier"`` (GGUF files only): the GGUF's 4-bit and other
+    ``"quantized-int8-classifier"`` or ``"quantized-w8a8"`` (GGUF files only; the last two
+    with an int8 classifier): the GGUF's 4-bit and other
     block-quantized layers as a quantized checkpoint's int4/int8 tensors and config
     (``gguf_quantized``), the rest in ``dtype``.
 
@@ -776,7 +783,7 @@ def read_checkpoint(checkpoint: str, dtype: torch.dtype | None = None,
         args = gguf_args(reader, name=None)
         sd, quant = gguf_quantized_state_dict(
             reader, args, dtype or torch.float32,
-            classifier="int8" if gguf_weights.endswith("int8-classifier") else "float",
+            classifier="float" if gguf_weights == "quantized" else "int8",
             loader=GGUFLoader(dequantize=_dequantize, rope_rows=hf_to_meta_rope_rows,
                               layer_names=_GGUF_LAYER_NAMES, rotate_half=GGUF_ROTATE_HALF,
                               fused_qkv=fused_qkv, qkv_names=qkv_names))
@@ -810,7 +817,8 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
     ``"quantized"`` keeps its 4-bit blocks as int4 (groups of 32, exact up to the scales'
     dtype) and its other block types as per-channel int8, the embedding and classifier in
     ``dtype``; ``"quantized-int8-classifier"`` also the classifier in int8
-    (``gguf_quantized``).
+    (``gguf_quantized``); ``"quantized-w8a8"`` as that, its int8 layers and classifier then
+    running on int8 activations at decode (CPU only, ``quantized.use_int8_activations``).
     ``shard`` (rank, world size): only that rank's share under tensor parallelism
     (``tp.shard_state_dict``; float, int8 and int4 alike) reaches the device, and the model
     is that rank's (``tp.attach``).
@@ -819,10 +827,13 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
         ConfigError: missing or unreadable checkpoint, config without weights, unsupported
             architecture or quantization type, truncated file, weights that do not match
             the config, a quantized layout with no kernel for ``device``/``dtype``, or a world
-            size that does not split the model; a bad ``gguf_weights`` (``read_checkpoint``).
+            size that does not split the model; a bad ``gguf_weights`` (``read_checkpoint``),
+            or ``"quantized-w8a8"`` off the CPU or without fbgemm.
     """
     rank, world = shard
     check_gguf_weights(gguf_weights)
+    if gguf_weights == "quantized-w8a8":
+        check_int8_activations(device)
     if checkpoint.startswith(RANDOM_PREFIX) and gguf_weights == "float":
         return random_model(ModelArgs.from_name(checkpoint[len(RANDOM_PREFIX):]), device, dtype,
                             shard=shard)
@@ -842,7 +853,19 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
         release_pages(open_gguf(resolve_checkpoint(checkpoint)))
     if torch.device(device).type == "cpu":
         _trim_heap()
+    if gguf_weights == "quantized-w8a8":
+        use_int8_activations(model)
     return tp.attach(model, rank, world, args) if world > 1 else model
+
+
+def check_int8_activations(device) -> None:
+    """ConfigError unless ``--gguf-weights quantized-w8a8`` can run on ``device``: the CPU,
+    with PyTorch's fbgemm engine (``quantized.use_int8_activations``)."""
+    if torch.device(device).type != "cpu":
+        raise ConfigError(f"--gguf-weights quantized-w8a8 runs on the CPU only, not {device}")
+    if not int8_activations_available():
+        raise ConfigError("--gguf-weights quantized-w8a8 needs PyTorch's fbgemm engine, which "
+                          "this torch lacks")
 
 
 def _trim_heap() -> None:

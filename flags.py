@@ -22,7 +22,8 @@ CLASSIFIER_CHOICES = ("int8", "same", "float")  # --classifier
 GROUPSIZES = (32, 64, 128, 256)  # int4's input features per scale/zero group
 
 
-GGUF_WEIGHTS = ("float", "quantized", "quantized-int8-classifier")  # --gguf-weights
+# --gguf-weights (gguf_quantized.py, docs/quantization.md)
+GGUF_WEIGHTS = ("float", "quantized", "quantized-int8-classifier", "quantized-w8a8")
 PROGRESS_TOKENS = 512  # prompts from this many tokens show a prefill progress bar
 # short name -> Hugging Face repository of the instruct model our users mean by it
 # (checkpoint.resolve_checkpoint, scripts/download.py)

@@ -34,6 +34,10 @@ How each GGUF type maps (block layouts: ggml-common.h / ggml-quants.c; ``decode_
   default int8 classifier does): a quarter of float32's bytes, at a measured cost in accuracy
   (docs/quantization.md: SmolLM2's per-channel int8 classifier is what moves its logits, not
   the int4 layers).
+* ``"quantized-w8a8"``: as ``"quantized-int8-classifier"``, then the int8 layers and the
+  classifier run on int8 activations at decode (``quantized.use_int8_activations``, CPU only;
+  the int4 layers keep bfloat16 ones): fbgemm's integer dot products, about twice as fast as
+  the weight-only int8 kernel here, at a measured cost in accuracy (docs/quantization.md).
 * qwen2's q/k rows are permuted to Meta's RoPE order as on the float path
   (``checkpoint.hf_to_meta_rope_rows``): rows of 4-bit values and their per-row scales alike.
 

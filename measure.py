@@ -137,12 +137,14 @@ def sync(device: torch.device) -> None:
 
 def weights_label(model: Transformer) -> str:
     """``float``, ``int8`` or ``int4-g<G>`` (``quantize.py``), with ``, classifier C`` when the
-    classifier is stored otherwise (``int8``, ``float``)."""
+    classifier is stored otherwise (``int8``, ``float``), and ``, int8 activations`` when its
+    int8 layers run W8A8 (``quantized.use_int8_activations``)."""
     q = model.quantization
     if q is None:
         return "float"
     label = q["mode"] + (f"-g{q['groupsize']}" if q.get("groupsize") else "")
-    return label + (f", classifier {q['classifier']}" if q["classifier"] != q["mode"] else "")
+    label += f", classifier {q['classifier']}" if q["classifier"] != q["mode"] else ""
+    return label + (", int8 activations" if q.get("activations") == "int8" else "")
 
 
 def weight_bytes(model: Transformer) -> int:

@@ -97,9 +97,9 @@ def load(checkpoint: str, *, device: str | torch.device | None = None,
         dtype: of the weights and the KV cache (a ``torch.dtype`` or its name); default
             bfloat16 on cuda, float32 on cpu.
         tokenizer: a tokenizer file or directory (default: the checkpoint's own).
-        gguf_weights: a GGUF's weights ``"float"`` (dequantized, default), ``"quantized"``
-            or ``"quantized-int8-classifier"`` (``generate.py --gguf-weights``,
-            ``gguf_quantized``).
+        gguf_weights: a GGUF's weights ``"float"`` (dequantized, default), ``"quantized"``,
+            ``"quantized-int8-classifier"`` or ``"quantized-w8a8"`` (that on int8
+            activations, CPU only) (``generate.py --gguf-weights``, ``gguf_quantized``).
     Raises:
         ConfigError: what ``generate.py`` reports for the same checkpoint, device or
             tokenizer (a missing file, an unsupported architecture, no CUDA, weights that do

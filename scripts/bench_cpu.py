@@ -16,7 +16,8 @@ Peers, on ``--threads`` threads each (default: the physical cores this process m
   ``llama.cpp not found (build: tools/build_llama_cpp.sh)`` and ours still run; a checkpoint
   that is not a GGUF file runs ours only, the peer's rows saying why (llama.cpp reads GGUF).
 * ours, in this process: ``checkpoint.load_model`` (a GGUF with ``--gguf-weights``, default
-  ``quantized``: its 4-bit blocks as int4, the rest int8; ``docs/quantization.md``), float32
+  ``quantized``: its 4-bit blocks as int4, the rest int8; ``docs/quantization.md``; several
+  modes load one model each, measured in turn within each repeat), float32
   activations, eager unless ``--compile``; per method (``--methods``, default ``full
   rocketkv``; compressing methods at each of ``--budgets``, default 256) one
   ``generate.generate`` of a random prompt of C token ids (``--seed``; one token at context
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import shutil
@@ -120,9 +122,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--threads", type=int,
                    help="CPU threads of both peers (torch.set_num_threads, llama-bench -t; "
                         "default: the physical cores)")
-    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default="quantized",
-                   help="our weights of a GGUF: kept quantized (default: the fair comparison), "
-                        "with an int8 classifier, or dequantized to float")
+    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, nargs="+", default=["quantized"],
+                   metavar="W", help="our weights of a GGUF, one model each, measured in turn: "
+                   f"{', '.join(GGUF_WEIGHTS)} (default quantized: the fair comparison; "
+                   "docs/quantization.md)")
     p.add_argument("--compile", action="store_true", help="compile our decode step")
     p.add_argument("--seed", type=int, default=0, help="seed of our random prompt ids")
     p.add_argument("--out", default=".", metavar="DIR",
@@ -271,20 +274,20 @@ def _spread(values: list[float]) -> dict[str, float] | None:
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (context, peer, method, budget), in the order first run: the runs' decode and
-    prefill tokens/s as {median, min, max, n}, the load averages' {min, max}, the errors and
-    notes; for ours the ratios of time per token ours / llama.cpp of the medians (None where
-    either is missing)."""
+    """Per (context, peer, method, budget, our GGUF weights), in the order first run: the
+    runs' decode and prefill tokens/s as {median, min, max, n}, the load averages' {min,
+    max}, the errors and notes; for ours the ratios of time per token ours / llama.cpp of the
+    medians (None where either is missing)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in runs:
-        groups.setdefault((r["context"], r["engine"], r.get("method"), r.get("budget")),
-                          []).append(r)
+        groups.setdefault((r["context"], r["engine"], r.get("method"), r.get("budget"),
+                           r.get("weights")), []).append(r)
     out = []
-    for (context, engine, method, budget), rows in groups.items():
+    for (context, engine, method, budget, weights), rows in groups.items():
         ok = [r for r in rows if "error" not in r]
         loads = [r["load_average_1min"] for r in ok if r.get("load_average_1min") is not None]
         s = {"context": context, "engine": engine, "method": method, "budget": budget,
-             "decode_tok_s": _spread([r["decode_tok_s"] for r in ok
+             "weights": weights, "decode_tok_s": _spread([r["decode_tok_s"] for r in ok
                                       if r.get("decode_tok_s") is not None]),
              "prefill_tok_s": _spread([r["prefill_tok_s"] for r in ok
                                        if r.get("prefill_tok_s") is not None]),
@@ -311,6 +314,14 @@ def context_label(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
 
 
+def peer_label(s: dict[str, Any]) -> str:
+    """``llama.cpp``, or ``ours METHOD[ @BUDGET][ [WEIGHTS]]`` for a summary row."""
+    if s["engine"] == LLAMA:
+        return LLAMA
+    return (f"ours {s['method']}" + (f" @{s['budget']}" if s["budget"] is not None else "")
+            + (f" [{s['weights']}]" if s.get("weights") else ""))
+
+
 def _fmt(spread: dict[str, float] | None) -> str:
     if not spread:
         return "-"
@@ -322,8 +333,7 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     lines = ["| context | peer | decode tok/s | prefill tok/s | ours/llama.cpp time decode | "
              "prefill | load 1 min |", "|" + "---|" * 7]
     for s in sorted(summary, key=lambda s: (s["context"], s["engine"] != LLAMA)):
-        name = s["engine"] if s["engine"] == LLAMA else \
-            f"ours {s['method']}" + (f" @{s['budget']}" if s["budget"] is not None else "")
+        name = peer_label(s)
         ratios = [s.get(f"ours_over_llama_time_{w}") for w in ("decode", "prefill")]
         load = s["load_average_1min"]
         cells = [_fmt(s["decode_tok_s"]), _fmt(s["prefill_tok_s"]),
@@ -341,8 +351,7 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     nothing was measured."""
     series: dict[str, list[dict[str, Any]]] = {}
     for s in summary:
-        name = LLAMA if s["engine"] == LLAMA else \
-            f"ours {s['method']}" + (f" @{s['budget']}" if s["budget"] is not None else "")
+        name = peer_label(s)
         series.setdefault(name, []).append(s)
     contexts = sorted({s["context"] for s in summary})
     if not any(s["decode_tok_s"] or s["prefill_tok_s"] for s in summary):
@@ -436,8 +445,10 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         for note in notes:
             print(note, file=sys.stderr)
         torch.set_num_threads(threads)
-        model = load_model(args.checkpoint, "cpu", torch.float32,
-                           gguf_weights=args.gguf_weights if gguf else "float")
+        weights_modes = list(dict.fromkeys(args.gguf_weights)) if gguf else ["float"]
+        models = {w: load_model(args.checkpoint, "cpu", torch.float32, gguf_weights=w)
+                  for w in weights_modes}
+        model = models[weights_modes[0]]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -464,7 +475,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
                 "contexts": contexts, "context_notes": notes,
                 "methods": [list(c) for c in configs], "repeats": args.repeats,
                 "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup_steps,
-                "gguf_weights": args.gguf_weights if gguf else None, "dtype": "float32",
+                "gguf_weights": weights_modes if gguf else None, "dtype": "float32",
                 "compile": args.compile, "seed": args.seed, "prompt": "random token ids",
                 "peer_skipped": peer_skip}
     runs: list[dict[str, Any]] = []
@@ -485,7 +496,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
             f"{k} {row[k]:.1f}" for k in ("decode_tok_s", "prefill_tok_s")
             if row.get(k) is not None)
         name = row["engine"] + (f" {row['method']}" if row.get("method") else "") + \
-            (f" @{row['budget']}" if row.get("budget") is not None else "")
+            (f" @{row['budget']}" if row.get("budget") is not None else "") + \
+            (f" [{row['weights']}]" if row.get("weights") else "")
         print(f"[{row['elapsed_s']:.0f} s] context {row['context']}, repeat {row['repeat']}, "
               f"{name}{' ' + row['test'] if row.get('test') else ''}: {what} "
               f"(load {'-' if load is None else f'{load:.2f}'})", file=sys.stderr)
@@ -508,8 +520,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
             except ConfigError as e:
                 peer_skip = f"llama-bench warm-up failed: {e}"
                 settings["peer_skipped"] = peer_skip
-        for method, budget in configs:
-            ours_run(model, ids[:min(16, len(ids))], method, budget, 2, warmup, args.compile)
+        for m in models.values():
+            for method, budget in configs:
+                ours_run(m, ids[:min(16, len(ids))], method, budget, 2, warmup, args.compile)
         for context in contexts:
             if peer_skip is not None:
                 record({"engine": LLAMA, "context": context, "repeat": None,
@@ -540,16 +553,18 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
                         except ConfigError as e:
                             row["error"] = str(e)
                         record(row)
-                for method, budget in configs:
+                for (weights, m), (method, budget) in itertools.product(models.items(),
+                                                                        configs):
                     row = {"engine": OURS, "context": context, "repeat": rep,
-                           "method": method, "budget": budget}
+                           "method": method, "budget": budget,
+                           "weights": weights if gguf else None}
                     if over_time():
                         record({**row, "error": f"skipped: --time-limit "
                                                 f"{args.time_limit:g} s reached"})
                         continue
                     row["load_average_1min"] = load_average()
                     try:
-                        row.update(ours_run(model, ids[:max(context, 1)], method, budget,
+                        row.update(ours_run(m, ids[:max(context, 1)], method, budget,
                                             steps, warmup, args.compile))
                     except Exception as e:  # noqa: BLE001 (a failed run is a row: row_error)
                         row["error"] = row_error(e)

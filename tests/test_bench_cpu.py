@@ -178,9 +178,31 @@ def test_both_peers_alternate_on_one_gguf(tmp_path, fake_llama, capsys):
     assert prov["llama_cpp"]["build_commit"] == "fake123" and prov["threads"] == 1
     assert prov["checkpoint"]["sha256"] and prov["checkpoint_bytes"] == model.stat().st_size
     assert "commit" in prov and "dirty" in prov and prov["torch"] and prov["cpu_model"]
-    assert doc["settings"]["gguf_weights"] == "quantized"
-    assert "| 48 | ours rocketkv @32 |" in printed.out and "fake123" in printed.out
+    assert doc["settings"]["gguf_weights"] == ["quantized"]
+    assert {r["weights"] for r in ours} == {"quantized"}
+    assert "| 48 | ours rocketkv @32 [quantized] |" in printed.out and "fake123" in printed.out
     assert (tmp_path / "r-decode.png").stat().st_size > 0
+
+
+def test_several_weights_modes_are_measured_in_turn(tmp_path, fake_llama, capsys):
+    """--gguf-weights A B: one model each, every method on each within every repeat, their
+    own summary rows (and ratios against llama.cpp) and table labels."""
+    model = tiny_gguf(tmp_path / "tiny-Q4_0.gguf")
+    out = tmp_path / "w.json"
+    assert main(["--checkpoint", str(model), "--context", "0", "--repeats", "1",
+                 "--max-new-tokens", "2", "--warmup-steps", "1", "--budgets", "32",
+                 "--threads", "1", "--gguf-weights", "quantized", "float", "--no-plots",
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    ours = [(r["weights"], r["method"]) for r in doc["runs"] if r["engine"] == "ours"]
+    assert ours == [("quantized", "full"), ("quantized", "rocketkv"), ("float", "full"),
+                    ("float", "rocketkv")]
+    summary = [x for x in doc["summary"] if x["engine"] == "ours"]
+    assert [(x["weights"], x["method"]) for x in summary] == ours
+    assert all(x["ours_over_llama_time_decode"] for x in summary)
+    assert doc["settings"]["gguf_weights"] == ["quantized", "float"]
+    printed = capsys.readouterr().out
+    assert "| 0 | ours full [float] |" in printed and "| 0 | ours full [quantized] |" in printed
 
 
 def test_ours_alone_without_llama_bench_or_gguf(tmp_path, stories_dir, fake_llama, monkeypatch,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file, sigint_default
 
 import kernels
-from checkpoint import load_model, random_model
+from checkpoint import check_int8_activations, load_model, random_model
 from compression import METHODS
 from generate import generate
 from measure import weight_bytes, weight_bytes_per_step
@@ -32,6 +32,7 @@ from quantized import (
     quantize_model,
     quantized_linears,
     unpack_int4,
+    use_int8_activations,
 )
 
 TINY = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256,
@@ -291,6 +292,68 @@ def test_every_kv_method_runs_on_a_quantized_model(tiny_quantized, mode):
             assert r["kv_bytes_per_step"] >= covering["kv_bytes_per_step"]
         else:
             assert r["kv_bytes_per_step"] < covering["kv_bytes_per_step"], method
+
+
+# ---- int8 activations (W8A8 on the CPU, fbgemm) ------------------------------------------
+
+
+def _w8a8_reference(x, q, w_scales, qmax):
+    """W8A8 as ``quantized.use_int8_activations`` documents it, row by row: the row's range
+    widened to hold 0, one scale and zero point, values rounded into [0, qmax], the integer
+    dot products with the int8 weight, then both scales."""
+    out = []
+    for r in x.float():
+        lo, hi = min(r.min().item(), 0.0), max(r.max().item(), 0.0)
+        scale = (hi - lo) / qmax
+        zero = min(max(round(-lo / scale), 0), qmax)
+        xq = torch.clamp(torch.round(r / scale) + zero, 0, qmax)
+        dots = (xq - zero).double() @ q.double().t()
+        out.append((scale * w_scales.float().double() * dots).float())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_activations_quantize_each_row_on_its_own(dtype):
+    """Decode-sized inputs: each row quantized to 8 bits on its own (exactly the slow
+    reference; a row's result the same alone as in its batch); prefill-sized inputs (more
+    than KERNEL_ROWS rows) keep the weight-only product."""
+    import quantized
+
+    q, s = quantize_int8(_weights(96, 128))
+    layer = Int8Linear(q, s, dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 128, generator=g)
+    x[1, 5] = 9.0  # an outlier widens its row's step only
+    x[2] = x[2].abs()  # a row without negatives: its range still holds 0
+    x = x.to(dtype)
+    prefill = torch.randn(quantized.KERNEL_ROWS + 4, 128, generator=g).to(dtype)
+    weight_only, weight_only_prefill = layer(x), layer(prefill)
+    assert use_int8_activations(torch.nn.Sequential(layer)) == 1 and layer.int8_activations
+    y = layer(x)
+    qmax = 127 if quantized._reduce_range() else 255
+    ref = _w8a8_reference(x, q, layer.scales, qmax)
+    torch.testing.assert_close(y.float(), ref.to(dtype).float(), rtol=1e-5, atol=1e-6)
+    assert (y.float() - weight_only.float()).abs().max() > 1e-3  # the activations are rounded
+    for i in range(3):
+        assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
+    assert torch.equal(layer(prefill), weight_only_prefill)
+
+
+def test_int8_activations_decode_compiles_and_equals_eager():
+    model = quantize_model(random_model(TINY, "cpu", torch.float32), "int8")
+    assert use_int8_activations(model) == 4 * TINY.n_layers + 1  # the layers and the classifier
+    assert model.quantization["activations"] == "int8"
+    prompt = _prompt(120, seed=3)
+    eager = generate(model, prompt, method="full", max_new_tokens=5)
+    compiled = generate(model, prompt, method="full", max_new_tokens=5, compile=True)
+    assert compiled["compiled"] and compiled["token_ids"] == eager["token_ids"]
+
+
+def test_int8_activations_run_on_the_cpu_only():
+    with pytest.raises(ConfigError, match="CPU only"):
+        check_int8_activations("cuda")
+    with pytest.raises(ConfigError, match="CPU only"):  # before anything loads
+        load_model("no/such/file.gguf", "cuda", torch.float32, gguf_weights="quantized-w8a8")
 
 
 def test_quantized_decode_compiles_and_equals_eager(tiny_quantized):
