@@ -14,6 +14,10 @@ Variants: ``float`` (always, the reference) and each of ``--variants`` (``int8``
 ``quantized.quantize_model`` applied to a copy of the float model: what loading
 ``quantize.py``'s checkpoint gives (tests check that both agree). Activations are ``--dtype``
 (default float32; the CPU kernels round their input to bfloat16, ``quantized.kernel_dtype``).
+A GGUF checkpoint's own quantized loads are variants too with ``--gguf-weights W ...``
+(``generate.py --gguf-weights``: ``quantized``, ``quantized-int8-classifier``,
+``quantized-w8a8``), each against the float (dequantized) load of the same file; rows named
+``gguf W (weights label)``. Without ``--variants`` only those run.
 
 Prompts: ``evals.fidelity.build_prompt_set``'s rule (non-overlapping windows of the essays, T
 prompt tokens + m continuation tokens, N spread over the text). ``--split dev`` takes N other
@@ -48,14 +52,25 @@ from collections.abc import Sequence
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import CLASSIFIER_CHOICES, DTYPE_NAMES, OneLineParser, deprecated_alias
+from flags import (
+    CLASSIFIER_CHOICES,
+    DTYPE_NAMES,
+    GGUF_WEIGHTS,
+    OneLineParser,
+    deprecated_alias,
+)
 
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="float checkpoint (any format)")
-    p.add_argument("--variants", nargs="+", default=["int8", "int4-g32", "int4-g64"],
-                   help="int8 and/or int4-g<G> (float is always the reference)")
+    p.add_argument("--variants", nargs="+",
+                   help="int8 and/or int4-g<G> (float is always the reference; default int8 "
+                        "int4-g32 int4-g64 without --gguf-weights, none with it)")
+    p.add_argument("--gguf-weights", nargs="+", choices=GGUF_WEIGHTS[1:], default=[],
+                   metavar="W", help="a GGUF checkpoint's quantized loads "
+                   f"({', '.join(GGUF_WEIGHTS[1:])}; generate.py --gguf-weights), each a "
+                   "variant against its float (dequantized) load")
     p.add_argument("--classifier", nargs="+", choices=CLASSIFIER_CHOICES,
                    default=list(CLASSIFIER_CHOICES),
                    help="classifier storage(s) per variant (quantize.py --classifier)")
@@ -90,6 +105,8 @@ from evals.fidelity import DEFAULT_TEXTS, run_variant, split_prompts
 from evals.harness import configurations, progress_bar
 from evals.prompts import text_files
 from evals.reports import quantization_plot, quantization_table, write_outputs
+from gguf_reader import is_gguf
+from measure import weights_label
 from model import ConfigError
 from quantized import GROUPSIZES, classifier_mode, quantize_model
 from tokenizer import load_tokenizer
@@ -121,11 +138,15 @@ def run(args, argv=None) -> int:
                        "limit")
         if min(args.budgets) <= 0:
             raise ConfigError("--budgets must be positive numbers of tokens")
+        if args.variants is None:
+            args.variants = [] if args.gguf_weights else ["int8", "int4-g32", "int4-g64"]
         variants = [parse_variant(v) for v in dict.fromkeys(args.variants)]
         torch.set_num_threads(args.threads)
         checkpoint = resolve_checkpoint(args.checkpoint)
         text_files(args.text)
         dtype = DTYPES[args.dtype]
+        if args.gguf_weights and not is_gguf(checkpoint):
+            raise ConfigError(f"--gguf-weights takes a GGUF checkpoint, not {args.checkpoint}")
         float_model = load_model(checkpoint, "cpu", dtype)
         if float_model.quantization is not None:
             raise ConfigError("--checkpoint must be a float checkpoint (this one is quantized)")
@@ -140,10 +161,12 @@ def run(args, argv=None) -> int:
                                  list(dict.fromkeys(args.budgets)))
         configs = list(dict.fromkeys([("full", None), *configs]))
         # one run per distinct classifier storage: {(mode, g, storage): --classifier choice}
-        runs = {("float", None, "float"): None}
+        runs: dict[tuple, str | None] = {("float", None, "float"): None}
         for mode, g in variants:
             for c in args.classifier:
                 runs.setdefault((mode, g, classifier_mode(mode, c) or "float"), c)
+        for w in dict.fromkeys(args.gguf_weights):  # (the GGUF's load, its classifier later)
+            runs[("gguf", None, w)] = w
         bar = None
         if not args.no_progress:
             bar = progress_bar(len(runs) * len(prompts) * len(configs), unit="it",
@@ -152,10 +175,14 @@ def run(args, argv=None) -> int:
         for (mode, g, classifier), choice in runs.items():
             if mode == "float":
                 model = float_model
+            elif mode == "gguf":
+                model = load_model(checkpoint, "cpu", dtype, gguf_weights=choice)
+                classifier = model.quantization["classifier"]
             else:
                 model = quantize_model(copy.deepcopy(float_model), mode, g, classifier=choice)
             vrows, reference = run_variant(model, prompts, configs, m, reference, bar)
-            name = mode if g is None else f"{mode}-g{g}"
+            name = f"gguf {choice} ({weights_label(model)})" if mode == "gguf" else \
+                mode if g is None else f"{mode}-g{g}"
             for r in vrows:
                 rows.append({"weights": name, "classifier": classifier, **r})
             if model is not float_model:

@@ -661,3 +661,28 @@ def test_a_hugging_face_directory_quantizes_like_the_loaded_model(tmp_path):
     pa, pb = dict(loaded.named_parameters()), dict(ref.named_parameters())
     assert pa.keys() == pb.keys()
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+def test_eval_quantized_measures_a_gguf_files_own_loads(tmp_path, capsys):
+    """eval_quantized --gguf-weights on SmolLM2's file: a row per load against the float
+    (dequantized) one; the weight-only int4 layers with the float classifier nearly exact, the
+    int8 classifier further off, int8 activations further still (docs/quantization.md); a
+    checkpoint that is not a GGUF file is one error line before any load."""
+    from scripts.eval_quantized import main as eval_quantized
+
+    gguf = str(shared_file(SMOLLM2_GGUF))
+    texts = [str(shared_file(ESSAYS))]
+    rc = eval_quantized(["--checkpoint", gguf, "--gguf-weights", "quantized", "quantized-w8a8",
+                         "--text", *texts, "--context", "96", "--max-new-tokens", "8",
+                         "--num-prompts", "1", "--methods", "full", "--threads", "1",
+                         "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "quantization.json").read_text())["rows"]
+    assert [(r["weights"], r["classifier"]) for r in rows] == [
+        ("float", "float"), ("gguf quantized (int4-g32, classifier float)", "float"),
+        ("gguf quantized-w8a8 (int4-g32, classifier int8, int8 activations)", "int8")]
+    kl = [r["kl_vs_float"] for r in rows]
+    assert kl[0] == 0 and 0 < kl[1] < kl[2] < 0.05
+    assert eval_quantized(["--checkpoint", "random:stories260K", "--gguf-weights",
+                           "quantized"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --gguf-weights")
