@@ -858,6 +858,18 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
     return tp.attach(model, rank, world, args) if world > 1 else model
 
 
+def default_gguf_weights(gguf_weights: str | None, checkpoint: str, device) -> str:
+    """``gguf_weights`` when given, else the default of ``generate.py --gguf-weights`` and
+    ``rocketkv.load``: ``"quantized"`` for a GGUF checkpoint on the CPU (its blocks read as
+    int4/int8 by torch's CPU kernels: about 1/3 to 1/2 of the float step's bytes, within 0.002
+    nats of mean KL of the float load, docs/quantization.md), else ``"float"`` (CUDA's
+    quantized kernels have not run on a GPU)."""
+    if gguf_weights is not None:
+        return gguf_weights
+    cpu = torch.device(device).type == "cpu"
+    return "quantized" if cpu and _is_gguf_path(checkpoint) else "float"
+
+
 def check_int8_activations(device) -> None:
     """ConfigError unless ``--gguf-weights quantized-w8a8`` can run on ``device``: the CPU,
     with PyTorch's fbgemm engine (``quantized.use_int8_activations``)."""

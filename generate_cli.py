@@ -28,6 +28,7 @@ import kernels
 import tp
 from checkpoint import (
     checkpoint_args,
+    default_gguf_weights,
     is_quantized,
     load_model,
     resolve_checkpoint,
@@ -170,7 +171,8 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
             check_memory(tp.local_args(margs, world), dtype, device, args.batch_size,
                          len(ids) + args.max_new_tokens)
         model = load_model(checkpoint, device, dtype, shard=(rank, world),
-                           gguf_weights=args.gguf_weights)
+                           gguf_weights=default_gguf_weights(args.gguf_weights, checkpoint,
+                                                             device))
         load_s = time.perf_counter() - t_load
         if rank == 0:  # now, not after the prefill: a long prefill would hide a finished load
             print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
@@ -269,7 +271,8 @@ def _answer_questions(args: argparse.Namespace, generate: Generate, checkpoint: 
     check_document(args.method, margs, len(doc), reserve, args.budget, options)
     if not is_quantized(checkpoint):
         check_memory(margs, dtype, device, 1, len(doc) + reserve)
-    model = load_model(checkpoint, device, dtype, gguf_weights=args.gguf_weights)
+    model = load_model(checkpoint, device, dtype,
+                       gguf_weights=default_gguf_weights(args.gguf_weights, checkpoint, device))
     load_s = time.perf_counter() - t_load
     print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
     bar = prefill_bar(model.args.n_layers, len(doc), args.no_progress)

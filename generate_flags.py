@@ -60,10 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "threads)")
     p.add_argument("--dtype", choices=list(DTYPE_NAMES),
                    help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default="float",
-                   help="a GGUF's weights dequantized to float (default), or kept quantized "
-                        "(4-bit blocks as int4, others int8), with an int8 classifier, or that "
-                        "on int8 activations (quantized-w8a8, CPU; docs/quantization.md)")
+    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS,
+                   help="a GGUF's weights dequantized to float, or kept quantized (4-bit blocks "
+                        "as int4, others int8), with an int8 classifier, or that on int8 "
+                        "activations (quantized-w8a8, CPU); default quantized on the CPU, "
+                        "float on CUDA (docs/quantization.md)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
     p.add_argument("--cuda-graphs", action="store_true",

@@ -33,7 +33,13 @@ from typing import Any
 import torch
 
 import generate as _g
-from checkpoint import checkpoint_args, is_quantized, load_model, resolve_checkpoint
+from checkpoint import (
+    checkpoint_args,
+    default_gguf_weights,
+    is_quantized,
+    load_model,
+    resolve_checkpoint,
+)
 from checks import (
     NO_TOKENIZER,
     check_document,
@@ -87,7 +93,7 @@ def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype
 
 def load(checkpoint: str, *, device: str | torch.device | None = None,
          dtype: torch.dtype | str | None = None, tokenizer: str | None = None,
-         gguf_weights: str = "float") -> Engine:
+         gguf_weights: str | None = None) -> Engine:
     """Load a model and its tokenizer, as ``generate.py --checkpoint`` does.
 
     Args:
@@ -97,9 +103,11 @@ def load(checkpoint: str, *, device: str | torch.device | None = None,
         dtype: of the weights and the KV cache (a ``torch.dtype`` or its name); default
             bfloat16 on cuda, float32 on cpu.
         tokenizer: a tokenizer file or directory (default: the checkpoint's own).
-        gguf_weights: a GGUF's weights ``"float"`` (dequantized, default), ``"quantized"``,
+        gguf_weights: a GGUF's weights ``"float"`` (dequantized), ``"quantized"``,
             ``"quantized-int8-classifier"`` or ``"quantized-w8a8"`` (that on int8
-            activations, CPU only) (``generate.py --gguf-weights``, ``gguf_quantized``).
+            activations, CPU only) (``generate.py --gguf-weights``, ``gguf_quantized``);
+            default ``"quantized"`` on the CPU, ``"float"`` on CUDA
+            (``checkpoint.default_gguf_weights``).
     Raises:
         ConfigError: what ``generate.py`` reports for the same checkpoint, device or
             tokenizer (a missing file, an unsupported architecture, no CUDA, weights that do
@@ -113,7 +121,8 @@ def load(checkpoint: str, *, device: str | torch.device | None = None,
     tok = checkpoint_tokenizer(ckpt, margs, tokenizer)
     if not is_quantized(ckpt):
         check_memory(margs, dtype, device, 1, 1)  # the weights; each run checks its own KV
-    model = load_model(ckpt, device, dtype, gguf_weights=gguf_weights)
+    model = load_model(ckpt, device, dtype,
+                       gguf_weights=default_gguf_weights(gguf_weights, ckpt, device))
     return Engine(model, tok, checkpoint=str(checkpoint), load_s=time.perf_counter() - t0)
 
 

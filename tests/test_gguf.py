@@ -608,6 +608,22 @@ def test_gguf_weights_are_checked(tmp_path):
         load_model("random:stories260K", "cpu", torch.float32, gguf_weights="quantized")
 
 
+def test_gguf_weights_default_to_quantized_on_the_cpu_only():
+    """generate.py and rocketkv.load keep a GGUF's blocks quantized on the CPU unless told,
+    dequantize on CUDA (kernels not yet run on a GPU), and leave other checkpoints float."""
+    from checkpoint import default_gguf_weights
+    from quantized import Int4Linear
+
+    gguf = str(shared_file(SMOLLM2_GGUF))
+    assert default_gguf_weights(None, gguf, "cpu") == "quantized"
+    assert default_gguf_weights(None, gguf, "cuda") == "float"
+    assert default_gguf_weights(None, "random:stories260K", "cpu") == "float"
+    assert default_gguf_weights("float", gguf, "cpu") == "float"
+    engine = rocketkv.load(gguf, device="cpu")
+    assert isinstance(engine.model.layers[0].feed_forward.w13, Int4Linear)
+    assert rocketkv.load(gguf, device="cpu", gguf_weights="float").model.quantization is None
+
+
 def test_api_load_takes_gguf_weights():
     from quantized import Int4Linear, Int8Linear
 
