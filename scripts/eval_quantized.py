@@ -104,6 +104,7 @@ from cli import DTYPES, check_positive, command_line, rows_exit_status
 from evals.fidelity import DEFAULT_TEXTS, run_variant, split_prompts
 from evals.harness import configurations, progress_bar
 from evals.prompts import text_files
+from evals.provenance import provenance
 from evals.reports import quantization_plot, quantization_table, write_outputs
 from gguf_reader import is_gguf
 from measure import weights_label
@@ -202,7 +203,9 @@ def run(args, argv=None) -> int:
                           for p in prompts],
               "command": command_line("eval_quantized.py", argv),
               "rows": rows, "torch_version": torch.__version__,
-              "runtime_s": time.perf_counter() - t0}
+              "runtime_s": time.perf_counter() - t0,
+              "provenance": provenance(checkpoint, ["scripts/eval_quantized.py",
+                                                    *(sys.argv[1:] if argv is None else argv)])}
     print(table)
     if args.out:
         name = "quantization" if args.split == "eval" else "quantization-dev"

@@ -677,7 +677,9 @@ def test_eval_quantized_measures_a_gguf_files_own_loads(tmp_path, capsys):
                          "--num-prompts", "1", "--methods", "full", "--threads", "1",
                          "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
-    rows = json.loads((tmp_path / "quantization.json").read_text())["rows"]
+    doc = json.loads((tmp_path / "quantization.json").read_text())
+    assert "commit" in doc["provenance"] and doc["provenance"]["checkpoint"]["sha256"]
+    rows = doc["rows"]
     assert [(r["weights"], r["classifier"]) for r in rows] == [
         ("float", "float"), ("gguf quantized (int4-g32, classifier float)", "float"),
         ("gguf quantized-w8a8 (int4-g32, classifier int8, int8 activations)", "int8")]
