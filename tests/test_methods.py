@@ -445,14 +445,6 @@ def essay_question():
     return ids, tok
 
 
-@pytest.fixture
-def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # 1.2K-token prefills of a 30-layer model
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def full_first_token(smollm2_model, essay_question):
     return generate(smollm2_model, essay_question[0], max_new_tokens=1)["token_ids"][0][0]
@@ -462,7 +454,7 @@ def full_first_token(smollm2_model, essay_question):
 @pytest.mark.parametrize("method", [n for n, m in METHODS.items() if not m.budgeted] +
                          SELECTING)
 def test_every_method_on_smollm2_with_a_long_prompt(smollm2_model, essay_question,
-                                                        full_first_token, two_threads, method):
+                                                        full_first_token, method):
     ids, tok = essay_question
     budget = None if method in ("full", "gptfast_dense") else 256
     r = generate(smollm2_model, ids, method=method, budget=budget, max_new_tokens=8,
