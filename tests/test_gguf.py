@@ -12,10 +12,19 @@ from conftest import ROOT, SMOLLM2_GGUF, shared_file
 
 import checkpoint
 import rocketkv
-from checkpoint import hf_config, hf_to_meta_rope_rows, load_model, resolve_checkpoint
+from checkpoint import (
+    default_gguf_weights,
+    hf_config,
+    hf_to_meta_rope_rows,
+    load_model,
+    resolve_checkpoint,
+)
 from compression import build_caches
 from gguf_reader import open_gguf, release_pages
+from measure import weights_label
 from model import ConfigError, ModelArgs, rope_inv_freq
+from quantized import Int4Linear
+from tokenizer import load_tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -513,9 +522,6 @@ def test_smollm2_w8a8_stays_close_to_the_float_model(smollm2_model):
     layers are int4, which keep bfloat16 ones); teacher-forced as above, its logits are not the
     weight-only int8 classifier's, and stay near the float model's (measured on 64 tokens:
     58/64 top-1, mean KL 0.011 nats; docs/quantization.md)."""
-    from measure import weights_label
-    from tokenizer import load_tokenizer
-
     path = str(shared_file(SMOLLM2_GGUF))
     tok = load_tokenizer(path)
     ids = torch.tensor([tok.encode((ROOT / "README.md").read_text())[:56]])
@@ -611,9 +617,6 @@ def test_gguf_weights_are_checked(tmp_path):
 def test_gguf_weights_default_to_quantized_on_the_cpu_only():
     """generate.py and rocketkv.load keep a GGUF's blocks quantized on the CPU unless told,
     dequantize on CUDA (kernels not yet run on a GPU), and leave other checkpoints float."""
-    from checkpoint import default_gguf_weights
-    from quantized import Int4Linear
-
     gguf = str(shared_file(SMOLLM2_GGUF))
     assert default_gguf_weights(None, gguf, "cpu") == "quantized"
     assert default_gguf_weights(None, gguf, "cuda") == "float"

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file, sigint_default
 
 import kernels
+import quantized
 from checkpoint import check_int8_activations, load_model, random_model
 from compression import METHODS
 from generate import generate
@@ -317,8 +318,6 @@ def test_int8_activations_quantize_each_row_on_its_own(dtype):
     """Decode-sized inputs: each row quantized to 8 bits on its own (exactly the slow
     reference; a row's result the same alone as in its batch); prefill-sized inputs (more
     than KERNEL_ROWS rows) keep the weight-only product."""
-    import quantized
-
     q, s = quantize_int8(_weights(96, 128))
     layer = Int8Linear(q, s, dtype)
     g = torch.Generator().manual_seed(1)
