@@ -48,7 +48,7 @@ from gguf_reader import MISSING, gguf_field, is_gguf, open_gguf, release_pages
 from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, rope_inv_freq
 from quantized import (
     QUANT_CONFIG,
-    int8_activations_available,
+    check_int8_activations,
     load_quantized,
     output_dim,
     use_int8_activations,
@@ -868,16 +868,6 @@ def default_gguf_weights(gguf_weights: str | None, checkpoint: str, device) -> s
         return gguf_weights
     cpu = torch.device(device).type == "cpu"
     return "quantized" if cpu and _is_gguf_path(checkpoint) else "float"
-
-
-def check_int8_activations(device) -> None:
-    """ConfigError unless ``--gguf-weights quantized-w8a8`` can run on ``device``: the CPU,
-    with PyTorch's fbgemm engine (``quantized.use_int8_activations``)."""
-    if torch.device(device).type != "cpu":
-        raise ConfigError(f"--gguf-weights quantized-w8a8 runs on the CPU only, not {device}")
-    if not int8_activations_available():
-        raise ConfigError("--gguf-weights quantized-w8a8 needs PyTorch's fbgemm engine, which "
-                          "this torch lacks")
 
 
 def _trim_heap() -> None:

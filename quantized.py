@@ -284,10 +284,16 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def int8_activations_available() -> bool:
-    """Whether this torch has fbgemm's dynamically quantized CPU linear
-    (``use_int8_activations``)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines
+def check_int8_activations(device) -> None:
+    """ConfigError unless int8 activations (``use_int8_activations``, ``--gguf-weights
+    quantized-w8a8``) can run on ``device``: the CPU, with PyTorch's fbgemm engine."""
+    if torch.device(device).type != "cpu":
+        raise ConfigError("int8 activations (--gguf-weights quantized-w8a8) run on the CPU only, "
+                          f"not {device}")
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        engines = ", ".join(torch.backends.quantized.supported_engines)
+        raise ConfigError("int8 activations (--gguf-weights quantized-w8a8) need PyTorch's "
+                          f"fbgemm engine, which this torch lacks (engines: {engines})")
 
 
 @torch.no_grad()
@@ -298,17 +304,12 @@ def use_int8_activations(model: nn.Module) -> int:
     number of layers switched.
 
     Raises:
-        ConfigError: this torch has no fbgemm engine, or a layer is not on the CPU."""
-    if not int8_activations_available():
-        engines = ", ".join(torch.backends.quantized.supported_engines)
-        raise ConfigError("int8 activations need PyTorch's fbgemm engine, which this torch "
-                          f"lacks (engines: {engines})")
+        ConfigError: see ``check_int8_activations`` (for each layer's device)."""
     n = 0
     for m in model.modules():
         if not isinstance(m, Int8Linear):
             continue
-        if m.weight.device.type != "cpu":
-            raise ConfigError("int8 activations run on the CPU only")
+        check_int8_activations(m.weight.device)
         q = m.weight
         scales = m.scales.double()
         with warnings.catch_warnings():  # torch 2.13: quantized tensors are "deprecated"

@@ -495,9 +495,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         what = row.get("error") or ", ".join(
             f"{k} {row[k]:.1f}" for k in ("decode_tok_s", "prefill_tok_s")
             if row.get(k) is not None)
-        name = row["engine"] + (f" {row['method']}" if row.get("method") else "") + \
-            (f" @{row['budget']}" if row.get("budget") is not None else "") + \
-            (f" [{row['weights']}]" if row.get("weights") else "")
+        name = peer_label(row)
         print(f"[{row['elapsed_s']:.0f} s] context {row['context']}, repeat {row['repeat']}, "
               f"{name}{' ' + row['test'] if row.get('test') else ''}: {what} "
               f"(load {'-' if load is None else f'{load:.2f}'})", file=sys.stderr)
