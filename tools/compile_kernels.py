@@ -366,10 +366,12 @@ def captured_configurations(sparse, dense, args: ModelArgs, dtype: str,
 
 
 def compile_one(kernel, pointers: dict, constexprs: dict, num_warps: int, attrs: dict | None = None,
-                runs: list[str] | None = None, *, arch: int, ptxas: Path) -> dict:
+                runs: list[str] | None = None, *, arch: int, ptxas: Path,
+                float_args: str = "fp32") -> dict:
     """Compile one configuration (``attrs``: Triton's ``tt.divisibility`` marks by argument
-    index; ``runs``: the captured runs that launch it); registers and spill bytes from
-    ``ptxas -v``."""
+    index; ``runs``: the captured runs that launch it; ``float_args``: the type of the float
+    scalars, "fp32" as Triton's launcher passes a Python float, "fp64" as torch.compile's
+    Inductor passes one to a user kernel); registers and spill bytes from ``ptxas -v``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -377,6 +379,7 @@ def compile_one(kernel, pointers: dict, constexprs: dict, num_warps: int, attrs:
     sig = {n: "i32" for n in kernel.arg_names}
     sig.update(pointers)
     sig.update({c: "constexpr" for c in constexprs})
+    sig = {n: float_args if t == "fp32" else t for n, t in sig.items()}  # "*fp32" stays
     name = f"{kernel.__name__} {constexprs}"
     extra = {}
     if runs is not None:
@@ -420,6 +423,10 @@ def main(argv=None) -> int:
                         f"{', '.join(RUNS)}; 'all' (default) or 'none'")
     p.add_argument("--no-table", action="store_true",
                    help="compile the captured runs only, not the table of variants")
+    p.add_argument("--float-args", choices=["fp32", "fp64"], default="fp32",
+                   help="the type of the kernels' float scalars (the attention scale, RMSNorm's "
+                        "epsilon): fp32 as a direct launch passes them (default), fp64 as "
+                        "torch.compile's Inductor does")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     args = p.parse_args(argv)
     shape = ModelArgs.from_name(args.config)
@@ -447,7 +454,8 @@ def main(argv=None) -> int:
     table = [] if args.no_table else configurations(sparse, shape, args.dtype) + \
         dense_configurations(dense, shape, args.dtype)
     captured = captured_configurations(sparse, dense, shape, args.dtype, runs)
-    rows = [compile_one(*c, arch=args.arch, ptxas=ptxas) for c in table + captured]
+    rows = [compile_one(*c, arch=args.arch, ptxas=ptxas, float_args=args.float_args)
+            for c in table + captured]
     for r in rows:
         if "error" in r:
             print(f"FAIL {r['kernel']}: {r['error']}")
