@@ -20,6 +20,7 @@ seeded by the caller (default 0).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from fractions import Fraction
 from typing import Any
@@ -186,8 +187,10 @@ def cell_stats(values: Sequence[float], *, binary: bool | None = None,
                strata: Sequence[Hashable] | None = None, seed: int = 0) -> dict[str, Any]:
     """One table cell: ``n``, ``score`` (the mean; with ``strata``, the mean of the strata's
     means), ``ci_low`` and ``ci_high`` (95%) and ``interval``: "wilson" for pass/fail scores
-    (``binary``, default: whether every value is 0 or 1) without strata, else "bootstrap"
-    (``bootstrap_interval``, seeded). Scores stay in [0, 1].
+    (``binary``, default: whether every value is 0 or 1) without strata or in strata of one
+    size (the mean of their means is then the pooled pass rate), else "bootstrap"
+    (``bootstrap_interval``, seeded; a percentile bootstrap of 40 passes is [1, 1], which
+    Wilson's [0.91, 1] is not). Scores stay in [0, 1].
 
     Raises:
         ValueError: no values.
@@ -201,7 +204,8 @@ def cell_stats(values: Sequence[float], *, binary: bool | None = None,
         score = float(np.mean(means))
     else:
         score = float(np.mean(values))
-    if binary and strata is None:
+    sizes = set() if strata is None else set(Counter(strata).values())
+    if binary and len(sizes) <= 1:
         lo, hi = wilson_interval(int(round(sum(values))), len(values))
         kind = "wilson"
     else:

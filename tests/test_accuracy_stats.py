@@ -61,8 +61,15 @@ def test_cell_stats_picks_the_interval():
     assert (round(c["ci_low"], 4), round(c["ci_high"], 4)) == (0.3968, 0.8922)
     c = cell_stats([1.0, 0.5, 0.0])
     assert c["interval"] == "bootstrap" and c["score"] == 0.5
-    c = cell_stats([1, 0, 1, 1], strata=["x", "x", "y", "y"])
+    c = cell_stats([1, 0, 1, 1, 1], strata=["x", "x", "y", "y", "y"])
     assert c["interval"] == "bootstrap" and c["score"] == 0.75  # mean of .5 and 1
+    # strata of one size: the mean of their means is the pooled rate, Wilson's interval of it
+    # (a percentile bootstrap of all passes would be [1, 1])
+    c = cell_stats([1] * 40, strata=[4096] * 20 + [8192] * 20)
+    assert c["interval"] == "wilson" and c["score"] == 1.0
+    assert c["ci_high"] == 1.0 and round(c["ci_low"], 4) == 0.9124  # 40 / (40 + z^2)
+    c = cell_stats([1, 0, 1, 1], strata=["x", "x", "y", "y"])
+    assert c["interval"] == "wilson" and c["score"] == 0.75
 
 
 # --------------------------------------------------------------------------------------------
