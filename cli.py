@@ -40,12 +40,14 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # flags.DTYPE_NAM
 def apply_kernels_option(args: argparse.Namespace) -> None:
     """Set the kernel mode ``--kernels`` names (nothing when it was not given); ``on`` keeps
     ``set_mode("force")`` where it was set (``ROCKETKV_KERNELS=force``: the interpreter on
-    CPU) and makes a failed self-check an error (``kernels.set_strict``)."""
+    CPU), runs the dense kernels wherever the others run and makes a failed self-check an
+    error (``kernels.set_strict``); ``auto`` leaves the dense kernels to the GPU's tuned
+    table (``kernels.set_dense(None)``)."""
     choice = getattr(args, "kernels", None)
     if choice:
         forced = choice == "on" and kernels.mode() == "force"
         kernels.set_mode("off" if choice == "off" else "force" if forced else "auto")
-        kernels.set_dense(choice in ("auto", "on"))
+        kernels.set_dense(None if choice == "auto" else choice == "on")
         kernels.set_strict(choice == "on")
 
 

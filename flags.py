@@ -84,18 +84,20 @@ class OneLineParser(argparse.ArgumentParser):
 
 def add_kernels_option(p: argparse.ArgumentParser) -> None:
     """``--kernels {auto,on,sparse,off}``: the fused Triton kernels of the decode step
-    (``kernels/``) on CUDA: all of them behind the first-use self-check (auto, the default:
-    a family that raises or returns wrong numbers on this GPU is switched off with one
-    ``warning:`` line, ``kernels/check.py``), the same with a self-check failure an error
-    (on: for kernel development), the sparse ones only (sparse: the projections through
-    PyTorch and cuBLAS), or none (off: the PyTorch path everywhere, the comparison the kernels
-    are measured against). ``ROCKETKV_KERNELS=0`` is the same as off,
-    ``ROCKETKV_KERNELS=sparse`` as sparse."""
+    (``kernels/``) on CUDA: the attention and selection kernels behind the first-use
+    self-check, and the dense projection kernels only on a GPU whose tuned table timed them
+    faster than cuBLAS (auto, the default: a family that raises or returns wrong numbers on
+    this GPU is switched off with one ``warning:`` line, ``kernels/check.py``); all of them,
+    with a self-check failure an error (on: for kernel development); the sparse ones only
+    (sparse: the projections through PyTorch and cuBLAS); or none (off: the PyTorch path
+    everywhere, the comparison the kernels are measured against). ``ROCKETKV_KERNELS=0`` is
+    the same as off, ``ROCKETKV_KERNELS=sparse`` as sparse."""
     p.add_argument("--kernels", choices=["auto", "on", "sparse", "off"], default=None,
-                   help="fused Triton kernels of the decode step on CUDA: all, each family "
-                        "self-checked on first use and switched off if it fails (auto, "
-                        "default), all with a failed self-check an error (on), the attention "
-                        "and selection only (sparse), or none (off)")
+                   help="fused Triton kernels of the decode step on CUDA: the attention and "
+                        "selection kernels, each family self-checked on first use and switched "
+                        "off if it fails, and the dense projections where a tuned table timed "
+                        "them faster than cuBLAS (auto, default); all, a failed self-check an "
+                        "error (on); the attention and selection only (sparse); none (off)")
 
 
 # The flag vocabulary (issue 46): one spelling and one unit per concept in every entry point.

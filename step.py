@@ -14,11 +14,13 @@ from __future__ import annotations
 import enum
 import os
 import shutil
+import sys
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+import kernels
 from model import ConfigError, Transformer
 
 WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
@@ -51,6 +53,39 @@ def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor, temp
                      top_k: int | None, top_p: float | None) -> Tensor:
     """One decode step: tokens (B, 1) at ``input_pos`` (1,) -> next tokens (B, 1)."""
     return sample(model(tokens, input_pos), temperature, top_k, top_p)
+
+
+class FallbackStep:
+    """A compiled decode step (called as ``decode_one_token``) that outlives a fused kernel
+    which fails to compile: when a call raises a Triton error (``kernels.compile_fault``:
+    torch.compile's Inductor raises its own error from the kernel's, before the step runs, so
+    nothing of the step has happened), one ``warning:`` line goes to stderr, every kernel
+    family is switched off on the device for the process (``kernels.switch_off``, by
+    "compile"; a result's ``kernels`` entry says so), Dynamo's caches are reset and the same
+    call compiles the PyTorch path. A CUDA error (the context may be lost), a second fault,
+    any other error, or ``--kernels on`` (``kernels.strict``) is raised. Made by
+    ``StepMode.step`` for the compiled modes. On the H200 (2026-11-27) the prefix
+    attention failed to compile this way in float32 (an fp64 scale), ending the run."""
+
+    def __init__(self, step, device: torch.device):
+        self.step, self.device = step, device
+        self.fault: str | None = None  # the reason it fell back, once it has
+
+    def __call__(self, model: Transformer, tokens: Tensor, input_pos: Tensor, *args, **kw):
+        try:
+            return self.step(model, tokens, input_pos, *args, **kw)
+        except Exception as e:
+            reason = kernels.compile_fault(e)
+            if reason is None or self.fault is not None or kernels.strict():
+                raise
+        self.fault = reason
+        print(f"warning: a fused kernel failed to compile in the decode step ({reason}); the "
+              f"kernels are off on {self.device} for this process and the step compiles the "
+              "PyTorch path", file=sys.stderr)
+        for family in kernels.FAMILIES:
+            kernels.switch_off(family, self.device, reason, by="compile")
+        torch._dynamo.reset()
+        return self.step(model, tokens, input_pos, *args, **kw)
 
 
 class GraphStep:
@@ -244,8 +279,8 @@ class StepMode(str, enum.Enum):
             return GraphStep(device), 2
         if self is StepMode.EAGER:
             return decode_one_token, 0
-        return compiled_decode(device, backend, True if self is StepMode.DYNAMIC else None), \
-            warmup_steps
+        step = compiled_decode(device, backend, True if self is StepMode.DYNAMIC else None)
+        return FallbackStep(step, device), warmup_steps
 
 
 REGIMES = {  # a row's compile_regime (a StepMode's value), in words

@@ -52,7 +52,14 @@ def _git(*args: str) -> str | None:
 
 
 def git_state() -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the repository holding this module; (None, None) when unknown."""
+    """(commit, dirty) of the repository holding this module; (None, None) when unknown.
+    ``ROCKETKV_COMMIT`` in the environment names the commit instead, with ``dirty`` None
+    (unknown): for a copy of the tree whose ``.git`` is absent or not this tree's, as the GPU
+    machine's copy was on 2026-11-27 (``git rev-parse HEAD`` there named an older commit)."""
+    import os
+
+    if os.environ.get("ROCKETKV_COMMIT"):
+        return os.environ["ROCKETKV_COMMIT"].strip(), None
     commit = _git("rev-parse", "HEAD")
     if commit is None:
         return None, None

@@ -11,11 +11,15 @@ first use: ``ops()``.
 
 Switches, read when a decode step is traced or run:
     * ``ROCKETKV_KERNELS=0`` in the environment, or ``set_mode("off")``: never.
-    * ``set_mode("auto")`` (the default): on CUDA tensors when triton imports.
+    * ``set_mode("auto")`` (the default): on CUDA tensors when triton imports; the dense
+      kernels only on a GPU whose tuned table (``kernels/tuned/``) timed them faster than
+      cuBLAS (``tuning.Table.dense_faster``): untuned on the H200 they made the 8B decode
+      step 31% slower (10.46 against 7.99 ms at 32K, results/NVIDIA-H200/README.md).
     * ``set_mode("force")``: on any device (tests on CPU, with ``TRITON_INTERPRET=1`` set
       before the first ``ops()`` call).
     * ``ROCKETKV_KERNELS=sparse``, or ``set_dense(False)``: the sparse kernels only, the
       projections through PyTorch (cuBLAS): what the dense kernels are measured against.
+      ``set_dense(True)`` (``--kernels on``): the dense kernels wherever the others run.
     * ``ROCKETKV_KERNELS=force``: ``set_mode("force")`` from the start (kernel development on
       CPU, in the interpreter).
 
@@ -50,10 +54,11 @@ FAMILIES = {  # name -> what it runs (the warnings and reports name it so)
     "prefix": "Full-KV decode attention (attend_prefix)",
     "dense": "dense projections (linear, qkv_store)",
 }
-_failed: dict[tuple[str, str], str] = {}  # (family, device) -> why the self-check failed
+_failed: dict[tuple[str, str], str] = {}  # (family, device) -> why it was switched off
+_failed_by: dict[tuple[str, str], str] = {}  # (family, device) -> what found it (report)
 _only: str | None = None  # the self-check runs one family at a time (``only``)
 _strict = False
-_dense = os.environ.get("ROCKETKV_KERNELS", "1") != "sparse"
+_dense: bool | None = False if os.environ.get("ROCKETKV_KERNELS") == "sparse" else None
 AUX_NONE = 0  # a decoded token's write: no auxiliary keys
 AUX_SUMMARY = 1  # ... and its page's column of the min/max summary (B, H_kv, 2 D, pages)
 AUX_DIM_MAJOR = 2  # ... and its column of the transposed key copy (B, H_kv, D, S)
@@ -117,14 +122,52 @@ def fault(e: BaseException) -> str | None:
     """The one-line reason when ``e`` is a kernel's fault that escaped the self-check: a failed
     strict self-check (``KernelCheckError``), a Triton compile or launch error (an exception of
     a ``triton`` module), or a CUDA error (``cuda_error``); None for anything else."""
-    first = (str(e).strip().splitlines() or [""])[0]
-    if isinstance(e, KernelCheckError):
-        return first
-    if type(e).__module__.split(".")[0] == "triton":
-        return f"Triton {type(e).__name__}: {first}"
-    if cuda_error(e):
-        return first if first.startswith("CUDA error") else f"CUDA error: {first}"
+    for x in _chain(e):  # torch.compile raises its own error from the kernel's
+        first = (str(x).strip().splitlines() or [""])[0]
+        if isinstance(x, KernelCheckError):
+            return first
+        if _from_triton(x):
+            return f"Triton {type(x).__name__}: {_line(x)}"
+        if cuda_error(x):
+            return first if first.startswith("CUDA error") else f"CUDA error: {first}"
     return None
+
+
+def compile_fault(e: BaseException) -> str | None:
+    """The one-line reason when ``e``, or an exception it was raised from, is a Triton error
+    (a kernel that failed to compile, e.g. inside torch.compile's Inductor, which raises its
+    own error from it) and none of them is a CUDA error: a fault the process recovers from
+    by compiling the step again with the kernels off (``step.FallbackStep``); else None."""
+    chain = _chain(e)
+    if any(cuda_error(x) for x in chain):
+        return None
+    for x in chain:
+        if _from_triton(x):
+            return f"Triton {type(x).__name__}: {_line(x)}"
+    return None
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from or during (``__cause__``, else
+    ``__context__``), at most 16."""
+    out: list[BaseException] = []
+    while e is not None and len(out) < 16 and all(e is not x for x in out):
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _from_triton(e: BaseException) -> bool:
+    return type(e).__module__.split(".")[0] == "triton"
+
+
+def _line(e: BaseException) -> str:
+    """``e``'s message on one line: its first line, and its last where there are more (a
+    Triton compile error's first line is the place, its last the reason)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
 
 
 def _key(device: torch.device | str) -> str:
@@ -135,15 +178,18 @@ def _key(device: torch.device | str) -> str:
     return f"{device.type}:{device.index or 0}"
 
 
-def switch_off(family: str, device: torch.device | str, reason: str) -> None:
+def switch_off(family: str, device: torch.device | str, reason: str,
+               by: str = "self-check") -> None:
     """Switch ``family`` (``FAMILIES``) off on ``device`` for the rest of the process: its
-    decode steps run the PyTorch path; ``reason`` is what ``report`` gives.
+    decode steps run the PyTorch path; ``report`` gives "pytorch (<by>: <reason>)" (``by``:
+    "self-check", ``kernels/check.py``, or "compile", ``step.FallbackStep``).
 
     Raises:
         ValueError: an unknown family."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r} ({', '.join(FAMILIES)})")
     _failed.setdefault((family, _key(device)), reason)
+    _failed_by.setdefault((family, _key(device)), by)
 
 
 def failure(family: str, device: torch.device | str) -> str | None:
@@ -154,6 +200,7 @@ def failure(family: str, device: torch.device | str) -> str | None:
 def reset_failures() -> None:
     """Forget every ``switch_off`` (tests; the self-check's cache is ``kernels.check``'s)."""
     _failed.clear()
+    _failed_by.clear()
 
 
 class only:
@@ -180,9 +227,21 @@ def family_on(family: str, device: torch.device | str) -> bool:
     self-check switched it off (``switch_off``)."""
     if _only is not None and family != _only:
         return False
-    if (family, _key(device)) in _failed or (family == "dense" and not _dense):
+    device = torch.device(device) if isinstance(device, str) else device
+    if (family, _key(device)) in _failed:
         return False
-    return _available(torch.device(device) if isinstance(device, str) else device)
+    if not _available(device):
+        return False
+    return family != "dense" or _dense_wanted(device)
+
+
+def _dense_wanted(device: torch.device) -> bool:
+    """``set_dense``'s choice; by default (None) on with ``set_mode("force")`` (kernel
+    development, the interpreter's tests) and on a GPU whose tuned tables timed the dense
+    kernels faster than the reference (``tuning.Table.dense_faster``)."""
+    if _dense is not None:
+        return _dense
+    return _mode == "force" or tuning.table(device).dense_faster
 
 
 def report(device: torch.device | str, families=None, head_dim: int | None = None
@@ -199,8 +258,10 @@ def report(device: torch.device | str, families=None, head_dim: int | None = Non
         why = failure(family, device)
         if families is not None and family not in families:
             out[family] = "unused"
-        elif _mode == "off" or (family == "dense" and not _dense):
+        elif _mode == "off" or (family == "dense" and _dense is False):
             out[family] = "pytorch (off)"
+        elif family == "dense" and _available(device) and not _dense_wanted(device):
+            out[family] = "pytorch (cuBLAS: not timed faster on this GPU)"
         elif _mode == "auto" and device.type != "cuda":
             out[family] = "pytorch (cuda only)"
         elif head_dim is not None and head_dim < 16 and family != "dense":
@@ -208,17 +269,18 @@ def report(device: torch.device | str, families=None, head_dim: int | None = Non
         elif missing() is not None:
             out[family] = f"pytorch (no triton: {missing()})"
         elif why is not None:
-            out[family] = f"pytorch (self-check: {why})"
+            out[family] = f"pytorch ({_failed_by[(family, _key(device))]}: {why})"
         else:
             out[family] = "fused"
     return out
 
 
-def set_dense(on: bool) -> bool:
-    """Whether the dense kernels run where the kernels run (``kernels/dense.py``); returns the
-    previous setting."""
+def set_dense(on: bool | None) -> bool | None:
+    """Whether the dense kernels run where the kernels run (``kernels/dense.py``): True, False,
+    or None (the default: where a tuned table timed them faster, ``_dense_wanted``); returns
+    the previous setting."""
     global _dense
-    previous, _dense = _dense, bool(on)
+    previous, _dense = _dense, None if on is None else bool(on)
     return previous
 
 
@@ -277,8 +339,9 @@ def in_use(device: torch.device, family: str | None = None) -> bool:
 
 
 def dense_in_use(device: torch.device) -> bool:
-    """Whether decode steps on ``device`` run the dense kernels: where the kernels run
-    unless ``set_dense(False)`` or the self-check switched them off (``family_on``)."""
+    """Whether decode steps on ``device`` run the dense kernels: where the kernels run, by
+    ``set_dense``'s choice (default: where a tuned table timed them faster than cuBLAS),
+    unless the self-check switched them off (``family_on``)."""
     return family_on("dense", device)
 
 

@@ -218,7 +218,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, bias_ptr, res_ptr,
         acc_a = acc_a * tl.load(sz_ptr + na, mask=ma, other=0.0).to(tl.float32)[None, :]
         acc_b = acc_b * tl.load(sz_ptr + nb, mask=ma, other=0.0).to(tl.float32)[None, :]
     if NORM:  # RMSNorm's 1 / rms(x), applied to the sums
-        rs = 1.0 / tl.sqrt(ss / K + eps.to(tl.float32))  # Inductor passes a float as fp64
+        rs = (1.0 / tl.sqrt(ss / K + eps)).to(tl.float32)  # eps: fp32, fp64 or a float
         acc_a = acc_a * rs[:, None]
         acc_b = acc_b * rs[:, None]
     if BIAS:

@@ -794,7 +794,7 @@ def _attend_block(q, kb, vb, slot, ok, s_cs, D, scale, m_run, l_run, acc,
     km = ok[:, None] & (d < D)[None, :]
     kt = tl.load(kb + slot[:, None] * s_cs + d[None, :], mask=km, other=0.0)
     vt = tl.load(vb + slot[:, None] * s_cs + d[None, :], mask=km, other=0.0)
-    s = _dot(q, tl.trans(kt), DOT) * scale.to(tl.float32)  # Inductor passes a float as fp64
+    s = (_dot(q, tl.trans(kt), DOT) * scale).to(tl.float32)  # scale: fp32, fp64 or a float
     s = tl.where(ok[None, :], s, float("-inf"))  # (G_BLOCK, slots)
     m_new = tl.maximum(m_run, tl.max(s, axis=1))
     alpha = tl.exp(m_run - m_new)

@@ -44,6 +44,17 @@ class Table:
     launches: dict[str, dict[str, int]] = field(default_factory=dict)
     constants: dict[str, dict[str, int]] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)  # the files merged, in order
+    times: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (ours, ref) us
+
+    @property
+    def dense_faster(self) -> bool:
+        """Whether the dense kernels, with the tuned knobs, beat the reference (cuBLAS, or
+        torch's quantized matmuls) over the launches the tables timed: the sum of their
+        ``us`` under the sum of their ``reference_us``. False without such times: the dense
+        kernels then stay off by default (``kernels.dense_in_use``)."""
+        if not self.times:
+            return False
+        return sum(t[0] for t in self.times.values()) < sum(t[1] for t in self.times.values())
 
 
 _tables: dict[str, Table] = {}  # GPU name -> its merged table
@@ -87,6 +98,8 @@ def read_table(path: Path, gpu: str) -> Table | None:
             return None
         launches = {e["key"]: {k: e["config"][k] for k in LAUNCH_KNOBS}
                     for e in data.get("launches", [])}
+        times = {e["key"]: (float(e["us"]), float(e["reference_us"]))
+                 for e in data.get("launches", []) if "us" in e and "reference_us" in e}
         constants = {m: dict(c) for m, c in data.get("constants", {}).items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a tuned launch table ({type(e).__name__}: {e})") from None
@@ -104,7 +117,7 @@ def read_table(path: Path, gpu: str) -> Table | None:
                                  f"{', '.join(CONSTANTS[module])})")
             if (why := value_error(name, value, CONSTANTS[module][name])) is not None:
                 raise ValueError(f"{path}: {module}.{why}")
-    return Table(launches, constants)
+    return Table(launches, constants, times=times)
 
 
 def table(device: torch.device) -> Table:
@@ -124,6 +137,7 @@ def table(device: torch.device) -> Table:
             if t is not None:
                 merged.files.append(path.name)
                 merged.launches.update(t.launches)
+                merged.times.update(t.times)
                 for module, values in t.constants.items():
                     merged.constants.setdefault(module, {}).update(values)
         _tables[gpu] = merged
@@ -155,4 +169,5 @@ def describe(device: torch.device) -> dict | None:
     t = table(device)
     if not t.files:
         return None
-    return {"files": t.files, "constants": t.constants, "launches": len(t.launches)}
+    return {"files": t.files, "constants": t.constants, "launches": len(t.launches),
+            "dense_faster": t.dense_faster}

@@ -97,3 +97,25 @@ def hf_smollm2():
     path = shared_file(SMOLLM2_GGUF)
     return transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run every N-th collected test from the I-th (0-based): N processes "
+                          "of I = 0..N-1 share a file's tests (scripts/gpu_checklist.sh: the "
+                          "CUDA tests of one file in parallel processes, under a time limit)")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard is None:
+        return
+    try:
+        i, n = (int(v) for v in shard.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"--shard {shard}: expected I/N with 0 <= I < N") from None
+    keep = [t for j, t in enumerate(items) if j % n == i]
+    config.hook.pytest_deselected(items=[t for j, t in enumerate(items) if j % n != i])
+    items[:] = keep

@@ -79,7 +79,10 @@ def test_a_row_that_cannot_fit_is_refused_before_allocating(tmp_path, monkeypatc
     assert "1 of 2 configurations failed" in capsys.readouterr().err
 
 
-def test_time_limit_skips_the_rest_and_saves(tmp_path):
+def test_time_limit_skips_the_rest_and_saves(tmp_path, monkeypatch):
+    """Skipped rows are saved; every row records the command and the commit (here named by
+    ``ROCKETKV_COMMIT``, as for the GPU machine's copy of the tree, whose .git is stale)."""
+    monkeypatch.setenv("ROCKETKV_COMMIT", "0123abc")
     assert main(["--device", "cpu", "--config", "stories260K", "--context", "96",
                  "--methods", "full", "rocketkv", "--budgets", "48", "--max-new-tokens", "4",
                  "--time-limit", "0", "--out", str(tmp_path)]) == 0
@@ -87,6 +90,7 @@ def test_time_limit_skips_the_rest_and_saves(tmp_path):
     rows = json.loads(out.read_text())
     assert len(rows) == 2 and all(r["error"].startswith("skipped") for r in rows)
     assert all(r["command"].startswith("python scripts/bench.py --device cpu") for r in rows)
+    assert all(r["commit"] == "0123abc" and r["dirty"] is None for r in rows)
 
 
 def test_weight_modes_in_one_run(tmp_path, capsys):

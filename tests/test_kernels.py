@@ -578,6 +578,25 @@ def test_every_kernel_compiles_for_hopper(checkpoint, dtype, n, biased, runs, fl
                for row in captured)  # the dense path's q/k/v with the token's write
 
 
+def test_the_kernels_compile_with_a_float_baked_in(tmp_path):
+    """torch.compile's Inductor passed RMSNorm's epsilon to the q/k/v kernel as a Python
+    float in the code (a constexpr), where ``eps.to(...)`` failed to compile on the H200: the
+    full cache's decode-step launches (q/k/v, projections, prefix attention) compile with
+    every float scalar made a constexpr (the fp64 case is the table's float32 case above)."""
+    out = tmp_path / "regs.json"
+    r = compiled_triton(ROOT / "tools" / "compile_kernels.py", "--json", str(out),
+                        "--config", "qwen2.5-0.5b", "--dtype", "float32", "--runs", "full",
+                        "--no-table", "--float-args", "constexpr")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert {row["kernel"].split()[0] for row in rows} == {
+        "_linear_kernel", "_attend_prefix_kernel", "_merge_splits_kernel"}
+    assert all("'eps': 0.125" in row["kernel"] for row in rows
+               if row["kernel"].startswith("_linear_kernel"))
+    assert all("'scale': 0.125" in row["kernel"] for row in rows
+               if row["kernel"].startswith("_attend_prefix_kernel"))
+
+
 def test_the_compiled_decode_step_holds_the_kernels_whole():
     """Each method's decode step traces as the GPU compiles it (fullgraph, AOT
     functionalization; Triton not interpreted, nothing run): no graph break, and the graph

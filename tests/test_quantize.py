@@ -220,13 +220,18 @@ def test_cuda_kernels_match_dequantized_matmul(mode, shape, rows):
             assert layer.layout == (layout if kernels.ops() is not None else "cuda")
             deq = dequantize_int4(packed, sz, groupsize, torch.bfloat16)
         ref = F.linear(x.float(), deq.float().cuda())
+        torch._dynamo.reset()  # each case's layer compiles afresh (the recompile limit is 8)
         compiled = (torch.compile(layer, fullgraph=True),) if rows == 1 else ()
         for f in (layer, *compiled):
             y = f(x)
             assert y.shape == (rows, shape[0]) and y.dtype == torch.bfloat16
             _close(y, ref)
         assert (ref - F.linear(x.float(), w.cuda())).abs().max() > 0  # it is quantized
-        torch.testing.assert_close(layer.forward_rows(x, 0, 1024), layer(x)[:, :1024])
+        # the first 1024 output rows alone: another GEMM shape, another summation order
+        # (cuBLAS), so equal within bfloat16's rounding of the whole output's scale
+        whole = layer(x)[:, :1024].float()
+        torch.testing.assert_close(layer.forward_rows(x, 0, 1024).float(), whole, rtol=0,
+                                   atol=2**-7 * whole.abs().max().item())
 
 
 def test_int4_layer_the_cpu_kernel_cannot_take_is_dequantized():

@@ -104,3 +104,81 @@ def test_the_cpu_compiled_step_compiles_a_layer_once_and_decodes_as_eager(storie
         assert eager["compiled"] is False
     assert isinstance(step.compiled_decode(torch.device("cpu")), LayerCompiledStep)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 2  # not one per layer
+
+
+# A Triton compile error as triton raises it (its class lives in a ``triton`` module).
+TritonCompilationError = type("CompilationError", (Exception,),
+                              {"__module__": "triton.compiler.errors"})
+
+
+def failing_backend(fails: int, error=None):
+    """A torch.compile backend whose first ``fails`` compiles raise ``error`` (default: a
+    Triton compile error, raised from inside, as Inductor raises its own error from the
+    kernel's), then runs the traced graph as is; ``calls`` counts the compiles."""
+    def backend(gm, example_inputs):
+        backend.calls += 1
+        if backend.calls <= fails:
+            try:
+                raise error or TritonCompilationError(
+                    "at 7:15:\ndef _dot(a, b):\n    ^\nBoth operands must be same dtype. "
+                    "Got fp64 and fp32")
+            except Exception as e:
+                raise RuntimeError("InductorError: compiling the decode step") from e
+        return gm.forward
+    backend.calls = 0
+    return backend
+
+
+def tiny_model():
+    return random_model(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
+                                  intermediate_size=16, vocab_size=64, max_seq_len=64),
+                        "cpu", torch.float32)
+
+
+def test_a_kernel_that_fails_to_compile_costs_a_warning(capsys):
+    """The compiled step whose compile fails in a Triton kernel warns once, switches every
+    kernel family off on the device (the result's ``kernels`` entry names the cause),
+    compiles again and gives the eager run's tokens: the run is not lost."""
+    import kernels
+
+    model = tiny_model()
+    ref = generate(model, [1, 2, 3], max_new_tokens=6, compile=False)["token_ids"]
+    backend = failing_backend(1)
+    torch._dynamo.reset()
+    try:
+        r = generate(model, [1, 2, 3], max_new_tokens=6, compile=True, compile_backend=backend)
+        err = capsys.readouterr().err
+        assert r["token_ids"] == ref and backend.calls == 2
+        assert "warning: a fused kernel failed to compile in the decode step (Triton " \
+               "CompilationError: at 7:15: ... Both operands must be same dtype. Got fp64 and " \
+               "fp32); the kernels are off on cpu" in err
+        why = "Triton CompilationError: at 7:15: ... Both operands must be same dtype. Got " \
+              "fp64 and fp32"
+        assert all(kernels.failure(f, "cpu") == why for f in kernels.FAMILIES)
+        mode = kernels.set_mode("force")  # report names the cause where the kernels run
+        try:
+            if kernels.missing() is None:
+                assert kernels.report("cpu")["prefix"] == f"pytorch (compile: {why})"
+        finally:
+            kernels.set_mode(mode)
+    finally:
+        kernels.reset_failures()
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("error,fails", [
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), 1),  # sticky
+    (ValueError("not a kernel"), 1),
+    (None, 2)])  # a second fault
+def test_other_compile_failures_are_raised(error, fails):
+    import kernels
+
+    backend = failing_backend(fails, error)
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(Exception, match="InductorError"):
+            generate(tiny_model(), [1, 2, 3], max_new_tokens=6, compile=True,
+                     compile_backend=backend)
+    finally:
+        kernels.reset_failures()
+        torch._dynamo.reset()

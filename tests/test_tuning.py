@@ -50,7 +50,8 @@ def test_tables_merge_for_the_gpu_they_name(gpu, tmp_path):
     # what a bench row records of them
     assert tuning.describe(gpu) == {"files": ["a.json", "b.json"], "launches": 1,
                                     "constants": {"sparse": {"SPLIT_PAGES": 4096,
-                                                             "PREFIX_WARPS": 4}}}
+                                                             "PREFIX_WARPS": 4}},
+                                    "dense_faster": False}  # no reference times
     assert tuning.describe(torch.device("cpu")) is None
 
 
@@ -116,3 +117,38 @@ def test_every_committed_table_is_valid():
         t = tuning.read_table(path, json.loads(path.read_text())["device"])
         assert t.launches or t.constants, path
         assert all(pattern.match(k) for k in t.launches), path
+
+
+@pytest.mark.parametrize("ours,reference,on",
+                         [(3.0, 5.0, True), (5.0, 3.0, False), (None, None, False)])
+def test_the_dense_kernels_run_by_default_only_where_timed_faster(gpu, tmp_path, monkeypatch,
+                                                                  ours, reference, on):
+    """By default (``set_dense(None)``, ``--kernels auto``) the dense kernels run on a GPU only
+    when its tables timed them, over the launches they list, faster than the reference
+    (cuBLAS): on the H200 the untuned kernels were 31% slower. ``set_dense(True)``
+    (``--kernels on``) runs them anyway, ``False`` (``sparse``) never; the attention
+    families do not depend on it, and ``report`` says why the projections stay in PyTorch."""
+    if kernels.ops() is None:
+        pytest.skip(f"triton: {kernels.missing()}")
+    entry = {"key": KEY, "config": KNOBS}
+    if ours is not None:
+        entry.update(us=ours, reference_us=reference)
+    (tmp_path / "t.json").write_text(json.dumps({"device": "NVIDIA H100", "launches": [entry],
+                                                 "constants": {}}))
+    monkeypatch.setattr(tuning, "apply_constants", lambda device, modules: None)
+    mode, dense = kernels.set_mode("auto"), kernels.set_dense(None)
+    try:
+        assert tuning.table(gpu).dense_faster is on
+        assert kernels.dense_in_use(gpu) is on and kernels.family_on("prefix", gpu)
+        got = kernels.report(gpu)["dense"]
+        assert got == ("fused" if on else "pytorch (cuBLAS: not timed faster on this GPU)")
+        kernels.set_dense(True)
+        assert kernels.dense_in_use(gpu)
+        kernels.set_dense(False)
+        assert not kernels.dense_in_use(gpu) and kernels.report(gpu)["dense"] == "pytorch (off)"
+        kernels.set_mode("force")  # kernel development, the interpreter: on unless told
+        kernels.set_dense(None)
+        assert kernels.dense_in_use(torch.device("cpu"))
+    finally:
+        kernels.set_mode(mode)
+        kernels.set_dense(dense)

@@ -369,9 +369,10 @@ def compile_one(kernel, pointers: dict, constexprs: dict, num_warps: int, attrs:
                 runs: list[str] | None = None, *, arch: int, ptxas: Path,
                 float_args: str = "fp32") -> dict:
     """Compile one configuration (``attrs``: Triton's ``tt.divisibility`` marks by argument
-    index; ``runs``: the captured runs that launch it; ``float_args``: the type of the float
-    scalars, "fp32" as Triton's launcher passes a Python float, "fp64" as torch.compile's
-    Inductor passes one to a user kernel); registers and spill bytes from ``ptxas -v``."""
+    index; ``runs``: the captured runs that launch it; ``float_args``: how the float scalars
+    arrive, "fp32" as Triton's launcher passes a Python float, "fp64" or "constexpr" (a
+    Python float in the kernel's code) as torch.compile's Inductor passed them on the H200);
+    registers and spill bytes from ``ptxas -v``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -379,13 +380,16 @@ def compile_one(kernel, pointers: dict, constexprs: dict, num_warps: int, attrs:
     sig = {n: "i32" for n in kernel.arg_names}
     sig.update(pointers)
     sig.update({c: "constexpr" for c in constexprs})
-    sig = {n: float_args if t == "fp32" else t for n, t in sig.items()}  # "*fp32" stays
+    floats = [n for n, t in sig.items() if t == "fp32"]  # scalars ("*fp32" is a pointer)
+    if float_args == "constexpr":  # Inductor may bake a module's float (RMSNorm's eps) in
+        constexprs = {**constexprs, **{n: 0.125 for n in floats}}
+    sig.update({n: "constexpr" if float_args == "constexpr" else float_args for n in floats})
     name = f"{kernel.__name__} {constexprs}"
     extra = {}
     if runs is not None:
         divisible = [kernel.arg_names[i[0]] for i in sorted(attrs or {})]
-        ones = [c for c in constexprs if not kernel.params[kernel.arg_names.index(c)]
-                .is_constexpr]
+        ones = [c for c in constexprs if c not in floats and
+                not kernel.params[kernel.arg_names.index(c)].is_constexpr]
         name += f" divisible by 16: {','.join(divisible) or '-'}; equal to 1: " \
                 f"{','.join(ones) or '-'}"
         extra = {"runs": runs, "divisible_by_16": divisible, "equal_to_1": ones}
@@ -423,10 +427,10 @@ def main(argv=None) -> int:
                         f"{', '.join(RUNS)}; 'all' (default) or 'none'")
     p.add_argument("--no-table", action="store_true",
                    help="compile the captured runs only, not the table of variants")
-    p.add_argument("--float-args", choices=["fp32", "fp64"], default="fp32",
-                   help="the type of the kernels' float scalars (the attention scale, RMSNorm's "
-                        "epsilon): fp32 as a direct launch passes them (default), fp64 as "
-                        "torch.compile's Inductor does")
+    p.add_argument("--float-args", choices=["fp32", "fp64", "constexpr"], default="fp32",
+                   help="how the kernels' float scalars (the attention scale, RMSNorm's "
+                        "epsilon) arrive: fp32 as a direct launch passes them (default); fp64 "
+                        "or constexpr as torch.compile's Inductor passes them")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     args = p.parse_args(argv)
     shape = ModelArgs.from_name(args.config)
