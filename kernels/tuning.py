@@ -120,16 +120,14 @@ def read_table(path: Path, gpu: str) -> Table | None:
     return Table(launches, constants, times=times)
 
 
-def table(device: torch.device) -> Table:
-    """``device``'s GPU's table: every ``TUNED_DIR/*.json`` naming it
-    (``torch.cuda.get_device_name``) merged in file-name order, a later entry over an
-    earlier one; empty off CUDA. Read once per GPU name.
+def table_for(gpu: str) -> Table:
+    """The merged table of the GPU named ``gpu`` (``torch.cuda.get_device_name``): every
+    ``TUNED_DIR/*.json`` naming it, in file-name order, a later entry over an earlier one
+    (no GPU needed: ``tools/check_targets.py`` asks it of a result row's device). Read once
+    per name.
 
     Raises:
         ValueError: a file ``read_table`` refuses."""
-    if device.type != "cuda":
-        return Table()
-    gpu = gpu_name(device)
     if gpu not in _tables:
         merged = Table()
         for path in sorted(TUNED_DIR.glob("*.json")):
@@ -142,6 +140,18 @@ def table(device: torch.device) -> Table:
                     merged.constants.setdefault(module, {}).update(values)
         _tables[gpu] = merged
     return _tables[gpu]
+
+
+def table(device: torch.device) -> Table:
+    """``device``'s GPU's table: every ``TUNED_DIR/*.json`` naming it
+    (``torch.cuda.get_device_name``) merged in file-name order, a later entry over an
+    earlier one; empty off CUDA. Read once per GPU name.
+
+    Raises:
+        ValueError: a file ``read_table`` refuses."""
+    if device.type != "cuda":
+        return Table()
+    return table_for(gpu_name(device))
 
 
 def apply_constants(device: torch.device, modules: dict[str, ModuleType]) -> None:

@@ -37,7 +37,9 @@
 #    rocketkv@256 at 32K and 128K with --kernels sparse: our projection kernels against cuBLAS
 # ks: one layer's selection and attention (scripts/bench_step.py, CUDA graphs of the eager
 #    step) of rocketkv, hybrid, sparq and exact_topk @256 at 32K and 128K with the fused
-#    selection split at 1024-8192 pages a program (--knob SPLIT_PAGES; 2048, unmeasured);
+#    selection split at 128-2048 pages a program (--knob SPLIT_PAGES; 2048, the default,
+#    keeps RocketKV's 740 and 1171 pages in one program per KV head: 8 programs on the
+#    H200's 132 SMs, 57 us a layer at 32K, results/NVIDIA-H200/README.md);
 #    then Full-KV's attention over a grid of its launch constants (PREFIX_PROGRAMS,
 #    ATTEND_TOKENS, PREFIX_WARPS: unmeasured); the fastest of each comes back as a table
 #    (tuned-*.json) to commit under kernels/tuned/
@@ -156,9 +158,9 @@ k2)
         --budgets 256 --kernels sparse --time-limit 190
     ;;
 ks)
-    step "the selection's split at 32K and 128K: 1024, 2048, 4096 and 8192 pages a program"
+    step "the selection's split at 32K and 128K: 128, 256, 512 and 2048 pages a program"
     timeout 330 $py scripts/bench_step.py --context 32768 131008 --methods rocketkv hybrid \
-        sparq exact_topk --budgets 256 --knob SPLIT_PAGES=1024,2048,4096,8192 --cuda-graphs \
+        sparq exact_topk --budgets 256 --knob SPLIT_PAGES=128,256,512,2048 --cuda-graphs \
         --steps 20 --json "$out/bench_step-split.json" --tuned "$out/tuned-split.json" \
         | tail -34
     step "Full-KV's attention at 32K and 128K: programs, slots an iteration, warps"

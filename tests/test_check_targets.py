@@ -231,3 +231,24 @@ def test_each_compile_regime_is_judged_on_its_own_rows(tmp_path, capsys):
     judged = json.loads((tmp_path / "t.json").read_text())
     assert len(judged) == 2 * N_TARGETS and {t["regime"] for t in judged} == {"static", "graphs"}
     assert main([str(a)]) == 0  # the static rows alone pass
+
+
+def test_the_engine_step_is_what_the_default_runs_on_that_gpu(tmp_path, monkeypatch):
+    """Rows of one configuration with every kernel (``--kernels on``), with the sparse ones
+    (the default where no tuned table timed the dense kernels faster: the H200 today) and
+    with none: the sparse rows are judged; with a table that timed the dense kernels faster,
+    the rows with every kernel; without sparse rows, the rows with the most kernels."""
+    from kernels import tuning
+    from tools.check_targets import engine_rows
+
+    monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(tuning, "_tables", {})
+    rows = [row("full", None, 32768, ms, 4.6, fused_kernels=s, dense_kernels=d)
+            for ms, s, d in ((10.5, True, True), (8.0, True, False), (9.8, False, False))]
+    assert [r["decode_ms_median"] for r in engine_rows(rows)] == [8.0]
+    assert [r["decode_ms_median"] for r in engine_rows([rows[0], rows[2]])] == [10.5]
+    (tmp_path / "t.json").write_text(json.dumps({"device": "NVIDIA H200", "launches": [
+        {"key": "k", "config": {"TARGET_PROGRAMS": 128, "MAX_BLOCK_N": 16, "K_BLOCK": 512,
+                                "NUM_WARPS": 8}, "us": 3.0, "reference_us": 4.0}]}))
+    monkeypatch.setattr(tuning, "_tables", {})
+    assert [r["decode_ms_median"] for r in engine_rows(rows)] == [10.5]

@@ -33,9 +33,11 @@ Targets (llama-3.1-8b shape, bf16, batch 1 unless said; the issue that set each 
   or captures a CUDA graph (28; a peer's own compile is not ours to judge);
 * at most 6 kernels per layer in a ``rocketkv`` @256 decode step (a profile file) (27).
 
-A configuration measured with every kernel and with fewer (``bench.py --kernels sparse`` or
-``off``, ``profile_step.py --kernels off``: comparisons) is judged on the rows that ran the most
-kernels, the engine's step; the others neither replace nor count for it.
+A configuration measured with several kernel settings (``bench.py --kernels on``, ``sparse``
+or ``off``, ``profile_step.py --kernels off``: comparisons) is judged on the rows that ran
+what ``--kernels auto`` runs there today, the engine's step: the sparse kernels, and the dense
+ones only where the GPU's tuned table (``kernels/tuned/``) timed them faster than cuBLAS; the
+rows that ran the most kernels where no row ran that; the others neither replace nor count.
 
 Rows are judged per compile regime (``compile_regime``: ``static``, ``dynamic``, ``graphs``,
 ``eager``; rows from before the field are ``static`` when compiled): the same configuration
@@ -108,15 +110,29 @@ def _key(r: dict) -> tuple:
     return _config(r) + _kernels(r)
 
 
+def default_kernels(device: str | None) -> tuple[bool, bool]:
+    """What ``--kernels auto`` runs on the GPU named ``device`` today: (sparse, dense), the
+    dense kernels where its tuned table timed them faster (``kernels.tuning``)."""
+    from kernels import tuning
+
+    return True, bool(device) and tuning.table_for(device).dense_faster
+
+
 def engine_rows(rows: list[dict]) -> list[dict]:
-    """The rows of the engine's own step: of a configuration measured with every kernel and
-    with fewer (``--kernels sparse`` or ``off``: comparisons, such as the kernel count before
-    them), the rows that ran the most kernels; an errored row counts as the configuration's
+    """The rows of the engine's own step: of a configuration measured with several kernel
+    settings (``--kernels on``, ``sparse`` or ``off``: comparisons, such as the kernel count
+    before them), the rows that ran what the default runs there today (``default_kernels``),
+    else the rows that ran the most kernels; an errored row counts as the configuration's
     when no row of it ran."""
-    best: dict[tuple, tuple[bool, bool]] = {}
+    ran: dict[tuple, set[tuple[bool, bool]]] = {}
     for r in rows:
         if "error" not in r:
-            best[_config(r)] = max(best.get(_config(r), (False, False)), _kernels(r))
+            ran.setdefault(_config(r), set()).add(_kernels(r))
+    best = {}
+    for config, kinds in ran.items():
+        want = default_kernels(next((r.get("device") for r in rows if _config(r) == config),
+                                    None))
+        best[config] = want if want in kinds else max(kinds)
     return [r for r in rows if _kernels(r) == best.get(_config(r), _kernels(r))]
 
 
