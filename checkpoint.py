@@ -863,7 +863,7 @@ def default_gguf_weights(gguf_weights: str | None, checkpoint: str, device) -> s
     ``rocketkv.load``: ``"quantized"`` for a GGUF checkpoint on the CPU (its blocks read as
     int4/int8 by torch's CPU kernels: about 1/3 to 1/2 of the float step's bytes, within 0.002
     nats of mean KL of the float load, docs/quantization.md), else ``"float"`` (CUDA's
-    quantized kernels have not run on a GPU)."""
+    quantized paths have not been timed on a GPU)."""
     if gguf_weights is not None:
         return gguf_weights
     cpu = torch.device(device).type == "cpu"

@@ -4,7 +4,10 @@ against the PyTorch path, before the first decode step on a device.
     python -m kernels.check [--device D] [--dtype T] [--head-dim N] [--group G]
 
 No kernel of ``kernels/`` had run on a GPU when this was written: they were checked in
-Triton's interpreter and compiled for sm_90. A kernel that fails to compile or launch on the
+Triton's interpreter and compiled for sm_90. (Their first GPU run, on an H200 on 2026-11-27,
+passed this check for every family; two kernels then failed to compile inside a compiled
+float32 step, which this check, run eagerly, does not see: ``step.FallbackStep`` covers that
+case.) A kernel that fails to compile or launch on the
 GPU at hand, or returns wrong numbers there, would otherwise end a run in a traceback or, worse,
 in plausible wrong tokens. ``ensure(model)`` (``generate`` calls it) runs every family the
 run's decode steps launch (``families``), at the run's head dim D, query group G (query heads

@@ -76,6 +76,7 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 from cli import write_json
 from evals.bench import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, DEFAULT_METHODS, REGIMES
 from evals.peers import PEERS
+from kernels import tuning
 
 K96, K128, K32 = 98304, 131072, 32768
 GB = 1e9
@@ -113,8 +114,6 @@ def _key(r: dict) -> tuple:
 def default_kernels(device: str | None) -> tuple[bool, bool]:
     """What ``--kernels auto`` runs on the GPU named ``device`` today: (sparse, dense), the
     dense kernels where its tuned table timed them faster (``kernels.tuning``)."""
-    from kernels import tuning
-
     return True, bool(device) and tuning.table_for(device).dense_faster
 
 
