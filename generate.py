@@ -255,6 +255,10 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     end = spec["prompt_len"] + spec["new_tokens"]  # positions the caches hold
     turn.state.conversation = {"batch_size": prompt.shape[0], "pending": run["pending"],
                                "position": run["position"], "end": end}
+    if getattr(step_fn, "fault", None):  # a kernel failed to compile: the PyTorch path ran
+        fused = dense = False
+        ran = {f: v if v == "unused" else f"pytorch (compile: {step_fn.fault})"
+               for f, v in ran.items()}
     dense = dense and fused_layers(model) > 0
     if ran["dense"] == "fused" and not dense:
         ran["dense"] = "pytorch (no layer the dense kernels take)"

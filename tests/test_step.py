@@ -155,6 +155,8 @@ def test_a_kernel_that_fails_to_compile_costs_a_warning(capsys):
         why = "Triton CompilationError: at 7:15: ... Both operands must be same dtype. Got " \
               "fp64 and fp32"
         assert all(kernels.failure(f, "cpu") == why for f in kernels.FAMILIES)
+        assert r["fused_kernels"] is False and r["dense_kernels"] is False
+        assert all(v in ("unused", f"pytorch (compile: {why})") for v in r["kernels"].values())
         mode = kernels.set_mode("force")  # report names the cause where the kernels run
         try:
             if kernels.missing() is None:
