@@ -60,6 +60,7 @@ from documents import (
     read_questions,
     summary_line,
 )
+from evals.provenance import provenance
 from generate_flags import build_parser
 from measure import check_memory
 from model import ConfigError
@@ -243,8 +244,9 @@ def _main(args: argparse.Namespace, generate: Generate) -> int:
     write_stdout("")
     print(format_report(result, load_line=False), file=sys.stderr)
     if args.json:
-        try:
-            write_json(args.json, result)
+        try:  # the code and libraries behind the figures (the checkpoint is not hashed: an
+            # 8B one takes half a minute)
+            write_json(args.json, {**result, "provenance": provenance()})
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -313,7 +315,7 @@ def _answer_questions(args: argparse.Namespace, generate: Generate, checkpoint: 
         try:
             write_json(args.json, {"checkpoint": args.checkpoint, "model": model.args.name,
                                    "load_s": load_s, "document": first.to_dict(), **summary,
-                                   "questions": records})
+                                   "questions": records, "provenance": provenance()})
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

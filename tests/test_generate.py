@@ -225,6 +225,7 @@ def test_cli_end_to_end_json(stories_dir, tmp_path):
     r = json.loads(out.read_text())
     assert p.stdout == r["text"][0] + "\n"  # stdout carries the text alone; the report: stderr
     assert "prompt tokens 5  generated 40" in p.stderr and r["load_s"] > 0
+    assert {"commit", "dirty", "torch", "command"} <= set(r["provenance"])  # the code behind it
     for key in ("method", "budget", "method_params", "prompt_token_ids", "token_ids", "text",
                 "prefill_s", "decode_ms", "decode_ms_median", "tokens_per_s",
                 "peak_memory_bytes", "kv_cache_bytes", "kv_bytes_per_step", "weight_bytes",
@@ -241,7 +242,7 @@ def test_cli_end_to_end_json(stories_dir, tmp_path):
     # the record: generate's result (its fields in order), then the keys the CLI adds
     names = [f.name for f in dataclasses.fields(GenerateResult)]
     assert list(r) == names + ["world_size", "text", "checkpoint", "model", "load_s",
-                               "interrupted"]
+                               "interrupted", "provenance"]
 
 
 @pytest.mark.parametrize("stream", [True, False])
