@@ -2,6 +2,9 @@
 # ../shared/GPU_CHECKLIST.md in calls that fit a lent GPU's limits.
 #
 #   bash scripts/gpu_checklist.sh PART OUTDIR      (on the GPU machine; OUTDIR defaults to $OUT)
+#   ROCKETKV_COMMIT=<the commit, typed in> bash scripts/gpu_checklist.sh PART   (what to run:
+#   the GPU machine's copy of the tree may carry a stale .git, as on 2026-11-27, where `git
+#   rev-parse HEAD` named an older commit; the result files record ROCKETKV_COMMIT instead)
 #
 # The budget: a session has 15 minutes of device time in all, the machine's start (1-2 minutes)
 # included, at most 10 minutes a command, and 8 files back from $OUT. So a GPU visit is ONE
