@@ -67,6 +67,12 @@ def git_state() -> tuple[str | None, bool | None]:
     return commit.strip(), (None if status is None else bool(status.strip()))
 
 
+def commit_fields() -> dict[str, Any]:
+    """``{"commit": ..., "dirty": ...}`` (``git_state``) for a result row or file header."""
+    commit, dirty = git_state()
+    return {"commit": commit, "dirty": dirty}
+
+
 @functools.lru_cache(maxsize=8)
 def _sha256_file(path: Path, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()

@@ -54,8 +54,7 @@ FAMILIES = {  # name -> what it runs (the warnings and reports name it so)
     "prefix": "Full-KV decode attention (attend_prefix)",
     "dense": "dense projections (linear, qkv_store)",
 }
-_failed: dict[tuple[str, str], str] = {}  # (family, device) -> why it was switched off
-_failed_by: dict[tuple[str, str], str] = {}  # (family, device) -> what found it (report)
+_failed: dict[tuple[str, str], tuple[str, str]] = {}  # (family, device) -> (found by, why)
 _only: str | None = None  # the self-check runs one family at a time (``only``)
 _strict = False
 _dense: bool | None = False if os.environ.get("ROCKETKV_KERNELS") == "sparse" else None
@@ -138,13 +137,10 @@ def compile_fault(e: BaseException) -> str | None:
     (a kernel that failed to compile, e.g. inside torch.compile's Inductor, which raises its
     own error from it) and none of them is a CUDA error: a fault the process recovers from
     by compiling the step again with the kernels off (``step.FallbackStep``); else None."""
-    chain = _chain(e)
-    if any(cuda_error(x) for x in chain):
+    if any(cuda_error(x) for x in _chain(e)):
         return None
-    for x in chain:
-        if _from_triton(x):
-            return f"Triton {type(x).__name__}: {_line(x)}"
-    return None
+    reason = fault(e)
+    return reason if reason is not None and reason.startswith("Triton ") else None
 
 
 def _chain(e: BaseException) -> list[BaseException]:
@@ -188,19 +184,17 @@ def switch_off(family: str, device: torch.device | str, reason: str,
         ValueError: an unknown family."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r} ({', '.join(FAMILIES)})")
-    _failed.setdefault((family, _key(device)), reason)
-    _failed_by.setdefault((family, _key(device)), by)
+    _failed.setdefault((family, _key(device)), (by, reason))
 
 
 def failure(family: str, device: torch.device | str) -> str | None:
     """Why ``family`` was switched off on ``device`` (``switch_off``), or None."""
-    return _failed.get((family, _key(device)))
+    return _failed.get((family, _key(device)), (None, None))[1]
 
 
 def reset_failures() -> None:
     """Forget every ``switch_off`` (tests; the self-check's cache is ``kernels.check``'s)."""
     _failed.clear()
-    _failed_by.clear()
 
 
 class only:
@@ -269,7 +263,7 @@ def report(device: torch.device | str, families=None, head_dim: int | None = Non
         elif missing() is not None:
             out[family] = f"pytorch (no triton: {missing()})"
         elif why is not None:
-            out[family] = f"pytorch ({_failed_by[(family, _key(device))]}: {why})"
+            out[family] = f"pytorch ({_failed[(family, _key(device))][0]}: {why})"
         else:
             out[family] = "fused"
     return out

@@ -161,7 +161,7 @@ from evals.bench import (
 )
 from evals.harness import configurations
 from evals.peers import PEERS, run_transformers
-from evals.provenance import git_state
+from evals.provenance import commit_fields
 from generate import generate, release_caches
 from kernels import tuning
 from measure import check_memory, check_run_memory, device_name, spread_warning
@@ -488,7 +488,7 @@ def run(args, argv=None) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     prefix = out_dir / f"bench-{stamp}"
     command = command_line("bench.py", argv)
-    commit, dirty = git_state()
+    provenance = commit_fields()  # once a run
     rows = []
     start = time.perf_counter()
     ours = configurations([m for m in args.methods if m not in PEERS], args.budgets)
@@ -535,7 +535,7 @@ def run(args, argv=None) -> int:
                 if broken is not None:
                     fault = (row_label(row), broken)
         row.setdefault("compile_regime", args.compile_regime if args.compile else "eager")
-        row.update(date=stamp, command=command, commit=commit, dirty=dirty,
+        row.update(date=stamp, command=command, **provenance,
                    elapsed_s=round(time.perf_counter() - start, 1), world_size=world)
         if world > 1:  # every rank's share of the row (all ranks take part); rank 0 writes
             keys = ("kv_cache_bytes", "kv_bytes_per_step", "weight_bytes", "peak_memory_bytes")

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import kernels
 from cli import OneLineParser, check_json_path, command_line, write_json
 from evals.bench import measure_bandwidth, resolve_run, results_dir
-from evals.provenance import git_state
+from evals.provenance import commit_fields
 from flags import add_config_option, add_device_option
 from kernels import tuning
 from measure import device_name, percentile, sync
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     meta = {"device": device_name(device), "torch_version": torch.__version__,
             "model": args.config, "dtype": str(dtype).removeprefix("torch."),
             "command": command_line("bench_dense.py", argv),
-            **dict(zip(("commit", "dirty"), git_state()))}
+            **commit_fields()}
 
     def save() -> None:  # after every shape: a run cut off keeps the rows it has
         write_json(path, {**meta, "results": rows})

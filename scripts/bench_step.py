@@ -154,7 +154,7 @@ from cli import (
 from compression import build_caches, check_methods, options_for
 from evals.bench import measure_bandwidth, resolve_run, results_dir
 from evals.harness import configurations
-from evals.provenance import git_state
+from evals.provenance import commit_fields
 from kernels import tuning
 from measure import device_name, percentile, sync
 from model import CONFIGS, ConfigError, ModelArgs
@@ -333,7 +333,7 @@ def run_one(args: ModelArgs, method: str, budget: int | None, context: int, opts
     read, ideal = cache.bytes_read_per_step(), cache.ideal_bytes_per_step()
     return {
         "device": device_name(device), "torch_version": torch.__version__,
-        **dict(zip(("commit", "dirty"), git_state())),
+        **commit_fields(),
         "model": args.name, "dtype": str(dtype).removeprefix("torch."), "method": method,
         "budget": budget, "context": context, "batch_size": B, "compiled": bool(opts.compile),
         "compile_regime": "graphs" if opts.cuda_graphs else "static per row" if opts.compile

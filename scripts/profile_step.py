@@ -83,7 +83,7 @@ from cli import (
 from compression import check_methods, options_for
 from evals.bench import REGIMES, resolve_run
 from evals.harness import configurations
-from evals.provenance import git_state
+from evals.provenance import commit_fields
 from generate import generate
 from kernels import tuning
 from measure import device_name
@@ -210,7 +210,7 @@ def run(args, argv=None) -> int:
     command = command_line("profile_step.py", argv)
     meta = {"device": device_name(device), "torch_version": torch.__version__,
             "model": args.config, "dtype": str(dtype).removeprefix("torch."),
-            "command": command, **dict(zip(("commit", "dirty"), git_state()))}
+            "command": command, **commit_fields()}
     header = (f"Kernels of one decode step by time, {meta['device']}, torch "
               f"{meta['torch_version']}, {meta['model']} random weights, {meta['dtype']}, batch 1, "
               f"mean over {args.steps} steps.\n\n`{command}`")

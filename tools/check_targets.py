@@ -124,13 +124,14 @@ def engine_rows(rows: list[dict]) -> list[dict]:
     else the rows that ran the most kernels; an errored row counts as the configuration's
     when no row of it ran."""
     ran: dict[tuple, set[tuple[bool, bool]]] = {}
+    device: dict[tuple, str | None] = {}
     for r in rows:
         if "error" not in r:
             ran.setdefault(_config(r), set()).add(_kernels(r))
+            device.setdefault(_config(r), r.get("device"))
     best = {}
     for config, kinds in ran.items():
-        want = default_kernels(next((r.get("device") for r in rows if _config(r) == config),
-                                    None))
+        want = default_kernels(device[config])
         best[config] = want if want in kinds else max(kinds)
     return [r for r in rows if _kernels(r) == best.get(_config(r), _kernels(r))]
 
