@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kv_cache import KVCache, attention_column_sums, causal_attention
+from kv_cache import KVCache, attention_and_column_sums, causal_attention
 from measure import sync
 from model import ConfigError, ModelArgs, Transformer
 
@@ -46,7 +46,9 @@ class PromptRecorder(KVCache):
 
     def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         if self.record_sums:
-            self.sums[..., :start + q.shape[2]] += attention_column_sums(q, k, start)
+            out, sums = attention_and_column_sums(q, k, v, start)
+            self.sums[..., :start + q.shape[2]] += sums
+            return out
         return causal_attention(q, k, v, start)
 
     def append(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
@@ -57,8 +59,9 @@ class PromptRecorder(KVCache):
         self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.q_obs = torch.cat([self.q_obs, q], dim=2)[:, :, -self.obs_window:]
         if self.record_sums:
-            self.sums = torch.cat([self.sums, self.sums.new_zeros(k.shape[:3])], dim=2) + \
-                attention_column_sums(q, self.k, start)
+            out, sums = attention_and_column_sums(q, self.k, self.v, start)
+            self.sums = torch.cat([self.sums, self.sums.new_zeros(k.shape[:3])], dim=2) + sums
+            return out
         return causal_attention(q, self.k, self.v, start)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:

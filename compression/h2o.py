@@ -3,7 +3,7 @@
 Per KV head, ``heavy`` heavy hitters (largest accumulated attention, summed over the query heads
 of the group as in the RocketKV paper's GQA baselines) and the ``recent`` latest tokens (half
 and half by default). The prompt's accumulated scores are the column sums of every prompt
-query's causal attention (``kv_cache.attention_column_sums``: two flash-attention passes on
+query's causal attention (``kv_cache.attention_and_column_sums``: on
 the CPU, row blocks elsewhere, never T x T); at each decode step, when the cache is full, the
 token with the lowest accumulated score outside the recent window is evicted before the new
 token is written, so the step reads exactly t tokens, and the new query's attention is added to
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from compression.registry import BudgetError, Method, Option, Params, register
-from kv_cache import KVCache, attention_column_sums, attention_probs, causal_attention
+from kv_cache import KVCache, attention_and_column_sums, attention_probs
 from model import ConfigError, ModelArgs
 
 H2O_HEAVY_RATIO = 0.5  # share of the budget for heavy hitters (H2O's paper: half and half)
@@ -82,10 +82,10 @@ class H2OCache(KVCache):
     def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         if self._pending is None:
             raise RuntimeError("H2OCache.prefill_attention before store_prompt")
-        out = causal_attention(q, k, v, start)
+        out, block_sums = attention_and_column_sums(q, k, v, start)
         end = start + q.shape[2]
         sums = self._pending[2]
-        sums[..., :end] += attention_column_sums(q, k, start)
+        sums[..., :end] += block_sums
         if end == self.prompt_len:  # the last query block: every prompt query has voted
             pk, pv, _ = self._pending
             self._pending = None

@@ -53,6 +53,7 @@ from checkpoint import checkpoint_args, load_model, resolve_checkpoint
 from cli import check_positive, resolve_device
 from compression import METHODS, add_method_options, check_methods, options_for, plan
 from evals.data import ROOT
+from evals.provenance import commit_fields
 from flags import add_device_option, add_time_limit_option
 from generate import generate
 from model import ConfigError, Transformer
@@ -270,7 +271,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                    score: Callable[[str, Item], float], *, modes: Sequence[str] = ("standard",),
                    options: dict[str, Any] | None = None, batch_size: int = 10,
                    progress: bool = True, partial: str | Path | None = None,
-                   run_key: Any = None,
+                   run_key: Any = None, tag: Any = None,
                    stop: Callable[[], bool] | None = None, workers: int = 1,
                    load_worker: Callable[[], tuple[Transformer, Tokenizer]] | None = None
                    ) -> dict[str, Any]:
@@ -295,6 +296,10 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     the finished items (``items_run``). With ``partial``, the same call later runs only the
     unfinished batches.
 
+    ``tag``: a JSON value saved with each batch (the run's code: ``{"commit", "dirty"}``);
+    ``item_tags`` in the result gives each item the tag of the run that answered it (a batch
+    resumed from a file saved without tags: None), so a run resumed on other code says so.
+
     ``workers`` > 1: that many processes (``load_worker``, a picklable function, loads each
     one's model and tokenizer) run batches side by side, each batch whole in one process;
     ``model`` is then not used. The answers do not depend on the process a batch runs in.
@@ -305,13 +310,14 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     Returns {"modes": {mode: {"rows": [{"method", "budget", "score" (mean over the items that
     ran, 0..1; None when none did), "scores", "answers"[, "items_run", "item_errors"]} or
     {"method", "budget", "error"}]}}, "eval_s" (this process's seconds), "batches",
-    "batches_resumed", "unfinished" (items not run), "workers" (processes used)}."""
+    "batches_resumed", "unfinished" (items not run), "workers" (processes used), "item_tags"}."""
     batches = batches_of(items, batch_size)
     pad_id = tok.encode("\n", bos=False)[-1]
     t0 = time.perf_counter()
     answers = {mode: {c: [None] * len(items) for c in configs} for mode in modes}
     errors: dict[str, dict[tuple[str, Any], dict[int, str]]] = {
         mode: {c: {} for c in configs} for mode in modes}  # per item: the budget error
+    item_tags: list[Any] = [None] * len(items)
 
     def record(idx: list[int], got: dict[str, dict[tuple[str, Any], Any]]) -> None:
         for mode, res in got.items():
@@ -333,6 +339,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
             record(line["batch"], {mode: {(m, b): ans for m, b, ans in res}
                                    for mode, res in line["got"].items()})
             done.add(tuple(line["batch"]))
+            for i in line["batch"]:
+                item_tags[i] = line.get("tag")
         if done:
             print(f"resuming: {len(done)} of {len(batches)} batches from {partial}",
                   file=sys.stderr)
@@ -356,8 +364,10 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     def finish(idx: list[int], got: dict[str, dict[tuple[str, Any], Any]]) -> None:
         record(idx, got)
         finished.update(idx)
+        for i in idx:
+            item_tags[i] = tag
         if saved is not None:
-            saved.write(json.dumps({"batch": idx, "got": {
+            saved.write(json.dumps({"batch": idx, "tag": tag, "got": {
                 mode: [[m_, b, ans] for (m_, b), ans in res.items()]
                 for mode, res in got.items()}}) + "\n")
             saved.flush()
@@ -384,7 +394,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                               "batches_resumed": len(batches) - len(todo),
                               "unfinished": len(items) - len(finished),
                               "workers": workers if workers > 1 and todo else 1,
-                              "partial": None if partial is None else str(partial)}
+                              "partial": None if partial is None else str(partial),
+                              "item_tags": item_tags}
     for mode in modes:
         rows = []
         for method, budget in configs:
@@ -609,7 +620,8 @@ def load(args: argparse.Namespace):
 
 def resume_options(args: argparse.Namespace, task: str, model: Transformer,
                    device: torch.device) -> dict[str, Any]:
-    """``evaluate_items``' ``partial`` (``TASK.partial.jsonl`` in ``--out``), ``run_key``
+    """``evaluate_items``' ``partial`` (``TASK.partial.jsonl`` in ``--out``), ``tag`` (this
+    code's commit and dirty flag, saved with each batch), ``run_key``
     (checkpoint, tokenizer, device, dtype, threads per process: in bfloat16 the thread count
     changes sums' order and so, rarely, an answer), ``stop`` (``--time-limit``, counted from
     this call), ``workers`` (``--workers`` or ``default_workers``) and ``load_worker`` (the
@@ -626,4 +638,5 @@ def resume_options(args: argparse.Namespace, task: str, model: Transformer,
             "run_key": [args.checkpoint, args.tokenizer, device.type, str(dtype),
                         spec["threads"] if workers > 1 else threads],  # sums' order
             "stop": None if limit is None else lambda: time.perf_counter() - t0 > limit,
+            "tag": commit_fields(),
             "workers": workers, "load_worker": partial(_load_worker, spec)}

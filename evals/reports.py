@@ -56,8 +56,11 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
                  ) -> list[dict[str, Any]]:
     """Per mode of ``got`` (``evaluate_items``): the result dict (rows, the run's settings,
     ``commit`` and ``provenance`` (``evals.provenance.provenance``: commit, dirty tree,
-    library versions, the checkpoint's sha256 and quantization types, the command) and
-    ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in ``args.out``.
+    library versions, the checkpoint's sha256 and quantization types, the command),
+    ``item_commits`` (per item, the {"commit", "dirty"} of the run that answered it: a run
+    resumed on other code names both; None for an item not run, or resumed from a batch saved
+    without it) and ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in
+    ``args.out``.
     Returns every mode's rows (for the exit status)."""
     every = []
     prov = provenance(resolve_checkpoint(args.checkpoint), getattr(args, "argv", None))
@@ -70,6 +73,7 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
                   "eval_s": got["eval_s"], "runtime_s": time.perf_counter() - t0,
                   "batches": got.get("batches"), "batches_resumed": got.get("batches_resumed"),
                   "unfinished": got.get("unfinished", 0),
+                  "item_commits": got.get("item_tags"),
                   "modes_run_together": list(args.modes), "torch_version": torch.__version__,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                   "device": next(model.parameters()).device.type,

@@ -14,7 +14,9 @@ Commits. Every file records the ``commit`` it ran (``evals/provenance.py``; a di
 group of its own, ``<commit>+dirty``). Files of different commits are not merged unless
 ``--allow-mixed`` is given; then every cell names the commits of its prompts (``@abc1234``).
 A file without a commit (written before provenance was recorded) is "commit unknown" and a
-group of its own: alone it is summarised, with any other file it needs ``--allow-mixed``.
+group of its own: alone it is summarised, with any other file it needs ``--allow-mixed``. A
+run resumed on other code records each prompt's commit (``item_commits``); its prompts count
+under those commits (the file is listed once per commit).
 
 Scores. Cells use the boundary-aware score (``evals/scoring.py``: the first value stated for
 one-answer tasks, pass/fail; F1 for list tasks). Files scored before it (needle ``scoring``
@@ -112,6 +114,15 @@ def commit_of(name: str, res: dict[str, Any]) -> tuple[str, str]:
     return label, label
 
 
+def item_commits(name: str, res: dict[str, Any]) -> list[tuple[str, str]]:
+    """(group, label) per item: the item's own commit where the file records one per item
+    (``item_commits``: a run resumed on other code), else the file's (``commit_of``)."""
+    whole = commit_of(name, res)
+    per_item = res.get("item_commits") or [None] * len(res["items"])
+    return [commit_of(name, {"commit": t["commit"], "provenance": t}) if t and t.get("commit")
+            else whole for t in per_item]
+
+
 def _scorers(res: dict[str, Any]) -> tuple[bool, Callable[[str, dict], float] | None]:
     """(binary by default, rescoring function or None when the stored scores are current)."""
     if res["task"] == "needle":
@@ -152,17 +163,18 @@ def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
     for name, res in results:
         bench = res["task"]
         mode = "question_agnostic" if res.get("question_agnostic") else "standard"
-        group, label = commit_of(name, res)
+        per_item = item_commits(name, res)
         binary_default, rescore = _scorers(res)
-        c.files.append({"path": name, "commit": label, "group": group,
-                        "rescored": rescore is not None})
+        for group, label in dict.fromkeys(per_item):
+            c.files.append({"path": name, "commit": label, "group": group,
+                            "rescored": rescore is not None})
         keys = [_item_key(it, bench) for it in res["items"]]
         for row in res["rows"]:
             if row.get("budget") is not None:
                 c.budgets.add(int(row["budget"]))
             cell = c.scores[(bench, mode, row["method"], row.get("budget"))]
             if "error" in row:  # rejected before any prompt ran
-                for k in keys:
+                for k, (_, label) in zip(keys, per_item):
                     cell.setdefault(k, (None, None, label))
                 continue
             if rescore is not None and "answers" not in row:
@@ -180,7 +192,7 @@ def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
                     elif subs is not None:
                         sub = subs[i]
                 if s is not None or cell.get(key, (None,))[0] is None:
-                    cell[key] = (s, sub, label)
+                    cell[key] = (s, sub, per_item[i][1])
                 task = "needle" if bench == "needle" else it["task"]
                 c.unit[key] = (bench, task, int(it["length"]))
                 c.binary[key] = binary_default if bench == "needle" else task in PASS_FAIL_TASKS
@@ -220,7 +232,7 @@ def _short(label: str) -> str:
     """A commit label for a cell: 7 hex digits (``+dirty`` kept), or "unknown"."""
     if label == "commit unknown":
         return "unknown"
-    return label[:7] + ("+dirty" if label.endswith("+dirty") else "")
+    return label.removesuffix("+dirty")[:7] + ("+dirty" if label.endswith("+dirty") else "")
 
 
 def fmt_cell(cell: dict[str, Any] | None, mixed: bool) -> str:
@@ -423,7 +435,8 @@ def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = Fal
                          "to merge them, each cell then names its commits")
     r = Report(c, mixed=len(groups) > 1)
     r.build()
-    rescored = sum(f["rescored"] for f in c.files)
+    paths = {f["path"]: f["rescored"] for f in c.files}  # a resumed file: one entry a commit
+    rescored = sum(paths.values())
     head = ["Commit: " + (labels[0] if len(groups) == 1 else
                           "mixed (--allow-mixed; each cell names its commits after @): "
                           + ", ".join(labels)) + ".",
@@ -433,7 +446,7 @@ def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = Fal
             "the budget. Intervals: Wilson (pass/fail), bootstrap over prompts (partial "
             "credit, pooled). Comparisons: paired over the same prompts, exact McNemar or "
             "sign-flip test; a difference is stated only where p < 0.05."
-            + (f" {rescored} of {len(c.files)} files were scored by substring and are "
+            + (f" {rescored} of {len(paths)} files were scored by substring and are "
                "rescored here from their answers." if rescored else ""), ""]
     summary = {"units": "percent", "commits": labels, "mixed": len(groups) > 1,
                "files": [{k: v for k, v in f.items() if k != "group"} for f in c.files],

@@ -105,6 +105,17 @@ def test_commits_are_not_mixed_unless_asked(tmp_path, capsys):
     _run(tmp_path, old, capsys=capsys)  # alone: summarised
     err, _ = _run(tmp_path, old, dict(old), capsys=capsys, status=2)
     assert "commit unknown" in err
+    # a run resumed on other code: each prompt counts under the commit that answered it
+    resumed = _result([{"method": "quest", "budget": 128, "scores": [1.0, 0.0, 0.0]}],
+                      commit="bbbb")
+    resumed["item_commits"] = [{"commit": "aaaa", "dirty": False}, None,
+                               {"commit": "bbbb", "dirty": True}]
+    err, _ = _run(tmp_path, resumed, capsys=capsys, status=2)
+    assert "aaaa, bbbb, bbbb+dirty" in err
+    text, summary = _run(tmp_path, resumed, capsys=capsys, flags=["--allow-mixed"])
+    assert _line(text, 100, "quest") == "| quest | 50.0 [9.5, 90.5] n=2 @aaaa+bbbb |  |"
+    assert "n=3 @aaaa+bbbb+bbbb+dirty |" in text  # pooled over the lengths
+    assert [f["commit"] for f in summary["files"]] == ["aaaa", "bbbb", "bbbb+dirty"]
     # a dirty tree is not its commit
     dirty = _result(a["rows"], commit="aaaa")
     dirty["provenance"]["dirty"] = True

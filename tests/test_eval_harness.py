@@ -387,12 +387,12 @@ def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkey
     monkeypatch.setattr(ec, "run_batch", run_batch)
     path = tmp_path / "needle.partial.jsonl"
 
-    def evaluate(stop):
+    def evaluate(stop, tag=None):
         return ec.evaluate_items(None, Tok(), items, [("full", None)], 8,
                                  lambda a, it: float(a == it.outputs[0]), batch_size=2,
-                                 progress=False, partial=path, stop=stop)
+                                 progress=False, partial=path, stop=stop, tag=tag)
 
-    cut = evaluate(lambda: len(calls) == 1)  # stops after its first batch
+    cut = evaluate(lambda: len(calls) == 1, tag={"commit": "aaaa"})  # stops after a batch
     row = cut["modes"]["standard"]["rows"][0]
     assert calls == [2] and cut["unfinished"] == 4
     assert row["scores"] == [1.0, 0.0, None, None, None, None]
@@ -400,9 +400,11 @@ def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkey
     assert accuracy_table([row], [128]).splitlines()[2] == "| full | 50.0 [9.5, 90.5] (2/6) |"
     none = evaluate(lambda: True)["modes"]["standard"]["rows"][0]  # nothing more ran
     assert none["score"] == 0.5 and calls == [2]
+    assert cut["item_tags"] == [{"commit": "aaaa"}] * 2 + [None] * 4
     calls.clear()
-    rest = evaluate(None)
+    rest = evaluate(None, tag={"commit": "bbbb"})  # resumed on other code: each item says which
     assert calls == [2, 2] and rest["unfinished"] == 0 and rest["batches_resumed"] == 1
+    assert rest["item_tags"] == [{"commit": "aaaa"}] * 2 + [{"commit": "bbbb"}] * 4
     row = rest["modes"]["standard"]["rows"][0]
     assert row["scores"] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0] and "items_run" not in row
 

@@ -143,6 +143,26 @@ def test_attention_column_sums_against_the_whole_matrix(monkeypatch, path, start
     assert float(got.sum()) == pytest.approx(B * Hkv * G * (S - start), rel=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start", [0, 9])
+def test_attention_and_column_sums_reuse_the_attention_log_sum_exp(dtype, start):
+    """The fused call (the attention pass's log-sum-exp serving the column sums) gives the
+    same bits as the two separate calls, and the sums match the whole causal softmax matrix:
+    a resumed evaluation's answers do not depend on which call made its prefill."""
+    B, H, Hkv, D, S = 2, 6, 2, 16, 40
+    q, k, v = qkv(B, H, Hkv, S, D, seed=3)
+    G = H // Hkv
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(G, 1)) / math.sqrt(D)
+    s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    want = s.softmax(-1)[:, :, start:].sum(2).view(B, Hkv, G, S).sum(2)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out, sums = kv_cache.attention_and_column_sums(q[:, :, start:], k, v, start)
+    assert torch.equal(out, kv_cache.causal_attention(q[:, :, start:], k, v, start))
+    assert torch.equal(sums, attention_column_sums(q[:, :, start:], k, start))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(sums, want, rtol=tol, atol=tol)
+
+
 def test_attention_column_sums_in_bfloat16_keep_float32_scores():
     """In bfloat16 the CPU path's sums stay within 1e-3 (relative) of the float32 sums of the
     same inputs: the flash kernel keeps the scores in float32, and the log-sum-exp bias
