@@ -40,6 +40,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -298,7 +299,9 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
 
     ``tag``: a JSON value saved with each batch (the run's code: ``{"commit", "dirty"}``);
     ``item_tags`` in the result gives each item the tag of the run that answered it (a batch
-    resumed from a file saved without tags: None), so a run resumed on other code says so.
+    resumed from a file saved without tags: None), so a run resumed at a later commit says so
+    (the fingerprint's ``code_digest`` refuses batches of other engine code; a commit that
+    changed only files the run does not load keeps them).
 
     ``workers`` > 1: that many processes (``load_worker``, a picklable function, loads each
     one's model and tokenizer) run batches side by side, each batch whole in one process;
@@ -423,14 +426,30 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
 _WORKER: dict[str, Any] = {}  # in a worker process: its model, tokenizer and tick queue
 
 
-def _worker_start(load_worker: Callable[[], tuple[Transformer, Tokenizer]], ticks) -> None:
+def _worker_start(load_worker: Callable[[], tuple[Transformer, Tokenizer]], ticks,
+                  parent: int | None = None) -> None:
     """A worker process's start: Ctrl-C is the parent's to handle; a failed load is reported
-    by the worker's first batch (a pool restarts workers whose start raises)."""
+    by the worker's first batch (a pool restarts workers whose start raises). With ``parent``
+    (its pid) the worker exits within ``ORPHAN_CHECK_S`` of the parent's death: a parent
+    killed by a signal (``kill``, a lease's end) runs no cleanup, and its workers would
+    otherwise run their batches to the end on cores a resumed run needs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     try:
         _WORKER.update(zip(("model", "tok"), load_worker()), ticks=ticks)
     except BaseException as e:  # noqa: BLE001  (re-raised in _worker_batch)
         _WORKER["error"] = e
+
+
+ORPHAN_CHECK_S = 1.0  # how often a worker checks that its parent process lives
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exit this process (status 1, no cleanup) once its parent is no longer ``parent``."""
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_CHECK_S)
+    os._exit(1)
 
 
 def _worker_batch(batch: list[Item], configs: Sequence[tuple[str, Any]], max_new_tokens: int,
@@ -453,7 +472,7 @@ def _run_in_workers(todo: list[list[int]], batch_args: Callable[[list[int]], tup
     ctx = multiprocessing.get_context("spawn")  # fork would copy torch's thread pools
     ticks = ctx.Queue()
     pool = ctx.Pool(min(workers, len(todo)), initializer=_worker_start,
-                    initargs=(load_worker, ticks))
+                    initargs=(load_worker, ticks, os.getpid()))
     queue, running = list(todo), []
     try:
         while queue or running:

@@ -58,7 +58,7 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
     ``commit`` and ``provenance`` (``evals.provenance.provenance``: commit, dirty tree,
     library versions, the checkpoint's sha256 and quantization types, the command),
     ``item_commits`` (per item, the {"commit", "dirty"} of the run that answered it: a run
-    resumed on other code names both; None for an item not run, or resumed from a batch saved
+    resumed at a later commit names both; None for an item not run, or resumed from a batch saved
     without it) and ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in
     ``args.out``.
     Returns every mode's rows (for the exit status)."""

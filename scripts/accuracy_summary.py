@@ -15,7 +15,7 @@ group of its own, ``<commit>+dirty``). Files of different commits are not merged
 ``--allow-mixed`` is given; then every cell names the commits of its prompts (``@abc1234``).
 A file without a commit (written before provenance was recorded) is "commit unknown" and a
 group of its own: alone it is summarised, with any other file it needs ``--allow-mixed``. A
-run resumed on other code records each prompt's commit (``item_commits``); its prompts count
+run resumed at a later commit records each prompt's commit (``item_commits``); its prompts count
 under those commits (the file is listed once per commit).
 
 Scores. Cells use the boundary-aware score (``evals/scoring.py``: the first value stated for
@@ -116,7 +116,7 @@ def commit_of(name: str, res: dict[str, Any]) -> tuple[str, str]:
 
 def item_commits(name: str, res: dict[str, Any]) -> list[tuple[str, str]]:
     """(group, label) per item: the item's own commit where the file records one per item
-    (``item_commits``: a run resumed on other code), else the file's (``commit_of``)."""
+    (``item_commits``: a run resumed at a later commit), else the file's (``commit_of``)."""
     whole = commit_of(name, res)
     per_item = res.get("item_commits") or [None] * len(res["items"])
     return [commit_of(name, {"commit": t["commit"], "provenance": t}) if t and t.get("commit")

@@ -105,7 +105,7 @@ def test_commits_are_not_mixed_unless_asked(tmp_path, capsys):
     _run(tmp_path, old, capsys=capsys)  # alone: summarised
     err, _ = _run(tmp_path, old, dict(old), capsys=capsys, status=2)
     assert "commit unknown" in err
-    # a run resumed on other code: each prompt counts under the commit that answered it
+    # a run resumed at a later commit: each prompt counts under the commit that answered it
     resumed = _result([{"method": "quest", "budget": 128, "scores": [1.0, 0.0, 0.0]}],
                       commit="bbbb")
     resumed["item_commits"] = [{"commit": "aaaa", "dirty": False}, None,

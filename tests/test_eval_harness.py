@@ -402,7 +402,7 @@ def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkey
     assert none["score"] == 0.5 and calls == [2]
     assert cut["item_tags"] == [{"commit": "aaaa"}] * 2 + [None] * 4
     calls.clear()
-    rest = evaluate(None, tag={"commit": "bbbb"})  # resumed on other code: each item says which
+    rest = evaluate(None, tag={"commit": "bbbb"})  # resumed at another commit: each item says
     assert calls == [2, 2] and rest["unfinished"] == 0 and rest["batches_resumed"] == 1
     assert rest["item_tags"] == [{"commit": "aaaa"}] * 2 + [{"commit": "bbbb"}] * 4
     row = rest["modes"]["standard"]["rows"][0]
@@ -441,3 +441,38 @@ def test_worker_processes_give_the_answers_of_one_process(smollm2_model, tok, ha
     with pytest.raises(Exception, match="nonexistent"):  # a worker that cannot load: raised
         evaluate_items(None, tok, items, configs, 6, lambda a, it: 0.0, progress=False,
                        workers=2, load_worker=partial(ec._load_worker, bad))
+
+
+def test_workers_exit_when_their_parent_is_killed(tmp_path):
+    """A parent killed by SIGKILL (no cleanup runs) does not leave its worker processes
+    running batches: each exits within a few ORPHAN_CHECK_S of the parent's death."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import functools, multiprocessing, os, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import evals.harness as ec\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = multiprocessing.get_context('spawn')\n"
+        "    pool = ctx.Pool(1, initializer=ec._worker_start,\n"
+        "                    initargs=(functools.partial(tuple, (None, None)), None,\n"
+        "                              os.getpid()))\n"
+        "    print(pool.apply(os.getpid), flush=True)\n"
+        "    time.sleep(600)\n")
+    parent = subprocess.Popen(["python", str(script)], stdout=subprocess.PIPE, text=True)
+    worker = int(parent.stdout.readline())
+    os.kill(worker, 0)  # alive
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(worker, signal.SIGKILL)
+    pytest.fail("the worker outlived its parent by 15 s")
