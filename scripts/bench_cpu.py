@@ -21,9 +21,15 @@ Peers, on ``--threads`` threads each (default: the physical cores this process m
   activations, eager unless ``--compile``; per method (``--methods``, default ``full
   rocketkv``; compressing methods at each of ``--budgets``, default 256) one
   ``generate.generate`` of a random prompt of C token ids (``--seed``; one token at context
-  0) and ``--warmup-steps`` + N decode steps, no stop tokens: prefill tokens/s is C over
-  ``prefill_s`` (prefill and the first token's argmax), decode tokens/s the N timed steps
-  over their summed time (the warm-up steps left out).
+  0) and ``--warmup-steps`` + N decode steps, no stop tokens: decode tokens/s the N timed
+  steps over their summed time (the warm-up steps left out). Where two or more methods build
+  their caches from one prefill of the whole prompt (``Method.shared_prefill``: Full-KV,
+  RocketKV and every method but KeyDiff), each repeat prefills the C tokens once
+  (``prefill.prefill_once``, timed: the ``shared prefill`` row, prefill tokens/s C over its
+  seconds, H2O's attention sums included when H2O runs) and every method's run builds its
+  caches from it (``build_s``: its prompt compression) before decoding: at 32K a prefill is
+  minutes of this CPU, the decode seconds. A method that prefills its own way, or one
+  method alone, times its own prefill in its row (prefill and the first token's argmax).
 
 Context 0 is a short chat: decode only (llama.cpp at depth 0, ours after a 1-token prompt),
 no prefill figure. Contexts beyond the model's (less the decode steps) are capped to it with a
@@ -54,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import itertools
 import json
 import os
 import shutil
@@ -150,12 +155,14 @@ import torch
 
 from checkpoint import check_creatable, checkpoint_args, load_model, resolve_checkpoint
 from cli import check_json_path, check_positive, row_error, rows_exit_status, write_json
+from compression import METHODS
 from evals.harness import configurations
 from evals.provenance import provenance
 from generate import generate
 from gguf_reader import is_gguf
 from measure import percentile
 from model import ConfigError
+from prefill import PrefilledPrompt, prefill_once
 from scripts.compare_hf import cpu_model, load_average
 
 # --------------------------------------------------------------------------------------------
@@ -242,14 +249,18 @@ def llama_info(test: dict[str, Any]) -> dict[str, Any]:
 
 
 def ours_run(model, ids: list[int], method: str, budget: int | None, steps: int, warmup: int,
-             compile: bool) -> dict[str, Any]:
+             compile: bool, prefilled: PrefilledPrompt | None = None) -> dict[str, Any]:
     """One ``generate.generate`` of ``ids`` (a prefill, ``warmup`` + ``steps`` decode steps,
-    no stop tokens): the figures of a row."""
+    no stop tokens): the figures of a row. With ``prefilled`` (``shared_prefill``) the caches
+    are built from it: no prefill figure, ``build_s`` the seconds the build took (the method's
+    prompt compression), unless the method prefills its own way (``prefill_shared`` False)."""
     r = generate(model, ids, method=method, budget=budget, max_new_tokens=warmup + steps + 1,
-                 stop_ids=(), compile=compile, warmup_steps=warmup)
+                 stop_ids=(), compile=compile, warmup_steps=warmup, prefilled=prefilled)
     ms = r["decode_ms"] if r["compiled"] else r["decode_ms"][warmup:]
-    context = len(ids) if len(ids) > 1 else 0
+    context = len(ids) if len(ids) > 1 and not r["prefill_shared"] else 0
     return {
+        "prefill_shared": r["prefill_shared"],
+        "build_s": r["prefill_s"] if r["prefill_shared"] else None,
         "prefill_s": r["prefill_s"] if context else None,
         "prefill_tok_s": context / r["prefill_s"] if context and r["prefill_s"] else None,
         "decode_tok_s": len(ms) / (sum(ms) / 1e3) if ms and sum(ms) > 0 else None,
@@ -260,6 +271,26 @@ def ours_run(model, ids: list[int], method: str, budget: int | None, steps: int,
         "weight_bytes_per_step": r["weight_bytes_per_step"],
         "peak_memory_bytes": r["peak_memory_bytes"],
     }
+
+
+SHARED = "shared prefill"  # ours' prefill row (``method``) when the methods share one
+
+
+def sharing(context: int, configs: Sequence[tuple[str, Any]]) -> bool:
+    """Whether ours prefill a context once for the configurations: a prompt (context > 0) and
+    two or more configurations whose caches are built from a shared prefill
+    (``Method.shared_prefill``)."""
+    return context > 0 and sum(METHODS[m].shared_prefill for m, _ in configs) >= 2
+
+
+def shared_prefill(model, ids: list[int], configs: Sequence[tuple[str, Any]]
+                   ) -> tuple[PrefilledPrompt, dict[str, Any]]:
+    """One ``prefill.prefill_once`` of ``ids`` for the configurations (with H2O's attention
+    sums when one needs them), timed: (the prefilled prompt, the row's figures: ``prefill_s``,
+    ``prefill_tok_s``)."""
+    pre = prefill_once(model, ids, attention_sums=any(METHODS[m].needs_attention_sums
+                                                      for m, _ in configs))
+    return pre, {"prefill_s": pre.prefill_s, "prefill_tok_s": len(ids) / pre.prefill_s}
 
 
 # --------------------------------------------------------------------------------------------
@@ -551,22 +582,29 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
                         except ConfigError as e:
                             row["error"] = str(e)
                         record(row)
-                for (weights, m), (method, budget) in itertools.product(models.items(),
-                                                                        configs):
-                    row = {"engine": OURS, "context": context, "repeat": rep,
-                           "method": method, "budget": budget,
-                           "weights": weights if gguf else None}
-                    if over_time():
-                        record({**row, "error": f"skipped: --time-limit "
-                                                f"{args.time_limit:g} s reached"})
-                        continue
-                    row["load_average_1min"] = load_average()
-                    try:
-                        row.update(ours_run(m, ids[:max(context, 1)], method, budget,
-                                            steps, warmup, args.compile))
-                    except Exception as e:  # noqa: BLE001 (a failed run is a row: row_error)
-                        row["error"] = row_error(e)
-                    record(row)
+                for weights, m in models.items():
+                    pre = None
+                    shared = [(SHARED, None)] if sharing(context, configs) else []
+                    for method, budget in [*shared, *configs]:
+                        row = {"engine": OURS, "context": context, "repeat": rep,
+                               "method": method, "budget": budget,
+                               "weights": weights if gguf else None}
+                        if over_time():
+                            record({**row, "error": f"skipped: --time-limit "
+                                                    f"{args.time_limit:g} s reached"})
+                            continue
+                        row["load_average_1min"] = load_average()
+                        try:
+                            if method == SHARED:
+                                pre, figures = shared_prefill(m, ids[:context], configs)
+                                row.update(figures, test="prefill")
+                            else:
+                                row.update(ours_run(m, ids[:max(context, 1)], method, budget,
+                                                    steps, warmup, args.compile, pre))
+                        except Exception as e:  # noqa: BLE001 (a failed run is a row)
+                            row["error"] = row_error(e)
+                        record(row)
+                    del pre
     except KeyboardInterrupt:
         state["interrupted"] = True
         print("interrupted: the runs so far are saved", file=sys.stderr)

@@ -16,6 +16,7 @@ from test_gguf import write_gguf
 from model import ConfigError
 from scripts.bench_cpu import (
     LLAMA_NOT_FOUND,
+    SHARED,
     format_table,
     llama_info,
     main,
@@ -142,12 +143,13 @@ def test_both_peers_alternate_on_one_gguf(tmp_path, fake_llama, capsys):
     assert rc == 0, printed.err
     doc = json.loads(out.read_text())
     runs = doc["runs"]
-    # per context, per repeat: llama.cpp's prefill (not at 0) and decode, then ours per method
+    # per context, per repeat: llama.cpp's prefill (not at 0) and decode, then ours: one
+    # prefill the methods share (not at 0), each method's decode
     order = [(r["context"], r["repeat"], r["engine"], r.get("test") or r["method"])
              for r in runs]
     per_rep = {0: [("llama.cpp", "decode"), ("ours", "full"), ("ours", "rocketkv")],
-               48: [("llama.cpp", "prefill"), ("llama.cpp", "decode"), ("ours", "full"),
-                    ("ours", "rocketkv")]}
+               48: [("llama.cpp", "prefill"), ("llama.cpp", "decode"), ("ours", "prefill"),
+                    ("ours", "full"), ("ours", "rocketkv")]}
     assert order == [(c, rep, *x) for c in (0, 48) for rep in (1, 2) for x in per_rep[c]]
     assert [r["order"] for r in runs] == list(range(len(runs)))
     assert all("error" not in r and isinstance(r["load_average_1min"], float) for r in runs)
@@ -160,9 +162,14 @@ def test_both_peers_alternate_on_one_gguf(tmp_path, fake_llama, capsys):
     llama = [r for r in runs if r["engine"] == "llama.cpp"]
     assert {r.get("decode_tok_s") for r in llama if r["test"] == "decode"} == {50.0}
     assert {r.get("prefill_tok_s") for r in llama if r["test"] == "prefill"} == {1000.0}
-    ours = [r for r in runs if r["engine"] == "ours"]
+    pre = [r for r in runs if r["engine"] == "ours" and r["method"] == SHARED]
+    assert len(pre) == 2 and all(r["prefill_tok_s"] > 0 and r["context"] == 48 for r in pre)
+    ours = [r for r in runs if r["engine"] == "ours" and r["method"] != SHARED]
     assert all(r["decode_steps"] == 3 and r["decode_tok_s"] > 0 for r in ours)
-    assert all((r["prefill_tok_s"] is None) == (r["context"] == 0) for r in ours)
+    assert all(r["prefill_tok_s"] is None for r in ours)  # the shared row has it
+    # at 48 each method's caches are built from the shared prefill, which it did not time
+    assert all(r["prefill_shared"] == (r["build_s"] is not None) == (r["context"] == 48)
+               for r in ours)
     # the summary: medians and spread, ratios of time per token against llama.cpp's medians
     s = {(x["context"], x["engine"], x["method"]): x for x in doc["summary"]}
     full = s[(48, "ours", "full")]
@@ -171,8 +178,11 @@ def test_both_peers_alternate_on_one_gguf(tmp_path, fake_llama, capsys):
         <= full["decode_tok_s"]["max"]
     assert full["ours_over_llama_time_decode"] == pytest.approx(
         50.0 / full["decode_tok_s"]["median"])
-    assert full["ours_over_llama_time_prefill"] == pytest.approx(
-        1000.0 / full["prefill_tok_s"]["median"])
+    shared = s[(48, "ours", SHARED)]
+    assert shared["decode_tok_s"] is None and shared["prefill_tok_s"]["n"] == 2
+    assert shared["ours_over_llama_time_prefill"] == pytest.approx(
+        1000.0 / shared["prefill_tok_s"]["median"])
+    assert full["ours_over_llama_time_prefill"] is None
     assert s[(0, "ours", "rocketkv")]["ours_over_llama_time_prefill"] is None
     prov = doc["provenance"]
     assert prov["llama_cpp"]["build_commit"] == "fake123" and prov["threads"] == 1
@@ -217,7 +227,9 @@ def test_ours_alone_without_llama_bench_or_gguf(tmp_path, stories_dir, fake_llam
     assert not fake_llama.exists()
     peer = [r for r in doc["runs"] if r["engine"] == "llama.cpp"]
     assert len(peer) == 1 and "reads GGUF files" in peer[0]["error"]
-    assert [r["method"] for r in doc["runs"] if r["engine"] == "ours"] == ["full"]
+    (ours,) = [r for r in doc["runs"] if r["engine"] == "ours"]
+    assert ours["method"] == "full"  # one method: no shared prefill, it times its own
+    assert ours["prefill_tok_s"] > 0 and ours["prefill_shared"] is False
     assert doc["settings"]["gguf_weights"] is None
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     assert main([*args, "--json", str(tmp_path / "b.json")]) == 0
