@@ -231,11 +231,12 @@ def code_digest() -> str:
 
 def run_fingerprint(items: Sequence[Item], configs: Sequence[tuple[str, Any]],
                     max_new_tokens: int, modes: Sequence[str], options: dict[str, Any] | None,
-                    batch_size: int, run_key: Any = None) -> str:
+                    batch_size: int, run_key: Any = None, code: bool = True) -> str:
     """sha256 (hex) of what a batch's answers depend on: every item's token ids and
     per-item answer length, the configurations, modes, method options, batch size,
-    ``run_key`` (the caller's checkpoint, dtype and device) and the code (``code_digest``)."""
-    spec = {"code": code_digest(),
+    ``run_key`` (the caller's checkpoint, dtype and device) and the code (``code_digest``;
+    left out with ``code`` False: the run's settings alone)."""
+    spec = {"code": code_digest() if code else None,
             "items": [[it.doc_ids, it.question_ids, it.meta.get("max_new_tokens")]
                       for it in items],
             "configs": [list(c) for c in configs], "max_new_tokens": max_new_tokens,
@@ -244,9 +245,29 @@ def run_fingerprint(items: Sequence[Item], configs: Sequence[tuple[str, Any]],
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _read_partial(path: Path, fingerprint: str) -> list[dict[str, Any]]:
-    """The finished batches saved in ``path`` by a run with this ``fingerprint``; [] when the
-    file is absent or another run's. A last line cut off mid-write is dropped."""
+def _saved_commit(lines: Sequence[str]) -> str | None:
+    """The commit in the first tagged batch line of a partial file, or None."""
+    for line in lines:
+        try:
+            tag = json.loads(line).get("tag")
+        except json.JSONDecodeError:
+            return None
+        if isinstance(tag, dict) and tag.get("commit"):
+            return str(tag["commit"])
+    return None
+
+
+def _read_partial(path: Path, fingerprint: str, settings: str,
+                  restart: bool = False) -> list[dict[str, Any]]:
+    """The finished batches saved in ``path`` by a run with this ``fingerprint`` (settings
+    and code; ``settings``: without the code); [] when the file is absent or empty. A last
+    line cut off mid-write is dropped.
+
+    Raises:
+        ConfigError: the file holds another run's batches (other items or settings, or other
+            engine code: the error names the commit that saved them), unless ``restart``:
+            hours of saved answers are never overwritten unasked.
+    """
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
@@ -254,10 +275,22 @@ def _read_partial(path: Path, fingerprint: str) -> list[dict[str, Any]]:
         header = json.loads(lines[0]) if lines else {}
     except json.JSONDecodeError:
         header = {}
-    if header.get("fingerprint") != fingerprint:
-        print(f"note: {path} holds another run's batches (other items or settings); "
-              "starting afresh", file=sys.stderr)
-        return []
+    if lines and header.get("fingerprint") != fingerprint:
+        if restart:
+            print(f"note: {path} holds another run's batches; starting afresh (--restart)",
+                  file=sys.stderr)
+            return []
+        commit = _saved_commit(lines[1:])
+        by = f" (saved at commit {commit[:12]})" if commit else ""
+        if header.get("settings") == settings:
+            why = (f"its batches were answered by other engine code{by}: resume with that "
+                   "code (a clone at that commit)")
+        elif "settings" in header:
+            why = "its batches are another run's (other prompts or settings)"
+        else:
+            why = f"its batches are another run's or other code's{by}"
+        raise ConfigError(f"{path}: {why}, or pass --restart to discard them (or another "
+                          "--out)")
     done = []
     for line in lines[1:]:
         try:
@@ -272,7 +305,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                    score: Callable[[str, Item], float], *, modes: Sequence[str] = ("standard",),
                    options: dict[str, Any] | None = None, batch_size: int = 10,
                    progress: bool = True, partial: str | Path | None = None,
-                   run_key: Any = None, tag: Any = None,
+                   run_key: Any = None, tag: Any = None, restart: bool = False,
                    stop: Callable[[], bool] | None = None, workers: int = 1,
                    load_worker: Callable[[], tuple[Transformer, Tokenizer]] | None = None
                    ) -> dict[str, Any]:
@@ -289,8 +322,9 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     (a header line with ``run_fingerprint``, then one line per batch). A run that finds the
     file with the same fingerprint skips the batches it holds, so a run that was killed (or
     cut by a GPU lease's time limit) continues where it stopped with the same answers; a
-    file of another run is overwritten. The caller deletes it once the results are written
-    (and keeps it while some items are unfinished).
+    file of another run (other prompts, settings or engine code) is a ConfigError naming the
+    commit that saved it, or with ``restart`` overwritten. The caller deletes it once the
+    results are written (and keeps it while some items are unfinished).
 
     ``stop``: asked before each batch; once it says True no new batch starts, and the items
     of the batches not run are unfinished: their scores and answers are None, and rows score
@@ -335,9 +369,10 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     done: set[tuple[int, ...]] = set()
     if partial is not None:
         partial = Path(partial)
-        fingerprint = run_fingerprint(items, configs, max_new_tokens, modes, options,
-                                      batch_size, run_key)
-        kept = _read_partial(partial, fingerprint)
+        spec = (items, configs, max_new_tokens, modes, options, batch_size, run_key)
+        fingerprint = run_fingerprint(*spec)
+        settings = run_fingerprint(*spec, code=False)
+        kept = _read_partial(partial, fingerprint, settings, restart)
         for line in kept:
             record(line["batch"], {mode: {(m, b): ans for m, b, ans in res}
                                    for mode, res in line["got"].items()})
@@ -348,8 +383,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
             print(f"resuming: {len(done)} of {len(batches)} batches from {partial}",
                   file=sys.stderr)
         partial.parent.mkdir(parents=True, exist_ok=True)  # rewritten without a cut-off line
-        partial.write_text("".join(json.dumps(x) + "\n"
-                                   for x in [{"fingerprint": fingerprint}, *kept]))
+        partial.write_text("".join(json.dumps(x) + "\n" for x in [
+            {"fingerprint": fingerprint, "settings": settings}, *kept]))
         saved = partial.open("a")
     todo = [idx for idx in batches if tuple(idx) not in done]
     bar = progress_bar(len(batches) * len(configs) * len(modes), progress)
@@ -534,7 +569,8 @@ def progress_bar(total: int, enabled: bool = True, **kwargs: Any):
 
 def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
     """--checkpoint, --methods, --budgets, --out, --limit, --seed, --modes, --batch-size,
-    --time-limit (seconds), --device, --dtype, --threads, --workers and the method options
+    --time-limit (seconds), --device, --dtype, --threads, --workers, --restart and the method
+    options
     (flags.VOCABULARY's spellings)."""
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint (GGUF file, HF or converted directory) with a chat template")
@@ -569,6 +605,9 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
                    help="processes running batches side by side, each with threads / "
                         "workers threads (default: 1 on a GPU; on CPU one per core, at most "
                         "one per 10 GiB of memory)")
+    p.add_argument("--restart", action="store_true",
+                   help="discard the saved batches of another run (other prompts, settings "
+                        "or engine code) in --out's TASK.partial.jsonl instead of stopping")
     p.add_argument("--no-progress", action="store_true")
     add_method_options(p.add_argument_group(
         "method options (applied to every method that takes them)"))
@@ -640,7 +679,8 @@ def load(args: argparse.Namespace):
 def resume_options(args: argparse.Namespace, task: str, model: Transformer,
                    device: torch.device) -> dict[str, Any]:
     """``evaluate_items``' ``partial`` (``TASK.partial.jsonl`` in ``--out``), ``tag`` (this
-    code's commit and dirty flag, saved with each batch), ``run_key``
+    code's commit and dirty flag, saved with each batch), ``restart`` (``--restart``),
+    ``run_key``
     (checkpoint, tokenizer, device, dtype, threads per process: in bfloat16 the thread count
     changes sums' order and so, rarely, an answer), ``stop`` (``--time-limit``, counted from
     this call), ``workers`` (``--workers`` or ``default_workers``) and ``load_worker`` (the
@@ -657,5 +697,5 @@ def resume_options(args: argparse.Namespace, task: str, model: Transformer,
             "run_key": [args.checkpoint, args.tokenizer, device.type, str(dtype),
                         spec["threads"] if workers > 1 else threads],  # sums' order
             "stop": None if limit is None else lambda: time.perf_counter() - t0 > limit,
-            "tag": commit_fields(),
+            "tag": commit_fields(), "restart": getattr(args, "restart", False),
             "workers": workers, "load_worker": partial(_load_worker, spec)}

@@ -25,6 +25,7 @@ from evals.needle import Haystack, build_items, depth_grid, insert_needle, needl
 from evals.prompts import read_texts
 from evals.reports import accuracy_table, ruler_table
 from evals.ruler import task_rows
+from model import ConfigError
 from scripts.eval_needle import main as needle_main
 from scripts.eval_ruler import main as ruler_main
 from scripts.kept_tokens import main as kept_main
@@ -338,11 +339,12 @@ def test_a_killed_run_resumes_from_its_saved_batches(monkeypatch, tmp_path):
                        [f"{mode} {c[0]} {x.outputs[0]}" for x in batch]
                        for c in configs} for mode in modes}
 
-    def evaluate(path, configs=configs):
+    def evaluate(path, configs=configs, restart=False):
         return ec.evaluate_items(None, Tok(), items, configs, 8,
                                  lambda a, it: float(a.endswith(it.outputs[0])),
                                  modes=("standard", "question_agnostic"), batch_size=2,
-                                 progress=False, partial=path, run_key=["x"])
+                                 progress=False, partial=path, run_key=["x"],
+                                 tag={"commit": "abcdef1234567890"}, restart=restart)
 
     monkeypatch.setattr(ec, "run_batch", run_batch)
     limit = [0]
@@ -362,8 +364,17 @@ def test_a_killed_run_resumes_from_its_saved_batches(monkeypatch, tmp_path):
     assert calls == [6] and resumed["batches_resumed"] == 2  # only the unfinished batch ran
     assert resumed["modes"] == whole["modes"]
     assert len(path.read_text().splitlines()) == 1 + 3
+    # another run's file (other settings, or other engine code): refused, nothing lost,
+    # unless --restart
+    saved = path.read_text()
     calls.clear()
-    other = evaluate(path, configs=[("full", None)])  # another run's file: all batches again
+    with pytest.raises(ConfigError, match="another run's .*--restart"):
+        evaluate(path, configs=[("full", None)])
+    monkeypatch.setattr(ec, "code_digest", lambda: "other code")
+    with pytest.raises(ConfigError, match="other engine code \\(saved at commit abcdef123456"):
+        evaluate(path)
+    assert path.read_text() == saved and not calls
+    other = evaluate(path, configs=[("full", None)], restart=True)  # all batches again
     assert len(calls) == 3 and other["batches_resumed"] == 0
 
 
