@@ -28,8 +28,10 @@ For each context and each of our methods x budgets (``full`` takes no budget):
 * ``hf_over_ours_prefill`` and ``hf_over_ours_decode``: transformers' time / ours (above 1:
   ours is faster).
 * ``ours_tokens`` / ``hf_tokens``: the first ``--check-tokens`` greedy tokens (the prefill's
-  and the decode steps'); ``tokens_match`` compares them for the uncompressed methods (null
-  for the others, which are not expected to match exactly).
+  and the decode steps'); ``tokens_match`` compares them for the uncompressed methods on the
+  same weights (null for the others, which are not expected to match exactly: the compressing
+  methods, and ours on quantized GGUF blocks, ``--gguf-weights``).
+* Every row records the commit and dirty flag of this checkout (``commit``, ``dirty``).
 
 Each engine runs one short untimed warm-up generation first. With ``--repeats R`` each engine
 runs R times per configuration and the run with the lowest decode median is kept (as
@@ -57,7 +59,7 @@ from typing import Any
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import DTYPE_NAMES, OneLineParser
+from flags import DTYPE_NAMES, GGUF_WEIGHTS, OneLineParser
 
 DEFAULT_CONTEXTS = (2048, 7168)
 
@@ -94,6 +96,10 @@ def build_parser() -> OneLineParser:
                    help="both engines' dtype (default float32)")
     p.add_argument("--compile", action="store_true",
                    help="compile our decode step (the warm-up steps cover compilation)")
+    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default="float",
+                   help="our weights of a GGUF (default float: dequantized, as transformers "
+                        "loads them, so the greedy tokens are compared; quantized modes keep "
+                        "its blocks, what a CPU user of ours runs: docs/quantization.md)")
     p.add_argument("--json", metavar="PATH",
                    help="rows JSON (default ./<device>/compare_hf-<timestamp>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -120,6 +126,7 @@ from cli import (
 from compression import METHODS, check_methods
 from evals.bench import results_dir
 from evals.harness import configurations
+from evals.provenance import commit_fields
 from generate import generate
 from measure import device_name, percentile, sync
 from model import ConfigError, Transformer
@@ -251,7 +258,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def make_row(base: dict[str, Any], context: int, method: str, budget: int | None,
              hf: dict[str, Any], ours: dict[str, Any], check: int) -> dict[str, Any]:
     hf_med, ours_med = percentile(hf["decode_ms"], 50), percentile(ours["decode_ms"], 50)
-    exact = not METHODS[method].budgeted
+    # the same weights (ours dequantized as transformers' are) and no compression: the
+    # greedy tokens should agree; other rows record them without a verdict
+    exact = not METHODS[method].budgeted and base.get("ours_gguf_weights", "float") == "float"
     return {
         **base, "context": context, "method": method, "budget": budget,
         "ours_prefill_s": ours["prefill_s"], "hf_prefill_s": hf["prefill_s"],
@@ -328,7 +337,7 @@ def run(args, argv=None) -> int:
         dtype = DTYPES[args.dtype]
         if args.threads:
             torch.set_num_threads(args.threads)
-        model = load_model(args.checkpoint, device, dtype)
+        model = load_model(args.checkpoint, device, dtype, gguf_weights=args.gguf_weights)
         steps, warmup = args.decode_steps, args.warmup_steps
         limit = model.args.max_seq_len
         for c in args.context:
@@ -359,7 +368,8 @@ def run(args, argv=None) -> int:
         "dtype": str(dtype).removeprefix("torch."),
         "prompt": "random" if args.random else args.prompt_file,
         "decode_steps": steps, "warmup_steps": warmup, "repeats": args.repeats,
-        "ours_compiled": args.compile,
+        "ours_compiled": args.compile, "ours_gguf_weights": args.gguf_weights,
+        **commit_fields(),
         "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
     }
     configs = configurations(list(dict.fromkeys(args.methods)),

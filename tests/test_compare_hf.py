@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from scripts.compare_hf import main
+from scripts.compare_hf import main, make_row
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,14 @@ def test_rows_times_and_tokens_match(tiny_llama, tmp_path, capsys):
     assert rows[1]["method_params"] and rows[1]["kv_cache_bytes"] < rows[0]["kv_cache_bytes"]
     table = capsys.readouterr().out
     assert "| cpu | 100 | rocketkv | 48 |" in table and "| yes |" in table
+    assert all("commit" in r and "dirty" in r and r["ours_gguf_weights"] == "float"
+               for r in rows)
+    # ours on quantized GGUF blocks: other weights than transformers', no token verdict
+    row = make_row({**rows[0], "ours_gguf_weights": "quantized"}, 64, "full", None,
+                   {"prefill_s": 1.0, "decode_ms": [2.0], "tokens": [1, 2]},
+                   {"prefill_s": 0.5, "decode_ms": [1.0], "tokens": [1, 3], "method_params": {},
+                    "kv_cache_bytes": 0, "kv_bytes_per_step": 0}, 2)
+    assert row["tokens_match"] is None and row["hf_over_ours_decode"] == 2.0
 
 
 @pytest.mark.parametrize("argv, message", [
