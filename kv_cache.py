@@ -166,8 +166,10 @@ def attention_and_column_sums(q: Tensor, k: Tensor, v: Tensor,
     """``(causal_attention(q, k, v, start), attention_column_sums(q, k, start))`` for a
     prefill that needs both (H2O's eviction scores, a recorded prefill). On the CPU the
     attention pass's log-sum-exp serves the column sums, which then cost one flash pass instead
-    of two (at 16K tokens the column sums were 63% of an H2O prefill's time, the attention
-    23%). Shapes as the two functions; the sums are (B, H_kv, start + Tq) float32."""
+    of two (py-spy on a 16K-token recorded prefill of Qwen2.5-0.5B: the column sums 63% of its
+    time, the attention 23%; 4K tokens, 14 query and 2 KV heads, bfloat16, one thread: 1.42 s
+    against 2.07 s for the two calls). Shapes as the two functions; the sums are
+    (B, H_kv, start + Tq) float32."""
     if q.device.type == "cpu" and CPU_FLASH_PREFILL and hasattr(torch.ops.aten, _CPU_FLASH):
         out, lse = _cpu_flash_causal(q, k, v, start, with_lse=True)
         B, H, _, _ = q.shape
@@ -226,9 +228,10 @@ _CPU_FLASH = "_scaled_dot_product_flash_attention_for_cpu"  # returns the log-su
 def _column_sums_by_lse(q: Tensor, k: Tensor, start: int, lse: Tensor | None = None
                         ) -> Tensor:
     """``attention_column_sums`` per query head, (B, H, S) float32, from two passes of the CPU
-    flash-attention kernel, each the cost of the prompt's causal attention, no score matrix
-    stored (about 5x faster than row blocks on a 2-core CPU at 8K tokens, and in bfloat16
-    more exact: the kernel keeps the scores in float32).
+    flash-attention kernel (one when the attention's ``lse`` is given), each the cost of the
+    prompt's causal attention, no score matrix stored (about 5x faster than row blocks on a
+    2-core CPU at 8K tokens, and in bfloat16 more exact: the kernel keeps the scores in
+    float32).
 
     1. Each query's log-sum-exp ``l_i`` over the keys it sees (keys before ``start`` all,
        then causal); given as ``lse`` ((B * H_kv, G, Tq) float32) when the attention pass
