@@ -34,8 +34,9 @@ answers no cwe prompt, and a method's difference there says nothing about the me
 
 Comparisons. Per mode, budget and length, and pooled over lengths: RocketKV against every
 other method at the same budget (``full`` has none), paired over the prompts both ran:
-the mean difference in points, its 95% bootstrap interval, and an exact paired test (McNemar
-for pass/fail, sign-flip for partial credit or pooled strata). A difference is stated only
+the mean difference in points, its 95% interval (Tango's score interval for pass/fail,
+the bootstrap for partial credit or pooled strata), and an exact paired test (McNemar for
+pass/fail, sign-flip for partial credit or pooled strata). A difference is stated only
 where p < 0.05; otherwise the line says "no detectable difference at n = ...". The p-values
 are per comparison, not corrected for the many comparisons made.
 
@@ -444,8 +445,9 @@ def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = Fal
             "A cell: score % [95% interval] n=prompts (n=k/N: k of the length's N prompts "
             "ran); sub: the old substring score where it differs; n/a: the method rejected "
             "the budget. Intervals: Wilson (pass/fail), bootstrap over prompts (partial "
-            "credit, pooled). Comparisons: paired over the same prompts, exact McNemar or "
-            "sign-flip test; a difference is stated only where p < 0.05."
+            "credit, pooled). Comparisons: paired over the same prompts, Tango's score interval "
+            "(pass/fail) or the bootstrap, and the exact McNemar or sign-flip test; a "
+            "difference is stated only where p < 0.05."
             + (f" {rescored} of {len(paths)} files were scored by substring and are "
                "rescored here from their answers." if rescored else ""), ""]
     summary = {"units": "percent", "commits": labels, "mixed": len(groups) > 1,

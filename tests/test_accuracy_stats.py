@@ -18,6 +18,7 @@ from evals.stats import (
     mcnemar_p,
     paired_comparison,
     sign_flip_p,
+    tango_paired_interval,
     wilson_interval,
 )
 
@@ -106,7 +107,10 @@ def test_paired_comparison():
     assert r["test"] == "mcnemar" and r["n"] == 8 and r["wins"] == 5 and r["losses"] == 1
     assert r["diff"] == pytest.approx(0.5) and r["p"] == pytest.approx(mcnemar_p(5, 1))
     assert r["ci_low"] <= 0.5 <= r["ci_high"]
+    assert r["interval"] == "tango"
+    assert (r["ci_low"], r["ci_high"]) == tango_paired_interval(5, 1, 8)
     r = paired_comparison([1.0, 0.5, 0.25], [0.0, 1.0, 0.0])
+    assert r["interval"] == "bootstrap"
     assert r["test"] == "sign-flip" and r["p"] == 0.75
     with pytest.raises(ValueError):
         paired_comparison([1], [1, 0])
@@ -185,3 +189,30 @@ def test_the_paraphrased_question_shares_no_content_word_with_its_needle():
     std = needle_fact(7)
     assert std["key"] in std["question"] and std["key"] in std["needle"]
     assert math.isclose(len(std["answer"]), 7)
+
+
+def test_tango_interval_by_hand():
+    """Tango's paired score interval: with no discordant prompts the closed form
+    -/+ z^2 / (n + z^2); at each end the score statistic, computed here from its definition,
+    is -/+ z; the estimate inside; 0 inside exactly when |McNemar's z| = |b - c| / sqrt(b + c)
+    <= z (its score test at D = 0)."""
+    z = 1.959963984540054
+    lo, hi = tango_paired_interval(0, 0, 20)
+    assert hi == pytest.approx(z * z / (20 + z * z)) and lo == pytest.approx(-hi)
+
+    def score(b, c, n, d):  # Tango (1998), eq. for T and the restricted MLE of "B alone"
+        qa, qb, qc = 2 * n, -(b + c) + (2 * n - b + c) * d, -c * d * (1 - d)
+        q = (-qb + math.sqrt(qb * qb - 4 * qa * qc)) / (2 * qa)
+        return (b - c - n * d) / math.sqrt(n * (2 * q + d * (1 - d)))
+
+    for b, c, n in [(4, 0, 20), (150, 86, 1600), (3, 7, 30), (1, 1, 5)]:
+        lo, hi = tango_paired_interval(b, c, n)
+        assert lo < (b - c) / n < hi
+        assert score(b, c, n, lo) == pytest.approx(z, abs=1e-6)
+        assert score(b, c, n, hi) == pytest.approx(-z, abs=1e-6)
+        assert (lo <= 0 <= hi) == (abs(b - c) / math.sqrt(b + c) <= z)
+    # 4 of 20 discordant, all one way: the interval this project's 4K table quotes
+    assert tango_paired_interval(4, 0, 20) == pytest.approx((0.00665, 0.41602), abs=1e-5)
+    assert tango_paired_interval(20, 0, 20)[1] == 1.0  # bounded by 1
+    with pytest.raises(ValueError):
+        tango_paired_interval(15, 10, 20)

@@ -69,7 +69,8 @@ def test_cells_carry_wilson_intervals_and_runs_merge_by_prompt(tmp_path, capsys)
     assert c["ci_low"] == pytest.approx(34.238, abs=1e-3) and c["ci_high"] == 100.0
     assert _cell(summary, length=100, method="full")["budget"] is None
     # the claim lines: paired over the prompts, McNemar, no difference stated at n = 2
-    assert ("- rocketkv@128 vs exact_topk@128 (n = 2): +50.0 points [+0.0, +100.0], p = 1 "
+    # Tango's interval of one discordant prompt in 2: [-48.6, +90.5]
+    assert ("- rocketkv@128 vs exact_topk@128 (n = 2): +50.0 points [-48.6, +90.5], p = 1 "
             "(mcnemar; 1 better, 0 worse): no detectable difference at n = 2") in text
     pooled = _cell(summary, task="needle", length="pooled", method="quest", budget=128)
     assert pooled["n"] == 3 and pooled["score"] == pytest.approx(50.0)  # mean of 0 and 1
