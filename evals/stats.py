@@ -275,7 +275,8 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
 
     Returns ``n``, ``diff`` (mean of a - b; with ``strata``, the mean over strata of their mean
     differences), ``ci_low``/``ci_high`` (95%) and ``interval``: "tango"
-    (``tango_paired_interval``) when both are pass/fail and there are no strata, else
+    (``tango_paired_interval``) when both are pass/fail, without strata or in strata of one
+    size, else
     "bootstrap" (the percentile bootstrap of the difference over prompts, stratified like
     ``bootstrap_interval``, seeded), ``p`` and ``test``: "mcnemar" (exact, ``mcnemar_p``) in
     the pass/fail case, else "sign-flip" (``sign_flip_p`` on the per-prompt differences;
@@ -297,12 +298,17 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
                               for lab in labels]))
     else:
         diff = float(np.mean(d))
-    if strata is None and is_binary(a) and is_binary(b):
+    binary = is_binary(a) and is_binary(b)
+    if binary and (strata is None or len(set(Counter(strata).values())) == 1):
+        # strata of one size weigh every prompt alike: the pooled difference is (b - c) / n
         lo, hi = tango_paired_interval(wins, losses, len(a))
-        p, test, interval = mcnemar_p(wins, losses), "mcnemar", "tango"
+        interval = "tango"
     else:
         lo, hi = bootstrap_interval(d, strata=strata, seed=seed)
         interval = "bootstrap"
+    if strata is None and binary:
+        p, test = mcnemar_p(wins, losses), "mcnemar"
+    else:
         fr = [_fraction(v) for v in d]
         if strata is not None:  # the statistic weighs each prompt by 1 / its stratum's size
             sizes = {lab: sum(1 for s in strata if s == lab) for lab in set(strata)}

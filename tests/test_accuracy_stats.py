@@ -109,6 +109,11 @@ def test_paired_comparison():
     assert r["ci_low"] <= 0.5 <= r["ci_high"]
     assert r["interval"] == "tango"
     assert (r["ci_low"], r["ci_high"]) == tango_paired_interval(5, 1, 8)
+    # pass/fail pooled over strata of one size: the same interval (every prompt weighs alike)
+    pooled = paired_comparison(a, b, strata=[0, 1] * 4)
+    assert pooled["interval"] == "tango" and pooled["ci_low"] == r["ci_low"]
+    assert pooled["test"] == "sign-flip" and pooled["p"] == pytest.approx(r["p"])
+    assert paired_comparison(a, b, strata=[0] * 2 + [1] * 6)["interval"] == "bootstrap"
     r = paired_comparison([1.0, 0.5, 0.25], [0.0, 1.0, 0.0])
     assert r["interval"] == "bootstrap"
     assert r["test"] == "sign-flip" and r["p"] == 0.75
