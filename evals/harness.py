@@ -632,8 +632,12 @@ def check_runs(args: argparse.Namespace, lengths: Sequence[int], new_tokens: int
     for minutes before; now it is one ``error:`` line.
 
     Raises:
-        ConfigError: the first length or (method, budget, length) that cannot run.
+        ConfigError: a length not positive, the first length or (method, budget, length)
+            that cannot run.
     """
+    bad = [n for n in lengths if n <= 0]
+    if bad:
+        raise ConfigError(f"--context must be a positive number of tokens, got {bad[0]}")
     margs = checkpoint_args(resolve_checkpoint(args.checkpoint))
     too_long = [n for n in lengths if n + new_tokens > margs.max_seq_len]
     if too_long:

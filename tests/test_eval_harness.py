@@ -252,6 +252,10 @@ def test_bad_arguments_exit_2(capsys):
     assert "budgets" in capsys.readouterr().err
     assert ruler_main(["--checkpoint", "x", "--samples", "0"]) == 2
     assert "samples" in capsys.readouterr().err
+    for main in (needle_main, ruler_main):
+        assert main(["--checkpoint", "x", "--context", "-5"]) == 2
+        assert capsys.readouterr().err == ("error: --context must be a positive number of "
+                                           "tokens, got -5\n")
 
 
 def test_a_budget_no_run_can_use_is_one_line_before_the_weights_load(capsys, monkeypatch):
