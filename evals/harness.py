@@ -129,17 +129,67 @@ def pad_to_equal(items: Sequence[Item], pad_id: int) -> list[Item]:
 # Running configurations
 
 
-def configurations(methods: Sequence[str], budgets: Sequence[int]) -> list[tuple[str, Any]]:
+def configurations(methods: Sequence[str], budgets: Sequence[int],
+                   per_method: dict[str, Sequence[int]] | None = None
+                   ) -> list[tuple[str, Any]]:
     """(method, budget) pairs in table order (every script's rows, the benchmarks' too): each
-    budgeted method at every budget, a method without a budget (``full``, ``gptfast_dense``)
-    once, with None. Repeated names are kept; callers drop them first where they want.
+    budgeted method at every budget (``per_method[name]`` instead where given), a method
+    without a budget (``full``, ``gptfast_dense``) once, with None. Repeated names are kept;
+    callers drop them first where they want.
 
     Raises:
         ConfigError: a name that is not a method (``compression.check_methods``).
     """
     check_methods(list(methods))
-    return [(m, b) if METHODS[m].budgeted else (m, None)
-            for m in methods for b in (budgets if METHODS[m].budgeted else [None])]
+    per_method = per_method or {}
+    return [(m, b) if METHODS[m].budgeted else (m, None) for m in methods
+            for b in (per_method.get(m, budgets) if METHODS[m].budgeted else [None])]
+
+
+def parse_method_specs(specs: Sequence[str]) -> tuple[list[str], dict[str, list[int]]]:
+    """``--methods`` of the accuracy scripts: each ``METHOD`` (at every ``--budgets``) or
+    ``METHOD@B1,B2,...`` (at those budgets instead, in tokens). Returns (the method names in
+    order, repeats dropped; {name: its own budgets}).
+
+    Raises:
+        ConfigError: an unknown method (the choices listed), a budget that is not a positive
+            integer, or budgets given to a method that takes none (``full``).
+    """
+    names: list[str] = []
+    own: dict[str, list[int]] = {}
+    for spec in specs:
+        name, at, rest = spec.partition("@")
+        if name not in METHODS:
+            raise ConfigError(f"--methods: unknown method {name!r} (choose from "
+                              f"{', '.join(METHODS)}; METHOD@B1,B2 gives it its own budgets)")
+        if name not in names:
+            names.append(name)
+        if not at:
+            continue
+        if not METHODS[name].budgeted:
+            raise ConfigError(f"--methods {spec}: {name} takes no budget")
+        try:
+            budgets = [int(b) for b in rest.split(",")]
+        except ValueError:
+            budgets = []
+        if not budgets or min(budgets) <= 0:
+            raise ConfigError(f"--methods {spec}: budgets must be positive numbers of tokens, "
+                              "comma-separated (e.g. rocketkv@256,512)")
+        own[name] = list(dict.fromkeys(own.get(name, []) + budgets))
+    return names, own
+
+
+def run_configurations(args: argparse.Namespace) -> tuple[list[tuple[str, Any]], list[int]]:
+    """(the (method, budget) pairs an accuracy script runs, the budgets of its table columns
+    in order: ``--budgets`` where some method takes them, then the methods' own) from
+    ``check_common``'s parsed ``--methods`` and ``--budgets``."""
+    own = getattr(args, "method_budgets", {})
+    budgets = list(dict.fromkeys(args.budgets))
+    configs = configurations(list(dict.fromkeys(args.methods)), budgets, own)
+    used = [b for _, b in configs if b is not None]
+    columns = [b for b in budgets if b in used]
+    columns += sorted({b for b in used if b not in columns})
+    return configs, columns
 
 
 def _texts(tok: Tokenizer, rows: Sequence[Sequence[int]], stop: set[int]) -> list[str]:
@@ -575,8 +625,9 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint (GGUF file, HF or converted directory) with a chat template")
     p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
-    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
-                   metavar="METHOD", help=f"default: {' '.join(DEFAULT_METHODS)}")
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="METHOD",
+                   help=f"{', '.join(METHODS)}; METHOD@B1,B2 runs that method at those "
+                        f"budgets instead of --budgets (default: {' '.join(DEFAULT_METHODS)})")
     p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS),
                    metavar="N", help="token budgets (default 128 256 512)")
     p.add_argument("--out", default=default_out, metavar="DIR",
@@ -614,8 +665,10 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
 
 
 def check_common(args: argparse.Namespace) -> None:
-    """ConfigError for values no run can use."""
+    """ConfigError for values no run can use; ``--methods`` parsed into ``args.methods``
+    (names) and ``args.method_budgets`` (``parse_method_specs``)."""
     check_positive(args, "limit", "batch_size", "threads", "time_limit", "workers")
+    args.methods, args.method_budgets = parse_method_specs(args.methods)
     bad = [b for b in args.budgets if b <= 0]
     if bad:
         raise ConfigError(f"--budgets must be positive numbers of tokens, got {bad[0]}")
@@ -643,8 +696,7 @@ def check_runs(args: argparse.Namespace, lengths: Sequence[int], new_tokens: int
     if too_long:
         raise ConfigError(f"--context {too_long[0]} + {new_tokens} new tokens exceed the "
                           f"model's context ({margs.max_seq_len} tokens)")
-    for method, budget in configurations(list(dict.fromkeys(args.methods)),
-                                         list(dict.fromkeys(args.budgets))):
+    for method, budget in run_configurations(args)[0]:
         for n in lengths:
             plan(method, margs, prompt_len=n, max_new_tokens=new_tokens, budget=budget,
                  **options_for(method, args))

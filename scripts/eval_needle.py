@@ -43,10 +43,10 @@ from evals.harness import (
     add_common_args,
     check_common,
     check_runs,
-    configurations,
     evaluate_items,
     load,
     resume_options,
+    run_configurations,
 )
 from evals.needle import (
     VARIANTS,
@@ -95,8 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             args.seed, args.split, fact, args.variant)
         if args.limit:
             items = items[:args.limit]
-        budgets = list(dict.fromkeys(args.budgets))
-        configs = configurations(list(dict.fromkeys(args.methods)), budgets)
+        configs, budgets = run_configurations(args)
         rouge = fact is not None
         got = evaluate_items(model, tok, items, configs, args.max_new_tokens,
                              lambda a, it: score_answer(a, it, rouge), modes=args.modes,

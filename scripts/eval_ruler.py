@@ -45,10 +45,10 @@ from evals.harness import (
     add_common_args,
     check_common,
     check_runs,
-    configurations,
     evaluate_items,
     load,
     resume_options,
+    run_configurations,
 )
 from evals.metrics import string_match_all
 from evals.reports import add_substring_scores, report_modes, ruler_plot, ruler_table
@@ -90,8 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.limit:
             items = items[:args.limit]
             tasks = [t for t in tasks if any(it.meta["task"] == t for it in items)]
-        budgets = list(dict.fromkeys(args.budgets))
-        configs = configurations(list(dict.fromkeys(args.methods)), budgets)
+        configs, budgets = run_configurations(args)
         got = evaluate_items(model, tok, items, configs, 24,
                              lambda a, it: score_task(it.meta["task"], a, it.outputs),
                              modes=args.modes,

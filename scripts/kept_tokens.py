@@ -36,7 +36,13 @@ import torch
 
 from cli import OneLineParser, rows_exit_status
 from compression import METHODS, given_options, options_for
-from evals.harness import add_common_args, check_common, load, progress_bar
+from evals.harness import (
+    add_common_args,
+    check_common,
+    load,
+    progress_bar,
+    run_configurations,
+)
 from evals.needle import Haystack, add_needle_args, build_items, depth_grid, needle_fact
 from evals.probes import kept_positions
 from evals.prompts import read_texts
@@ -78,13 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                             args.seed, args.split)
         if args.limit:
             items = items[:args.limit]
-        methods = [m for m in dict.fromkeys(args.methods) if METHODS[m].budgeted]
-        budgets = list(dict.fromkeys(args.budgets))
+        pairs = [(m, b) for m, b in run_configurations(args)[0] if METHODS[m].budgeted]
         options = given_options(args)
         sums: dict[tuple[str, int], dict[str, float]] = {}
         errors: dict[tuple[str, int], str] = {}
-        bar = progress_bar(len(items) * len(methods) * len(budgets),
-                           enabled=not args.no_progress, desc="kept tokens")
+        bar = progress_bar(len(items) * len(pairs), enabled=not args.no_progress,
+                           desc="kept tokens")
         for it in items:
             ids = it.doc_ids + it.question_ids
             T = len(ids)
@@ -93,43 +98,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             parts = {"needle": slice(at, at + len(needle)), "sinks": slice(0, SINKS),
                      "recent": slice(T - RECENT, T), "overall": slice(0, T)}
             pre = prefill_once(model, ids, attention_sums=any(
-                METHODS[m].needs_attention_sums for m in methods))
-            for method in methods:
-                for budget in budgets:
-                    if bar is not None:
-                        bar.update()
-                    if (method, budget) in errors:
-                        continue
-                    opts = options_for(method, options)
-                    try:
-                        generate(model, ids, method=method, budget=budget, max_new_tokens=0,
-                                 method_options=opts, prefilled=pre)
-                        masks = [kept_positions(c, pre, i, T)
-                                 for i, c in enumerate(model.caches)]
-                    except ConfigError as e:
-                        errors[(method, budget)] = str(e)
-                        continue
-                    kept = torch.stack(masks).float()  # (L, B, H_kv, T)
-                    acc = sums.setdefault((method, budget), {"n": 0})
-                    for name, sl in parts.items():
-                        acc[name] = acc.get(name, 0.0) + float(kept[..., sl].mean())
-                    acc["n"] += 1
+                METHODS[m].needs_attention_sums for m, _ in pairs))
+            for method, budget in pairs:
+                if bar is not None:
+                    bar.update()
+                if (method, budget) in errors:
+                    continue
+                opts = options_for(method, options)
+                try:
+                    generate(model, ids, method=method, budget=budget, max_new_tokens=0,
+                             method_options=opts, prefilled=pre)
+                    masks = [kept_positions(c, pre, i, T) for i, c in enumerate(model.caches)]
+                except ConfigError as e:
+                    errors[(method, budget)] = str(e)
+                    continue
+                kept = torch.stack(masks).float()  # (L, B, H_kv, T)
+                acc = sums.setdefault((method, budget), {"n": 0})
+                for name, sl in parts.items():
+                    acc[name] = acc.get(name, 0.0) + float(kept[..., sl].mean())
+                acc["n"] += 1
         if bar is not None:
             bar.close()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = []
-    for method in methods:
-        for budget in budgets:
-            if (method, budget) in errors:
-                rows.append({"method": method, "budget": budget,
-                             "error": errors[(method, budget)]})
-                continue
-            acc = sums[(method, budget)]
-            rows.append({"method": method, "budget": budget, "prompts": acc["n"],
-                         **{k: 100 * acc[k] / acc["n"]
-                            for k in ("needle", "sinks", "recent", "overall")}})
+    for method, budget in pairs:
+        if (method, budget) in errors:
+            rows.append({"method": method, "budget": budget,
+                         "error": errors[(method, budget)]})
+            continue
+        acc = sums[(method, budget)]
+        rows.append({"method": method, "budget": budget, "prompts": acc["n"],
+                     **{k: 100 * acc[k] / acc["n"]
+                        for k in ("needle", "sinks", "recent", "overall")}})
     table = kept_table(rows)
     print(table)
     result = {"task": "kept_tokens", "checkpoint": args.checkpoint, "split": args.split,

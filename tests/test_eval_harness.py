@@ -182,12 +182,15 @@ def test_methods_that_prefill_their_own_way_alone_skip_the_shared_prefill(smollm
 def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
     rc = needle_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
                       "--context", "512", "--depths", "2", "--needles", "1", "--methods",
-                      "full", "quest", "--budgets", "64", "--threads", "1", "--workers", "1",
-                      "--no-progress",
-                      "--modes", "standard"])
+                      "full", "quest", "sparq@64,96", "--budgets", "64", "--threads", "1",
+                      "--workers", "1", "--no-progress", "--modes", "standard"])
     assert rc == 0
     result = json.loads((tmp_path / "needle.json").read_text())
-    rows = {r["method"]: r for r in result["rows"]}
+    rows = {(r["method"], r["budget"]): r for r in result["rows"]}
+    # METHOD@B1,B2: that method at its own budgets, the others at --budgets
+    assert list(rows) == [("full", None), ("quest", 64), ("sparq", 64), ("sparq", 96)]
+    assert result["budgets"] == [64, 96]
+    rows = {m: r for (m, _), r in rows.items()}
     assert rows["full"]["score"] == 1.0 and len(rows["quest"]["scores"]) == 2
     assert (tmp_path / "needle.png").stat().st_size > 0
     assert "| quest |" in (tmp_path / "needle.md").read_text()
@@ -245,6 +248,21 @@ def test_ruler_cli_quick_run(tmp_path):
     full_line = (tmp_path / "ruler_qa.md").read_text().splitlines()[2]
     assert full_line.startswith("| full | - |") and full_line.count("[") == 3
     assert not (tmp_path / "ruler.partial.jsonl").exists()
+
+
+def test_method_specs_give_a_method_its_own_budgets():
+    names, own = ec.parse_method_specs(["full", "rocketkv@256,512", "quest", "rocketkv@1024"])
+    assert names == ["full", "rocketkv", "quest"] and own == {"rocketkv": [256, 512, 1024]}
+    import argparse
+    args = argparse.Namespace(methods=names, method_budgets=own, budgets=[128, 256])
+    configs, columns = ec.run_configurations(args)
+    assert configs == [("full", None), ("rocketkv", 256), ("rocketkv", 512), ("rocketkv", 1024),
+                       ("quest", 128), ("quest", 256)]
+    assert columns == [128, 256, 512, 1024]
+    for spec, message in [("nosuch", "unknown method 'nosuch'"), ("full@256", "takes no budget"),
+                          ("quest@0", "positive"), ("quest@x", "positive"), ("quest@", "positive")]:
+        with pytest.raises(ConfigError, match=message):
+            ec.parse_method_specs([spec])
 
 
 def test_bad_arguments_exit_2(capsys):
