@@ -410,7 +410,8 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> Path | None:
         ax.set(xlabel="context (tokens)", ylabel=f"{what} tokens/s (median, min-max)",
                yscale="log", title=f"{what}\n{title}")
         ax.yaxis.set_major_formatter(ScalarFormatter())  # 50, not 5 x 10^1
-        ax.legend(fontsize=9)
+        if ax.get_legend_handles_labels()[0]:  # context 0 alone: no prefill line
+            ax.legend(fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
