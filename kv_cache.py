@@ -100,7 +100,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
     if S != start + Tq:
         raise ValueError(f"{Tq} queries from position {start} need {start + Tq} keys, got {S}")
     gqa = H != k.shape[1]
-    if q.device.type == "cpu" and CPU_FLASH_PREFILL and hasattr(torch.ops.aten, _CPU_FLASH):
+    if _cpu_flash_prefill(q):
         return _cpu_flash_causal(q, k, v, start)
     if start == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -119,6 +119,12 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
         out[:, :, r:e] = F.scaled_dot_product_attention(q[:, :, r:e], k, v, attn_mask=mask,
                                                         enable_gqa=gqa)
     return out
+
+
+def _cpu_flash_prefill(q: Tensor) -> bool:
+    """Whether prefill attention on ``q``'s device runs SDPA's CPU flash kernel
+    (``_cpu_flash_causal``)."""
+    return q.device.type == "cpu" and CPU_FLASH_PREFILL and hasattr(torch.ops.aten, _CPU_FLASH)
 
 
 MASK_ELEMENTS = 1 << 26  # bound on (rows x keys x heads) per fallback block in causal_attention
@@ -170,7 +176,7 @@ def attention_and_column_sums(q: Tensor, k: Tensor, v: Tensor,
     time, the attention 23%; 4K tokens, 14 query and 2 KV heads, bfloat16, one thread: 1.42 s
     against 2.07 s for the two calls). Shapes as the two functions; the sums are
     (B, H_kv, start + Tq) float32."""
-    if q.device.type == "cpu" and CPU_FLASH_PREFILL and hasattr(torch.ops.aten, _CPU_FLASH):
+    if _cpu_flash_prefill(q):
         out, lse = _cpu_flash_causal(q, k, v, start, with_lse=True)
         B, H, _, _ = q.shape
         Hkv, S = k.shape[1], k.shape[2]

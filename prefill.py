@@ -138,7 +138,7 @@ def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[S
     """Prefill ``prompt`` ((T,) or (B, T) ids) recording every layer's K/V and last
     ``obs_window`` queries (at least the largest observation window of the methods to build),
     and with ``attention_sums`` the column sums of the prompt's attention (for methods whose
-    caches say ``needs_attention_sums``, e.g. H2O; on the CPU two more flash-attention passes
+    caches say ``needs_attention_sums``, e.g. H2O; on the CPU one more flash-attention pass
     over the prompt).
 
     Raises:

@@ -28,6 +28,7 @@ from compression.registry import (
     given_options,
     help_epilog,
     methods_table,
+    needs_attention_sums,
     options_for,
     plan,
     smallest_budget,
@@ -49,5 +50,5 @@ from compression import omnikv  # noqa: F401
 
 __all__ = ["METHODS", "BudgetError", "Method", "Option", "add_method_options", "build_caches",
            "check_budget", "check_method", "check_methods", "check_options", "derive",
-           "given_options", "help_epilog", "methods_table", "options_for", "plan",
-           "smallest_budget"]
+           "given_options", "help_epilog", "methods_table", "needs_attention_sums",
+           "options_for", "plan", "smallest_budget"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -338,6 +338,13 @@ def check_methods(names: list[str]) -> None:
     unknown = [m for m in names if m not in METHODS]
     if unknown:
         raise ConfigError(f"unknown methods {', '.join(unknown)}; known: {', '.join(METHODS)}")
+
+
+def needs_attention_sums(methods: Iterable[str]) -> bool:
+    """Whether a prefill shared by ``methods`` (names) must record the column sums of the
+    prompt's attention (``prefill.prefill_once(attention_sums=...)``): some method's caches
+    evict on them (``Method.needs_attention_sums``, H2O)."""
+    return any(METHODS[m].needs_attention_sums for m in methods)
 
 
 def check_method(method: str) -> None:

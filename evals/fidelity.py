@@ -104,7 +104,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from compression import METHODS, build_caches
+from compression import METHODS, build_caches, needs_attention_sums
 from evals.data import ESSAYS
 from evals.harness import DEV_SEED_OFFSET, configurations, progress_bar
 from evals.metrics import (
@@ -324,8 +324,7 @@ def evaluate_prompt(model: Transformer, prompt: Prompt, configs: Sequence[tuple[
     budget the method rejects is added to ``errors`` (and skipped when already there).
     """
     pre = prefill_once(model, prompt.prompt, obs_window=PREFILL_OBS_WINDOW,
-                       attention_sums=any(METHODS[m].needs_attention_sums
-                                          for m, _ in configs))
+                       attention_sums=needs_attention_sums(m for m, _ in configs))
     first = pre.logits
     ref_report = greedy_continuation(model, "full", None, prompt.prompt, m, pre)
     ref = ref_report["token_ids"][0]

@@ -52,7 +52,14 @@ import torch
 
 from checkpoint import checkpoint_args, load_model, resolve_checkpoint
 from cli import check_positive, resolve_device
-from compression import METHODS, add_method_options, check_methods, options_for, plan
+from compression import (
+    METHODS,
+    add_method_options,
+    check_methods,
+    needs_attention_sums,
+    options_for,
+    plan,
+)
 from evals.data import ROOT
 from evals.provenance import commit_fields
 from flags import add_device_option, add_time_limit_option
@@ -221,8 +228,7 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     pre_doc = None  # no shared prefill where no method uses one (KeyDiff alone)
     if any(METHODS[m].shared_prefill for m, _ in configs):
         pre_doc = prefill_once(model, doc, obs_window=max(64, options.get("window") or 0),
-                               attention_sums=any(METHODS[m].needs_attention_sums
-                                                  for m, _ in configs))
+                               attention_sums=needs_attention_sums(m for m, _ in configs))
     out: dict[str, dict[tuple[str, Any], Any]] = {}
     for mode in modes:
         qa = mode == "question_agnostic"

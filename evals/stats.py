@@ -299,7 +299,9 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
     else:
         diff = float(np.mean(d))
     binary = is_binary(a) and is_binary(b)
-    if binary and (strata is None or len(set(Counter(strata).values())) == 1):
+    sizes = Counter(strata) if strata is not None else None  # prompts per stratum
+    equal = sizes is None or len(set(sizes.values())) == 1
+    if binary and equal:
         # strata of one size weigh every prompt alike: the pooled difference is (b - c) / n
         lo, hi = tango_paired_interval(wins, losses, len(a))
         interval = "tango"
@@ -310,10 +312,8 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
         p, test = mcnemar_p(wins, losses), "mcnemar"
     else:
         fr = [_fraction(v) for v in d]
-        if strata is not None:  # the statistic weighs each prompt by 1 / its stratum's size
-            sizes = {lab: sum(1 for s in strata if s == lab) for lab in set(strata)}
-            if len(set(sizes.values())) > 1:  # equal sizes: equal weights, the same test
-                fr = [v / sizes[s] for v, s in zip(fr, strata)]
+        if not equal:  # the statistic weighs each prompt by 1 / its stratum's size
+            fr = [v / sizes[s] for v, s in zip(fr, strata)]  # (equal sizes: the same test)
         p, exact = _sign_flip(fr, seed)
         test = "sign-flip" if exact else "sign-flip (Monte Carlo)"
     return {"n": len(a), "diff": diff, "ci_low": lo, "ci_high": hi, "interval": interval,

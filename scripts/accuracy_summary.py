@@ -111,8 +111,11 @@ def commit_of(name: str, res: dict[str, Any]) -> tuple[str, str]:
     commit = res.get("commit") or prov.get("commit")
     if not commit:
         return f"unknown:{name}", "commit unknown"
-    label = commit[:12] + ("+dirty" if prov.get("dirty") else "")
-    return label, label
+    return (_label(commit, prov.get("dirty")),) * 2
+
+
+def _label(commit: str, dirty: bool | None) -> str:
+    return commit[:12] + ("+dirty" if dirty else "")
 
 
 def item_commits(name: str, res: dict[str, Any]) -> list[tuple[str, str]]:
@@ -120,8 +123,8 @@ def item_commits(name: str, res: dict[str, Any]) -> list[tuple[str, str]]:
     (``item_commits``: a run resumed at a later commit), else the file's (``commit_of``)."""
     whole = commit_of(name, res)
     per_item = res.get("item_commits") or [None] * len(res["items"])
-    return [commit_of(name, {"commit": t["commit"], "provenance": t}) if t and t.get("commit")
-            else whole for t in per_item]
+    return [(_label(t["commit"], t.get("dirty")),) * 2 if t and t.get("commit") else whole
+            for t in per_item]
 
 
 def _scorers(res: dict[str, Any]) -> tuple[bool, Callable[[str, dict], float] | None]:

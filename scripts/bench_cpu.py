@@ -155,7 +155,7 @@ import torch
 
 from checkpoint import check_creatable, checkpoint_args, load_model, resolve_checkpoint
 from cli import check_json_path, check_positive, row_error, rows_exit_status, write_json
-from compression import METHODS
+from compression import METHODS, needs_attention_sums
 from evals.harness import configurations
 from evals.provenance import provenance
 from generate import generate
@@ -288,8 +288,7 @@ def shared_prefill(model, ids: list[int], configs: Sequence[tuple[str, Any]]
     """One ``prefill.prefill_once`` of ``ids`` for the configurations (with H2O's attention
     sums when one needs them), timed: (the prefilled prompt, the row's figures: ``prefill_s``,
     ``prefill_tok_s``)."""
-    pre = prefill_once(model, ids, attention_sums=any(METHODS[m].needs_attention_sums
-                                                      for m, _ in configs))
+    pre = prefill_once(model, ids, attention_sums=needs_attention_sums(m for m, _ in configs))
     return pre, {"prefill_s": pre.prefill_s, "prefill_tok_s": len(ids) / pre.prefill_s}
 
 

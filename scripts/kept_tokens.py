@@ -35,7 +35,7 @@ import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
 from cli import OneLineParser, rows_exit_status
-from compression import METHODS, given_options, options_for
+from compression import METHODS, given_options, needs_attention_sums, options_for
 from evals.harness import (
     add_common_args,
     check_common,
@@ -97,8 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             at = find(ids, needle)
             parts = {"needle": slice(at, at + len(needle)), "sinks": slice(0, SINKS),
                      "recent": slice(T - RECENT, T), "overall": slice(0, T)}
-            pre = prefill_once(model, ids, attention_sums=any(
-                METHODS[m].needs_attention_sums for m, _ in pairs))
+            pre = prefill_once(model, ids,
+                               attention_sums=needs_attention_sums(m for m, _ in pairs))
             for method, budget in pairs:
                 if bar is not None:
                     bar.update()
