@@ -44,7 +44,7 @@ from torch import Tensor
 import tp
 from flags import KNOWN_CHECKPOINTS  # noqa: F401  (re-exported: short names)
 from gguf_quantized import GGUFLoader, check_gguf_weights, gguf_quantized_state_dict
-from gguf_reader import MISSING, gguf_field, is_gguf, open_gguf, release_pages
+from gguf_reader import MISSING, forget_readers, gguf_field, is_gguf, open_gguf, release_pages
 from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, rope_inv_freq
 from quantized import (
     QUANT_CONFIG,
@@ -849,8 +849,9 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
     else:
         model = _materialize(local, sd, device, dtype)
     del sd
-    if gguf:  # the weights are built: the file's pages leave our RSS
+    if gguf:  # the weights are built: the file's pages and parsed fields leave our RSS
         release_pages(open_gguf(resolve_checkpoint(checkpoint)))
+        forget_readers()
     if torch.device(device).type == "cpu":
         _trim_heap()
     if gguf_weights == "quantized-w8a8":

@@ -59,7 +59,8 @@ def open_gguf(path: str | Path):
 
     Parsing the metadata of a 49K-token vocabulary still takes about 2 s, so the last two
     readers are kept (keyed by path, size and modification time) for the model and the
-    tokenizer to share.
+    tokenizer to share, until ``forget_readers`` (``checkpoint.load_model`` calls it once the
+    weights are built).
 
     Raises:
         ConfigError: the ``gguf`` package is missing, or the file is unreadable, not GGUF,
@@ -83,6 +84,15 @@ def _gguf_reader(reader_cls, path: Path, size: int, mtime_ns: int):
         return reader_cls(path)
     except (ValueError, IndexError, KeyError, OSError) as e:
         raise ConfigError(f"cannot read GGUF file {path}: truncated or corrupt ({e})") from None
+
+
+def forget_readers() -> None:
+    """Drop the readers ``open_gguf`` keeps: a parsed reader holds every metadata field as
+    numpy arrays, about 220 MiB of this process's memory for Qwen2.5-0.5B's 151,936-token
+    vocabulary and merges (measured: RSS 446 against 219 MiB after ``import torch``), for as
+    long as the run. Once the weights and the tokenizer are built nothing needs them; a later
+    ``open_gguf`` parses the file again (seconds)."""
+    _gguf_reader.cache_clear()
 
 
 def release_pages(reader) -> bool:
