@@ -48,7 +48,9 @@ from gguf_reader import MISSING, forget_readers, gguf_field, is_gguf, open_gguf,
 from model import LLAMA31_ROPE, ConfigError, ModelArgs, Transformer, rope_inv_freq
 from quantized import (
     QUANT_CONFIG,
+    TORCH_DEQUANT,
     check_int8_activations,
+    dequantize_blocks,
     load_quantized,
     output_dim,
     use_int8_activations,
@@ -540,39 +542,6 @@ _GGUF_LAYER_NAMES = {
 }
 _GGUF_TOP_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight":
                    "norm.weight", "output.weight": "output.weight"}
-
-
-# GGUF block formats dequantized in torch: (bytes, values) per block of 32 values
-TORCH_DEQUANT = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32)}
-
-
-def dequantize_blocks(raw, kind: str) -> Tensor:
-    """GGUF blocks of ``kind`` (``TORCH_DEQUANT``) as float32, vectorized in torch: the same
-    values, bit for bit, as the ``gguf`` package's numpy code (tests/test_gguf.py), about 4x
-    faster (SmolLM2's file: 0.4 s instead of 1.4 s on the 2-core VM).
-
-    Block layouts (ggml-common.h): Q8_0 = f16 scale d, 32 int8 q: d q; Q4_0 = d, 16 bytes of
-    4-bit q (low nibbles the first 16 values, high nibbles the next 16): d (q - 8); Q4_1 = d,
-    f16 minimum m, 16 bytes as Q4_0: d q + m.
-
-    Args:
-        raw: uint8 array (..., n_blocks * block bytes), a GGUF tensor's ``data``.
-    Returns:
-        float32 (..., n_blocks * 32).
-    """
-    nbytes, n = TORCH_DEQUANT[kind]
-    b = torch.from_numpy(raw.copy()).reshape(-1, nbytes)  # a copy: the mapping is read-only
-    d = b[:, :2].contiguous().view(torch.float16).float()  # (blocks, 1)
-    if kind == "Q8_0":
-        out = d * b[:, 2:].contiguous().view(torch.int8).float()
-    else:
-        qs = b[:, 4:] if kind == "Q4_1" else b[:, 2:]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()  # (blocks, 32)
-        if kind == "Q4_1":
-            out = d * q + b[:, 2:4].contiguous().view(torch.float16).float()
-        else:
-            out = d * (q - 8)
-    return out.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * n)
 
 
 def _dequantize(tensor) -> Tensor:

@@ -78,7 +78,7 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
     every sequence has stopped is read every ``stop_check_every`` steps, and the steps run
     past the stop are dropped from the result (tokens, position and pending token as if
     checked every step; an evicting cache has seen those extra tokens)."""
-    device = model.tok_embeddings.weight.device
+    device = model.device
     timer = StepTimer(device)
     meter.reset()
     sync(device)
@@ -212,7 +212,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         kernels.KernelCheckError: a kernel family failed its self-check with
             ``kernels.set_strict(True)`` (``--kernels on``), or left a sticky CUDA error.
     """
-    device = model.tok_embeddings.weight.device
+    device = model.device
     prompt = as_prompt(model, prompt)
     if max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must not be negative, got {max_new_tokens}")
@@ -229,7 +229,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
     else:
         spec = {"method": method, "budget": budget, "batch_size": prompt.shape[0],
                 "prompt_len": prompt.shape[1], "new_tokens": reserve_tokens,
-                "dtype": model.tok_embeddings.weight.dtype, "device": device,
+                "dtype": model.dtype, "device": device,
                 "options": dict(method_options or {})}
         turn = _first_turn(model, prompt, spec, max_new_tokens, prefilled, meter,
                            on_prefill_layer)

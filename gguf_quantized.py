@@ -27,8 +27,13 @@ How each GGUF type maps (block layouts: ggml-common.h / ggml-quants.c; ``decode_
 * A fused layer (``wqkv`` from q/k/v, ``w13`` from gate/up) is int4 when all its parts are
   4-bit blocks, float when all are float, else int8 (each part's rows requantized, which is
   the same as requantizing the fused rows: int8 scales are per row).
-* The token embedding is dequantized to the activation dtype (a step gathers B of its rows).
-  The classifier too, with ``"quantized"`` (a tied one stays tied). With
+* The token embedding keeps its GGUF blocks where they are ``Q8_0``, ``Q4_0``, ``Q4_1`` or
+  ``Q5_0`` and no float classifier shares it (``quantized.GGUFEmbedding``: a step gathers B
+  rows' bytes and dequantizes them, bit for bit the float load's rows; Qwen2.5-0.5B's Q5_0
+  table 89 MiB instead of 519 MiB in float32); otherwise it is dequantized to the activation
+  dtype. The
+  classifier is dequantized too with ``"quantized"`` (a tied one stays tied, and its
+  embedding then stays the float matrix they share). With
   ``"quantized-int8-classifier"`` it is requantized to per-channel int8 whatever its GGUF type
   (a tied one, SmolLM2's ``Q8_0`` embedding, becomes its own int8 copy, as ``quantize.py``'s
   default int8 classifier does): a quarter of float32's bytes, at a measured cost in accuracy
@@ -57,7 +62,13 @@ from torch import Tensor
 from flags import GGUF_WEIGHTS
 from gguf_reader import gguf_field
 from model import ConfigError, ModelArgs
-from quantized import FORMAT_VERSION, output_dim, quantize_int8
+from quantized import (
+    FORMAT_VERSION,
+    TORCH_DEQUANT,
+    f16_from_bytes,
+    output_dim,
+    quantize_int8,
+)
 
 # load_model(gguf_weights=...), --gguf-weights: the GGUF's weights dequantized to float, or kept
 # quantized with the classifier in float (the activation dtype) or in int8
@@ -76,11 +87,6 @@ def check_gguf_weights(value: str) -> str:
         raise ConfigError(f"--gguf-weights must be one of {', '.join(GGUF_WEIGHTS)}, "
                           f"got {value!r}")
     return value
-
-
-def _f16(b: Tensor) -> Tensor:
-    """Little-endian float16 from byte pairs (..., 2) uint8 -> float32 (...)."""
-    return b.contiguous().view(torch.float16).float().squeeze(-1)
 
 
 def _k_scales(s: Tensor) -> tuple[Tensor, Tensor]:
@@ -110,9 +116,9 @@ def decode_int4(raw, kind: str) -> tuple[Tensor, Tensor, Tensor]:
     nbytes, _ = _BLOCK[kind]
     rows = raw.shape[0]
     b = torch.from_numpy(raw.copy()).reshape(-1, nbytes)  # a copy: the mapping is read-only
-    d = _f16(b[:, 0:2])  # (blocks,)
+    d = f16_from_bytes(b[:, 0:2])  # (blocks,)
     if kind == "Q4_K":
-        dmin = _f16(b[:, 2:4])
+        dmin = f16_from_bytes(b[:, 2:4])
         sc, mn = _k_scales(b[:, 4:16])
         qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 values: low nibbles then high
         q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(-1, 256)
@@ -122,7 +128,7 @@ def decode_int4(raw, kind: str) -> tuple[Tensor, Tensor, Tensor]:
         qs = b[:, 4:] if kind == "Q4_1" else b[:, 2:]
         q = torch.cat([qs & 15, qs >> 4], dim=1)  # low nibbles values 0-15, high 16-31
         scale = d[:, None]
-        minimum = _f16(b[:, 2:4])[:, None] if kind == "Q4_1" else -8 * scale
+        minimum = f16_from_bytes(b[:, 2:4])[:, None] if kind == "Q4_1" else -8 * scale
     return (q.reshape(rows, -1), scale.reshape(rows, -1).contiguous(),
             minimum.reshape(rows, -1).contiguous())
 
@@ -227,9 +233,15 @@ def gguf_quantized_state_dict(reader, args: ModelArgs, dtype: torch.dtype,
             sd.update({f"{name}.{s}": t for s, t in stored.items()})
 
     emb = pop("token_embd.weight")
-    sd["tok_embeddings.weight"] = loader.dequantize(emb).to(dtype)
-    sd["norm.weight"] = loader.dequantize(pop("output_norm.weight")).to(dtype)
     head = tensors.pop("output.weight", None)
+    embedding = emb.tensor_type.name
+    if embedding in TORCH_DEQUANT and (head is not None or classifier == "int8"):
+        # gathered only (not the float classifier's matrix too): kept as its blocks
+        sd["tok_embeddings.blocks"] = torch.from_numpy(emb.data.copy())
+    else:
+        embedding = None
+        sd["tok_embeddings.weight"] = loader.dequantize(emb).to(dtype)
+    sd["norm.weight"] = loader.dequantize(pop("output_norm.weight")).to(dtype)
     if classifier == "int8":
         put("output", "int8", _part(head or emb, "int8", dtype, None, loader))
     elif head is not None:  # untied: its own float matrix (a tied one is tied on load)
@@ -261,6 +273,6 @@ def gguf_quantized_state_dict(reader, args: ModelArgs, dtype: torch.dtype,
     any_int4 = "int4" in linears.values()
     config = {"format_version": FORMAT_VERSION, "mode": "int4" if any_int4 else "int8",
               "groupsize": INT4_GROUPSIZE if any_int4 else None, "linears": linears,
-              "classifier": linears.get("output", "float"), "embedding": "float",
+              "classifier": linears.get("output", "float"), "embedding": embedding or "float",
               "source": "gguf"}
     return sd, config

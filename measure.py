@@ -154,12 +154,15 @@ def weight_bytes(model: Transformer) -> int:
 
 
 def weight_bytes_per_step(model: Transformer) -> int:
-    """Parameter bytes one decode step reads: all but the embedding table, which is only
-    gathered (B rows), unless the classifier shares it (a quantized checkpoint's classifier
-    is its own copy, ``quantize.py``)."""
-    emb = model.tok_embeddings.weight
-    tied = getattr(model.output, "weight", None) is emb
-    return weight_bytes(model) - (0 if tied else emb.numel() * emb.element_size())
+    """Parameter bytes one decode step reads: all but the embedding table (a float matrix or
+    a GGUF's blocks, ``quantized.GGUFEmbedding``), which is only gathered (B rows),
+    unless the classifier shares it (a quantized checkpoint's classifier is its own copy,
+    ``quantize.py``)."""
+    emb = getattr(model.tok_embeddings, "weight", None)
+    if emb is not None and getattr(model.output, "weight", None) is emb:
+        return weight_bytes(model)
+    return weight_bytes(model) - sum(p.numel() * p.element_size()
+                                     for p in model.tok_embeddings.parameters())
 
 
 def float_weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
@@ -234,7 +237,7 @@ def check_run_memory(model: Transformer, method: str, *, batch: int, prompt_len:
     Raises:
         ConfigError: with the estimate and what is free.
     """
-    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    device, dtype = model.device, model.dtype
     free = available_bytes(device)
     if free is None:
         return

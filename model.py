@@ -396,8 +396,18 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = cache
         if self.rope.shape[0] < self.args.max_seq_len:  # once, for the whole context: the
             # decode step's shapes then never depend on the run's length
-            self.rope = precompute_rope(self.args, self.args.max_seq_len,
-                                        self.tok_embeddings.weight.device)
+            self.rope = precompute_rope(self.args, self.args.max_seq_len, self.device)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's tensors (its final norm's, which every load keeps in
+        float: the token embedding may be a GGUF's blocks, ``quantized.GGUFEmbedding``)."""
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype: that of the hidden states, the KV cache and the logits."""
+        return self.norm.weight.dtype
 
     @property
     def caches(self) -> list[nn.Module]:

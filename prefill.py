@@ -79,7 +79,7 @@ def as_prompt(model: Transformer, prompt) -> Tensor:
                                    and isinstance(prompt[0], str)):
         raise ConfigError("generate() takes token ids, not text: encode it first "
                           "(tokenizer.encode), or use rocketkv.load(...).generate(text)")
-    device = model.tok_embeddings.weight.device
+    device = model.device
     prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)
     if prompt.dim() == 1:
         prompt = prompt[None]
@@ -144,10 +144,10 @@ def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[S
     Raises:
         ConfigError: an empty prompt or one that fills the model's context.
     """
-    device = model.tok_embeddings.weight.device
+    device = model.device
     prompt = as_prompt(model, prompt)
     B, T = prompt.shape
-    recorders = [PromptRecorder(i, model.args, B, model.tok_embeddings.weight.dtype, device,
+    recorders = [PromptRecorder(i, model.args, B, model.dtype, device,
                                 obs_window, attention_sums) for i in range(model.args.n_layers)]
     for layer in model.layers:
         layer.attention.kv_cache = None
@@ -180,10 +180,10 @@ def extend_prefilled(model: Transformer, pre: PrefilledPrompt,
         raise ConfigError(f"the chunk has {chunk.shape[0]} sequences, the prompt {B}")
     if T + chunk.shape[1] >= model.args.max_seq_len:
         raise ConfigError(f"{T + chunk.shape[1]} tokens leave no room in the model's context")
-    device = model.tok_embeddings.weight.device
+    device = model.device
     recorders = []
     for i in range(model.args.n_layers):
-        r = PromptRecorder(i, model.args, B, model.tok_embeddings.weight.dtype, device,
+        r = PromptRecorder(i, model.args, B, model.dtype, device,
                            pre.obs_window, pre.attention_sums is not None)
         r.k, r.v, r.q_obs = pre.k[i], pre.v[i], pre.q_obs[i]
         r.sums = None if pre.attention_sums is None else pre.attention_sums[i]

@@ -118,7 +118,7 @@ def result_record(model: Transformer, spec: dict[str, Any], prompt: Tensor,
     run went: its ``conversation`` {start, position, room}, whether the caches came from a
     ``shared`` prefill, the step ``mode`` and the kernels that ran (``kernels.report``)."""
     B, T = prompt.shape
-    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    device, dtype = model.device, model.dtype
     end = spec["prompt_len"] + spec["new_tokens"]
     # each sequence ends at its first stop token (kept); the rest of the batch may run on
     tokens = []

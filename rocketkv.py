@@ -129,7 +129,7 @@ def load(checkpoint: str, *, device: str | torch.device | None = None,
 def _compile(model: Transformer, compile: bool | None, decode_steps: int) -> bool | None:
     """``generate.py``'s default (``step.default_compile``) for the model's device and a run of
     ``decode_steps`` (its ``max_new_tokens``)."""
-    return default_compile(compile, model.tok_embeddings.weight.device, decode_steps)
+    return default_compile(compile, model.device, decode_steps)
 
 
 class Engine:

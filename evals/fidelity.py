@@ -243,8 +243,8 @@ def attach_caches(model: Transformer, method: str, budget: int | None, T: int,
     to ``model`` (the per-configuration path: the caller prefills). Raises ConfigError for a
     budget the method rejects."""
     caches = build_caches(method, model.args, batch_size=1, prompt_len=T, max_new_tokens=m,
-                          budget=budget, dtype=model.tok_embeddings.weight.dtype,
-                          device=model.tok_embeddings.weight.device)
+                          budget=budget, dtype=model.dtype,
+                          device=model.device)
     model.setup_caches(caches, T + m)
     return caches
 
@@ -270,7 +270,7 @@ def teacher_forced_logprobs(model: Transformer, prompt: Sequence[int],
     ``first_logits`` (1, vocab): the caches already hold the prompt (built from a shared
     prefill) and these are its last-position logits; None: prefill the prompt here.
     """
-    device = model.tok_embeddings.weight.device
+    device = model.device
     T = len(prompt)
     if first_logits is None:
         first_logits = model.prefill(torch.tensor([list(prompt)], device=device))

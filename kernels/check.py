@@ -392,8 +392,7 @@ def ensure(model: nn.Module) -> dict[str, str]:
     Raises:
         kernels.KernelCheckError: a family failed with ``kernels.set_strict(True)``.
     """
-    weight = model.tok_embeddings.weight
-    device, dtype = weight.device, weight.dtype
+    device, dtype = model.device, model.dtype
     a = model.args
     head_dim, group = a.head_dim, a.n_heads // a.n_kv_heads
     used = families(model)

@@ -283,7 +283,7 @@ def fuse(model: Transformer) -> Transformer:
         model.__class__ = FusedTransformer
     elif type(model) is FusedTransformer:
         model.__class__ = Transformer
-    device = model.tok_embeddings.weight.device
+    device = model.device
     if reasons and _noted.get(model) != reasons and kernels.dense_in_use(device):
         _noted[model] = reasons
         print("note: the fused dense decode kernels are off for part of this model, which "

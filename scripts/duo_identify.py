@@ -182,7 +182,7 @@ def identify(model: Transformer, samples, steps: int, *, lr: float = 0.02,
     a = model.args
     for p in model.parameters():
         p.requires_grad_(False)
-    device = model.tok_embeddings.weight.device
+    device = model.device
     if model.rope.shape[0] < a.max_seq_len:
         model.rope = precompute_rope(a, a.max_seq_len, device)
     gates = torch.ones(a.n_layers, a.n_kv_heads, device=device, requires_grad=True)

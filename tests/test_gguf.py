@@ -23,7 +23,7 @@ from compression import build_caches
 from gguf_reader import open_gguf, release_pages
 from measure import weights_label
 from model import ConfigError, ModelArgs, rope_inv_freq
-from quantized import Int4Linear
+from quantized import Int4Linear, dequantize_blocks
 from tokenizer import load_tokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -180,14 +180,12 @@ def test_quantization_types_match_transformers(tmp_path, tiny_hf, qtype):
         assert (got - original).abs().max() < 0.2 * original.abs().max()
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
 def test_torch_dequantization_equals_the_gguf_package_bit_for_bit(kind):
-    """checkpoint.dequantize_blocks (torch, vectorized) against gguf.quants.dequantize (the
+    """quantized.dequantize_blocks (torch, vectorized) against gguf.quants.dequantize (the
     package's numpy reference) on random weights quantized by the package, odd row counts and
     a 1-D tensor included."""
     import numpy as np
-
-    from checkpoint import dequantize_blocks
 
     rng = np.random.default_rng(0)
     for shape in [(7, 96), (3, 32), (64,)]:
@@ -518,8 +516,11 @@ def test_smollm2_quantized_weights_equal_the_gguf_dequantized_ones(smollm2_model
             s = sd["output.int8_scales"]
             got = dequantize_int8(sd["output.int8_weight"], s)
             assert ((got - w).abs() <= s[:, None] * 0.5001).all()
-    for name in ("tok_embeddings.weight", "norm.weight", "layers.3.ffn_norm.weight"):
+    for name in ("norm.weight", "layers.3.ffn_norm.weight"):
         assert torch.equal(sd[name], ref[name])
+    # the int8 classifier is its own copy: the embedding keeps its Q8_0 blocks, rows exact
+    assert quant["embedding"] == "Q8_0" and torch.equal(
+        dequantize_blocks(sd["tok_embeddings.blocks"], "Q8_0"), ref["tok_embeddings.weight"])
     m8 = load_model(path, "cpu", torch.float32, gguf_weights="quantized-int8-classifier")
     assert measure.weight_bytes_per_step(smollm2_model) / 2**20 == pytest.approx(513.1, abs=0.1)
     assert measure.weight_bytes_per_step(m8) / 2**20 == pytest.approx(90.5, abs=0.1)
@@ -608,6 +609,10 @@ def test_quantized_layers_are_the_float_loaders_weights(tmp_path, tiny_hf, arch,
     assert quant["linears"]["layers.1.attention.wqkv"] == "int4"
     assert "output" not in quant["linears"] and torch.equal(sd["output.weight"],
                                                             ref["output.weight"])
+    # the untied embedding keeps its 4-bit blocks, which dequantize to the float rows exactly
+    assert quant["embedding"] == qtype.name and "tok_embeddings.weight" not in sd
+    assert torch.equal(dequantize_blocks(sd.pop("tok_embeddings.blocks"), qtype.name),
+                       ref.pop("tok_embeddings.weight"))
     for name, mode in quant["linears"].items():
         w = ref.pop(f"{name}.weight")
         if mode == "int4":
@@ -624,6 +629,39 @@ def test_quantized_layers_are_the_float_loaders_weights(tmp_path, tiny_hf, arch,
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
     got, expected = (logits_along(m, ids, 8) for m in (ours, theirs))
     torch.testing.assert_close(got, expected, rtol=0, atol=0.03 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype, untie, gguf_weights, blocks", [
+    (Q.Q5_0, True, "quantized", True),
+    (Q.Q8_0, True, "quantized-int8-classifier", True),
+    (Q.Q8_0, False, "quantized-int8-classifier", True),  # tied, but the classifier is int8
+    (Q.Q8_0, False, "quantized", False),  # tied to the float classifier: one float matrix
+    (Q.Q5_1, True, "quantized", False),  # a type dequantize_blocks lacks: float
+], ids=["Q5_0", "Q8_0-int8-classifier", "Q8_0-tied-int8-classifier", "Q8_0-tied-float",
+        "Q5_1"])
+def test_gguf_embedding_gathers_the_float_rows_exactly(tmp_path, tiny_hf, qtype, untie,
+                                                       gguf_weights, blocks):
+    """The quantized loads keep the token embedding as its GGUF blocks unless a float
+    classifier shares it or torch cannot dequantize the type: its rows are the float load's
+    bit for bit, it costs its block bytes, and the step's weight bytes leave it out."""
+    from measure import weight_bytes, weight_bytes_per_step
+    from quantized import GGUFEmbedding
+
+    path = str(write_gguf(tmp_path / "e.gguf", tiny_hf, qtype, untie=untie))
+    ours = load_model(path, "cpu", torch.float32, gguf_weights=gguf_weights)
+    ref = load_model(path, "cpu", torch.float32)
+    emb = ours.tok_embeddings
+    assert isinstance(emb, GGUFEmbedding) is blocks
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    got = emb(ids)
+    assert got.shape == (2, 7, 64) and got.dtype == torch.float32
+    assert torch.equal(got, ref.tok_embeddings(ids))
+    table = sum(p.numel() * p.element_size() for p in emb.parameters())
+    assert table == (256 * 64 // 32 * gguf.GGML_QUANT_SIZES[qtype][1] if blocks
+                     else 256 * 64 * 4)
+    tied = getattr(ours.output, "weight", None) is getattr(emb, "weight", False)
+    assert weight_bytes_per_step(ours) == weight_bytes(ours) - (0 if tied else table)
+    assert ours.dtype == torch.float32 and ours.device.type == "cpu"
 
 
 def test_cli_bad_gguf_weights_value_gives_one_line():
