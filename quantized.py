@@ -203,11 +203,11 @@ def dequantize_blocks(raw, kind: str) -> Tensor:
     else:
         qs = b[:, {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[kind]:]  # the 16 bytes of low nibbles
         q = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # (blocks, 32) uint8
-        if kind == "Q5_0":
-            qh = b[:, 2:6].to(torch.int64)  # the uint32's bytes, little-endian
-            bits = (qh[:, :, None] >> torch.arange(8, device=b.device)) & 1  # (blocks, 4, 8)
-            q = q.to(torch.int64) | (bits.reshape(-1, 32) << 4)
-            out = d * (q - 16).float()
+        if kind == "Q5_0":  # the uint32's bytes, little-endian: bit j of byte i is value 8i + j
+            shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
+            bits = (b[:, 2:6, None] >> shifts) & 1  # (blocks, 4, 8) uint8
+            q = q | (bits.reshape(-1, 32) << 4)  # 0 .. 31
+            out = d * (q.float() - 16)
         elif kind == "Q4_1":
             out = d * q.float() + f16_from_bytes(b[:, 2:4])[:, None]
         else:
@@ -224,6 +224,8 @@ class GGUFEmbedding(nn.Module):
     ``blocks`` uint8 (vocab, row bytes), a frozen parameter (``measure.weight_bytes`` counts
     it); ``tokens`` int64 (...) -> (..., dim) in ``dtype``."""
 
+    ROWS = 1024  # rows dequantized at a time
+
     def __init__(self, blocks: Tensor, kind: str, dtype: torch.dtype):
         super().__init__()
         nbytes, n = TORCH_DEQUANT[kind]
@@ -232,8 +234,13 @@ class GGUFEmbedding(nn.Module):
         self.blocks = nn.Parameter(blocks.contiguous(), requires_grad=False)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        rows = dequantize_blocks(self.blocks[tokens.reshape(-1)], self.kind)
-        return rows.to(self.out_dtype).reshape(*tokens.shape, self.embedding_dim)
+        ids = tokens.reshape(-1)
+        out = torch.empty(ids.shape[0], self.embedding_dim, dtype=self.out_dtype,
+                          device=self.blocks.device)
+        for s in range(0, ids.shape[0], self.ROWS):  # a prompt's rows a chunk at a time: the
+            # dequantization's temporaries are several times the rows' float size
+            out[s:s + self.ROWS] = dequantize_blocks(self.blocks[ids[s:s + self.ROWS]], self.kind)
+        return out.reshape(*tokens.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, GGUF {self.kind} blocks"
