@@ -21,9 +21,9 @@ from checkpoint import (
 )
 from compression import build_caches
 from gguf_reader import open_gguf, release_pages
-from measure import weights_label
+from measure import weight_bytes, weight_bytes_per_step, weights_label
 from model import ConfigError, ModelArgs, rope_inv_freq
-from quantized import Int4Linear, dequantize_blocks
+from quantized import GGUFEmbedding, Int4Linear, dequantize_blocks
 from tokenizer import load_tokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -645,9 +645,6 @@ def test_gguf_embedding_gathers_the_float_rows_exactly(tmp_path, tiny_hf, monkey
     classifier shares it or torch cannot dequantize the type: its rows are the float load's
     bit for bit (dequantized 4 rows at a time here: 14 rows in 4 chunks), it costs its block
     bytes, and the step's weight bytes leave it out."""
-    from measure import weight_bytes, weight_bytes_per_step
-    from quantized import GGUFEmbedding
-
     monkeypatch.setattr(GGUFEmbedding, "ROWS", 4)
 
     path = str(write_gguf(tmp_path / "e.gguf", tiny_hf, qtype, untie=untie))
