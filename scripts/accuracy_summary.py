@@ -305,6 +305,8 @@ class Report:
     def __init__(self, c: Collected, mixed: bool):
         self.c, self.mixed = c, mixed
         self.budgets = sorted(c.budgets)
+        # the modes some file ran (a table has no empty question-agnostic columns)
+        self.modes = [m for m in MODES if any(key[1] == m for key in c.scores)]
         self.lines: list[str] = []
         self.cells: list[dict[str, Any]] = []
         self.comparisons: list[dict[str, Any]] = []
@@ -329,13 +331,14 @@ class Report:
               strata: Callable[[str], Hashable] | None = None) -> None:
         """A method x (mode, budget) table over ``keys`` (and its JSON cells)."""
         c = self.c
-        head = "| method | " + " | ".join(
-            [str(b) for b in self.budgets]
-            + [f"q-agnostic {b}" if i == 0 else str(b) for i, b in enumerate(self.budgets)])
-        self.lines += [head + " |", "|---" * (2 * len(self.budgets) + 1) + "|"]
+        head = ["|", "method", "|"]
+        for mode in self.modes:
+            for i, b in enumerate(self.budgets):
+                head += [f"q-agnostic {b}" if mode != "standard" and i == 0 else str(b), "|"]
+        self.lines += [" ".join(head), "|---" * (len(self.modes) * len(self.budgets) + 1) + "|"]
         for m in methods_in(c, bench, keys):
             row = []
-            for mode in MODES:
+            for mode in self.modes:
                 done = False
                 for b in self.budgets:
                     cell = cell_of(c, bench, mode, m, b, keys, strata)
@@ -349,7 +352,7 @@ class Report:
 
     def claims(self, bench: str, length: Any, keys: set[str],
                strata: Callable[[str], Hashable] | None = None) -> None:
-        for mode in MODES:
+        for mode in self.modes:
             for b in self.budgets:
                 got = comparisons(self.c, bench, mode, b, keys, strata)
                 if not got:

@@ -57,12 +57,12 @@ def test_cells_carry_wilson_intervals_and_runs_merge_by_prompt(tmp_path, capsys)
     text, summary = _run(tmp_path, first, second, capsys=capsys)
     assert "## Needle, 100 tokens (2 prompts)" in text and "Commit: aaaa." in text
     # Wilson 2/2: centre (1 + z^2/4) / (1 + z^2/2) = .67119, half .32881 -> [34.2, 100]
-    assert _line(text, 100, "full") == "| full | 100.0 [34.2, 100.0] n=2 |  |"
+    assert _line(text, 100, "full") == "| full | 100.0 [34.2, 100.0] n=2 |"
     # 1/2: centre .5, half z / (1 + z^2/2) * sqrt(1/8 + z^2/16) = .40542 -> [9.5, 90.5]
-    assert _line(text, 100, "exact_topk") == "| exact_topk | 50.0 [9.5, 90.5] n=2 |  |"
+    assert _line(text, 100, "exact_topk") == "| exact_topk | 50.0 [9.5, 90.5] n=2 |"
     # quest's scores follow its own item order: 0.0 and 0.0 at 100 tokens, 1.0 at 200
-    assert _line(text, 100, "quest") == "| quest | 0.0 [0.0, 65.8] n=2 |  |"
-    assert _line(text, 200, "quest") == "| quest | 100.0 [20.7, 100.0] n=1 |  |"
+    assert _line(text, 100, "quest") == "| quest | 0.0 [0.0, 65.8] n=2 |"
+    assert _line(text, 200, "quest") == "| quest | 100.0 [20.7, 100.0] n=1 |"
     c = _cell(summary, task="needle", length=100, method="rocketkv", budget=128,
               mode="standard")
     assert (c["n"], c["score"], c["commit"], c["interval"]) == (2, 100.0, "aaaa", "wilson")
@@ -92,13 +92,26 @@ def test_a_difference_is_stated_only_where_the_exact_test_finds_it(tmp_path, cap
     assert comp["p"] == pytest.approx(2 / 64) and comp["diff"] == 100.0
 
 
+
+def test_question_agnostic_columns_only_where_a_run_has_that_mode(tmp_path, capsys):
+    std = _result([{"method": "full", "budget": None, "scores": [1.0, 1.0, 1.0]},
+                   {"method": "quest", "budget": 128, "scores": [1.0, 0.0, 1.0]}])
+    qa = _result([{"method": "full", "budget": None, "scores": [1.0, 0.0, 1.0]},
+                  {"method": "quest", "budget": 128, "scores": [0.0, 0.0, 1.0]}], qa=True)
+    text, summary = _run(tmp_path, std, qa, capsys=capsys)
+    section = text.split("## Needle, 100 tokens")[1]
+    assert "| method | 128 | q-agnostic 128 |" in section
+    assert _line(text, 100, "quest") == \
+        "| quest | 50.0 [9.5, 90.5] n=2 | 0.0 [0.0, 65.8] n=2 |"
+    assert _cell(summary, length=100, method="quest", mode="question_agnostic")["score"] == 0.0
+
 def test_commits_are_not_mixed_unless_asked(tmp_path, capsys):
     a = _result([{"method": "full", "budget": None, "scores": [1.0, 1.0, 0.0]}], commit="aaaa")
     b = _result([{"method": "quest", "budget": 128, "scores": [1.0, 0.0, 0.0]}], commit="bbbb")
     err, _ = _run(tmp_path, a, b, capsys=capsys, status=2)
     assert err.startswith("error: ") and err.count("\n") == 1 and "--allow-mixed" in err
     text, summary = _run(tmp_path, a, b, capsys=capsys, flags=["--allow-mixed"])
-    assert _line(text, 100, "quest") == "| quest | 50.0 [9.5, 90.5] n=2 @bbbb |  |"
+    assert _line(text, 100, "quest") == "| quest | 50.0 [9.5, 90.5] n=2 @bbbb |"
     assert summary["mixed"] and summary["commits"] == ["aaaa", "bbbb"]
     # a file without a commit is a group of its own, even beside another such file
     old = _result([{"method": "full", "budget": None, "scores": [1.0, 1.0, 0.0],
@@ -114,7 +127,7 @@ def test_commits_are_not_mixed_unless_asked(tmp_path, capsys):
     err, _ = _run(tmp_path, resumed, capsys=capsys, status=2)
     assert "aaaa, bbbb, bbbb+dirty" in err
     text, summary = _run(tmp_path, resumed, capsys=capsys, flags=["--allow-mixed"])
-    assert _line(text, 100, "quest") == "| quest | 50.0 [9.5, 90.5] n=2 @aaaa+bbbb |  |"
+    assert _line(text, 100, "quest") == "| quest | 50.0 [9.5, 90.5] n=2 @aaaa+bbbb |"
     assert "n=3 @aaaa+bbbb+bbbb+dirty |" in text  # pooled over the lengths
     assert [f["commit"] for f in summary["files"]] == ["aaaa", "bbbb", "bbbb+dirty"]
     # a dirty tree is not its commit
@@ -130,7 +143,7 @@ def test_files_scored_by_substring_are_rescored_from_their_answers(tmp_path, cap
                   commit=None, scoring="exact")
     text, summary = _run(tmp_path, old, capsys=capsys)
     # the garbled answer fails on whole numbers; the old score stays as "sub"
-    assert _line(text, 100, "hybrid") == "| hybrid | 50.0 [9.5, 90.5] n=2 sub 100.0 |  |"
+    assert _line(text, 100, "hybrid") == "| hybrid | 50.0 [9.5, 90.5] n=2 sub 100.0 |"
     c = _cell(summary, length=100, method="hybrid")
     assert c["score_substring"] == 100.0 and c["commit"] == "unknown"
     assert summary["files"][0]["rescored"] is True
@@ -167,9 +180,9 @@ def test_unfinished_rejected_and_partial_rows(tmp_path, capsys):
                       "items_run": 1}])
     text, summary = _run(tmp_path, res, other, capsys=capsys)
     assert "200 tokens" not in text
-    assert _line(text, 100, "snapkv") == "| snapkv | n/a |  |"
-    assert _line(text, 100, "quest") == "| quest | n/a |  |"
-    assert _line(text, 100, "sparq") == "| sparq | 0.0 [0.0, 79.3] n=1/2 |  |"
+    assert _line(text, 100, "snapkv") == "| snapkv | n/a |"
+    assert _line(text, 100, "quest") == "| quest | n/a |"
+    assert _line(text, 100, "sparq") == "| sparq | 0.0 [0.0, 79.3] n=1/2 |"
     assert _cell(summary, method="quest")["rejected"] is True
     assert "rocketkv@128 vs sparq@128 (n = 1)" in text
 
