@@ -94,7 +94,10 @@ Argmax ties go to the lowest token id (``torch.argmax``, as ``generate.sample`` 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,7 +109,13 @@ from torch import Tensor
 
 from compression import METHODS, build_caches, needs_attention_sums
 from evals.data import ESSAYS
-from evals.harness import DEV_SEED_OFFSET, configurations, progress_bar
+from evals.harness import (
+    DEV_SEED_OFFSET,
+    code_digest,
+    configurations,
+    progress_bar,
+    read_partial,
+)
 from evals.metrics import (
     kl_rows,
     matching_prefix,
@@ -373,13 +382,52 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
+def fidelity_fingerprint(prompts: Sequence[Prompt], configs: Sequence[tuple[str, Any]],
+                         m: int, run_key: Any = None, code: bool = True) -> str:
+    """sha256 (hex) of what a prompt's numbers depend on: every prompt's and continuation's
+    token ids, the configurations, m, ``run_key`` (the caller's checkpoint, dtype, threads)
+    and the code (``harness.code_digest``; left out with ``code`` False)."""
+    spec = {"code": code_digest() if code else None,
+            "prompts": [[p.prompt, p.continuation] for p in prompts],
+            "configs": [list(c) for c in configs], "m": m, "run_key": run_key}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+
+
+_REPORT_KEYS = ("kv_cache_bytes", "kv_bytes_per_step", "method_params")
+
+
+def _saved_prompt(i: int, got: dict[str, Any], new_errors: dict[tuple[str, Any], str],
+                  tag: Any) -> dict[str, Any]:
+    """One line of a fidelity partial file: prompt ``i``'s numbers (``evaluate_prompt``'s
+    result without the raw reports, which the rows do not read), the budgets it found
+    rejected and the code's ``tag``."""
+    return {"prompt": i, "tag": tag, "reference": got["reference"],
+            "prefill_s": got["prefill_s"],
+            "errors": [[m_, b, msg] for (m_, b), msg in new_errors.items()],
+            "configs": [[m_, b, {**{k: v for k, v in r.items() if k not in ("report", "probe")},
+                                 "report": {k: r["report"][k] for k in _REPORT_KEYS}}]
+                        for (m_, b), r in got["configs"].items()]}
+
+
 def evaluate(model: Transformer, prompts: Sequence[Prompt], methods: Sequence[str],
              budgets: Sequence[int], m: int, progress: bool = False, *,
-             bar: Any = None) -> dict[str, Any]:
+             bar: Any = None, partial: str | Path | None = None, run_key: Any = None,
+             tag: Any = None, restart: bool = False,
+             stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Every row for ``methods`` x ``budgets`` on ``prompts`` (equal lengths T, m new tokens
     each), one prefill per prompt. ``bar``: a tqdm bar to advance (one step per prompt and
     configuration, plus one per prompt for the reference); else one is made when
-    ``progress``."""
+    ``progress``.
+
+    ``partial``: a JSON-lines file keeping each finished prompt's numbers (a header with
+    ``fidelity_fingerprint``, then one line per prompt, tagged with ``tag``); a run that finds
+    it with the same fingerprint skips the prompts it holds and gives the same rows as a run
+    that never stopped. A file of other prompts, settings or engine code is a ConfigError
+    (``harness.read_partial``), or with ``restart`` overwritten. ``stop``: asked before each
+    prompt; once True no prompt starts, the rows cover the prompts finished
+    (``prompts_run``; ``unfinished`` counts the rest; no rows when none finished) and the
+    same call later runs the rest. The caller deletes the file once every prompt ran.
+    """
     configs = configurations(methods, budgets)
     own = bar is None and progress
     if own:
@@ -388,27 +436,59 @@ def evaluate(model: Transformer, prompts: Sequence[Prompt], methods: Sequence[st
     T = len(prompts[0].prompt)
     t0 = time.perf_counter()
     errors: dict[tuple[str, Any], str] = {}
+    done: dict[int, dict[str, Any]] = {}
+    saved = None
+    if partial is not None:
+        partial = Path(partial)
+        fingerprint = fidelity_fingerprint(prompts, configs, m, run_key)
+        settings = fidelity_fingerprint(prompts, configs, m, run_key, code=False)
+        kept = read_partial(partial, fingerprint, settings, restart)
+        done = {line["prompt"]: line for line in kept}
+        for line in kept:
+            errors.update({(m_, b): msg for m_, b, msg in line["errors"]})
+        if done:
+            print(f"resuming: {len(done)} of {len(prompts)} prompts of {T} tokens from "
+                  f"{partial}", file=sys.stderr)
+            if bar is not None:
+                bar.update(len(done) * (len(configs) + 1))
+        partial.parent.mkdir(parents=True, exist_ok=True)  # rewritten without a cut-off line
+        partial.write_text("".join(json.dumps(x) + "\n" for x in [
+            {"fingerprint": fingerprint, "settings": settings}, *kept]))
+        saved = partial.open("a")
+    try:
+        for i, p in enumerate(prompts):
+            if i in done:
+                continue
+            if stop is not None and stop():
+                break
+            if bar is not None:
+                bar.set_description(f"T={T} prompt {i + 1}/{len(prompts)}")
+            before = dict(errors)
+            got = evaluate_prompt(model, p, configs, m, errors=errors, tick=tick)
+            new = {c: e for c, e in errors.items() if c not in before}
+            done[i] = _saved_prompt(i, got, new, tag)
+            if saved is not None:
+                saved.write(json.dumps(done[i]) + "\n")
+                saved.flush()
+    finally:
+        if saved is not None:
+            saved.close()
+    if own and bar is not None:
+        bar.close()
+    order = sorted(done)
     accs = {c: _Acc([], [], [], [], []) for c in configs}
     reports: dict[tuple[str, Any], dict[str, Any]] = {}
-    refs, prefill_s = [], []
-    for i, p in enumerate(prompts):
-        if bar is not None:
-            bar.set_description(f"T={T} prompt {i + 1}/{len(prompts)}")
-        got = evaluate_prompt(model, p, configs, m, errors=errors, tick=tick)
-        refs.append(got["reference"])
-        prefill_s.append(got["prefill_s"])
-        for c, r in got["configs"].items():
-            a = accs[c]
+    for i in order:
+        for m_, b, r in done[i]["configs"]:
+            a = accs[(m_, b)]
             a.prefix.append(r["match_prefix"])
             a.top1.append(r["top1"])
             a.nlls.append(r["nlls"])
             a.kls.append(r["kls"])
             a.recall.append(r["recall"])
-            reports[c] = r["report"]
-    if own and bar is not None:
-        bar.close()
+            reports[(m_, b)] = r["report"]
     rows = []
-    for method, budget in configs:
+    for method, budget in configs if order else ():
         row: dict[str, Any] = {"method": method, "budget": budget, "prompt_tokens": T}
         if (method, budget) in errors:
             row["error"] = errors[(method, budget)]
@@ -425,9 +505,13 @@ def evaluate(model: Transformer, prompts: Sequence[Prompt], methods: Sequence[st
         row.update(_recall_fields(a.recall))
         rows.append(row)
     return {"model": model.args.name, "prompt_tokens": T, "max_new_tokens": m,
-            "num_prompts": len(prompts), "methods": list(methods), "budgets": list(budgets),
-            "rows": rows, "reference_continuations": refs,
-            "prompts": [prompt_record(p) for p in prompts], "prefill_s": prefill_s,
+            "num_prompts": len(prompts), "prompts_run": len(order),
+            "unfinished": len(prompts) - len(order), "methods": list(methods),
+            "budgets": list(budgets), "rows": rows,
+            "reference_continuations": [done[i]["reference"] for i in order],
+            "prompts": [prompt_record(prompts[i]) for i in order],
+            "prefill_s": [done[i]["prefill_s"] for i in order],
+            "prompt_tags": [done[i]["tag"] for i in order],
             "eval_s": time.perf_counter() - t0, "torch_version": torch.__version__}
 
 

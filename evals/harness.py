@@ -313,14 +313,15 @@ def _saved_commit(lines: Sequence[str]) -> str | None:
     return None
 
 
-def _read_partial(path: Path, fingerprint: str, settings: str,
+def read_partial(path: Path, fingerprint: str, settings: str,
                   restart: bool = False) -> list[dict[str, Any]]:
-    """The finished batches saved in ``path`` by a run with this ``fingerprint`` (settings
-    and code; ``settings``: without the code); [] when the file is absent or empty. A last
-    line cut off mid-write is dropped.
+    """The finished units (batches of the harness, prompts of ``evals.fidelity``) saved in
+    ``path`` after a header line by a run with this ``fingerprint`` (settings and code;
+    ``settings``: without the code); [] when the file is absent or empty. A last line cut off
+    mid-write is dropped.
 
     Raises:
-        ConfigError: the file holds another run's batches (other items or settings, or other
+        ConfigError: the file holds another run's results (other items or settings, or other
             engine code: the error names the commit that saved them), unless ``restart``:
             hours of saved answers are never overwritten unasked.
     """
@@ -333,18 +334,18 @@ def _read_partial(path: Path, fingerprint: str, settings: str,
         header = {}
     if lines and header.get("fingerprint") != fingerprint:
         if restart:
-            print(f"note: {path} holds another run's batches; starting afresh (--restart)",
+            print(f"note: {path} holds another run's results; starting afresh (--restart)",
                   file=sys.stderr)
             return []
         commit = _saved_commit(lines[1:])
         by = f" (saved at commit {commit[:12]})" if commit else ""
         if header.get("settings") == settings:
-            why = (f"its batches were answered by other engine code{by}: resume with that "
+            why = (f"its results were computed by other engine code{by}: resume with that "
                    "code (a clone at that commit)")
         elif "settings" in header:
-            why = "its batches are another run's (other prompts or settings)"
+            why = "its results are another run's (other prompts or settings)"
         else:
-            why = f"its batches are another run's or other code's{by}"
+            why = f"its results are another run's or other code's{by}"
         raise ConfigError(f"{path}: {why}, or pass --restart to discard them (or another "
                           "--out)")
     done = []
@@ -428,7 +429,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
         spec = (items, configs, max_new_tokens, modes, options, batch_size, run_key)
         fingerprint = run_fingerprint(*spec)
         settings = run_fingerprint(*spec, code=False)
-        kept = _read_partial(partial, fingerprint, settings, restart)
+        kept = read_partial(partial, fingerprint, settings, restart)
         for line in kept:
             record(line["batch"], {mode: {(m, b): ans for m, b, ans in res}
                                    for mode, res in line["got"].items()})

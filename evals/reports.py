@@ -333,7 +333,11 @@ def fidelity_report(result: dict[str, Any]) -> str:
             "steps, layers and KV heads; attention mass: the raw covered mass. Definitions: "
             "`evals/fidelity.py`."]
     for r in runs:
-        head += ["", f"## {r['prompt_tokens']} prompt tokens", "", fidelity_table(r)]
+        head += ["", f"## {r['prompt_tokens']} prompt tokens", ""]
+        if r.get("unfinished"):
+            head += [f"Incomplete: {r['prompts_run']} of {r['num_prompts']} prompts ran "
+                     "(--time-limit); the same command runs the rest.", ""]
+        head.append(fidelity_table(r))
     return "\n".join(head)
 
 

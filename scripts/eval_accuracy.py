@@ -39,7 +39,17 @@ and attention recall against the budget, one line per method and prompt length, 
 perplexity as a horizontal line); ``--json PATH`` writes the same JSON to PATH. The JSON has
 ``runs`` (one result per prompt length) and ``rows`` (every row of every run, each with its
 ``prompt_tokens``). The progress bar (tqdm, when installed) goes to stderr. Torch runs on
-``--threads`` CPU threads (default 1). Bad input: one ``error: ...`` line on stderr, exit 2.
+``--threads`` CPU threads (default 1), in ``--dtype`` (default float32).
+
+Runs in pieces: with ``--out``, each finished prompt's numbers are kept in
+``DIR/fidelity_T.partial.jsonl`` (tagged with the commit), so a killed run, or one stopped by
+``--time-limit SECONDS`` (no prompt starts after it), continues with the same command and gives
+the same numbers as a run that never stopped; the file is deleted once every prompt of T ran,
+and a file of other prompts, settings or engine code stops the run (``--restart`` discards
+it). The JSON's ``unfinished`` counts the prompts not run, each run's ``prompts_run`` the ones
+its rows cover, and ``prompt_tags`` the commit that computed each.
+
+Bad input: one ``error: ...`` line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -67,13 +77,14 @@ from evals.fidelity import (
 )
 from evals.harness import DEFAULT_BUDGETS, DEFAULT_METHODS, configurations, progress_bar
 from evals.prompts import text_files
-from evals.provenance import provenance
+from evals.provenance import commit_fields, provenance
 from evals.reports import (
     add_fidelity_intervals,
     fidelity_plot,
     fidelity_report,
     fidelity_table,
 )
+from flags import add_time_limit_option
 from model import ConfigError
 from tokenizer import load_tokenizer
 
@@ -107,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the model's weights and activations (default float32)")
+    add_time_limit_option(
+        p, "start no prompt after this many seconds of evaluation (needs --out): the tables "
+           "cover the prompts finished (the JSON's 'unfinished' counts the rest) and the same "
+           "command later runs only the rest, from the prompts kept in "
+           "DIR/fidelity_T.partial.jsonl")
+    p.add_argument("--restart", action="store_true",
+                   help="discard the saved prompts of another run (other prompts, settings or "
+                   "engine code) in --out's fidelity_T.partial.jsonl instead of stopping")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     deprecated_alias(p, "--prompt-tokens", "--context")
     return p
@@ -114,7 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """ConfigError for values no run can use."""
-    check_positive(args, "max_new_tokens", "num_prompts", "threads", "limit")
+    check_positive(args, "max_new_tokens", "num_prompts", "threads", "limit", "time_limit")
+    if args.time_limit is not None and not args.out:
+        raise ConfigError("--time-limit needs --out: the finished prompts are kept there for "
+                          "the next run")
     if args.seed < 0:
         raise ConfigError(f"--seed must not be negative, got {args.seed}")
     for name, values in (("context", args.context), ("budgets", args.budgets)):
@@ -138,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         checkpoint = resolve_checkpoint(args.checkpoint)
         text_files(args.text)
-        model = load_model(checkpoint, "cpu", torch.float32)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        model = load_model(checkpoint, "cpu", dtype)
         tok = load_tokenizer(args.tokenizer or checkpoint)
         if tok.vocab_size > model.args.vocab_size:
             raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only "
@@ -156,7 +181,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar = None
         if not args.no_progress:
             bar = progress_bar(len(lengths) * n * (len(configurations(methods, budgets)) + 1))
-        runs = [evaluate(model, ps, methods, budgets, m, bar=bar) for ps in prompt_sets]
+        t_eval, limit = time.perf_counter(), args.time_limit
+        resume = {"run_key": [args.checkpoint, args.tokenizer, args.dtype, args.threads],
+                  "tag": commit_fields(), "restart": args.restart,
+                  "stop": None if limit is None else
+                  (lambda: time.perf_counter() - t_eval > limit)}
+        partials = [Path(args.out) / f"fidelity_{T}.partial.jsonl" if args.out else None
+                    for T in lengths]
+        runs = [evaluate(model, ps, methods, budgets, m, bar=bar, partial=path, **resume)
+                for ps, path in zip(prompt_sets, partials)]
         for run in runs:
             add_fidelity_intervals(run["rows"])
         if bar is not None:
@@ -164,13 +197,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    unfinished = sum(r["unfinished"] for r in runs)
+    for run, path in zip(runs, partials):
+        if path is not None and not run["unfinished"]:
+            path.unlink(missing_ok=True)
+    if unfinished:
+        print(f"note: {unfinished} prompts not run (--time-limit): the results cover the "
+              "others, and the same command runs the rest (the finished prompts are kept in "
+              f"{Path(args.out) / 'fidelity_T.partial.jsonl'})", file=sys.stderr)
+    runs = [r for r in runs if r["prompts_run"]]
+    if not runs:
+        print("note: no prompt finished: nothing written", file=sys.stderr)
+        return 0
     prov = provenance(checkpoint, ["scripts/eval_accuracy.py",
                                    *(sys.argv[1:] if argv is None else argv)])
     result = {"model": model.args.name, "checkpoint": args.checkpoint,
               "commit": prov["commit"], "provenance": prov,
               "text_files": list(args.text), "prompt_tokens": lengths, "max_new_tokens": m,
               "num_prompts": n, "methods": methods, "budgets": budgets, "seed": args.seed,
-              "threads": args.threads, "bos_prefix": bos_prefix(tok),
+              "threads": args.threads, "dtype": args.dtype, "bos_prefix": bos_prefix(tok),
+              "unfinished": unfinished,
               "rows": [r for run in runs for r in run["rows"]], "runs": runs,
               "torch_version": torch.__version__, "runtime_s": time.perf_counter() - t0}
     print("\n\n".join(f"{r['prompt_tokens']} prompt tokens\n\n{fidelity_table(r)}" for r in runs))

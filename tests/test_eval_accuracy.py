@@ -29,6 +29,7 @@ from evals.probes import RecallProbe
 from evals.prompts import text_files
 from evals.reports import fidelity_table
 from generate import generate
+from model import ConfigError
 from prefill import prefill_once
 from scripts.eval_accuracy import main
 from tokenizer import load_tokenizer
@@ -102,8 +103,6 @@ def test_seed_picks_windows_deterministically(stories_dir, texts, prompts):
 
 
 def test_text_directories_expand_to_sorted_txt_files(tmp_path):
-    from model import ConfigError
-
     for name in ("b.txt", "a.txt", "c.md"):
         (tmp_path / name).write_text("x")
     assert text_files([tmp_path]) == [tmp_path / "a.txt", tmp_path / "b.txt"]
@@ -381,6 +380,64 @@ def test_a_new_selector_gets_recall_figures(stories_model, prompts):
         assert raw["selected"][0, :, 0, S - 16:].all()
 
 
+
+# ---- runs in pieces ---------------------------------------------------------------------------
+
+def test_a_stopped_run_resumes_to_the_rows_of_one_that_never_stopped(stories_model, prompts,
+                                                                      rows2, tmp_path):
+    path = tmp_path / "fidelity_200.partial.jsonl"
+    asked = []
+
+    def stop():  # asked before each prompt: the first runs, the second does not start
+        asked.append(1)
+        return len(asked) > 1
+
+    first = evaluate(stories_model, prompts, SELECTING, TIGHT, M, partial=path,
+                     tag={"commit": "abc", "dirty": False}, stop=stop)
+    assert (first["prompts_run"], first["unfinished"], len(asked)) == (1, 1, 2)
+    quest = next(r for r in first["rows"] if r["method"] == "quest" and r["budget"] == 32)
+    assert quest["teacher_forced_top1_per_prompt"] == \
+        rows2[("quest", 32)]["teacher_forced_top1_per_prompt"][:1]
+    assert len(path.read_text().splitlines()) == 2  # the header and the finished prompt
+    second = evaluate(stories_model, prompts, SELECTING, TIGHT, M, partial=path,
+                      tag={"commit": "def", "dirty": False})
+    assert (second["prompts_run"], second["unfinished"]) == (2, 0)
+    assert second["prompt_tags"] == [{"commit": "abc", "dirty": False},
+                                     {"commit": "def", "dirty": False}]
+    got = {(r["method"], r["budget"]): r for r in second["rows"]}
+    assert got == rows2  # every number, the rejected budget's error row included
+    assert "error" in got[("snapkv_pp", 32)]
+
+
+def test_a_partial_file_of_other_settings_is_refused_unless_restart(stories_model, prompts,
+                                                                    tmp_path):
+    path = tmp_path / "p.jsonl"
+    evaluate(stories_model, prompts[:1], ["full"], [64], M, partial=path)
+    with pytest.raises(ConfigError, match="another run's"):
+        evaluate(stories_model, prompts[:1], ["full", "quest"], [64], M, partial=path)
+    res = evaluate(stories_model, prompts[:1], ["full", "quest"], [64], M, partial=path,
+                   restart=True)
+    assert res["prompts_run"] == 1 and [r["method"] for r in res["rows"]] == ["full", "quest"]
+
+
+def test_cli_time_limit_keeps_the_finished_prompts_and_the_rerun_completes(
+        stories_dir, texts, tmp_path, capsys):
+    out = tmp_path / "fid"
+    argv = ["--checkpoint", str(stories_dir), "--methods", "full", "quest", "--budgets", "64",
+            "--num-prompts", "2", "--context", "100", "--max-new-tokens", "4",
+            "--no-progress", "--text", *map(str, texts), "--out", str(out)]
+    assert main([*argv, "--time-limit", "1e-9"]) == 0  # no prompt starts
+    err = capsys.readouterr().err
+    assert "2 prompts not run" in err and "nothing written" in err
+    assert not (out / "fidelity.json").exists()
+    assert (out / "fidelity_100.partial.jsonl").is_file()
+    assert main(argv) == 0
+    data = json.loads((out / "fidelity.json").read_text())
+    assert data["unfinished"] == 0 and data["runs"][0]["prompts_run"] == 2
+    assert data["runs"][0]["prompt_tags"][0]["commit"] == data["commit"]
+    assert not (out / "fidelity_100.partial.jsonl").exists()
+    assert "Incomplete" not in (out / "fidelity.md").read_text()
+
 # ---- the CLI ----------------------------------------------------------------------------------
 
 def test_cli_writes_json_and_prints_the_table(stories_dir, texts, tmp_path, capsys):
@@ -437,6 +494,7 @@ def test_cli_quick_run_on_smollm2_writes_the_three_files(tmp_path, capsys):
     (["--limit", "0"], "--limit must be positive"),
     (["--text", "/nonexistent/file.txt"], "text file not found"),
     (["--out", __file__], "is not a directory"),
+    (["--time-limit", "60"], "--time-limit needs --out"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(stories_dir, texts, capsys, argv, message):
     assert main(["--checkpoint", str(stories_dir), "--no-progress", "--text",
