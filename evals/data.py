@@ -29,5 +29,6 @@ MODELS = DATA / "models"
 TOKENIZERS = DATA / "tokenizers"
 TEXT = DATA / "text"
 ESSAYS = TEXT / "PaulGrahamEssays"  # the needle and RULER haystacks, the fidelity prompts
+RULER_ESSAYS = TEXT / "RULER_PaulGrahamEssays.json"  # {"text": 3.05M chars}: long windows
 TINYSTORIES_TEXTS = (TEXT / "tinystories_sample_cs336.txt",
                      TEXT / "tinystories_valid_excerpt_30KB.txt")

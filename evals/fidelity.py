@@ -7,7 +7,9 @@ Definitions (``T`` = ``--context``, ``m`` = ``--max-new-tokens``, ``N`` =
 
 Prompt set (deterministic). Documents: each ``--text`` path in order, a directory standing for
 its ``*.txt`` files sorted by name (default: ``../shared/data/text/PaulGrahamEssays``, 49
-essays, one document each); each file is split on ``<|endoftext|>``, each piece stripped of
+essays, one document each; a ``.json`` file stands for its ``"text"`` field, e.g. RULER's
+essay haystack ``RULER_PaulGrahamEssays.json``, whose 3.05M characters make windows of 16K and
+32K tokens); each file is split on ``<|endoftext|>``, each piece stripped of
 surrounding whitespace, empty pieces dropped. Each document is tokenized whole with
 ``tok.encode(text, bos=False)`` and cut into non-overlapping windows of ``W = T + m - len(P)``
 tokens starting at token 0, W, 2W, ...; a trailing piece shorter than W is dropped, windows never
@@ -124,7 +126,7 @@ from evals.metrics import (
     top1_matches,
 )
 from evals.probes import RecallProbe
-from evals.prompts import read_text_file, text_files
+from evals.prompts import source_text, text_files
 from generate import generate
 from kv_cache import KVCache
 from measure import weight_bytes, weight_bytes_per_step
@@ -167,10 +169,12 @@ def prompt_record(p: Prompt) -> dict[str, Any]:
 
 def read_documents(paths: Sequence[str | Path]) -> list[tuple[str, int, str]]:
     """``(file name, index, text)`` of every non-empty ``<|endoftext|>``-separated piece of
-    every file of ``paths`` (directories expanded by ``text_files``)."""
+    every file of ``paths`` (directories expanded by ``text_files``; a ``.json`` file is its
+    ``"text"`` field, as RULER's essay haystack ``RULER_PaulGrahamEssays.json``, 3.05M
+    characters: one document long enough for 32K-token windows)."""
     docs = []
     for path in text_files(paths):
-        text = read_text_file(path, "text file ")
+        text = source_text(path, "text file ")
         pieces = [p.strip() for p in text.split(STORY_SEPARATOR)]
         docs += [(path.name, i, p) for i, p in enumerate(q for q in pieces if q)]
     return docs

@@ -286,21 +286,29 @@ def read_text_file(path: Path, what: str = "") -> str:
         raise ConfigError(f"cannot read {what}{path}: {e}") from None
 
 
+def source_text(path: Path, what: str = "") -> str:
+    """The text of one source file: a ``.json`` file's ``"text"`` field (RULER's essay
+    haystack format), else the file's UTF-8 text.
+
+    Raises:
+        ConfigError: unreadable (``read_text_file``), invalid JSON, no ``"text"`` string.
+    """
+    raw = read_text_file(path, what)
+    if path.suffix.lower() != ".json":
+        return raw
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        raise ConfigError(f'{path} has no "text" string field')
+    return obj["text"]
+
+
 def read_texts(paths: Sequence[str]) -> list[str]:
     """Texts of the sources in order: a ``.json`` file's ``"text"`` field, each ``*.txt`` of a
     directory (sorted by name), or a text file."""
-    texts = []
-    for f in text_files(paths):
-        raw = read_text_file(f)
-        if f.suffix.lower() == ".json":
-            try:
-                obj = json.loads(raw)
-            except ValueError as e:
-                raise ConfigError(f"{f} is not valid JSON: {e}") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise ConfigError(f'{f} has no "text" string field')
-            raw = obj["text"]
-        texts.append(raw)
+    texts = [source_text(f) for f in text_files(paths)]
     if not any(t.strip() for t in texts):
         raise ConfigError(f"the text is empty: {', '.join(paths)}")
     return texts

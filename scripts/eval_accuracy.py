@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint (GGUF file, HF or converted directory, short name)")
     p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
     p.add_argument("--text", nargs="+", default=[str(t) for t in DEFAULT_TEXTS],
-                   metavar="PATH", help="text files or directories of *.txt files for the "
-                   f"prompt set (default: {ESSAYS})")
+                   metavar="PATH", help="text files, directories of *.txt files or .json "
+                   'files with a "text" field (RULER_PaulGrahamEssays.json: 16K- and 32K-token '
+                   f"windows) for the prompt set (default: {ESSAYS})")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                    choices=list(METHODS), metavar="METHOD",
                    help=f"any of {', '.join(METHODS)} (default: {' '.join(DEFAULT_METHODS)})")

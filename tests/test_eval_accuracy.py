@@ -12,7 +12,7 @@ from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
 from compression import build_caches
 from compression.selection import TopKSelector
-from evals.data import TINYSTORIES_TEXTS
+from evals.data import RULER_ESSAYS, TINYSTORIES_TEXTS
 from evals.fidelity import (
     STORY_SEPARATOR,
     attach_caches,
@@ -20,6 +20,7 @@ from evals.fidelity import (
     build_from_prefill,
     build_prompt_set,
     evaluate,
+    read_documents,
     seeded_pick,
     spread_pick,
     teacher_forced_logprobs,
@@ -113,6 +114,22 @@ def test_text_directories_expand_to_sorted_txt_files(tmp_path):
     with pytest.raises(ConfigError, match="no \\*.txt"):
         text_files([tmp_path / "empty"])
 
+
+
+def test_a_json_haystack_is_its_text_field_as_one_document(tmp_path, stories_dir):
+    (tmp_path / "hay.json").write_text(json.dumps({"text": "One two.<|endoftext|>Three."}))
+    (tmp_path / "a.txt").write_text("Four.")
+    assert read_documents([tmp_path / "hay.json", tmp_path / "a.txt"]) == [
+        ("hay.json", 0, "One two."), ("hay.json", 1, "Three."), ("a.txt", 0, "Four.")]
+    (tmp_path / "bad.json").write_text(json.dumps({"essays": []}))
+    with pytest.raises(ConfigError, match='no "text" string field'):
+        read_documents([tmp_path / "bad.json"])
+    # the RULER haystack makes 32K-token windows (none of the 49 essays alone does)
+    tok = load_tokenizer(stories_dir)
+    ruler = shared_file(RULER_ESSAYS)
+    windows = build_prompt_set(tok, [ruler], 4096, 16, 3)
+    assert [len(w.prompt) for w in windows] == [4096] * 3
+    assert len({w.start for w in windows}) == 3 and {w.source for w in windows} == {ruler.name}
 
 def test_too_few_windows_is_a_config_error(stories_dir, texts):
     from model import ConfigError
