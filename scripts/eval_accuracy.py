@@ -203,9 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if path is not None and not run["unfinished"]:
             path.unlink(missing_ok=True)
     if unfinished:
+        kept = ", ".join(str(path) for run, path in zip(runs, partials) if run["unfinished"])
         print(f"note: {unfinished} prompts not run (--time-limit): the results cover the "
               "others, and the same command runs the rest (the finished prompts are kept in "
-              f"{Path(args.out) / 'fidelity_T.partial.jsonl'})", file=sys.stderr)
+              f"{kept})", file=sys.stderr)
     runs = [r for r in runs if r["prompts_run"]]
     if not runs:
         print("note: no prompt finished: nothing written", file=sys.stderr)
