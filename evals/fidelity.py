@@ -357,15 +357,19 @@ def evaluate_prompt(model: Transformer, prompt: Prompt, configs: Sequence[tuple[
             tick()
             continue
         greedy = report["token_ids"][0]
-        build_from_prefill(model, pre, method, budget, m)
-        shared = all(c.shared_prefill for c in model.caches)
-        # KeyDiff prefills block-wise: its own prompt logits (None: prefilled again here)
+        shared = METHODS[method].shared_prefill
+        T = len(prompt.prompt)
+        if shared:
+            build_from_prefill(model, pre, method, budget, m)
+        else:  # KeyDiff prefills block-wise: fresh caches, its own prefill in each pass
+            attach_caches(model, method, budget, T, m)
         own_first = first if shared else None
         top1 = top1_matches(teacher_forced_logprobs(model, prompt.prompt, ref, own_first),
                             ref) / m
         if method == "full":
             lp, probe, recall = full_lp, None, None
         elif not shared:  # its keys are not the shared prefill's: no recall against them
+            attach_caches(model, method, budget, T, m)
             lp, probe, recall = teacher_forced_logprobs(
                 model, prompt.prompt, prompt.continuation), None, None
         else:

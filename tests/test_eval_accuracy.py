@@ -222,12 +222,18 @@ def test_table_has_one_line_per_row(result):
 
 # ---- one prefill per prompt vs a prefill per configuration ------------------------------------
 
-@pytest.mark.parametrize("method,budget", [("rocketkv", 64), ("quest", 32)])
+@pytest.mark.parametrize("method,budget", [("rocketkv", 64), ("quest", 32), ("keydiff", 64)])
 def test_shared_prefill_equals_the_per_config_path(stories_model, prompts, result, rows, rows2,
                                                    method, budget):
-    """The old path (each configuration prefills the prompt itself) gives the same numbers."""
+    """The old path (each configuration prefills the prompt itself) gives the same numbers;
+    KeyDiff, which prefills its own way, prefills once per pass as there."""
     model = stories_model
-    row = rows[(method, budget)] if method == "rocketkv" else rows2[(method, budget)]
+    if method == "keydiff":
+        res = evaluate(model, prompts, [method], [budget], M)
+        row = res["rows"][0]
+        assert res["reference_continuations"] == result["reference_continuations"]
+    else:
+        row = rows[(method, budget)] if method == "rocketkv" else rows2[(method, budget)]
     prefix, top1, nlls, kls = [], [], [], []
     for p, ref in zip(prompts, result["reference_continuations"]):
         greedy = generate(model, p.prompt, method=method, budget=budget,
