@@ -96,7 +96,6 @@ Argmax ties go to the lowest token id (``torch.argmax``, as ``generate.sample`` 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import sys
@@ -113,10 +112,10 @@ from compression import METHODS, build_caches, needs_attention_sums
 from evals.data import ESSAYS
 from evals.harness import (
     DEV_SEED_OFFSET,
-    code_digest,
     configurations,
+    open_partial,
     progress_bar,
-    read_partial,
+    spec_fingerprint,
 )
 from evals.metrics import (
     kl_rows,
@@ -395,10 +394,9 @@ def fidelity_fingerprint(prompts: Sequence[Prompt], configs: Sequence[tuple[str,
     """sha256 (hex) of what a prompt's numbers depend on: every prompt's and continuation's
     token ids, the configurations, m, ``run_key`` (the caller's checkpoint, dtype, threads)
     and the code (``harness.code_digest``; left out with ``code`` False)."""
-    spec = {"code": code_digest() if code else None,
-            "prompts": [[p.prompt, p.continuation] for p in prompts],
-            "configs": [list(c) for c in configs], "m": m, "run_key": run_key}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+    return spec_fingerprint({"prompts": [[p.prompt, p.continuation] for p in prompts],
+                             "configs": [list(c) for c in configs], "m": m,
+                             "run_key": run_key}, code)
 
 
 _REPORT_KEYS = ("kv_cache_bytes", "kv_bytes_per_step", "method_params")
@@ -431,7 +429,7 @@ def evaluate(model: Transformer, prompts: Sequence[Prompt], methods: Sequence[st
     ``fidelity_fingerprint``, then one line per prompt, tagged with ``tag``); a run that finds
     it with the same fingerprint skips the prompts it holds and gives the same rows as a run
     that never stopped. A file of other prompts, settings or engine code is a ConfigError
-    (``harness.read_partial``), or with ``restart`` overwritten. ``stop``: asked before each
+    (``harness.open_partial``), or with ``restart`` overwritten. ``stop``: asked before each
     prompt; once True no prompt starts, the rows cover the prompts finished
     (``prompts_run``; ``unfinished`` counts the rest; no rows when none finished) and the
     same call later runs the rest. The caller deletes the file once every prompt ran.
@@ -450,7 +448,7 @@ def evaluate(model: Transformer, prompts: Sequence[Prompt], methods: Sequence[st
         partial = Path(partial)
         fingerprint = fidelity_fingerprint(prompts, configs, m, run_key)
         settings = fidelity_fingerprint(prompts, configs, m, run_key, code=False)
-        kept = read_partial(partial, fingerprint, settings, restart)
+        kept, saved = open_partial(partial, fingerprint, settings, restart)
         done = {line["prompt"]: line for line in kept}
         for line in kept:
             errors.update({(m_, b): msg for m_, b, msg in line["errors"]})
@@ -459,10 +457,6 @@ def evaluate(model: Transformer, prompts: Sequence[Prompt], methods: Sequence[st
                   f"{partial}", file=sys.stderr)
             if bar is not None:
                 bar.update(len(done) * (len(configs) + 1))
-        partial.parent.mkdir(parents=True, exist_ok=True)  # rewritten without a cut-off line
-        partial.write_text("".join(json.dumps(x) + "\n" for x in [
-            {"fingerprint": fingerprint, "settings": settings}, *kept]))
-        saved = partial.open("a")
     try:
         for i, p in enumerate(prompts):
             if i in done:

@@ -292,12 +292,18 @@ def run_fingerprint(items: Sequence[Item], configs: Sequence[tuple[str, Any]],
     per-item answer length, the configurations, modes, method options, batch size,
     ``run_key`` (the caller's checkpoint, dtype and device) and the code (``code_digest``;
     left out with ``code`` False: the run's settings alone)."""
-    spec = {"code": code_digest() if code else None,
-            "items": [[it.doc_ids, it.question_ids, it.meta.get("max_new_tokens")]
-                      for it in items],
-            "configs": [list(c) for c in configs], "max_new_tokens": max_new_tokens,
-            "modes": list(modes), "options": options or {}, "batch_size": batch_size,
-            "run_key": run_key}
+    return spec_fingerprint({
+        "items": [[it.doc_ids, it.question_ids, it.meta.get("max_new_tokens")]
+                  for it in items],
+        "configs": [list(c) for c in configs], "max_new_tokens": max_new_tokens,
+        "modes": list(modes), "options": options or {}, "batch_size": batch_size,
+        "run_key": run_key}, code)
+
+
+def spec_fingerprint(spec: dict[str, Any], code: bool = True) -> str:
+    """sha256 (hex) of a run's JSON-able ``spec`` and, unless ``code`` is False, the engine
+    code (``code_digest``): the key under which a partial file's results are reused."""
+    spec = {**spec, "code": code_digest() if code else None}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -313,7 +319,7 @@ def _saved_commit(lines: Sequence[str]) -> str | None:
     return None
 
 
-def read_partial(path: Path, fingerprint: str, settings: str,
+def _read_partial(path: Path, fingerprint: str, settings: str,
                   restart: bool = False) -> list[dict[str, Any]]:
     """The finished units (batches of the harness, prompts of ``evals.fidelity``) saved in
     ``path`` after a header line by a run with this ``fingerprint`` (settings and code;
@@ -355,6 +361,17 @@ def read_partial(path: Path, fingerprint: str, settings: str,
         except json.JSONDecodeError:
             break  # the line a killed run was writing
     return done
+
+
+def open_partial(path: Path, fingerprint: str, settings: str, restart: bool = False):
+    """(the units ``path`` holds for this run (``_read_partial``), the file open for appending
+    one JSON line per finished unit), the file rewritten first as its header and those units
+    (without a line cut off mid-write). Raises ConfigError as ``_read_partial``."""
+    kept = _read_partial(path, fingerprint, settings, restart)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"fingerprint": fingerprint, "settings": settings}, *kept]))
+    return kept, path.open("a")
 
 
 def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
@@ -429,7 +446,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
         spec = (items, configs, max_new_tokens, modes, options, batch_size, run_key)
         fingerprint = run_fingerprint(*spec)
         settings = run_fingerprint(*spec, code=False)
-        kept = read_partial(partial, fingerprint, settings, restart)
+        kept, saved = open_partial(partial, fingerprint, settings, restart)
         for line in kept:
             record(line["batch"], {mode: {(m, b): ans for m, b, ans in res}
                                    for mode, res in line["got"].items()})
@@ -439,10 +456,6 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
         if done:
             print(f"resuming: {len(done)} of {len(batches)} batches from {partial}",
                   file=sys.stderr)
-        partial.parent.mkdir(parents=True, exist_ok=True)  # rewritten without a cut-off line
-        partial.write_text("".join(json.dumps(x) + "\n" for x in [
-            {"fingerprint": fingerprint, "settings": settings}, *kept]))
-        saved = partial.open("a")
     todo = [idx for idx in batches if tuple(idx) not in done]
     bar = progress_bar(len(batches) * len(configs) * len(modes), progress)
     if bar is not None and done:
