@@ -24,7 +24,9 @@ one-answer tasks, pass/fail; F1 for list tasks). Files scored before it (needle 
 substring scores become the ``sub`` column. A cell shows ``score [ci_low, ci_high] n=k``
 (``n=k/N`` when the method ran k of the length's N prompts: an incomplete cell), then
 ``sub X`` when the old substring score differs; ``n/a``: the method rejected the budget for
-some prompt; empty: not run. Intervals (``evals/stats.py``): Wilson for pass/fail cells,
+some prompt; empty: not run. A length whose run stopped before every batch ran
+(``--time-limit``) is marked incomplete, with the prompts (per task) no run has answered yet;
+its cells cover the prompts run. Intervals (``evals/stats.py``): Wilson for pass/fail cells,
 percentile bootstrap over prompts (seeded, stratified by task or length for pooled cells)
 otherwise.
 
@@ -43,7 +45,9 @@ are per comparison, not corrected for the many comparisons made.
 ``summary.json`` (beside ``--markdown``, or ``--json``): ``cells`` (one per bench x task x length x
 method x budget x mode, plus the pooled ones with task or length "pooled": ``n``, ``score``,
 ``ci_low``, ``ci_high`` in percent, ``interval``, ``score_substring``, ``commit``),
-``comparisons``, ``weak`` units, the ``files`` read with their commits. Exit status 0, or 2 on
+``comparisons``, ``weak`` units, ``not_run`` (per bench, task and length: the prompts of
+unfinished batches that no file has answered; the Markdown marks those lengths incomplete),
+the ``files`` read with their commits. Exit status 0, or 2 on
 bad input (one ``error:`` line).
 """
 
@@ -149,11 +153,21 @@ class Collected:
         self.binary: dict[str, bool] = {}
         self.budgets: set[int] = set()
         self.files: list[dict[str, Any]] = []
+        # prompts of unfinished batches that no file ran: prompt -> (bench, task, length)
+        self.not_run: dict[str, tuple[str, str, int]] = {}
 
     def prompts(self, bench: str, task: str | None = None,
                 length: int | None = None) -> set[str]:
         return {k for k, (b, t, n) in self.unit.items() if b == bench
                 and (task is None or t == task) and (length is None or n == length)}
+
+    def not_run_at(self, bench: str, length: int | None = None) -> dict[str, int]:
+        """{task: prompts not run} of ``bench`` (at ``length``; every length with None)."""
+        out: dict[str, int] = defaultdict(int)
+        for b, t, n in self.not_run.values():
+            if b == bench and (length is None or n == length):
+                out[t] += 1
+        return dict(sorted(out.items()))
 
     def cell(self, bench: str, mode: str, method: str, budget: int | None) -> dict[str, tuple]:
         return self.scores.get((bench, mode, method, budget if METHODS[method].budgeted
@@ -162,8 +176,10 @@ class Collected:
 
 def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
     """Merge the files by prompt. A prompt belongs to a unit (bench, task, length) once some
-    method ran or rejected it (a prompt of an unfinished batch that nothing ran is left out)."""
+    method ran or rejected it; a prompt of an unfinished batch that no file ran is counted in
+    ``not_run`` (the report marks its length incomplete)."""
     c = Collected()
+    listed: dict[str, tuple[str, str, int]] = {}
     for name, res in results:
         bench = res["task"]
         mode = "question_agnostic" if res.get("question_agnostic") else "standard"
@@ -173,6 +189,9 @@ def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
             c.files.append({"path": name, "commit": label, "group": group,
                             "rescored": rescore is not None})
         keys = [_item_key(it, bench) for it in res["items"]]
+        for key, it in zip(keys, res["items"]):
+            listed.setdefault(key, (bench, "needle" if bench == "needle" else it["task"],
+                                    int(it["length"])))
         for row in res["rows"]:
             if row.get("budget") is not None:
                 c.budgets.add(int(row["budget"]))
@@ -200,6 +219,7 @@ def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
                 task = "needle" if bench == "needle" else it["task"]
                 c.unit[key] = (bench, task, int(it["length"]))
                 c.binary[key] = binary_default if bench == "needle" else task in PASS_FAIL_TASKS
+    c.not_run = {k: u for k, u in listed.items() if k not in c.unit}
     return c
 
 
@@ -311,6 +331,7 @@ class Report:
         self.cells: list[dict[str, Any]] = []
         self.comparisons: list[dict[str, Any]] = []
         self.weak: list[dict[str, Any]] = []
+        self.not_run: list[dict[str, Any]] = []
 
     def _entry(self, cell: dict[str, Any] | None, **where: Any) -> None:
         if cell is None:
@@ -363,6 +384,16 @@ class Report:
                     self.comparisons.append({"bench": bench, "length": length, **r})
                 self.lines.append("")
 
+    @staticmethod
+    def _not_run_line(bench: str, missing: dict[str, int], ran: int) -> str:
+        """The line under an incomplete length's heading: how many of its prompts (of which
+        tasks) no run has answered yet."""
+        total = sum(missing.values())
+        text = f"Incomplete: {total} of this length's {total + ran} prompts not run yet"
+        if bench != "needle":
+            text += " (" + ", ".join(f"{t} {n}" for t, n in missing.items()) + ")"
+        return text + ("; the cells cover the prompts run.\n" if ran else ".\n")
+
     def weak_units(self, bench: str, length: int, tasks: Sequence[str]) -> dict[str, float]:
         """{task: full's standard score} of the tasks at ``length`` where full scores under
         ``WEAK_BELOW``; tasks full did not run are kept (not judged)."""
@@ -379,15 +410,29 @@ class Report:
     def build(self) -> None:
         c = self.c
         for bench, name in (("needle", "Needle"), ("ruler", "RULER-style tasks")):
-            lengths = sorted({n for b, _, n in c.unit.values() if b == bench})
+            lengths = sorted({n for b, _, n in [*c.unit.values(), *c.not_run.values()]
+                              if b == bench})
             pooled: set[str] = set()
+            incomplete: list[str] = []
             for length in lengths:
                 keys = c.prompts(bench, length=length)
+                missing = c.not_run_at(bench, length)
+                if missing:
+                    self.not_run += [{"bench": bench, "task": t, "length": length,
+                                      "prompts": n} for t, n in missing.items()]
+                    incomplete.append(f"{length} ({sum(missing.values())} prompts not run)")
+                if not keys:
+                    self.lines.append(f"## {name}, {length} tokens (not run)\n")
+                    self.lines.append(self._not_run_line(bench, missing, 0))
+                    continue
                 tasks = sorted({c.unit[k][1] for k in keys})
                 weak = self.weak_units(bench, length, tasks)
                 kept = {k for k in keys if c.unit[k][1] not in weak}
                 pooled |= kept
-                self.lines.append(f"## {name}, {length} tokens ({len(keys)} prompts)\n")
+                self.lines.append(f"## {name}, {length} tokens ({len(keys)} prompts"
+                                  + ("; incomplete" if missing else "") + ")\n")
+                if missing:
+                    self.lines.append(self._not_run_line(bench, missing, len(keys)))
                 apart = ", ".join(f"{t} (full {100 * s:.1f})" for t, s in weak.items())
                 if bench == "needle":
                     if weak:
@@ -416,7 +461,9 @@ class Report:
                     self.claims(bench, length, kept, lambda k: c.unit[k][1])
             if len({c.unit[k][2] for k in pooled}) > 1:
                 self.lines.append(f"## {name}, pooled over lengths ({len(pooled)} prompts; "
-                                  "weak units left out)\n")
+                                  "weak units left out"
+                                  + (f"; incomplete: {', '.join(incomplete)}" if incomplete
+                                     else "") + ")\n")
                 strata = (lambda k: c.unit[k][2]) if bench == "needle" else \
                     (lambda k: c.unit[k][1:])
                 self.table(bench, "needle" if bench == "needle" else "pooled", "pooled",
@@ -450,7 +497,8 @@ def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = Fal
             "",
             "A cell: score % [95% interval] n=prompts (n=k/N: k of the length's N prompts "
             "ran); sub: the old substring score where it differs; n/a: the method rejected "
-            "the budget. Intervals: Wilson (pass/fail), bootstrap over prompts (partial "
+            "the budget; a length marked incomplete lists the prompts no run has answered "
+            "yet. Intervals: Wilson (pass/fail), bootstrap over prompts (partial "
             "credit, pooled). Comparisons: paired over the same prompts, Tango's score interval "
             "(pass/fail) or the bootstrap, and the exact McNemar or sign-flip test; a "
             "difference is stated only where p < 0.05."
@@ -458,7 +506,8 @@ def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = Fal
                "rescored here from their answers." if rescored else ""), ""]
     summary = {"units": "percent", "commits": labels, "mixed": len(groups) > 1,
                "files": [{k: v for k, v in f.items() if k != "group"} for f in c.files],
-               "weak_below": 100 * WEAK_BELOW, "weak": r.weak, "cells": r.cells,
+               "weak_below": 100 * WEAK_BELOW, "weak": r.weak, "not_run": r.not_run,
+               "cells": r.cells,
                "comparisons": [{**x, "diff": 100 * x["diff"], "ci_low": 100 * x["ci_low"],
                                 "ci_high": 100 * x["ci_high"]} for x in r.comparisons]}
     return "\n".join(head + r.lines), summary

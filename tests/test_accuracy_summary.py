@@ -179,7 +179,13 @@ def test_unfinished_rejected_and_partial_rows(tmp_path, capsys):
     other = _result([{"method": "sparq", "budget": 128, "scores": [0.0, None, None],
                       "items_run": 1}])
     text, summary = _run(tmp_path, res, other, capsys=capsys)
-    assert "200 tokens" not in text
+    # the 200-token length: listed as not run, no table, no cell
+    assert "## Needle, 200 tokens (not run)\n\nIncomplete: 1 of this length's 1 prompts " \
+        "not run yet.\n" in text
+    assert "## Needle, 100 tokens (2 prompts)\n" in text
+    assert not [c for c in summary["cells"] if c["length"] == 200]
+    assert summary["not_run"] == [{"bench": "needle", "task": "needle", "length": 200,
+                                   "prompts": 1}]
     assert _line(text, 100, "snapkv") == "| snapkv | n/a |"
     assert _line(text, 100, "quest") == "| quest | n/a |"
     assert _line(text, 100, "sparq") == "| sparq | 0.0 [0.0, 79.3] n=1/2 |"
@@ -196,3 +202,33 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, capsys):
     (tmp_path / "broken.json").write_text("{")
     assert main([str(tmp_path / "broken.json")]) == 2
     assert "not a readable JSON file" in capsys.readouterr().err
+
+
+def test_a_stopped_ruler_run_marks_its_length_incomplete(tmp_path, capsys):
+    """Tasks of unfinished batches are counted under the length's heading and in summary.json,
+    the pooled cells cover the tasks run, and a prompt another file answered is not missing."""
+    items = [{"task": t, "length": 100, "seed": j, "outputs": ["1234567"]}
+             for t in ("niah_single_noise", "niah_multikey", "niah_single_uuid")
+             for j in range(2)]
+    stopped = {"task": "ruler", "question_agnostic": False, "items": items, "commit": "cccc",
+               "scoring": "boundary_f1", "unfinished": 4, "rows": [
+                   {"method": "full", "budget": None, "scores": [1.0, 1.0] + [None] * 4},
+                   {"method": "rocketkv", "budget": 64, "scores": [1.0, 0.0] + [None] * 4}]}
+    # a second file answered the first multikey prompt
+    more = {**stopped, "items": items[2:3], "unfinished": 0, "rows": [
+        {"method": "full", "budget": None, "scores": [1.0]},
+        {"method": "rocketkv", "budget": 64, "scores": [1.0]}]}
+    text, summary = _run(tmp_path, stopped, more, capsys=capsys)
+    assert "## RULER-style tasks, 100 tokens (3 prompts; incomplete)\n\nIncomplete: 3 of " \
+        "this length's 6 prompts not run yet (niah_multikey 1, niah_single_uuid 2); the " \
+        "cells cover the prompts run.\n" in text
+    assert summary["not_run"] == [
+        {"bench": "ruler", "task": "niah_multikey", "length": 100, "prompts": 1},
+        {"bench": "ruler", "task": "niah_single_uuid", "length": 100, "prompts": 2}]
+    pooled = _cell(summary, bench="ruler", task="pooled", length=100, method="rocketkv")
+    # the mean of the task means over the tasks run: noise (1 + 0) / 2, multikey 1
+    assert pooled["n"] == 3 and pooled["score"] == 75.0
+    # complete runs say nothing of the kind
+    text, summary = _run(tmp_path, more, capsys=capsys)
+    assert "incomplete" not in text.lower().replace("marked incomplete", "")
+    assert summary["not_run"] == []
