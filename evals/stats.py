@@ -244,7 +244,8 @@ def cell_stats(values: Sequence[float], *, binary: bool | None = None,
     (``binary``, default: whether every value is 0 or 1) without strata or in strata of one
     size (the mean of their means is then the pooled pass rate), else "bootstrap"
     (``bootstrap_interval``, seeded; a percentile bootstrap of 40 passes is [1, 1], which
-    Wilson's [0.91, 1] is not). Scores stay in [0, 1].
+    Wilson's [0.91, 1] is not). Partial-credit scores that are all 0 (or all 1) take Wilson's
+    interval too, not the bootstrap's zero-width one. Scores stay in [0, 1].
 
     Raises:
         ValueError: no values.
@@ -259,7 +260,11 @@ def cell_stats(values: Sequence[float], *, binary: bool | None = None,
     else:
         score = float(np.mean(values))
     sizes = set() if strata is None else set(Counter(strata).values())
-    if binary and len(sizes) <= 1:
+    same = min(values) == max(values) and min(values) in (0, 1)
+    if (binary and len(sizes) <= 1) or same:
+        # every score 0 (or 1): a percentile bootstrap would give the zero-width [0, 0]; for
+        # scores in [0, 1] with mean m, P(all n are 0) <= (1 - m)^n as for pass/fail, so the
+        # pass/fail interval bounds the mean here too
         lo, hi = wilson_interval(int(round(sum(values))), len(values))
         kind = "wilson"
     else:

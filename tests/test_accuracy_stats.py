@@ -71,6 +71,11 @@ def test_cell_stats_picks_the_interval():
     assert c["ci_high"] == 1.0 and round(c["ci_low"], 4) == 0.9124  # 40 / (40 + z^2)
     c = cell_stats([1, 0, 1, 1], strata=["x", "x", "y", "y"])
     assert c["interval"] == "wilson" and c["score"] == 0.75
+    # partial-credit scores all 0 in strata of unequal size: not the bootstrap's [0, 0] but
+    # Wilson's [0, z^2 / (n + z^2)] = [0, 0.2775] at n = 10
+    c = cell_stats([0.0] * 10, binary=False, strata=["a"] * 3 + ["b"] * 7)
+    assert c["interval"] == "wilson" and c["score"] == 0.0
+    assert c["ci_low"] == 0.0 and round(c["ci_high"], 4) == 0.2775
 
 
 # --------------------------------------------------------------------------------------------
