@@ -161,11 +161,11 @@ class Collected:
         return {k for k, (b, t, n) in self.unit.items() if b == bench
                 and (task is None or t == task) and (length is None or n == length)}
 
-    def not_run_at(self, bench: str, length: int | None = None) -> dict[str, int]:
-        """{task: prompts not run} of ``bench`` (at ``length``; every length with None)."""
+    def not_run_at(self, bench: str, length: int) -> dict[str, int]:
+        """{task: prompts not run} of ``bench`` at ``length``."""
         out: dict[str, int] = defaultdict(int)
         for b, t, n in self.not_run.values():
-            if b == bench and (length is None or n == length):
+            if (b, n) == (bench, length):
                 out[t] += 1
         return dict(sorted(out.items()))
 
