@@ -9,6 +9,8 @@ seeded by the caller (default 0).
 * ``wilson_interval(k, n)``: the Wilson score interval of a pass rate (pass/fail scores).
 * ``bootstrap_interval(values)``: the percentile bootstrap interval of a mean (partial credit),
   optionally stratified (resampling prompts within each task, for a mean over tasks).
+* ``stratified_score_interval(passes, sizes)``: the score interval of a mean of strata's pass
+  rates (a pooled cell whose lengths hold different numbers of prompts).
 * ``sign_flip_p(diffs)``: the exact two-sided sign-flip (paired permutation) test of a mean
   difference of zero.
 * ``mcnemar_p(b, c)``: the exact McNemar test of pass/fail pairs (an exact binomial test of the
@@ -171,6 +173,90 @@ def tango_paired_interval(only_a: int, only_b: int, n: int,
     return lower, upper
 
 
+def _restricted_rate(k: float, n: int, c: float) -> float:
+    # The pass rate p in [0, 1] that maximizes k log p + (n - k) log(1 - p) - c p: where
+    # k / p - (n - k) / (1 - p) = c inside (0, 1), else the end that KKT picks
+    if k <= 0:
+        return max(0.0, 1.0 + n / c) if c < 0 else 0.0
+    if k >= n:
+        return min(1.0, n / c) if c > 0 else 1.0
+    if c == 0:
+        return k / n
+    # c p^2 - (c + n) p + k = 0 has exactly one root in (0, 1): q(0) = k > 0 > k - n = q(1)
+    b, disc = c + n, math.sqrt((c + n) ** 2 - 4 * c * k)
+    r = 2 * k / (b + disc) if b >= 0 else 2 * k / (b - disc)
+    if not 0.0 < r < 1.0:
+        r = (b + disc) / (2 * c) if b >= 0 else (b - disc) / (2 * c)
+    return min(1.0, max(0.0, r))
+
+
+def stratified_score_interval(passes: Sequence[float], sizes: Sequence[int],
+                              z: float = Z95) -> tuple[float, float]:
+    """The score interval of the mean of H strata's pass rates, (1/H) sum_h p_h, from
+    ``passes[h]`` passes in ``sizes[h]`` prompts (a pooled cell whose strata differ in size).
+
+    The interval is every theta whose score statistic (p_hat - theta)^2 / V(theta) is at most
+    z^2, with p_hat = (1/H) sum_h k_h / n_h and V(theta) = (1/H^2) sum_h p_h (1 - p_h) / n_h
+    evaluated at the rates p_h that maximize the binomial likelihood subject to
+    (1/H) sum_h p_h = theta (the restricted maximum-likelihood estimate, found by bisection on
+    the Lagrange multiplier); each end is found by bisection on theta. One stratum gives
+    Wilson's interval exactly. Unlike a stratified bootstrap it is not zero-width when every
+    stratum is constant: two strata of n, one all pass and one all fail, give
+    0.5 -/+ z^2 / (2 (n + z^2)) (n = 10: [0.361, 0.639]; Wilson on the 20 prompts pooled, which
+    ignores the strata, [0.299, 0.701]). Passes may be fractional (the sum of partial-credit
+    scores in [0, 1], whose variance is at most the Bernoulli's m (1 - m)).
+
+    Source: the score-test inversion of E. B. Wilson (JASA 22, 1927), with the variance at the
+    restricted maximum-likelihood estimate as O. Miettinen and M. Nurminen do for a difference
+    of rates ("Comparative analysis of two rates", Statistics in Medicine 4, 1985).
+
+    Raises:
+        ValueError: no strata, ``passes`` and ``sizes`` of different lengths, a stratum with
+            no prompts, or passes outside [0, size].
+    """
+    if len(passes) != len(sizes) or not sizes:
+        raise ValueError(f"the stratified score interval needs one pass count per stratum, got "
+                         f"{len(passes)} counts and {len(sizes)} sizes")
+    if any(n <= 0 or not 0 <= k <= n for k, n in zip(passes, sizes)):
+        raise ValueError(f"the stratified score interval needs 0 <= passes <= size and size > 0 "
+                         f"in every stratum, got {list(passes)} of {list(sizes)}")
+    h = len(sizes)
+    est = sum(k / n for k, n in zip(passes, sizes)) / h
+
+    def rates(theta: float) -> list[float]:
+        # (1/H) sum_h p_h(c) falls from 1 to 0 as the multiplier c grows: bracket, then bisect
+        def mean(c: float) -> float:
+            return sum(_restricted_rate(k, n, c) for k, n in zip(passes, sizes)) / h
+        lo, hi = -1.0, 1.0
+        while mean(lo) < theta and lo > -1e150:
+            lo *= 2
+        while mean(hi) > theta and hi < 1e150:
+            hi *= 2
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            if mid in (lo, hi):
+                break
+            lo, hi = (mid, hi) if mean(mid) > theta else (lo, mid)
+        c = (lo + hi) / 2
+        return [_restricted_rate(k, n, c) for k, n in zip(passes, sizes)]
+
+    def inside(theta: float) -> bool:
+        var = sum(p * (1 - p) / n for p, n in zip(rates(theta), sizes)) / (h * h)
+        return (est - theta) ** 2 <= z * z * var
+
+    def solve(a: float, b: float) -> float:
+        # inside(a) is False, inside(b) is True (b = est): the boundary between them
+        for _ in range(60):
+            mid = (a + b) / 2
+            a, b = (a, mid) if inside(mid) else (mid, b)
+        return (a + b) / 2
+
+    # at theta = 0 (or 1) every restricted rate is 0 (or 1) and V = 0: outside unless est is it
+    lower = 0.0 if est <= 0 else solve(0.0, est)
+    upper = 1.0 if est >= 1 else solve(1.0, est)
+    return lower, upper
+
+
 def _fraction(x: float) -> Fraction:
     # scores are ratios of small integers (hits / items); recover them from their floats
     return Fraction(x).limit_denominator(10_000)
@@ -240,12 +326,24 @@ def is_binary(values: Sequence[float]) -> bool:
 def cell_stats(values: Sequence[float], *, binary: bool | None = None,
                strata: Sequence[Hashable] | None = None, seed: int = 0) -> dict[str, Any]:
     """One table cell: ``n``, ``score`` (the mean; with ``strata``, the mean of the strata's
-    means), ``ci_low`` and ``ci_high`` (95%) and ``interval``: "wilson" for pass/fail scores
-    (``binary``, default: whether every value is 0 or 1) without strata or in strata of one
-    size (the mean of their means is then the pooled pass rate), else "bootstrap"
-    (``bootstrap_interval``, seeded; a percentile bootstrap of 40 passes is [1, 1], which
-    Wilson's [0.91, 1] is not). Partial-credit scores that are all 0 (or all 1) take Wilson's
-    interval too, not the bootstrap's zero-width one. Scores stay in [0, 1].
+    means), ``ci_low`` and ``ci_high`` (95%) and ``interval``, which says how they were made:
+
+    * "wilson": pass/fail scores (``binary``, default: whether every value is 0 or 1) without
+      strata or in strata of one size (the mean of their means is then the pooled pass rate);
+      partial-credit scores that are all 0 (or all 1) too, not the bootstrap's zero-width
+      interval (for scores in [0, 1] with mean m, P(all n are 0) <= (1 - m)^n, as for
+      pass/fail). A percentile bootstrap of 40 passes is [1, 1], which Wilson's [0.91, 1] is
+      not.
+    * "score": pass/fail scores (or all-0/all-1 ones) in strata of different sizes
+      (``stratified_score_interval``: the mean of the strata's rates weighs a prompt of a
+      smaller stratum more, so the pooled Wilson interval would misstate it, and a stratified
+      bootstrap is zero-width when every stratum is constant); partial credit whose bootstrap
+      is zero-width (every stratum constant), with each stratum's score sum as its passes
+      (a score in [0, 1] with mean m varies at most as a pass/fail one, m (1 - m)).
+    * "bootstrap": every other partial-credit cell (``bootstrap_interval``, seeded,
+      stratified when ``strata`` are given).
+
+    Scores stay in [0, 1].
 
     Raises:
         ValueError: no values.
@@ -253,23 +351,27 @@ def cell_stats(values: Sequence[float], *, binary: bool | None = None,
     if len(values) == 0:
         raise ValueError("a cell needs at least one score")
     binary = is_binary(values) if binary is None else binary
-    if strata is not None:
-        labels = list(dict.fromkeys(strata))
-        means = [np.mean([v for v, s in zip(values, strata) if s == lab]) for lab in labels]
-        score = float(np.mean(means))
-    else:
-        score = float(np.mean(values))
-    sizes = set() if strata is None else set(Counter(strata).values())
+    labels = [None] if strata is None else list(dict.fromkeys(strata))
+    groups = ([list(values)] if strata is None else
+              [[v for v, s in zip(values, strata) if s == lab] for lab in labels])
+    score = float(np.mean([np.mean(g) for g in groups]))
+    equal = len({len(g) for g in groups}) == 1
     same = min(values) == max(values) and min(values) in (0, 1)
-    if (binary and len(sizes) <= 1) or same:
-        # every score 0 (or 1): a percentile bootstrap would give the zero-width [0, 0]; for
-        # scores in [0, 1] with mean m, P(all n are 0) <= (1 - m)^n as for pass/fail, so the
-        # pass/fail interval bounds the mean here too
+
+    def stratified() -> tuple[float, float]:
+        return stratified_score_interval([float(sum(g)) for g in groups],
+                                         [len(g) for g in groups])
+
+    if (binary or same) and equal:
         lo, hi = wilson_interval(int(round(sum(values))), len(values))
         kind = "wilson"
+    elif binary or same:
+        (lo, hi), kind = stratified(), "score"
     else:
         lo, hi = bootstrap_interval(values, strata=strata, seed=seed)
         kind = "bootstrap"
+        if lo == hi:  # every stratum constant: a resample cannot vary
+            (lo, hi), kind = stratified(), "score"
     return {"n": len(values), "score": score, "ci_low": lo, "ci_high": hi, "interval": kind}
 
 

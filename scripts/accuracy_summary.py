@@ -26,9 +26,10 @@ substring scores become the ``sub`` column. A cell shows ``score [ci_low, ci_hig
 ``sub X`` when the old substring score differs; ``n/a``: the method rejected the budget for
 some prompt; empty: not run. A length whose run stopped before every batch ran
 (``--time-limit``) is marked incomplete, with the prompts (per task) no run has answered yet;
-its cells cover the prompts run. Intervals (``evals/stats.py``): Wilson for pass/fail cells,
-percentile bootstrap over prompts (seeded, stratified by task or length for pooled cells)
-otherwise.
+its cells cover the prompts run. Intervals (``evals/stats.py``, ``cell_stats``): Wilson for
+pass/fail cells, the stratified score interval for pass/fail cells pooled over lengths of
+different sizes, percentile bootstrap over prompts (seeded, stratified by task or length for
+pooled cells) otherwise.
 
 Weak tasks. A (task, length) where ``full`` scores under 50 in standard mode is reported apart
 (its own table line) and left out of every pooled cell and pooled comparison: at 32K full

@@ -6,6 +6,7 @@ import hashlib
 import math
 import re
 
+import numpy as np
 import pytest
 
 from evals.needle import PARAPHRASE_ADJECTIVES, PARAPHRASE_NOUNS, needle_fact
@@ -18,6 +19,7 @@ from evals.stats import (
     mcnemar_p,
     paired_comparison,
     sign_flip_p,
+    stratified_score_interval,
     tango_paired_interval,
     wilson_interval,
 )
@@ -62,8 +64,8 @@ def test_cell_stats_picks_the_interval():
     assert (round(c["ci_low"], 4), round(c["ci_high"], 4)) == (0.3968, 0.8922)
     c = cell_stats([1.0, 0.5, 0.0])
     assert c["interval"] == "bootstrap" and c["score"] == 0.5
-    c = cell_stats([1, 0, 1, 1, 1], strata=["x", "x", "y", "y", "y"])
-    assert c["interval"] == "bootstrap" and c["score"] == 0.75  # mean of .5 and 1
+    c = cell_stats([1.0, 0.5, 1, 1, 1], strata=["x", "x", "y", "y", "y"])
+    assert c["interval"] == "bootstrap" and c["score"] == 0.875  # mean of .75 and 1
     # strata of one size: the mean of their means is the pooled rate, Wilson's interval of it
     # (a percentile bootstrap of all passes would be [1, 1])
     c = cell_stats([1] * 40, strata=[4096] * 20 + [8192] * 20)
@@ -71,11 +73,83 @@ def test_cell_stats_picks_the_interval():
     assert c["ci_high"] == 1.0 and round(c["ci_low"], 4) == 0.9124  # 40 / (40 + z^2)
     c = cell_stats([1, 0, 1, 1], strata=["x", "x", "y", "y"])
     assert c["interval"] == "wilson" and c["score"] == 0.75
-    # partial-credit scores all 0 in strata of unequal size: not the bootstrap's [0, 0] but
-    # Wilson's [0, z^2 / (n + z^2)] = [0, 0.2775] at n = 10
-    c = cell_stats([0.0] * 10, binary=False, strata=["a"] * 3 + ["b"] * 7)
+    # partial-credit scores all 0: not the bootstrap's [0, 0] but Wilson's
+    # [0, z^2 / (n + z^2)] = [0, 0.2775] at n = 10 (strata of one size)...
+    c = cell_stats([0.0] * 10, binary=False, strata=["a"] * 5 + ["b"] * 5)
     assert c["interval"] == "wilson" and c["score"] == 0.0
     assert c["ci_low"] == 0.0 and round(c["ci_high"], 4) == 0.2775
+    # ... and in strata of unequal size the stratified score interval, wider than the pooled
+    # Wilson's: the 3-prompt stratum weighs as much as the 7-prompt one
+    c = cell_stats([0.0] * 10, binary=False, strata=["a"] * 3 + ["b"] * 7)
+    assert c["interval"] == "score" and c["score"] == 0.0 and c["ci_low"] == 0.0
+    assert c["ci_high"] == pytest.approx(_score_interval_by_grid([0, 0], [3, 7])[1], abs=2e-3)
+    assert c["ci_high"] > 0.2775
+
+
+def _score_interval_by_grid(passes, sizes, z=1.959963984540054, step=5e-4):
+    # Slow reference for two strata: for each theta on a grid, the restricted MLE by a grid
+    # search over p1 (p2 = 2 theta - p1), then the score statistic against z^2
+    (k1, k2), (n1, n2) = passes, sizes
+    est = (k1 / n1 + k2 / n2) / 2
+
+    def loglik(k, n, p):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            a = np.where(k > 0, k * np.log(p), 0.0)
+            b = np.where(n - k > 0, (n - k) * np.log(1 - p), 0.0)
+        return a + b
+
+    inside = []
+    for theta in np.arange(0, 1 + step / 2, step):
+        p1 = np.linspace(max(0.0, 2 * theta - 1), min(1.0, 2 * theta), 4001)
+        p2 = np.clip(2 * theta - p1, 0.0, 1.0)
+        ll = loglik(k1, n1, p1) + loglik(k2, n2, p2)
+        i = int(np.nanargmax(np.where(np.isfinite(ll), ll, -np.inf)))
+        var = (p1[i] * (1 - p1[i]) / n1 + p2[i] * (1 - p2[i]) / n2) / 4
+        if (est - theta) ** 2 <= z * z * var + 1e-15:
+            inside.append(theta)
+    return min(inside), max(inside)
+
+
+def test_stratified_score_interval_by_hand_and_by_grid():
+    # one stratum: Wilson's interval exactly
+    for k, n in ((7, 10), (0, 5), (5, 5), (13, 20)):
+        assert stratified_score_interval([k], [n]) == pytest.approx(wilson_interval(k, n))
+    # two strata of n, all pass and all fail, theta < 1/2: the restricted MLE is p1 = 2 theta,
+    # p2 = 0, so V = theta (1 - 2 theta) / 2n and (1/2 - theta)^2 = z^2 V solves to
+    # 1/2 - theta = z^2 / (2 (n + z^2)): n = 10 gives [0.3612, 0.6388]
+    z2 = 1.959963984540054 ** 2
+    lo, hi = stratified_score_interval([10, 0], [10, 10])
+    assert (lo, hi) == pytest.approx((0.5 - z2 / (2 * (10 + z2)), 0.5 + z2 / (2 * (10 + z2))))
+    assert (round(lo, 4), round(hi, 4)) == (0.3612, 0.6388)
+    # unequal strata and fractional passes against the slow grid reference
+    for passes, sizes in (([4, 1], [5, 2]), ([20, 0], [20, 10]), ([2.5, 9], [5, 10]),
+                          ([0, 3], [4, 3])):
+        got = stratified_score_interval(passes, sizes)
+        assert got == pytest.approx(_score_interval_by_grid(passes, sizes), abs=2e-3)
+    for bad in (([1], [1, 2]), ([3], [2]), ([1], [0]), ([], [])):
+        with pytest.raises(ValueError):
+            stratified_score_interval(*bad)
+
+
+def test_pooled_cells_of_constant_strata_have_width():
+    # the needle pooled over lengths of 20, 20, 20 and 10 prompts, two lengths all pass and two
+    # all fail (hybrid, question-agnostic @256): the stratified bootstrap gave 50 [50, 50]
+    strata = [4096] * 20 + [8192] * 20 + [16384] * 20 + [32000] * 10
+    values = [1] * 20 + [0] * 20 + [1] * 20 + [0] * 10
+    c = cell_stats(values, strata=strata)
+    assert c["interval"] == "score" and c["score"] == 0.5
+    assert (c["ci_low"], c["ci_high"]) == pytest.approx(
+        stratified_score_interval([20, 0, 20, 0], [20, 20, 20, 10]))
+    assert 0.4 < c["ci_low"] < 0.5 < c["ci_high"] < 0.6
+    # pass/fail in strata of unequal size always take it, not the bootstrap
+    c = cell_stats([1, 0, 1, 1, 1], strata=["x", "x", "y", "y", "y"])
+    assert c["interval"] == "score" and c["score"] == 0.75
+    assert (c["ci_low"], c["ci_high"]) == pytest.approx(stratified_score_interval([1, 3], [2, 3]))
+    # partial credit whose every stratum is constant: the score interval on the strata's sums
+    c = cell_stats([0.5] * 4 + [0.25] * 4, strata=["a"] * 4 + ["b"] * 4)
+    assert c["interval"] == "score" and c["score"] == pytest.approx(0.375)
+    assert (c["ci_low"], c["ci_high"]) == pytest.approx(stratified_score_interval([2, 1], [4, 4]))
+    assert c["ci_low"] < 0.375 < c["ci_high"]
 
 
 # --------------------------------------------------------------------------------------------
