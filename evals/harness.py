@@ -363,11 +363,32 @@ def _read_partial(path: Path, fingerprint: str, settings: str,
     return done
 
 
-def open_partial(path: Path, fingerprint: str, settings: str, restart: bool = False):
+def _refuse_a_complete_run(results: Sequence[Path], fingerprint: str) -> None:
+    """Raise ConfigError when one of ``results`` (a run's result JSONs) records this
+    ``fingerprint`` (``run_fingerprint``) with nothing unfinished: the run is complete, and
+    running it again would spend its hours to overwrite the same answers."""
+    for path in results:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            continue
+        if (isinstance(data, dict) and data.get("run_fingerprint") == fingerprint
+                and not data.get("unfinished")):
+            raise ConfigError(f"{path} already holds this run, complete (the same prompts, "
+                              "settings and engine code): nothing to run; --restart runs it "
+                              "again (or another --out)")
+
+
+def open_partial(path: Path, fingerprint: str, settings: str, restart: bool = False,
+                 complete: Sequence[Path] = ()):
     """(the units ``path`` holds for this run (``_read_partial``), the file open for appending
     one JSON line per finished unit), the file rewritten first as its header and those units
-    (without a line cut off mid-write). Raises ConfigError as ``_read_partial``."""
+    (without a line cut off mid-write). Raises ConfigError as ``_read_partial``, and when
+    ``path`` holds nothing of this run but one of ``complete`` (result JSONs) records it as
+    complete (``run_fingerprint``, nothing unfinished), unless ``restart``."""
     kept = _read_partial(path, fingerprint, settings, restart)
+    if not kept and not restart:
+        _refuse_a_complete_run(complete, fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(x) + "\n" for x in [
         {"fingerprint": fingerprint, "settings": settings}, *kept]))
@@ -380,6 +401,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                    options: dict[str, Any] | None = None, batch_size: int = 10,
                    progress: bool = True, partial: str | Path | None = None,
                    run_key: Any = None, tag: Any = None, restart: bool = False,
+                   complete: Sequence[str | Path] = (),
                    stop: Callable[[], bool] | None = None, workers: int = 1,
                    load_worker: Callable[[], tuple[Transformer, Tokenizer]] | None = None
                    ) -> dict[str, Any]:
@@ -398,7 +420,11 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     cut by a GPU lease's time limit) continues where it stopped with the same answers; a
     file of another run (other prompts, settings or engine code) is a ConfigError naming the
     commit that saved it, or with ``restart`` overwritten. The caller deletes it once the
-    results are written (and keeps it while some items are unfinished).
+    results are written (and keeps it while some items are unfinished). ``complete``: the
+    result JSONs such a run writes; when the partial file holds nothing of this run and one
+    of them records this run's fingerprint (``run_fingerprint``, the result's
+    ``fingerprint``) with no item unfinished, the run is complete: a ConfigError, before any
+    batch, unless ``restart``.
 
     ``stop``: asked before each batch; once it says True no new batch starts, and the items
     of the batches not run are unfinished: their scores and answers are None, and rows score
@@ -421,7 +447,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     Returns {"modes": {mode: {"rows": [{"method", "budget", "score" (mean over the items that
     ran, 0..1; None when none did), "scores", "answers"[, "items_run", "item_errors"]} or
     {"method", "budget", "error"}]}}, "eval_s" (this process's seconds), "batches",
-    "batches_resumed", "unfinished" (items not run), "workers" (processes used), "item_tags"}."""
+    "batches_resumed", "unfinished" (items not run), "workers" (processes used), "item_tags",
+    "partial", "fingerprint" (``run_fingerprint``, with ``partial``; else None)}."""
     batches = batches_of(items, batch_size)
     pad_id = tok.encode("\n", bos=False)[-1]
     t0 = time.perf_counter()
@@ -446,7 +473,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
         spec = (items, configs, max_new_tokens, modes, options, batch_size, run_key)
         fingerprint = run_fingerprint(*spec)
         settings = run_fingerprint(*spec, code=False)
-        kept, saved = open_partial(partial, fingerprint, settings, restart)
+        kept, saved = open_partial(partial, fingerprint, settings, restart,
+                                   [Path(p) for p in complete])
         for line in kept:
             record(line["batch"], {mode: {(m, b): ans for m, b, ans in res}
                                    for mode, res in line["got"].items()})
@@ -503,6 +531,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                               "unfinished": len(items) - len(finished),
                               "workers": workers if workers > 1 and todo else 1,
                               "partial": None if partial is None else str(partial),
+                              "fingerprint": None if partial is None else fingerprint,
                               "item_tags": item_tags}
     for mode in modes:
         rows = []
@@ -756,7 +785,8 @@ def resume_options(args: argparse.Namespace, task: str, model: Transformer,
                    device: torch.device) -> dict[str, Any]:
     """``evaluate_items``' ``partial`` (``TASK.partial.jsonl`` in ``--out``), ``tag`` (this
     code's commit and dirty flag, saved with each batch), ``restart`` (``--restart``),
-    ``run_key``
+    ``complete`` (``TASK.json`` and ``TASK_qa.json`` in ``--out``, as ``report_modes`` writes
+    them), ``run_key``
     (checkpoint, tokenizer, device, dtype, threads per process: in bfloat16 the thread count
     changes sums' order and so, rarely, an answer), ``stop`` (``--time-limit``, counted from
     this call), ``workers`` (``--workers`` or ``default_workers``) and ``load_worker`` (the
@@ -770,6 +800,7 @@ def resume_options(args: argparse.Namespace, task: str, model: Transformer,
             "dtype": str(dtype).removeprefix("torch."), "checkpoint": args.checkpoint,
             "tokenizer": args.tokenizer}
     return {"partial": Path(args.out) / f"{task}.partial.jsonl",
+            "complete": [Path(args.out) / f"{task}.json", Path(args.out) / f"{task}_qa.json"],
             "run_key": [args.checkpoint, args.tokenizer, device.type, str(dtype),
                         spec["threads"] if workers > 1 else threads],  # sums' order
             "stop": None if limit is None else lambda: time.perf_counter() - t0 > limit,

@@ -59,7 +59,8 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
     library versions, the checkpoint's sha256 and quantization types, the command),
     ``item_commits`` (per item, the {"commit", "dirty"} of the run that answered it: a run
     resumed at a later commit names both; None for an item not run, or resumed from a batch saved
-    without it) and ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in
+    without it), ``run_fingerprint`` (``evaluate_items``' ``fingerprint``: a rerun of the
+    same complete run is refused) and ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in
     ``args.out``.
     Returns every mode's rows (for the exit status)."""
     every = []
@@ -73,6 +74,7 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
                   "eval_s": got["eval_s"], "runtime_s": time.perf_counter() - t0,
                   "batches": got.get("batches"), "batches_resumed": got.get("batches_resumed"),
                   "unfinished": got.get("unfinished", 0),
+                  "run_fingerprint": got.get("fingerprint"),
                   "item_commits": got.get("item_tags"),
                   "modes_run_together": list(args.modes), "torch_version": torch.__version__,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),

@@ -179,12 +179,21 @@ def test_methods_that_prefill_their_own_way_alone_skip_the_shared_prefill(smollm
         assert isinstance(both[mode][("keydiff", 128)], list)
 
 
-def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path):
-    rc = needle_main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
-                      "--context", "512", "--depths", "2", "--needles", "1", "--methods",
-                      "full", "quest", "sparq@64,96", "--budgets", "64", "--threads", "1",
-                      "--workers", "1", "--no-progress", "--modes", "standard"])
+def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path, capsys):
+    argv = ["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--out", str(tmp_path),
+            "--context", "512", "--depths", "2", "--needles", "1", "--methods",
+            "full", "quest", "sparq@64,96", "--budgets", "64", "--threads", "1",
+            "--workers", "1", "--no-progress", "--modes", "standard"]
+    rc = needle_main(argv)
     assert rc == 0
+    # the same command again: the run is complete, nothing is run or rewritten
+    written = (tmp_path / "needle.json").read_text()
+    capsys.readouterr()
+    assert needle_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert f"{tmp_path / 'needle.json'} already holds this run, complete" in err
+    assert (tmp_path / "needle.json").read_text() == written
     result = json.loads((tmp_path / "needle.json").read_text())
     rows = {(r["method"], r["budget"]): r for r in result["rows"]}
     # METHOD@B1,B2: that method at its own budgets, the others at --budgets
@@ -398,6 +407,48 @@ def test_a_killed_run_resumes_from_its_saved_batches(monkeypatch, tmp_path):
     assert path.read_text() == saved and not calls
     other = evaluate(path, configs=[("full", None)], restart=True)  # all batches again
     assert len(calls) == 3 and other["batches_resumed"] == 0
+
+
+def test_a_complete_run_is_not_run_again_unless_restart(monkeypatch, tmp_path):
+    """A run whose results were written (the partial file deleted) and whose result JSON
+    records its fingerprint with nothing unfinished is refused before any batch; an
+    unfinished result, another run's fingerprint or ``restart`` runs."""
+    class Tok:
+        def encode(self, text, bos=False):
+            return [0]
+
+    items = [ec.Item([1] * 4, [2], (str(i),), {}) for i in range(4)]
+    calls = []
+
+    def run_batch(model, tok, batch, configs, m, modes, options, tick):
+        calls.append(len(batch))
+        return {"standard": {c: [x.outputs[0] for x in batch] for c in configs}}
+
+    monkeypatch.setattr(ec, "run_batch", run_batch)
+    partial, result = tmp_path / "needle.partial.jsonl", tmp_path / "needle.json"
+
+    def evaluate(configs=(("full", None),), restart=False):
+        return ec.evaluate_items(None, Tok(), items, list(configs), 8, lambda a, it: 1.0,
+                                 batch_size=2, progress=False, partial=partial,
+                                 run_key=["x"], restart=restart, complete=[result])
+
+    first = evaluate()
+    assert len(calls) == 2 and len(first["fingerprint"]) == 64
+    partial.unlink()  # as report_modes does once every item ran
+    result.write_text(json.dumps({"run_fingerprint": first["fingerprint"], "unfinished": 0}))
+    calls.clear()
+    with pytest.raises(ConfigError, match="already holds this run, complete.*--restart"):
+        evaluate()
+    assert not calls and not partial.exists()
+    assert evaluate(configs=[("full", None), ("quest", 64)])["batches"] == 2 and calls
+    partial.unlink()
+    calls.clear()
+    assert evaluate(restart=True)["fingerprint"] == first["fingerprint"] and len(calls) == 2
+    partial.unlink()
+    result.write_text(json.dumps({"run_fingerprint": first["fingerprint"], "unfinished": 2}))
+    calls.clear()
+    evaluate()  # the result holds an unfinished run: it runs
+    assert len(calls) == 2
 
 
 def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkeypatch,
