@@ -433,6 +433,8 @@ def evaluate(model: Transformer, prompts: Sequence[Prompt], methods: Sequence[st
     prompt; once True no prompt starts, the rows cover the prompts finished
     (``prompts_run``; ``unfinished`` counts the rest; no rows when none finished) and the
     same call later runs the rest. The caller deletes the file once every prompt ran.
+    The result's ``fingerprint`` (with ``partial``; else None) marks the run, so that a caller
+    can tell a complete run from its result file.
     """
     configs = configurations(methods, budgets)
     own = bar is None and progress
@@ -514,6 +516,7 @@ def evaluate(model: Transformer, prompts: Sequence[Prompt], methods: Sequence[st
             "prompts": [prompt_record(prompts[i]) for i in order],
             "prefill_s": [done[i]["prefill_s"] for i in order],
             "prompt_tags": [done[i]["tag"] for i in order],
+            "fingerprint": fingerprint if partial is not None else None,
             "eval_s": time.perf_counter() - t0, "torch_version": torch.__version__}
 
 

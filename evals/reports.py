@@ -60,8 +60,8 @@ def report_modes(args: argparse.Namespace, got: dict[str, Any], model: Transform
     ``item_commits`` (per item, the {"commit", "dirty"} of the run that answered it: a run
     resumed at a later commit names both; None for an item not run, or resumed from a batch saved
     without it), ``run_fingerprint`` (``evaluate_items``' ``fingerprint``: a rerun of the
-    same complete run is refused) and ``fields``), its table on stdout, and ``TASK[_qa].json/.md/.png`` in
-    ``args.out``.
+    same complete run is refused) and ``fields``), its table on stdout, and
+    ``TASK[_qa].json/.md/.png`` in ``args.out``.
     Returns every mode's rows (for the exit status)."""
     every = []
     prov = provenance(resolve_checkpoint(args.checkpoint), getattr(args, "argv", None))

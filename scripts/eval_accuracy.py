@@ -44,10 +44,13 @@ perplexity as a horizontal line); ``--json PATH`` writes the same JSON to PATH. 
 Runs in pieces: with ``--out``, each finished prompt's numbers are kept in
 ``DIR/fidelity_T.partial.jsonl`` (tagged with the commit), so a killed run, or one stopped by
 ``--time-limit SECONDS`` (no prompt starts after it), continues with the same command and gives
-the same numbers as a run that never stopped; the file is deleted once every prompt of T ran,
-and a file of other prompts, settings or engine code stops the run (``--restart`` discards
-it). The JSON's ``unfinished`` counts the prompts not run, each run's ``prompts_run`` the ones
-its rows cover, and ``prompt_tags`` the commit that computed each.
+the same numbers as a run that never stopped; the files are deleted once every prompt of
+every length ran (not before: the same command then runs only the rest), and a file of other
+prompts, settings or engine code stops the run (``--restart`` discards it). The same command
+once more, with the run complete (each run's ``fingerprint`` in ``fidelity.json``), stops with
+one error line before any prompt (``--restart`` runs it again). The JSON's ``unfinished``
+counts the prompts not run, each run's ``prompts_run`` the ones its rows cover, and
+``prompt_tags`` the commit that computed each.
 
 Bad input: one ``error: ...`` line on stderr, exit 2.
 """
@@ -55,6 +58,7 @@ Bad input: one ``error: ...`` line on stderr, exit 2.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -74,6 +78,7 @@ from evals.fidelity import (
     bos_prefix,
     build_prompt_set,
     evaluate,
+    fidelity_fingerprint,
 )
 from evals.harness import DEFAULT_BUDGETS, DEFAULT_METHODS, configurations, progress_bar
 from evals.prompts import text_files
@@ -154,6 +159,27 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--out {args.out} exists and is not a directory")
 
 
+def refuse_a_complete_run(out: Path, partials: Sequence[Path], fingerprints: Sequence[str]
+                          ) -> None:
+    """Raise ConfigError when ``out/fidelity.json`` holds this run complete: a run per prompt
+    length whose ``fingerprint`` is this run's (``evals.fidelity.fidelity_fingerprint``:
+    prompts, configurations, settings, engine code), nothing unfinished and no partial file
+    left, so that the same command once more does not spend hours to rewrite the same
+    numbers (``--restart`` runs it again)."""
+    path = out / "fidelity.json"
+    if any(p.is_file() for p in partials) or not path.is_file():
+        return
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return
+    if (isinstance(data, dict) and not data.get("unfinished")
+            and [r.get("fingerprint") for r in data.get("runs", [])] == list(fingerprints)):
+        raise ConfigError(f"{path} already holds this run, complete (the same prompts, "
+                          "settings and engine code): nothing to run; --restart runs it "
+                          "again (or another --out)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
@@ -189,6 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   (lambda: time.perf_counter() - t_eval > limit)}
         partials = [Path(args.out) / f"fidelity_{T}.partial.jsonl" if args.out else None
                     for T in lengths]
+        if args.out and not args.restart:
+            refuse_a_complete_run(Path(args.out), partials, [
+                fidelity_fingerprint(ps, configurations(methods, budgets), m, resume["run_key"])
+                for ps in prompt_sets])
         runs = [evaluate(model, ps, methods, budgets, m, bar=bar, partial=path, **resume)
                 for ps, path in zip(prompt_sets, partials)]
         for run in runs:
@@ -199,11 +229,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     unfinished = sum(r["unfinished"] for r in runs)
-    for run, path in zip(runs, partials):
-        if path is not None and not run["unfinished"]:
-            path.unlink(missing_ok=True)
+    if not unfinished:  # while some length is unfinished, the finished ones' files stay too:
+        for path in partials:  # the same command then runs only the rest
+            if path is not None:
+                path.unlink(missing_ok=True)
     if unfinished:
-        kept = ", ".join(str(path) for run, path in zip(runs, partials) if run["unfinished"])
+        kept = ", ".join(str(path) for path in partials)
         print(f"note: {unfinished} prompts not run (--time-limit): the results cover the "
               "others, and the same command runs the rest (the finished prompts are kept in "
               f"{kept})", file=sys.stderr)

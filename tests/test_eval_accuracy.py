@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
+import scripts.eval_accuracy as ea
 from compression import build_caches
 from compression.selection import TopKSelector
 from evals.data import RULER_ESSAYS, TINYSTORIES_TEXTS
@@ -460,6 +461,49 @@ def test_cli_time_limit_keeps_the_finished_prompts_and_the_rerun_completes(
     assert data["runs"][0]["prompt_tags"][0]["commit"] == data["commit"]
     assert not (out / "fidelity_100.partial.jsonl").exists()
     assert "Incomplete" not in (out / "fidelity.md").read_text()
+    # the same command once more: the run is complete, nothing runs or is rewritten
+    written = (out / "fidelity.json").read_text()
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "already holds this run" in err
+    assert (out / "fidelity.json").read_text() == written
+    assert main([*argv, "--methods", "full"]) == 0  # another run: it runs
+    assert main([*argv, "--methods", "full", "--restart"]) == 0
+
+
+def test_cli_a_finished_length_keeps_its_file_while_another_is_unfinished(
+        stories_dir, texts, tmp_path, capsys, monkeypatch):
+    """Two lengths, the second stopped by the time limit: the first one's saved prompts stay
+    beside the second's, so the same command runs only the second one's prompts."""
+    ran, real = [], ea.evaluate
+
+    def evaluate(model, ps, *a, stop=None, **k):
+        T = len(ps[0].prompt)
+        if T == 120 and limited[0]:
+            stop = lambda: True  # noqa: E731  (the limit passes before this length)
+        out = real(model, ps, *a, stop=stop, **k)
+        ran.append((T, out["prompts_run"]))
+        return out
+
+    monkeypatch.setattr(ea, "evaluate", evaluate)
+    out = tmp_path / "fid"
+    argv = ["--checkpoint", str(stories_dir), "--methods", "full", "--budgets", "64",
+            "--num-prompts", "2", "--context", "100", "120", "--max-new-tokens", "4",
+            "--no-progress", "--text", *map(str, texts), "--out", str(out)]
+    limited = [True]
+    assert main(argv) == 0
+    assert "2 prompts not run" in capsys.readouterr().err
+    assert (out / "fidelity_100.partial.jsonl").is_file()
+    assert (out / "fidelity_120.partial.jsonl").is_file()
+    limited[0] = False
+    calls = len(ran)
+    assert main(argv) == 0
+    assert "resuming: 2 of 2 prompts of 100 tokens" in capsys.readouterr().err
+    data = json.loads((out / "fidelity.json").read_text())
+    assert data["unfinished"] == 0 and [r["prompts_run"] for r in data["runs"]] == [2, 2]
+    assert not list(out.glob("*.partial.jsonl"))
+    assert ran[calls:] == [(100, 2), (120, 2)]
 
 # ---- the CLI ----------------------------------------------------------------------------------
 
