@@ -16,7 +16,8 @@ seeded by the caller (default 0).
 * ``mcnemar_p(b, c)``: the exact McNemar test of pass/fail pairs (an exact binomial test of the
   discordant pairs).
 * ``tango_paired_interval(only_a, only_b, n)``: Tango's score interval of a difference of
-  paired pass rates.
+  paired pass rates; ``stratified_paired_interval`` the same for a mean over strata of
+  different sizes.
 * ``paired_comparison(a, b)``: the difference of means, its interval (Tango's when both
   are pass/fail, else the bootstrap) and the exact test (McNemar when both are pass/fail,
   else sign-flip).
@@ -257,6 +258,92 @@ def stratified_score_interval(passes: Sequence[float], sizes: Sequence[int],
     return lower, upper
 
 
+def _restricted_discordance(b: int, c: int, n: int, lam: float) -> tuple[float, float]:
+    # The probabilities (p of "A alone", q of "B alone") that maximize
+    # b log p + c log q + m log(1 - p - q) - lam (p - q), m = n - b - c: by the KKT
+    # conditions p = b / (mu + lam), q = c / (mu - lam), 1 - p - q = m / mu for the mu >= |lam|
+    # where they sum to 1; a zero count whose coefficient binds (mu = |lam|) takes the slack
+    m = n - b - c
+    lo = abs(lam)
+
+    def total(mu: float) -> float:
+        return ((b / (mu + lam) if b else 0.0) + (c / (mu - lam) if c else 0.0)
+                + (m / mu if m else 0.0))
+
+    binding_zero = (lam > 0 and c == 0) or (lam < 0 and b == 0)
+    if binding_zero and total(lo) <= 1:
+        rest = 1 - total(lo)  # to the coordinate whose marginal is zero at mu = |lam|
+        p = b / (lo + lam) if b else (rest if lam < 0 else 0.0)
+        q = c / (lo - lam) if c else (rest if lam > 0 else 0.0)
+        return p, q
+    a, z = lo, lo + n  # total(a+) > 1 >= total(lo + n)
+    for _ in range(100):
+        mid = (a + z) / 2
+        if mid in (a, z):
+            break
+        a, z = (mid, z) if total(mid) > 1 else (a, mid)
+    mu = (a + z) / 2
+    return (b / (mu + lam) if b else 0.0), (c / (mu - lam) if c else 0.0)
+
+
+def stratified_paired_interval(only_a: Sequence[int], only_b: Sequence[int],
+                               sizes: Sequence[int], z: float = Z95) -> tuple[float, float]:
+    """The score interval of the mean over H strata of the paired differences of pass rates,
+    D = (1/H) sum_h (p_ah - p_bh), from ``only_a[h]`` prompts passed by A alone and
+    ``only_b[h]`` by B alone of ``sizes[h]`` in stratum h (a pooled comparison whose strata
+    differ in size).
+
+    As Tango's interval (``tango_paired_interval``, which it gives for one stratum), the
+    interval is every D whose score statistic (D_hat - D)^2 / V(D) is at most z^2, with
+    D_hat = (1/H) sum_h (b_h - c_h) / n_h and
+    V(D) = (1/H^2) sum_h (p_h + q_h - (p_h - q_h)^2) / n_h at the probabilities p_h ("A
+    alone") and q_h ("B alone") that maximize the multinomial likelihood subject to the mean
+    difference being D. Those are found for each Lagrange multiplier lambda (larger lambda,
+    smaller D; lambda = 0 is the unrestricted estimate) and each end by bisection on lambda.
+    With no discordant prompt in strata of 10 and 20 prompts the lower end is
+    -z^2 / (2 (10 + z^2)) = -0.139 (only the smaller stratum moves: its prompts weigh twice);
+    in strata of one size it is Tango's -z^2 / (n + z^2) for the n prompts pooled.
+
+    Source: T. Tango, Statistics in Medicine 17 (1998), the restricted-MLE score interval of
+    a paired difference, here for a weighted sum of strata's differences.
+
+    Raises:
+        ValueError: lists of different lengths or none, a stratum with no prompts, or more
+            discordant prompts than its size.
+    """
+    if not (len(only_a) == len(only_b) == len(sizes)) or not sizes:
+        raise ValueError("the stratified paired interval needs one (only_a, only_b, size) per "
+                         f"stratum, got {len(only_a)}, {len(only_b)} and {len(sizes)}")
+    if any(n <= 0 or min(b, c) < 0 or b + c > n for b, c, n in zip(only_a, only_b, sizes)):
+        raise ValueError(f"the stratified paired interval needs 0 <= only_a + only_b <= size in "
+                         f"every stratum, got {list(only_a)}, {list(only_b)} of {list(sizes)}")
+    h = len(sizes)
+    est = sum((b - c) / n for b, c, n in zip(only_a, only_b, sizes)) / h
+
+    def at(lam: float) -> tuple[float, float]:  # (D, the score statistic) at the multiplier
+        d = v = 0.0
+        for b, c, n in zip(only_a, only_b, sizes):
+            p, q = _restricted_discordance(b, c, n, lam)
+            d += (p - q) / h
+            v += (p + q - (p - q) ** 2) / n / (h * h)
+        if abs(est - d) < 1e-12:  # the unrestricted estimate, up to rounding
+            return d, 0.0
+        return d, math.inf if v <= 0 else (est - d) ** 2 / v
+
+    def end(sign: float) -> float:
+        lo, hi = 0.0, 1.0
+        while at(sign * hi)[1] < z * z:
+            if hi > 1e12:  # the statistic stays under z^2: the interval reaches -1 (or 1)
+                return at(sign * hi)[0]
+            lo, hi = hi, hi * 2
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if at(sign * mid)[1] < z * z else (lo, mid)
+        return at(sign * (lo + hi) / 2)[0]
+
+    return max(-1.0, end(1.0)), min(1.0, end(-1.0))
+
+
 def _fraction(x: float) -> Fraction:
     # scores are ratios of small integers (hits / items); recover them from their floats
     return Fraction(x).limit_denominator(10_000)
@@ -383,12 +470,12 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
     Returns ``n``, ``diff`` (mean of a - b; with ``strata``, the mean over strata of their mean
     differences), ``ci_low``/``ci_high`` (95%) and ``interval``: "tango"
     (``tango_paired_interval``) when both are pass/fail, without strata or in strata of one
-    size, else
-    "bootstrap" (the percentile bootstrap of the difference over prompts, stratified like
-    ``bootstrap_interval``, seeded), ``p`` and ``test``: "mcnemar" (exact, ``mcnemar_p``) in
-    the pass/fail case, else "sign-flip" (``sign_flip_p`` on the per-prompt differences;
-    "sign-flip (Monte Carlo)" when not exact), ``wins`` (prompts where a > b) and ``losses``
-    (a < b).
+    size; "score" (``stratified_paired_interval``) when both are pass/fail in strata of
+    different sizes; else "bootstrap" (the percentile bootstrap of the difference over
+    prompts, stratified like ``bootstrap_interval``, seeded), ``p`` and ``test``: "mcnemar"
+    (exact, ``mcnemar_p``) in the pass/fail case, else "sign-flip" (``sign_flip_p`` on the
+    per-prompt differences; "sign-flip (Monte Carlo)" when not exact), ``wins`` (prompts
+    where a > b) and ``losses`` (a < b).
 
     Raises:
         ValueError: no prompts, or ``a`` and ``b`` of different lengths.
@@ -412,6 +499,13 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
         # strata of one size weigh every prompt alike: the pooled difference is (b - c) / n
         lo, hi = tango_paired_interval(wins, losses, len(a))
         interval = "tango"
+    elif binary:  # strata of different sizes: Tango's interval of the mean of their differences
+        labels = list(dict.fromkeys(strata))
+        lo, hi = stratified_paired_interval(
+            [sum(x > y for x, y, s in zip(a, b, strata) if s == lab) for lab in labels],
+            [sum(x < y for x, y, s in zip(a, b, strata) if s == lab) for lab in labels],
+            [sizes[lab] for lab in labels])
+        interval = "score"
     else:
         lo, hi = bootstrap_interval(d, strata=strata, seed=seed)
         interval = "bootstrap"

@@ -19,6 +19,7 @@ from evals.stats import (
     mcnemar_p,
     paired_comparison,
     sign_flip_p,
+    stratified_paired_interval,
     stratified_score_interval,
     tango_paired_interval,
     wilson_interval,
@@ -131,6 +132,28 @@ def test_stratified_score_interval_by_hand_and_by_grid():
             stratified_score_interval(*bad)
 
 
+def test_stratified_paired_interval_by_hand_and_against_tango():
+    # one stratum: Tango's interval (computed there from its closed-form restricted MLE)
+    for b, c, n in ((0, 0, 20), (4, 0, 20), (3, 5, 20), (10, 2, 12), (0, 10, 10), (1, 0, 1)):
+        assert stratified_paired_interval([b], [c], [n]) == pytest.approx(
+            tango_paired_interval(b, c, n), abs=1e-9)
+    # no discordant prompt in strata of 10 and 20: while lambda < 20 only the smaller
+    # stratum's q_1 = 1 - 10 / lambda moves, D = -q_1 / 2, V = q_1 (1 - q_1) / 40, and
+    # D^2 = z^2 V gives q_1 = z^2 / (10 + z^2) (lambda = 13.8 < 20): D = -z^2 / (2 (10 + z^2))
+    z2 = 1.959963984540054 ** 2
+    lo, hi = stratified_paired_interval([0, 0], [0, 0], [10, 20])
+    assert (lo, hi) == pytest.approx((-z2 / (2 * (10 + z2)), z2 / (2 * (10 + z2))))
+    # strata of one size: Tango's interval of the prompts pooled (-/+ z^2 / (40 + z^2))
+    assert stratified_paired_interval([0, 0], [0, 0], [20, 20]) == pytest.approx(
+        tango_paired_interval(0, 0, 40))
+    # all discordant one way in one stratum, none in the other: inside [-1, 1], around D_hat
+    lo, hi = stratified_paired_interval([0, 0], [10, 0], [10, 20])
+    assert -1 <= lo < -0.5 < hi < 0 and hi > -0.5
+    for bad in (([1], [0], [1, 2]), ([2], [1], [2]), ([0], [0], [0]), ([], [], [])):
+        with pytest.raises(ValueError):
+            stratified_paired_interval(*bad)
+
+
 def test_pooled_cells_of_constant_strata_have_width():
     # the needle pooled over lengths of 20, 20, 20 and 10 prompts, two lengths all pass and two
     # all fail (hybrid, question-agnostic @256): the stratified bootstrap gave 50 [50, 50]
@@ -192,7 +215,12 @@ def test_paired_comparison():
     pooled = paired_comparison(a, b, strata=[0, 1] * 4)
     assert pooled["interval"] == "tango" and pooled["ci_low"] == r["ci_low"]
     assert pooled["test"] == "sign-flip" and pooled["p"] == pytest.approx(r["p"])
-    assert paired_comparison(a, b, strata=[0] * 2 + [1] * 6)["interval"] == "bootstrap"
+    # pass/fail over strata of different sizes: the stratified score interval
+    # (stratum 0: prompts 0-1, A alone twice; 1: prompts 2-7, A alone 3 times, B alone once)
+    uneven = paired_comparison(a, b, strata=[0] * 2 + [1] * 6)
+    assert uneven["interval"] == "score" and uneven["diff"] == pytest.approx((1 + 2 / 6) / 2)
+    assert (uneven["ci_low"], uneven["ci_high"]) == pytest.approx(
+        stratified_paired_interval([2, 3], [0, 1], [2, 6]))
     r = paired_comparison([1.0, 0.5, 0.25], [0.0, 1.0, 0.0])
     assert r["interval"] == "bootstrap"
     assert r["test"] == "sign-flip" and r["p"] == 0.75
