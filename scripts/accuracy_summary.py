@@ -26,10 +26,11 @@ substring scores become the ``sub`` column. A cell shows ``score [ci_low, ci_hig
 ``sub X`` when the old substring score differs; ``n/a``: the method rejected the budget for
 some prompt; empty: not run. A length whose run stopped before every batch ran
 (``--time-limit``) is marked incomplete, with the prompts (per task) no run has answered yet;
-its cells cover the prompts run. Intervals (``evals/stats.py``, ``cell_stats``): Wilson for
-pass/fail cells, the stratified score interval for pass/fail cells pooled over lengths of
-different sizes, percentile bootstrap over prompts (seeded, stratified by task or length for
-pooled cells) otherwise.
+its cells cover the prompts run, and it is left out of the cells and comparisons pooled over
+lengths until it is complete (its tasks run in order: the first would weigh alone).
+Intervals (``evals/stats.py``, ``cell_stats``): Wilson for pass/fail cells, the stratified
+score interval for pass/fail cells pooled over lengths of different sizes, percentile
+bootstrap over prompts (seeded, stratified by task or length for pooled cells) otherwise.
 
 Weak tasks. A (task, length) where ``full`` scores under 50 in standard mode is reported apart
 (its own table line) and left out of every pooled cell and pooled comparison: at 32K full
@@ -37,8 +38,9 @@ answers no cwe prompt, and a method's difference there says nothing about the me
 
 Comparisons. Per mode, budget and length, and pooled over lengths: RocketKV against every
 other method at the same budget (``full`` has none), paired over the prompts both ran:
-the mean difference in points, its 95% interval (Tango's score interval for pass/fail,
-the bootstrap for partial credit or pooled strata), and an exact paired test (McNemar for
+the mean difference in points, its 95% interval (Tango's score interval for pass/fail, its
+stratified form for pass/fail pooled over lengths of different sizes, the bootstrap for
+partial credit), and an exact paired test (McNemar for
 pass/fail, sign-flip for partial credit or pooled strata). A difference is stated only
 where p < 0.05; otherwise the line says "no detectable difference at n = ...". The p-values
 are per comparison, not corrected for the many comparisons made.
@@ -429,7 +431,8 @@ class Report:
                 tasks = sorted({c.unit[k][1] for k in keys})
                 weak = self.weak_units(bench, length, tasks)
                 kept = {k for k in keys if c.unit[k][1] not in weak}
-                pooled |= kept
+                if not missing:  # an incomplete length would weigh the tasks that ran first
+                    pooled |= kept
                 self.lines.append(f"## {name}, {length} tokens ({len(keys)} prompts"
                                   + ("; incomplete" if missing else "") + ")\n")
                 if missing:
@@ -463,8 +466,8 @@ class Report:
             if len({c.unit[k][2] for k in pooled}) > 1:
                 self.lines.append(f"## {name}, pooled over lengths ({len(pooled)} prompts; "
                                   "weak units left out"
-                                  + (f"; incomplete: {', '.join(incomplete)}" if incomplete
-                                     else "") + ")\n")
+                                  + (f"; incomplete lengths left out: {', '.join(incomplete)}"
+                                     if incomplete else "") + ")\n")
                 strata = (lambda k: c.unit[k][2]) if bench == "needle" else \
                     (lambda k: c.unit[k][1:])
                 self.table(bench, "needle" if bench == "needle" else "pooled", "pooled",
@@ -499,9 +502,11 @@ def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = Fal
             "A cell: score % [95% interval] n=prompts (n=k/N: k of the length's N prompts "
             "ran); sub: the old substring score where it differs; n/a: the method rejected "
             "the budget; a length marked incomplete lists the prompts no run has answered "
-            "yet. Intervals: Wilson (pass/fail), bootstrap over prompts (partial "
-            "credit, pooled). Comparisons: paired over the same prompts, Tango's score interval "
-            "(pass/fail) or the bootstrap, and the exact McNemar or sign-flip test; a "
+            "yet, and is left out of the cells pooled over lengths. Intervals: Wilson "
+            "(pass/fail), the stratified score interval (pass/fail pooled over lengths of "
+            "different sizes), bootstrap over prompts (partial credit). Comparisons: paired "
+            "over the same prompts, Tango's score interval (pass/fail; stratified over lengths "
+            "of different sizes) or the bootstrap, and the exact McNemar or sign-flip test; a "
             "difference is stated only where p < 0.05."
             + (f" {rescored} of {len(paths)} files were scored by substring and are "
                "rescored here from their answers." if rescored else ""), ""]

@@ -228,6 +228,17 @@ def test_a_stopped_ruler_run_marks_its_length_incomplete(tmp_path, capsys):
     pooled = _cell(summary, bench="ruler", task="pooled", length=100, method="rocketkv")
     # the mean of the task means over the tasks run: noise (1 + 0) / 2, multikey 1
     assert pooled["n"] == 3 and pooled["score"] == 75.0
+    # pooled over lengths: a complete length beside the incomplete one pools alone, so there
+    # is no pooled-over-lengths table, and the incomplete length's tasks weigh nothing there
+    other = {**more, "items": [{**items[2], "length": 200}, {**items[3], "length": 200}],
+             "rows": [{"method": "full", "budget": None, "scores": [1.0, 1.0]},
+                      {"method": "rocketkv", "budget": 64, "scores": [0.0, 0.0]}]}
+    full_other = {**other, "items": [{**it, "length": 300} for it in other["items"]]}
+    text, summary = _run(tmp_path, stopped, more, other, full_other, capsys=capsys)
+    assert "pooled over lengths (4 prompts; weak units left out; incomplete lengths left " \
+        "out: 100 (3 prompts not run))" in text
+    pooled = _cell(summary, bench="ruler", task="pooled", length="pooled", method="rocketkv")
+    assert pooled["n"] == 4 and pooled["score"] == 0.0  # lengths 200 and 300 only
     # complete runs say nothing of the kind
     text, summary = _run(tmp_path, more, capsys=capsys)
     assert "incomplete" not in text.lower().replace("marked incomplete", "")
