@@ -37,7 +37,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import re
 import signal
 import sys
 import threading
@@ -61,7 +60,7 @@ from compression import (
     plan,
 )
 from evals.data import ROOT
-from evals.provenance import commit_fields
+from evals.provenance import commit_fields, cpu_has_native_bf16
 from flags import add_device_option, add_time_limit_option
 from generate import generate
 from model import ConfigError, Transformer
@@ -751,27 +750,17 @@ def check_runs(args: argparse.Namespace, lengths: Sequence[int], new_tokens: int
                  **options_for(method, args))
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (``amx_bf16`` or ``avx512_bf16`` in
-    /proc/cpuinfo). There the harness defaults to bfloat16, the RocketKV paper's dtype and the
-    GPU's: on this project's 2-core Xeon VM that ran the needle harness 1.5x faster than
-    float32 and scored full, Exact-TopK, RocketKV, SnapKV++ and SparQ at 256 alike on 20
-    development prompts. Elsewhere bfloat16 is emulated, slower than float32."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return re.search(r"\b(amx_bf16|avx512_bf16)\b", info) is not None
-
-
 def load(args: argparse.Namespace):
     """(model, tokenizer, device) for the run; the tokenizer must have a chat template."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    cpu_bf16 = device.type == "cpu" and cpu_has_native_bf16()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
-        args.dtype or ("bfloat16" if device.type == "cuda" or cpu_has_native_bf16()
-                       else "float32")]
+        args.dtype or ("bfloat16" if device.type == "cuda" or cpu_bf16 else "float32")]
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_bf16:
+        print("note: this CPU has no native bfloat16 (AMX or AVX512-BF16): bfloat16 is "
+              "emulated, several times slower than float32", file=sys.stderr)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model = load_model(checkpoint, device, dtype)
     tok = load_tokenizer(args.tokenizer or checkpoint)

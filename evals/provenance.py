@@ -10,7 +10,11 @@ produced it, so that results of different code are never merged unknowingly
 * ``commit``: ``git rev-parse HEAD`` of the repository holding this file (None outside a git
   checkout or without git), ``dirty``: whether ``git status --porcelain`` lists any tracked
   or untracked change (None when unknown; a dirty tree's results are not those of the commit);
-* ``python``, ``torch``, ``transformers`` (None when not installed) versions;
+* ``python``, ``torch``, ``transformers``, ``tokenizers`` and ``gguf`` (None when not
+  installed) versions;
+* ``cpu``: the processor's ``model`` name, its ``cores`` (``os.cpu_count``) and
+  ``native_bf16`` (``cpu_has_native_bf16``): bfloat16 sums run in another order where it is
+  emulated, so a bfloat16 answer can differ, rarely, between machines;
 * ``checkpoint``: the path, its ``sha256`` (of the file; of a directory, over its files' names
   and bytes in sorted order; None for ``random:`` configurations) and ``quantization``: for a
   GGUF file, the count of tensors per GGML type (e.g. {"Q4_K": 120, "F32": 121}) and the
@@ -28,7 +32,9 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -56,8 +62,6 @@ def git_state() -> tuple[str | None, bool | None]:
     ``ROCKETKV_COMMIT`` in the environment names the commit instead, with ``dirty`` None
     (unknown): for a copy of the tree whose ``.git`` is absent or not this tree's, as the GPU
     machine's copy was on 2026-11-27 (``git rev-parse HEAD`` there named an older commit)."""
-    import os
-
     if os.environ.get("ROCKETKV_COMMIT"):
         return os.environ["ROCKETKV_COMMIT"].strip(), None
     commit = _git("rev-parse", "HEAD")
@@ -65,6 +69,37 @@ def git_state() -> tuple[str | None, bool | None]:
         return None, None
     status = _git("status", "--porcelain")
     return commit.strip(), (None if status is None else bool(status.strip()))
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 natively: ``amx_bf16`` or ``avx512_bf16`` among the
+    flags of ``cpuinfo`` (default: /proc/cpuinfo; False where it cannot be read). There the
+    harness defaults to bfloat16, the RocketKV paper's dtype and the GPU's: on this project's
+    2-core Xeon VM that ran the needle harness 1.5x faster than float32 and scored full,
+    Exact-TopK, RocketKV, SnapKV++ and SparQ at 256 alike on 20 development prompts.
+    Elsewhere bfloat16 is emulated, slower than float32: 2.7x slower for one 4K RULER prompt
+    on a 2-core AVX2 EPYC VM (2026-11-29, 1,270 s against 460 s, one thread each)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    return re.search(r"\b(amx_bf16|avx512_bf16)\b", cpuinfo) is not None
+
+
+def cpu_fields(cpuinfo: str | None = None) -> dict[str, Any]:
+    """{"model": the first ``model name`` of ``cpuinfo`` (default /proc/cpuinfo; else
+    ``platform.processor()``, None when empty), "cores": ``os.cpu_count()``, "native_bf16":
+    ``cpu_has_native_bf16(cpuinfo)``}."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    m = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    model = m.group(1).strip() if m else platform.processor()
+    return {"model": model or None, "cores": os.cpu_count(),
+            "native_bf16": cpu_has_native_bf16(cpuinfo)}
 
 
 def commit_fields() -> dict[str, Any]:
@@ -146,4 +181,5 @@ def provenance(checkpoint: str | Path | None = None,
               "quantization": quantization(checkpoint)}
     return {"commit": commit, "dirty": dirty, "python": platform.python_version(),
             "torch": _version("torch"), "transformers": _version("transformers"),
-            "checkpoint": ck, "argv": argv, "command": shlex.join(argv)}
+            "tokenizers": _version("tokenizers"), "gguf": _version("gguf"),
+            "cpu": cpu_fields(), "checkpoint": ck, "argv": argv, "command": shlex.join(argv)}

@@ -1,8 +1,10 @@
 """The accuracy harness (evals/harness.py, needle.py, ruler.py's items, reports.py) and its
 scripts (eval_needle.py, eval_ruler.py, kept_tokens.py) on SmolLM2."""
 
+import argparse
 import hashlib
 import json
+import os
 import subprocess
 
 import pytest
@@ -23,6 +25,7 @@ from evals.harness import (
 from evals.metrics import rouge1_recall
 from evals.needle import Haystack, build_items, depth_grid, insert_needle, needle_fact
 from evals.prompts import read_texts
+from evals.provenance import cpu_fields
 from evals.reports import accuracy_table, ruler_table
 from evals.ruler import task_rows
 from model import ConfigError
@@ -217,9 +220,39 @@ def test_needle_cli_quick_run_writes_json_table_and_heatmaps(tmp_path, capsys):
     assert prov["checkpoint"]["quantization"]["tensor_types"]["Q4_1"] > 0
     assert prov["torch"] == torch.__version__
     assert prov["argv"][:2] == ["scripts/eval_needle.py", "--checkpoint"]
+    # the machine: bfloat16 sums' order depends on whether the CPU has native bfloat16
+    assert prov["cpu"]["native_bf16"] == cpu_has_native_bf16()
+    assert prov["cpu"]["cores"] == os.cpu_count()
     # the boundary-aware score, with the old substring score beside it
     assert result["scoring"] == "first_number" and result["variant"] == "standard"
     assert rows["full"]["score_substring"] == 1.0
+
+
+def test_cpu_fields_read_the_model_and_native_bf16_from_cpuinfo():
+    xeon = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+            "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    epyc = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma\n"
+    sapphire_no_bf16 = "model name\t: X\nflags\t\t: avx512f avx512_bf16x avx512_vnni\n"
+    assert cpu_fields(xeon) == {"model": "Intel(R) Xeon(R) Platinum 8480+",
+                                "cores": os.cpu_count(), "native_bf16": True}
+    assert cpu_fields(epyc)["model"] == "AMD EPYC" and not cpu_fields(epyc)["native_bf16"]
+    assert not cpu_has_native_bf16(sapphire_no_bf16)  # a whole flag, not a prefix
+    assert cpu_has_native_bf16("flags : amx_bf16\n") and not cpu_has_native_bf16("")
+
+
+def test_load_notes_emulated_bfloat16_and_defaults_to_float32_there(monkeypatch, capsys):
+    args = argparse.Namespace(threads=1, device="cpu", dtype="bfloat16", tokenizer=None,
+                              checkpoint=str(shared_file(SMOLLM2_GGUF)))
+    monkeypatch.setattr(ec, "cpu_has_native_bf16", lambda: False)
+    model, _, _ = ec.load(args)
+    assert next(model.parameters()).dtype == torch.bfloat16  # as asked, with a note
+    assert "no native bfloat16" in capsys.readouterr().err
+    args.dtype = None
+    model, _, _ = ec.load(args)
+    assert next(model.parameters()).dtype == torch.float32 and capsys.readouterr().err == ""
+    monkeypatch.setattr(ec, "cpu_has_native_bf16", lambda: True)
+    model, _, _ = ec.load(args)
+    assert next(model.parameters()).dtype == torch.bfloat16 and capsys.readouterr().err == ""
 
 
 def test_kept_tokens_reports_what_each_cache_holds(tmp_path):
