@@ -89,16 +89,16 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 
 def cpu_fields(cpuinfo: str | None = None) -> dict[str, Any]:
     """{"model": the first ``model name`` of ``cpuinfo`` (default /proc/cpuinfo; else
-    ``platform.processor()``, None when empty), "cores": ``os.cpu_count()``, "native_bf16":
-    ``cpu_has_native_bf16(cpuinfo)``}."""
+    ``platform.processor()`` or ``platform.machine()``), "cores": ``os.cpu_count()``,
+    "native_bf16": ``cpu_has_native_bf16(cpuinfo)``}."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             cpuinfo = ""
     m = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
-    model = m.group(1).strip() if m else platform.processor()
-    return {"model": model or None, "cores": os.cpu_count(),
+    model = m.group(1).strip() if m else platform.processor() or platform.machine()
+    return {"model": model, "cores": os.cpu_count(),
             "native_bf16": cpu_has_native_bf16(cpuinfo)}
 
 

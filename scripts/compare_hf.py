@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -126,7 +125,7 @@ from cli import (
 from compression import METHODS, check_methods
 from evals.bench import results_dir
 from evals.harness import configurations
-from evals.provenance import commit_fields
+from evals.provenance import commit_fields, cpu_fields
 from generate import generate
 from measure import device_name, percentile, sync
 from model import ConfigError, Transformer
@@ -134,15 +133,8 @@ from tokenizer import load_tokenizer
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's model name (``evals.provenance.cpu_fields``)."""
+    return cpu_fields()["model"]
 
 
 # --------------------------------------------------------------------------------------------
