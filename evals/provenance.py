@@ -71,6 +71,15 @@ def git_state() -> tuple[str | None, bool | None]:
     return commit.strip(), (None if status is None else bool(status.strip()))
 
 
+@functools.cache
+def _cpuinfo() -> str:
+    """/proc/cpuinfo's text, read once; "" where it cannot be read."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes bfloat16 natively: ``amx_bf16`` or ``avx512_bf16`` among the
     flags of ``cpuinfo`` (default: /proc/cpuinfo; False where it cannot be read). There the
@@ -78,12 +87,9 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     2-core Xeon VM that ran the needle harness 1.5x faster than float32 and scored full,
     Exact-TopK, RocketKV, SnapKV++ and SparQ at 256 alike on 20 development prompts.
     Elsewhere bfloat16 is emulated, slower than float32: 2.7x slower for one 4K RULER prompt
-    on a 2-core AVX2 EPYC VM (2026-11-29, 1,270 s against 460 s, one thread each)."""
+    on a 2-core AVX2 EPYC VM (2026-11-29, 1,270 s against 461 s, one thread each)."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
+        cpuinfo = _cpuinfo()
     return re.search(r"\b(amx_bf16|avx512_bf16)\b", cpuinfo) is not None
 
 
@@ -92,10 +98,7 @@ def cpu_fields(cpuinfo: str | None = None) -> dict[str, Any]:
     ``platform.processor()`` or ``platform.machine()``), "cores": ``os.cpu_count()``,
     "native_bf16": ``cpu_has_native_bf16(cpuinfo)``}."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = _cpuinfo()
     m = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
     model = m.group(1).strip() if m else platform.processor() or platform.machine()
     return {"model": model, "cores": os.cpu_count(),
