@@ -52,7 +52,8 @@ activation dtype they are loaded with:
   decode-sized inputs of the int8 layers run fbgemm's dynamically quantized linear
   (``torch.ops.quantized.linear_dynamic`` on ``linear_prepack``'s packed copy of the weight),
   each input row (token) quantized on its own to 8-bit (asymmetric, one scale and zero point per
-  row, as fbgemm does per call), so a row's result does not depend on the batch it is in. W8A8
+  row, as fbgemm does per call; 7 bits on CPUs without VNNI, ``_reduce_range``, at a larger
+  cost in accuracy), so a row's result does not depend on the batch it is in. W8A8
   as llama.cpp's CPU dot products are (which quantize activations to 8 bits in blocks of 32):
   the integer dot products read the int8 weight at memory speed (Qwen2.5-0.5B's int8 layers and
   classifier: 2.1x less time per step than ``_weight_int8pack_mm`` at 1 thread, 1.7x at 2,

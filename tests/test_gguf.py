@@ -11,6 +11,7 @@ import torch
 from conftest import ROOT, SMOLLM2_GGUF, shared_file
 
 import checkpoint
+import quantized
 import rocketkv
 from checkpoint import (
     default_gguf_weights,
@@ -548,8 +549,10 @@ def test_smollm2_quantized_predicts_like_the_float_model(smollm2_model, smollm2_
 def test_smollm2_w8a8_stays_close_to_the_float_model(smollm2_model):
     """--gguf-weights quantized-w8a8: the int8 classifier runs on int8 activations (SmolLM2's
     layers are int4, which keep bfloat16 ones); teacher-forced as above, its logits are not the
-    weight-only int8 classifier's, and stay near the float model's (measured on 64 tokens:
-    58/64 top-1, mean KL 0.011 nats; docs/quantization.md)."""
+    weight-only int8 classifier's, and stay near the float model's. The bound depends on the
+    CPU: fbgemm's 8-bit activations with VNNI (measured on 64 tokens: 58/64 top-1, mean KL
+    0.011 nats), 7-bit ones without (``quantized._reduce_range``; on an AVX2 EPYC, these 32
+    tokens: 28/32, mean KL 0.038; docs/quantization.md)."""
     path = str(shared_file(SMOLLM2_GGUF))
     tok = load_tokenizer(path)
     ids = torch.tensor([tok.encode((ROOT / "README.md").read_text())[:56]])
@@ -563,7 +566,7 @@ def test_smollm2_w8a8_stays_close_to_the_float_model(smollm2_model):
     assert (ref.argmax(-1) == got.argmax(-1)).sum() >= 26
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
-    assert 0 < kl.mean() < 0.03
+    assert 0 < kl.mean() < (0.06 if quantized._reduce_range() else 0.03)
 
 
 def test_cli_gguf_weights_quantized_generates_the_float_models_greedy_tokens(
