@@ -18,6 +18,10 @@ group of its own: alone it is summarised, with any other file it needs ``--allow
 run resumed at a later commit records each prompt's commit (``item_commits``); its prompts count
 under those commits (the file is listed once per commit).
 
+Models. Files that record different checkpoints (sha256) or dtypes are never merged, with or
+without ``--allow-mixed`` (one error line): summarise each model and dtype on its own. The
+header and ``summary.json`` (``model``) name the one they share.
+
 Scores. Cells use the boundary-aware score (``evals/scoring.py``: the first value stated for
 one-answer tasks, pass/fail; F1 for list tasks). Files scored before it (needle ``scoring``
 "exact", RULER files without ``scoring``) are rescored from their saved answers; their stored
@@ -476,13 +480,41 @@ class Report:
                 self.claims(bench, "pooled", pooled, strata)
 
 
+def same_model(results: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """{"name", "sha256", "dtype"} that every file shares (None where no file records it).
+    Files that record different checkpoints (their sha256, ``evals/provenance.py``) or
+    different dtypes are never merged: a prompt would pair answers of different models or of
+    different arithmetic.
+
+    Raises:
+        ValueError: two files record different checkpoints, or different dtypes."""
+    seen: dict[str, dict[str, list[str]]] = {"sha256": {}, "dtype": {}}
+    name = None
+    for path, res in results:
+        ckpt = (res.get("provenance") or {}).get("checkpoint") or {}
+        for key, value in (("sha256", ckpt.get("sha256")), ("dtype", res.get("dtype"))):
+            if value:
+                seen[key].setdefault(str(value), []).append(path)
+        name = name or res.get("model")
+    for key, what in (("sha256", "checkpoints"), ("dtype", "dtypes")):
+        if len(seen[key]) > 1:
+            parts = "; ".join(f"{v[:12] if key == 'sha256' else v}: {files[0]}"
+                              + (f" and {len(files) - 1} more" if len(files) > 1 else "")
+                              for v, files in seen[key].items())
+            raise ValueError(f"the files come from different {what} ({parts}): summarise "
+                             "each on its own")
+    return {"name": name, **{k: next(iter(v), None) for k, v in seen.items()}}
+
+
 def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = False
               ) -> tuple[str, dict[str, Any]]:
     """(Markdown, summary dict) of the result files.
 
     Raises:
-        ValueError: files of different commits without ``allow_mixed``.
+        ValueError: files of different commits without ``allow_mixed``; files of different
+            checkpoints or dtypes (``same_model``), whatever ``allow_mixed`` says.
     """
+    model = same_model(results)
     c = collect(results)
     groups = list(dict.fromkeys(f["group"] for f in c.files))
     labels = list(dict.fromkeys(f["commit"] for f in c.files))
@@ -510,7 +542,13 @@ def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = Fal
             "difference is stated only where p < 0.05."
             + (f" {rescored} of {len(paths)} files were scored by substring and are "
                "rescored here from their answers." if rescored else ""), ""]
+    if model["sha256"] or model["dtype"]:
+        head[1:1] = ["Model: " + ", ".join(
+            x for x in (model["name"] and str(model["name"]),
+                        model["sha256"] and f"sha256 {model['sha256'][:12]}",
+                        model["dtype"] and f"{model['dtype']} activations") if x) + "."]
     summary = {"units": "percent", "commits": labels, "mixed": len(groups) > 1,
+               "model": model,
                "files": [{k: v for k, v in f.items() if k != "group"} for f in c.files],
                "weak_below": 100 * WEAK_BELOW, "weak": r.weak, "not_run": r.not_run,
                "cells": r.cells,

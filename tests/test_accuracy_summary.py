@@ -137,6 +137,27 @@ def test_commits_are_not_mixed_unless_asked(tmp_path, capsys):
     assert "aaaa+dirty" in err
 
 
+def test_files_of_other_checkpoints_or_dtypes_are_never_merged(tmp_path, capsys):
+    def run(sha, dtype):
+        res = _result([{"method": "full", "budget": None, "scores": [1.0, 1.0, 0.0]}])
+        res["provenance"]["checkpoint"] = {"sha256": sha}
+        res["model"], res["dtype"] = "Tiny", dtype
+        return res
+
+    a, b, c = run("1d96" * 16, "bfloat16"), run("f00d" * 16, "bfloat16"), \
+        run("1d96" * 16, "float32")
+    for other, what in ((b, "checkpoints (1d961d961d96: "), (c, "dtypes (bfloat16: ")):
+        for flags in ((), ("--allow-mixed",)):
+            err, _ = _run(tmp_path, a, other, capsys=capsys, flags=flags, status=2)
+            assert err.startswith("error: the files come from different " + what)
+            assert err.count("\n") == 1
+    text, summary = _run(tmp_path, a, dict(a), capsys=capsys)
+    assert "Model: Tiny, sha256 1d961d961d96, bfloat16 activations." in text
+    assert summary["model"] == {"name": "Tiny", "sha256": "1d96" * 16, "dtype": "bfloat16"}
+    # files that record neither (written before provenance) merge as before
+    _run(tmp_path, a, _result(a["rows"]), capsys=capsys)
+
+
 def test_files_scored_by_substring_are_rescored_from_their_answers(tmp_path, capsys):
     old = _result([{"method": "hybrid", "budget": 128, "scores": [1.0, 1.0, 1.0],
                     "answers": [" 167921525", " 1679215.", " 1679215"]}],
