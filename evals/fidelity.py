@@ -115,6 +115,7 @@ from evals.harness import (
     configurations,
     open_partial,
     progress_bar,
+    readable_spec,
     spec_fingerprint,
 )
 from evals.metrics import (
@@ -394,9 +395,14 @@ def fidelity_fingerprint(prompts: Sequence[Prompt], configs: Sequence[tuple[str,
     """sha256 (hex) of what a prompt's numbers depend on: every prompt's and continuation's
     token ids, the configurations, m, ``run_key`` (the caller's checkpoint, dtype, threads)
     and the code (``harness.code_digest``; left out with ``code`` False)."""
-    return spec_fingerprint({"prompts": [[p.prompt, p.continuation] for p in prompts],
-                             "configs": [list(c) for c in configs], "m": m,
-                             "run_key": run_key}, code)
+    return spec_fingerprint(fidelity_spec(prompts, configs, m, run_key), code)
+
+
+def fidelity_spec(prompts: Sequence[Prompt], configs: Sequence[tuple[str, Any]], m: int,
+                  run_key: Any = None) -> dict[str, Any]:
+    """The JSON-able settings ``fidelity_fingerprint`` hashes (without the code)."""
+    return {"prompts": [[p.prompt, p.continuation] for p in prompts],
+            "configs": [list(c) for c in configs], "m": m, "run_key": run_key}
 
 
 _REPORT_KEYS = ("kv_cache_bytes", "kv_bytes_per_step", "method_params")
@@ -450,7 +456,9 @@ def evaluate(model: Transformer, prompts: Sequence[Prompt], methods: Sequence[st
         partial = Path(partial)
         fingerprint = fidelity_fingerprint(prompts, configs, m, run_key)
         settings = fidelity_fingerprint(prompts, configs, m, run_key, code=False)
-        kept, saved = open_partial(partial, fingerprint, settings, restart)
+        kept, saved = open_partial(partial, fingerprint, settings, restart,
+                                   spec=readable_spec(fidelity_spec(prompts, configs, m,
+                                                                    run_key)))
         done = {line["prompt"]: line for line in kept}
         for line in kept:
             errors.update({(m_, b): msg for m_, b, msg in line["errors"]})

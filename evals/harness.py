@@ -60,7 +60,7 @@ from compression import (
     plan,
 )
 from evals.data import ROOT
-from evals.provenance import commit_fields, cpu_has_native_bf16
+from evals.provenance import checkpoint_sha256, commit_fields, cpu_has_native_bf16
 from flags import add_device_option, add_time_limit_option
 from generate import generate
 from model import ConfigError, Transformer
@@ -291,12 +291,42 @@ def run_fingerprint(items: Sequence[Item], configs: Sequence[tuple[str, Any]],
     per-item answer length, the configurations, modes, method options, batch size,
     ``run_key`` (the caller's checkpoint, dtype and device) and the code (``code_digest``;
     left out with ``code`` False: the run's settings alone)."""
-    return spec_fingerprint({
-        "items": [[it.doc_ids, it.question_ids, it.meta.get("max_new_tokens")]
-                  for it in items],
-        "configs": [list(c) for c in configs], "max_new_tokens": max_new_tokens,
-        "modes": list(modes), "options": options or {}, "batch_size": batch_size,
-        "run_key": run_key}, code)
+    return spec_fingerprint(run_spec(items, configs, max_new_tokens, modes, options,
+                                     batch_size, run_key), code)
+
+
+def run_spec(items: Sequence[Item], configs: Sequence[tuple[str, Any]], max_new_tokens: int,
+             modes: Sequence[str], options: dict[str, Any] | None, batch_size: int,
+             run_key: Any = None) -> dict[str, Any]:
+    """The JSON-able settings ``run_fingerprint`` hashes (without the code)."""
+    return {"items": [[it.doc_ids, it.question_ids, it.meta.get("max_new_tokens")]
+                      for it in items],
+            "configs": [list(c) for c in configs], "max_new_tokens": max_new_tokens,
+            "modes": list(modes), "options": options or {}, "batch_size": batch_size,
+            "run_key": run_key}
+
+
+def readable_spec(spec: dict[str, Any], width: int = 160) -> dict[str, Any]:
+    """``spec`` (``run_spec``) as a partial file's header keeps it, so that a refused resume
+    can name the settings that differ: each value as it is, or, when its JSON is longer than
+    ``width`` characters (the prompts' token ids), ``"sha256 <12 hex> (<n> chars)"``."""
+    out = {}
+    for key, value in spec.items():
+        text = json.dumps(value, sort_keys=True, default=str)
+        out[key] = value if len(text) <= width else (
+            f"sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]} ({len(text)} chars)")
+    return json.loads(json.dumps(out, default=str))
+
+
+def _differences(saved: Any, now: dict[str, Any] | None) -> str:
+    """``"; differs: KEY (saved X, now Y), ..."`` between two ``readable_spec`` headers, or
+    "" when either is missing."""
+    if not isinstance(saved, dict) or now is None:
+        return ""
+    keys = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    return ("; differs: " + ", ".join(
+        f"{k} (saved {json.dumps(saved.get(k))}, now {json.dumps(now.get(k))})"
+        for k in keys)) if keys else ""
 
 
 def spec_fingerprint(spec: dict[str, Any], code: bool = True) -> str:
@@ -319,16 +349,19 @@ def _saved_commit(lines: Sequence[str]) -> str | None:
 
 
 def _read_partial(path: Path, fingerprint: str, settings: str,
-                  restart: bool = False) -> list[dict[str, Any]]:
+                  restart: bool = False, spec: dict[str, Any] | None = None
+                  ) -> list[dict[str, Any]]:
     """The finished units (batches of the harness, prompts of ``evals.fidelity``) saved in
     ``path`` after a header line by a run with this ``fingerprint`` (settings and code;
     ``settings``: without the code); [] when the file is absent or empty. A last line cut off
-    mid-write is dropped.
+    mid-write is dropped. ``spec``: this run's ``readable_spec``; a header that keeps one
+    lets the error name the settings that differ.
 
     Raises:
-        ConfigError: the file holds another run's results (other items or settings, or other
-            engine code: the error names the commit that saved them), unless ``restart``:
-            hours of saved answers are never overwritten unasked.
+        ConfigError: the file holds another run's results (other items or settings, named
+            when the header keeps them, or other engine code: the error names the commit that
+            saved them), unless ``restart``: hours of saved answers are never overwritten
+            unasked.
     """
     if not path.is_file():
         return []
@@ -348,7 +381,8 @@ def _read_partial(path: Path, fingerprint: str, settings: str,
             why = (f"its results were computed by other engine code{by}: resume with that "
                    "code (a clone at that commit)")
         elif "settings" in header:
-            why = "its results are another run's (other prompts or settings)"
+            why = ("its results are another run's (other prompts or settings"
+                   f"{_differences(header.get('spec'), spec)})")
         else:
             why = f"its results are another run's or other code's{by}"
         raise ConfigError(f"{path}: {why}, or pass --restart to discard them (or another "
@@ -379,18 +413,21 @@ def _refuse_a_complete_run(results: Sequence[Path], fingerprint: str) -> None:
 
 
 def open_partial(path: Path, fingerprint: str, settings: str, restart: bool = False,
-                 complete: Sequence[Path] = ()):
+                 complete: Sequence[Path] = (), spec: dict[str, Any] | None = None):
     """(the units ``path`` holds for this run (``_read_partial``), the file open for appending
-    one JSON line per finished unit), the file rewritten first as its header and those units
-    (without a line cut off mid-write). Raises ConfigError as ``_read_partial``, and when
-    ``path`` holds nothing of this run but one of ``complete`` (result JSONs) records it as
-    complete (``run_fingerprint``, nothing unfinished), unless ``restart``."""
-    kept = _read_partial(path, fingerprint, settings, restart)
+    one JSON line per finished unit), the file rewritten first as its header (with ``spec``,
+    the run's ``readable_spec``, when given) and those units (without a line cut off
+    mid-write). Raises ConfigError as ``_read_partial``, and when ``path`` holds nothing of
+    this run but one of ``complete`` (result JSONs) records it as complete
+    (``run_fingerprint``, nothing unfinished), unless ``restart``."""
+    kept = _read_partial(path, fingerprint, settings, restart, spec)
     if not kept and not restart:
         _refuse_a_complete_run(complete, fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(x) + "\n" for x in [
-        {"fingerprint": fingerprint, "settings": settings}, *kept]))
+    header = {"fingerprint": fingerprint, "settings": settings}
+    if spec is not None:
+        header["spec"] = spec
+    path.write_text("".join(json.dumps(x) + "\n" for x in [header, *kept]))
     return kept, path.open("a")
 
 
@@ -473,7 +510,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
         fingerprint = run_fingerprint(*spec)
         settings = run_fingerprint(*spec, code=False)
         kept, saved = open_partial(partial, fingerprint, settings, restart,
-                                   [Path(p) for p in complete])
+                                   [Path(p) for p in complete],
+                                   readable_spec(run_spec(*spec)))
         for line in kept:
             record(line["batch"], {mode: {(m, b): ans for m, b, ans in res}
                                    for mode, res in line["got"].items()})
@@ -770,14 +808,27 @@ def load(args: argparse.Namespace):
     return model, tok, device
 
 
+def input_identity(value: str | None) -> str | None:
+    """What a run's answers depend on in a ``--checkpoint`` or ``--tokenizer`` value, for a
+    resume key: the sha256 (hex) of the file or directory it resolves to
+    (``provenance.checkpoint_sha256``, cached per file), so that the same checkpoint under
+    another path resumes its saved answers and another file under the same path does not;
+    the value itself for ``random:NAME`` (and a value that names nothing on disk); None for
+    None."""
+    if value is None:
+        return None
+    return checkpoint_sha256(resolve_checkpoint(value)) or value
+
+
 def resume_options(args: argparse.Namespace, task: str, model: Transformer,
                    device: torch.device) -> dict[str, Any]:
     """``evaluate_items``' ``partial`` (``TASK.partial.jsonl`` in ``--out``), ``tag`` (this
     code's commit and dirty flag, saved with each batch), ``restart`` (``--restart``),
     ``complete`` (``TASK.json`` and ``TASK_qa.json`` in ``--out``, as ``report_modes`` writes
     them), ``run_key``
-    (checkpoint, tokenizer, device, dtype, threads per process: in bfloat16 the thread count
-    changes sums' order and so, rarely, an answer), ``stop`` (``--time-limit``, counted from
+    (checkpoint and tokenizer by content (``input_identity``), device, dtype, threads per
+    process: in bfloat16 the thread count changes sums' order and so, rarely, an answer),
+    ``stop`` (``--time-limit``, counted from
     this call), ``workers`` (``--workers`` or ``default_workers``) and ``load_worker`` (the
     model as loaded here, with ``--threads`` or all cores shared among the workers) for a
     script's run."""
@@ -790,7 +841,8 @@ def resume_options(args: argparse.Namespace, task: str, model: Transformer,
             "tokenizer": args.tokenizer}
     return {"partial": Path(args.out) / f"{task}.partial.jsonl",
             "complete": [Path(args.out) / f"{task}.json", Path(args.out) / f"{task}_qa.json"],
-            "run_key": [args.checkpoint, args.tokenizer, device.type, str(dtype),
+            "run_key": [input_identity(args.checkpoint), input_identity(args.tokenizer),
+                        device.type, str(dtype),
                         spec["threads"] if workers > 1 else threads],  # sums' order
             "stop": None if limit is None else lambda: time.perf_counter() - t0 > limit,
             "tag": commit_fields(), "restart": getattr(args, "restart", False),

@@ -80,7 +80,13 @@ from evals.fidelity import (
     evaluate,
     fidelity_fingerprint,
 )
-from evals.harness import DEFAULT_BUDGETS, DEFAULT_METHODS, configurations, progress_bar
+from evals.harness import (
+    DEFAULT_BUDGETS,
+    DEFAULT_METHODS,
+    configurations,
+    input_identity,
+    progress_bar,
+)
 from evals.prompts import text_files
 from evals.provenance import commit_fields, provenance
 from evals.reports import (
@@ -209,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_progress:
             bar = progress_bar(len(lengths) * n * (len(configurations(methods, budgets)) + 1))
         t_eval, limit = time.perf_counter(), args.time_limit
-        resume = {"run_key": [args.checkpoint, args.tokenizer, args.dtype, args.threads],
+        resume = {"run_key": [input_identity(args.checkpoint), input_identity(args.tokenizer),
+                              args.dtype, args.threads],
                   "tag": commit_fields(), "restart": args.restart,
                   "stop": None if limit is None else
                   (lambda: time.perf_counter() - t_eval > limit)}

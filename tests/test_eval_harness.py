@@ -432,14 +432,39 @@ def test_a_killed_run_resumes_from_its_saved_batches(monkeypatch, tmp_path):
     # unless --restart
     saved = path.read_text()
     calls.clear()
-    with pytest.raises(ConfigError, match="another run's .*--restart"):
+    with pytest.raises(ConfigError, match="another run's .*--restart") as refused:
         evaluate(path, configs=[("full", None)])
+    # the header keeps the settings, so the error names the one that differs (and only it)
+    why = str(refused.value)
+    assert 'differs: configs (saved [["snapkv", 128], ["full", null]], now [["full", null]])' \
+        in why and "run_key" not in why and "items" not in why
     monkeypatch.setattr(ec, "code_digest", lambda: "other code")
     with pytest.raises(ConfigError, match="other engine code \\(saved at commit abcdef123456"):
         evaluate(path)
     assert path.read_text() == saved and not calls
     other = evaluate(path, configs=[("full", None)], restart=True)  # all batches again
     assert len(calls) == 3 and other["batches_resumed"] == 0
+
+
+def test_the_resume_key_names_a_checkpoint_by_its_content(tmp_path):
+    """input_identity: the same file under another path (a symlink, a copy) gives the same
+    key, so a resume from another clone or spelling of the path finds its answers; another
+    file under the same path gives another key; random:NAME and None are kept as they are."""
+    ck = tmp_path / "model.gguf"
+    ck.write_bytes(b"weights v1")
+    (tmp_path / "link.gguf").symlink_to(ck)
+    copy = tmp_path / "sub" / "model.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(b"weights v1")
+    first = ec.input_identity(str(ck))
+    assert first == hashlib.sha256(b"weights v1").hexdigest()
+    assert ec.input_identity(str(tmp_path / "link.gguf")) == first
+    assert ec.input_identity(str(copy)) == first
+    assert ec.input_identity(os.path.relpath(ck)) == first
+    ck.write_bytes(b"weights v2, re-downloaded")
+    assert ec.input_identity(str(ck)) == hashlib.sha256(b"weights v2, re-downloaded").hexdigest()
+    assert ec.input_identity("random:tiny") == "random:tiny"
+    assert ec.input_identity(None) is None
 
 
 def test_a_complete_run_is_not_run_again_unless_restart(monkeypatch, tmp_path):
