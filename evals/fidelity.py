@@ -115,7 +115,6 @@ from evals.harness import (
     configurations,
     open_partial,
     progress_bar,
-    readable_spec,
     spec_fingerprint,
 )
 from evals.metrics import (
@@ -454,11 +453,8 @@ def evaluate(model: Transformer, prompts: Sequence[Prompt], methods: Sequence[st
     saved = None
     if partial is not None:
         partial = Path(partial)
-        fingerprint = fidelity_fingerprint(prompts, configs, m, run_key)
-        settings = fidelity_fingerprint(prompts, configs, m, run_key, code=False)
-        kept, saved = open_partial(partial, fingerprint, settings, restart,
-                                   spec=readable_spec(fidelity_spec(prompts, configs, m,
-                                                                    run_key)))
+        kept, saved, fingerprint = open_partial(
+            partial, fidelity_spec(prompts, configs, m, run_key), restart)
         done = {line["prompt"]: line for line in kept}
         for line in kept:
             errors.update({(m_, b): msg for m_, b, msg in line["errors"]})

@@ -412,23 +412,25 @@ def _refuse_a_complete_run(results: Sequence[Path], fingerprint: str) -> None:
                               "again (or another --out)")
 
 
-def open_partial(path: Path, fingerprint: str, settings: str, restart: bool = False,
-                 complete: Sequence[Path] = (), spec: dict[str, Any] | None = None):
+def open_partial(path: Path, spec: dict[str, Any], restart: bool = False,
+                 complete: Sequence[Path] = ()):
     """(the units ``path`` holds for this run (``_read_partial``), the file open for appending
-    one JSON line per finished unit), the file rewritten first as its header (with ``spec``,
-    the run's ``readable_spec``, when given) and those units (without a line cut off
-    mid-write). Raises ConfigError as ``_read_partial``, and when ``path`` holds nothing of
-    this run but one of ``complete`` (result JSONs) records it as complete
-    (``run_fingerprint``, nothing unfinished), unless ``restart``."""
-    kept = _read_partial(path, fingerprint, settings, restart, spec)
+    one JSON line per finished unit, the run's fingerprint), for a run of ``spec`` (its
+    settings: ``run_spec``, ``fidelity.fidelity_spec``): the file rewritten first as its
+    header (the fingerprint of ``spec`` and the code, that of ``spec`` alone, and
+    ``readable_spec(spec)``) and those units (without a line cut off mid-write). Raises
+    ConfigError as ``_read_partial``, and when ``path`` holds nothing of this run but one of
+    ``complete`` (result JSONs) records it as complete (``run_fingerprint``, nothing
+    unfinished), unless ``restart``."""
+    fingerprint, settings = spec_fingerprint(spec), spec_fingerprint(spec, code=False)
+    readable = readable_spec(spec)
+    kept = _read_partial(path, fingerprint, settings, restart, readable)
     if not kept and not restart:
         _refuse_a_complete_run(complete, fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = {"fingerprint": fingerprint, "settings": settings}
-    if spec is not None:
-        header["spec"] = spec
+    header = {"fingerprint": fingerprint, "settings": settings, "spec": readable}
     path.write_text("".join(json.dumps(x) + "\n" for x in [header, *kept]))
-    return kept, path.open("a")
+    return kept, path.open("a"), fingerprint
 
 
 def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
@@ -506,12 +508,9 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     done: set[tuple[int, ...]] = set()
     if partial is not None:
         partial = Path(partial)
-        spec = (items, configs, max_new_tokens, modes, options, batch_size, run_key)
-        fingerprint = run_fingerprint(*spec)
-        settings = run_fingerprint(*spec, code=False)
-        kept, saved = open_partial(partial, fingerprint, settings, restart,
-                                   [Path(p) for p in complete],
-                                   readable_spec(run_spec(*spec)))
+        kept, saved, fingerprint = open_partial(
+            partial, run_spec(items, configs, max_new_tokens, modes, options, batch_size,
+                              run_key), restart, [Path(p) for p in complete])
         for line in kept:
             record(line["batch"], {mode: {(m, b): ans for m, b, ans in res}
                                    for mode, res in line["got"].items()})
