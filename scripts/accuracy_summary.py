@@ -36,6 +36,11 @@ Intervals (``evals/stats.py``, ``cell_stats``): Wilson for pass/fail cells, the 
 score interval for pass/fail cells pooled over lengths of different sizes, percentile
 bootstrap over prompts (seeded, stratified by task or length for pooled cells) otherwise.
 
+Needle variants. A needle file's ``variant`` (``scripts/eval_needle.py --variant``) is a
+benchmark of its own: the paraphrased needle (``paraphrase``) gets its own tables, pooled cells
+and comparisons (bench ``needle_paraphrase`` in ``summary.json``), never pooled with the
+standard needle (``needle``), whose question shares the needle's words.
+
 Weak tasks. A (task, length) where ``full`` scores under 50 in standard mode is reported apart
 (its own table line) and left out of every pooled cell and pooled comparison: at 32K full
 answers no cwe prompt, and a method's difference there says nothing about the method.
@@ -71,6 +76,7 @@ import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
 from cli import OneLineParser, deprecated_alias
 from compression import METHODS
+from evals.needle import VARIANTS
 from evals.ruler import PASS_FAIL_TASKS, score_task
 from evals.scoring import first_value_pass
 from evals.stats import cell_stats, paired_comparison
@@ -80,6 +86,24 @@ REFERENCE = "rocketkv"
 MODES = ("standard", "question_agnostic")
 WEAK_BELOW = 0.5  # full's score under which a (task, length) is reported apart
 ALPHA = 0.05
+# the benchmarks' headings, in report order: the needle per variant, then RULER
+_VARIANT_HEADINGS = {"paraphrase": "paraphrased question (no content word shared with it)"}
+BENCHES = {"needle": "Needle",
+           **{f"needle_{v}": "Needle, " + _VARIANT_HEADINGS.get(v, f"{v} variant")
+              for v in VARIANTS if v != "standard"},
+           "ruler": "RULER-style tasks"}
+
+
+def bench_of(res: dict[str, Any]) -> str:
+    """A result file's benchmark: ``ruler``, ``needle`` (the standard needle, and files from
+    before ``variant`` was recorded) or ``needle_<variant>``."""
+    variant = res.get("variant") or "standard"
+    return res["task"] if res["task"] != "needle" or variant == "standard" \
+        else f"needle_{variant}"
+
+
+def is_needle(bench: str) -> bool:
+    return bench == "needle" or bench.startswith("needle_")
 
 
 def _item_key(item: dict[str, Any], bench: str) -> str:
@@ -188,7 +212,7 @@ def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
     c = Collected()
     listed: dict[str, tuple[str, str, int]] = {}
     for name, res in results:
-        bench = res["task"]
+        bench = bench_of(res)
         mode = "question_agnostic" if res.get("question_agnostic") else "standard"
         per_item = item_commits(name, res)
         binary_default, rescore = _scorers(res)
@@ -197,7 +221,7 @@ def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
                             "rescored": rescore is not None})
         keys = [_item_key(it, bench) for it in res["items"]]
         for key, it in zip(keys, res["items"]):
-            listed.setdefault(key, (bench, "needle" if bench == "needle" else it["task"],
+            listed.setdefault(key, (bench, "needle" if is_needle(bench) else it["task"],
                                     int(it["length"])))
         for row in res["rows"]:
             if row.get("budget") is not None:
@@ -223,9 +247,9 @@ def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
                         sub = subs[i]
                 if s is not None or cell.get(key, (None,))[0] is None:
                     cell[key] = (s, sub, per_item[i][1])
-                task = "needle" if bench == "needle" else it["task"]
+                task = "needle" if is_needle(bench) else it["task"]
                 c.unit[key] = (bench, task, int(it["length"]))
-                c.binary[key] = binary_default if bench == "needle" else task in PASS_FAIL_TASKS
+                c.binary[key] = binary_default if is_needle(bench) else task in PASS_FAIL_TASKS
     c.not_run = {k: u for k, u in listed.items() if k not in c.unit}
     return c
 
@@ -397,7 +421,7 @@ class Report:
         tasks) no run has answered yet."""
         total = sum(missing.values())
         text = f"Incomplete: {total} of this length's {total + ran} prompts not run yet"
-        if bench != "needle":
+        if not is_needle(bench):
             text += " (" + ", ".join(f"{t} {n}" for t, n in missing.items()) + ")"
         return text + ("; the cells cover the prompts run.\n" if ran else ".\n")
 
@@ -416,7 +440,9 @@ class Report:
 
     def build(self) -> None:
         c = self.c
-        for bench, name in (("needle", "Needle"), ("ruler", "RULER-style tasks")):
+        found = {b for b, _, _ in [*c.unit.values(), *c.not_run.values()]}
+        for bench in [*BENCHES, *sorted(found - set(BENCHES))]:
+            name = BENCHES.get(bench, bench)
             lengths = sorted({n for b, _, n in [*c.unit.values(), *c.not_run.values()]
                               if b == bench})
             pooled: set[str] = set()
@@ -442,7 +468,7 @@ class Report:
                 if missing:
                     self.lines.append(self._not_run_line(bench, missing, len(keys)))
                 apart = ", ".join(f"{t} (full {100 * s:.1f})" for t, s in weak.items())
-                if bench == "needle":
+                if is_needle(bench):
                     if weak:
                         self.lines.append(f"Full scores under {100 * WEAK_BELOW:.0f} here: "
                                           "reported apart, not pooled over lengths.\n")
@@ -459,7 +485,7 @@ class Report:
                                           + (" (full under 50: apart)" if t in weak else "")
                                           + "\n")
                         self.table(bench, t, length, c.prompts(bench, t, length))
-                if bench == "needle":  # a weak length's comparisons are shown, not pooled
+                if is_needle(bench):  # a weak length's comparisons are shown, not pooled
                     self.lines.append(f"Paired comparisons at {length} tokens"
                                       + (" (full under 50: apart)" if weak else "") + ":\n")
                     self.claims(bench, length, keys)
@@ -472,9 +498,9 @@ class Report:
                                   "weak units left out"
                                   + (f"; incomplete lengths left out: {', '.join(incomplete)}"
                                      if incomplete else "") + ")\n")
-                strata = (lambda k: c.unit[k][2]) if bench == "needle" else \
+                strata = (lambda k: c.unit[k][2]) if is_needle(bench) else \
                     (lambda k: c.unit[k][1:])
-                self.table(bench, "needle" if bench == "needle" else "pooled", "pooled",
+                self.table(bench, "needle" if is_needle(bench) else "pooled", "pooled",
                            pooled, strata)
                 self.lines.append("Paired comparisons, pooled over lengths:\n")
                 self.claims(bench, "pooled", pooled, strata)

@@ -264,3 +264,24 @@ def test_a_stopped_ruler_run_marks_its_length_incomplete(tmp_path, capsys):
     text, summary = _run(tmp_path, more, capsys=capsys)
     assert "incomplete" not in text.lower().replace("marked incomplete", "")
     assert summary["not_run"] == []
+
+
+def test_the_paraphrased_needle_is_a_benchmark_of_its_own(tmp_path, capsys):
+    """A paraphrase file (``variant``) at the same lengths as a standard needle file gets its
+    own tables, cells and pooled comparisons: pooled with the standard needle, full's 2 of 3
+    and 3 of 3 would read as 5 of 6."""
+    standard = _result([{"method": "full", "budget": None, "scores": [1.0, 1.0, 1.0]},
+                        {"method": "rocketkv", "budget": 128, "scores": [1.0, 1.0, 1.0]}])
+    para_items = [{**it, "seed": 7 + i, "variant": "paraphrase"} for i, it in enumerate(NEEDLE)]
+    paraphrase = {**_result([{"method": "full", "budget": None, "scores": [1.0, 0.0, 1.0]},
+                             {"method": "rocketkv", "budget": 128, "scores": [0.0, 0.0, 1.0]}],
+                            items=para_items), "variant": "paraphrase"}
+    text, summary = _run(tmp_path, standard, paraphrase, capsys=capsys)
+    heading = "Needle, paraphrased question (no content word shared with it)"
+    assert f"## {heading}, 100 tokens (2 prompts)" in text
+    assert _line(text, 100, "full") == "| full | 100.0 [34.2, 100.0] n=2 |"
+    assert _line(text, 100, "full", bench=heading) == "| full | 50.0 [9.5, 90.5] n=2 |"
+    assert _cell(summary, bench="needle", length="pooled", method="full")["n"] == 3
+    pooled = _cell(summary, bench="needle_paraphrase", length="pooled", method="full")
+    assert (pooled["n"], pooled["score"]) == (3, pytest.approx(75.0))  # 1/2 and 1/1
+    assert {x["bench"] for x in summary["comparisons"]} == {"needle", "needle_paraphrase"}
