@@ -284,21 +284,13 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
-def run_fingerprint(items: Sequence[Item], configs: Sequence[tuple[str, Any]],
-                    max_new_tokens: int, modes: Sequence[str], options: dict[str, Any] | None,
-                    batch_size: int, run_key: Any = None, code: bool = True) -> str:
-    """sha256 (hex) of what a batch's answers depend on: every item's token ids and
-    per-item answer length, the configurations, modes, method options, batch size,
-    ``run_key`` (the caller's checkpoint, dtype and device) and the code (``code_digest``;
-    left out with ``code`` False: the run's settings alone)."""
-    return spec_fingerprint(run_spec(items, configs, max_new_tokens, modes, options,
-                                     batch_size, run_key), code)
-
-
 def run_spec(items: Sequence[Item], configs: Sequence[tuple[str, Any]], max_new_tokens: int,
              modes: Sequence[str], options: dict[str, Any] | None, batch_size: int,
              run_key: Any = None) -> dict[str, Any]:
-    """The JSON-able settings ``run_fingerprint`` hashes (without the code)."""
+    """The JSON-able settings a batch's answers depend on: every item's token ids and
+    per-item answer length, the configurations, modes, method options, batch size and
+    ``run_key`` (the caller's checkpoint, dtype and device); ``spec_fingerprint`` hashes
+    them with the code (the run's fingerprint) or alone (its settings)."""
     return {"items": [[it.doc_ids, it.question_ids, it.meta.get("max_new_tokens")]
                       for it in items],
             "configs": [list(c) for c in configs], "max_new_tokens": max_new_tokens,
@@ -398,8 +390,8 @@ def _read_partial(path: Path, fingerprint: str, settings: str,
 
 def _refuse_a_complete_run(results: Sequence[Path], fingerprint: str) -> None:
     """Raise ConfigError when one of ``results`` (a run's result JSONs) records this
-    ``fingerprint`` (``run_fingerprint``) with nothing unfinished: the run is complete, and
-    running it again would spend its hours to overwrite the same answers."""
+    ``fingerprint`` (as its ``run_fingerprint``) with nothing unfinished: the run is complete,
+    and running it again would spend its hours to overwrite the same answers."""
     for path in results:
         try:
             data = json.loads(Path(path).read_text())
@@ -420,7 +412,7 @@ def open_partial(path: Path, spec: dict[str, Any], restart: bool = False,
     header (the fingerprint of ``spec`` and the code, that of ``spec`` alone, and
     ``readable_spec(spec)``) and those units (without a line cut off mid-write). Raises
     ConfigError as ``_read_partial``, and when ``path`` holds nothing of this run but one of
-    ``complete`` (result JSONs) records it as complete (``run_fingerprint``, nothing
+    ``complete`` (result JSONs) records it as complete (its ``run_fingerprint``, nothing
     unfinished), unless ``restart``."""
     fingerprint, settings = spec_fingerprint(spec), spec_fingerprint(spec, code=False)
     readable = readable_spec(spec)
@@ -453,14 +445,14 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     {item index: message}. A row is an error only when every item failed.
 
     ``partial``: a JSON-lines file that keeps every finished batch's answers as the run goes
-    (a header line with ``run_fingerprint``, then one line per batch). A run that finds the
+    (a header line with the run's fingerprint, then one line per batch). A run that finds the
     file with the same fingerprint skips the batches it holds, so a run that was killed (or
     cut by a GPU lease's time limit) continues where it stopped with the same answers; a
     file of another run (other prompts, settings or engine code) is a ConfigError naming the
     commit that saved it, or with ``restart`` overwritten. The caller deletes it once the
     results are written (and keeps it while some items are unfinished). ``complete``: the
     result JSONs such a run writes; when the partial file holds nothing of this run and one
-    of them records this run's fingerprint (``run_fingerprint``, the result's
+    of them records this run's fingerprint (``spec_fingerprint`` of ``run_spec``, the result's
     ``fingerprint``) with no item unfinished, the run is complete: a ConfigError, before any
     batch, unless ``restart``.
 
@@ -486,7 +478,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     ran, 0..1; None when none did), "scores", "answers"[, "items_run", "item_errors"]} or
     {"method", "budget", "error"}]}}, "eval_s" (this process's seconds), "batches",
     "batches_resumed", "unfinished" (items not run), "workers" (processes used), "item_tags",
-    "partial", "fingerprint" (``run_fingerprint``, with ``partial``; else None)}."""
+    "partial", "fingerprint" (``spec_fingerprint`` of ``run_spec``, with ``partial``; else
+    None)}."""
     batches = batches_of(items, batch_size)
     pad_id = tok.encode("\n", bos=False)[-1]
     t0 = time.perf_counter()

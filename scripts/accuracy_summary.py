@@ -106,6 +106,11 @@ def is_needle(bench: str) -> bool:
     return bench == "needle" or bench.startswith("needle_")
 
 
+def task_of(bench: str, item: dict[str, Any]) -> str:
+    """An item's task: ``needle`` for every needle variant, else the RULER task."""
+    return "needle" if is_needle(bench) else item["task"]
+
+
 def _item_key(item: dict[str, Any], bench: str) -> str:
     return bench + json.dumps(item, sort_keys=True)
 
@@ -221,8 +226,7 @@ def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
                             "rescored": rescore is not None})
         keys = [_item_key(it, bench) for it in res["items"]]
         for key, it in zip(keys, res["items"]):
-            listed.setdefault(key, (bench, "needle" if is_needle(bench) else it["task"],
-                                    int(it["length"])))
+            listed.setdefault(key, (bench, task_of(bench, it), int(it["length"])))
         for row in res["rows"]:
             if row.get("budget") is not None:
                 c.budgets.add(int(row["budget"]))
@@ -247,7 +251,7 @@ def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
                         sub = subs[i]
                 if s is not None or cell.get(key, (None,))[0] is None:
                     cell[key] = (s, sub, per_item[i][1])
-                task = "needle" if is_needle(bench) else it["task"]
+                task = task_of(bench, it)
                 c.unit[key] = (bench, task, int(it["length"]))
                 c.binary[key] = binary_default if is_needle(bench) else task in PASS_FAIL_TASKS
     c.not_run = {k: u for k, u in listed.items() if k not in c.unit}
@@ -440,11 +444,10 @@ class Report:
 
     def build(self) -> None:
         c = self.c
-        found = {b for b, _, _ in [*c.unit.values(), *c.not_run.values()]}
-        for bench in [*BENCHES, *sorted(found - set(BENCHES))]:
-            name = BENCHES.get(bench, bench)
-            lengths = sorted({n for b, _, n in [*c.unit.values(), *c.not_run.values()]
-                              if b == bench})
+        units = [*c.unit.values(), *c.not_run.values()]
+        for bench in dict.fromkeys([*BENCHES, *sorted({b for b, _, _ in units})]):
+            name = BENCHES.get(bench, bench)  # a variant this code does not know: its name
+            lengths = sorted({n for b, _, n in units if b == bench})
             pooled: set[str] = set()
             incomplete: list[str] = []
             for length in lengths:
