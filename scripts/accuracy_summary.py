@@ -74,12 +74,12 @@ from typing import Any
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from cli import OneLineParser, deprecated_alias
-from compression import METHODS
-from evals.needle import VARIANTS
-from evals.ruler import PASS_FAIL_TASKS, score_task
-from evals.scoring import first_value_pass
-from evals.stats import cell_stats, paired_comparison
+from rocketkv.cli.common import OneLineParser, deprecated_alias
+from rocketkv.compression import METHODS
+from rocketkv.evals.needle import VARIANTS
+from rocketkv.evals.ruler import PASS_FAIL_TASKS, score_task
+from rocketkv.evals.scoring import first_value_pass
+from rocketkv.evals.stats import cell_stats, paired_comparison
 
 ORACLES = ("full", "exact_topk")
 REFERENCE = "rocketkv"

@@ -64,7 +64,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import (
+from rocketkv.flags import (
     DTYPE_NAMES,
     OneLineParser,
     add_device_option,
@@ -132,16 +132,8 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
-import tp
-from checkpoint import (
-    RANDOM_PREFIX,
-    check_creatable,
-    checkpoint_args,
-    is_quantized,
-    load_model,
-    resolve_checkpoint,
-)
-from cli import (
+from rocketkv import tp
+from rocketkv.cli.common import (
     command_line,
     device_fault,
     fault_line,
@@ -150,8 +142,12 @@ from cli import (
     rows_exit_status,
     write_json,
 )
-from compression import METHODS, check_methods, options_for
-from evals.bench import (
+from rocketkv.compression import METHODS, check_methods, options_for
+from rocketkv.engine.generate import generate, release_caches
+from rocketkv.engine.measure import check_memory, check_run_memory, device_name, spread_warning
+from rocketkv.engine.provenance import commit_fields
+from rocketkv.engine.step import StepMode
+from rocketkv.evals.bench import (
     DEFAULT_BUDGETS,
     DEFAULT_CONTEXTS,
     DEFAULT_METHODS,
@@ -159,15 +155,19 @@ from evals.bench import (
     resolve_run,
     results_dir,
 )
-from evals.harness import configurations
-from evals.peers import PEERS, run_transformers
-from evals.provenance import commit_fields
-from generate import generate, release_caches
-from kernels import tuning
-from measure import check_memory, check_run_memory, device_name, spread_warning
-from model import CONFIGS, ConfigError
-from quantized import parse_weights, quantize_model
-from step import StepMode
+from rocketkv.evals.harness import configurations
+from rocketkv.evals.peers import PEERS, run_transformers
+from rocketkv.formats.checkpoint import (
+    RANDOM_PREFIX,
+    check_creatable,
+    checkpoint_args,
+    is_quantized,
+    load_model,
+    resolve_checkpoint,
+)
+from rocketkv.kernels import tuning
+from rocketkv.model import CONFIGS, ConfigError
+from rocketkv.quantized import parse_weights, quantize_model
 
 
 def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype):

@@ -72,7 +72,7 @@ from typing import Any
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import GGUF_WEIGHTS, OneLineParser, add_time_limit_option
+from rocketkv.flags import GGUF_WEIGHTS, OneLineParser, add_time_limit_option
 
 DEFAULT_CONTEXTS = (0, 4096, 16384, 32768)
 LLAMA_NOT_FOUND = "llama.cpp not found (build: tools/build_llama_cpp.sh)"
@@ -153,16 +153,27 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
-from checkpoint import check_creatable, checkpoint_args, load_model, resolve_checkpoint
-from cli import check_json_path, check_positive, row_error, rows_exit_status, write_json
-from compression import METHODS, needs_attention_sums
-from evals.harness import configurations
-from evals.provenance import provenance
-from generate import generate
-from gguf_reader import is_gguf
-from measure import percentile
-from model import ConfigError
-from prefill import PrefilledPrompt, prefill_once
+from rocketkv.cli.common import (
+    check_json_path,
+    check_positive,
+    row_error,
+    rows_exit_status,
+    write_json,
+)
+from rocketkv.compression import METHODS, needs_attention_sums
+from rocketkv.engine.generate import generate
+from rocketkv.engine.measure import percentile
+from rocketkv.engine.prefill import PrefilledPrompt, prefill_once
+from rocketkv.engine.provenance import provenance
+from rocketkv.evals.harness import configurations
+from rocketkv.formats.checkpoint import (
+    check_creatable,
+    checkpoint_args,
+    load_model,
+    resolve_checkpoint,
+)
+from rocketkv.formats.gguf_reader import is_gguf
+from rocketkv.model import ConfigError
 from scripts.compare_hf import cpu_model, load_average
 
 # --------------------------------------------------------------------------------------------

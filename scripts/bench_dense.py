@@ -47,15 +47,15 @@ import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 import torch.nn.functional as F
 
-import kernels
-from cli import OneLineParser, check_json_path, command_line, write_json
-from evals.bench import measure_bandwidth, resolve_run, results_dir
-from evals.provenance import commit_fields
-from flags import add_config_option, add_device_option
-from kernels import tuning
-from measure import device_name, percentile, sync
-from model import CONFIGS, ConfigError, ModelArgs, precompute_rope
-from quantized import Int4Linear, Int8Linear, parse_weights, quantize_int4, quantize_int8
+from rocketkv import kernels
+from rocketkv.cli.common import OneLineParser, check_json_path, command_line, write_json
+from rocketkv.engine.measure import device_name, percentile, sync
+from rocketkv.engine.provenance import commit_fields
+from rocketkv.evals.bench import measure_bandwidth, resolve_run, results_dir
+from rocketkv.flags import add_config_option, add_device_option
+from rocketkv.kernels import tuning
+from rocketkv.model import CONFIGS, ConfigError, ModelArgs, precompute_rope
+from rocketkv.quantized import Int4Linear, Int8Linear, parse_weights, quantize_int4, quantize_int8
 
 GRIDS = {  # (TARGET_PROGRAMS, MAX_BLOCK_N, K block, NUM_WARPS) tried beside the default
     "none": [],
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    dense = importlib.import_module("kernels.dense")  # imported by kernels.ops() above
+    dense = importlib.import_module("rocketkv.kernels.dense")  # imported by kernels.ops() above
 
     knobs = dense.launch_knobs
     margs = ModelArgs.from_name(args.config)

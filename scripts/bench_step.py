@@ -67,7 +67,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import (
+from rocketkv.flags import (
     DTYPE_NAMES,
     OneLineParser,
     add_config_option,
@@ -140,8 +140,8 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
-from cli import (
+from rocketkv import kernels
+from rocketkv.cli.common import (
     check_json_path,
     command_line,
     device_fault,
@@ -151,13 +151,13 @@ from cli import (
     rows_exit_status,
     write_json,
 )
-from compression import build_caches, check_methods, options_for
-from evals.bench import measure_bandwidth, resolve_run, results_dir
-from evals.harness import configurations
-from evals.provenance import commit_fields
-from kernels import tuning
-from measure import device_name, percentile, sync
-from model import CONFIGS, ConfigError, ModelArgs
+from rocketkv.compression import build_caches, check_methods, options_for
+from rocketkv.engine.measure import device_name, percentile, sync
+from rocketkv.engine.provenance import commit_fields
+from rocketkv.evals.bench import measure_bandwidth, resolve_run, results_dir
+from rocketkv.evals.harness import configurations
+from rocketkv.kernels import tuning
+from rocketkv.model import CONFIGS, ConfigError, ModelArgs
 
 KNOBS = tuple(tuning.CONSTANTS["sparse"])  # kernels.sparse's launch constants --knob sets
 HETEROGENEOUS = ("omnikv", "duoattention")  # layers differ: no one layer stands for the model

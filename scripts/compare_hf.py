@@ -58,7 +58,7 @@ from typing import Any
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import DTYPE_NAMES, GGUF_WEIGHTS, OneLineParser
+from rocketkv.flags import DTYPE_NAMES, GGUF_WEIGHTS, OneLineParser
 
 DEFAULT_CONTEXTS = (2048, 7168)
 
@@ -75,7 +75,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_CONTEXTS),
                    metavar="N", help="prompt lengths in tokens (default 2048 7168)")
     p.add_argument("--methods", nargs="+", default=["full", "rocketkv"], metavar="METHOD",
-                   help="our KV cache methods (python -m compression lists them; default: "
+                   help="our KV cache methods (python -m rocketkv.compression lists them; default: "
                         "full rocketkv)")
     p.add_argument("--budgets", nargs="+", type=int, default=[256], metavar="N",
                    help="token budgets of the compressing methods (default 256)")
@@ -111,8 +111,7 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
-from checkpoint import load_model, resolve_checkpoint
-from cli import (
+from rocketkv.cli.common import (
     DTYPES,
     check_json_path,
     check_positive,
@@ -122,14 +121,15 @@ from cli import (
     rows_exit_status,
     write_json,
 )
-from compression import METHODS, check_methods
-from evals.bench import results_dir
-from evals.harness import configurations
-from evals.provenance import commit_fields, cpu_fields
-from generate import generate
-from measure import device_name, percentile, sync
-from model import ConfigError, Transformer
-from tokenizer import load_tokenizer
+from rocketkv.compression import METHODS, check_methods
+from rocketkv.engine.generate import generate
+from rocketkv.engine.measure import device_name, percentile, sync
+from rocketkv.engine.provenance import commit_fields, cpu_fields
+from rocketkv.evals.bench import results_dir
+from rocketkv.evals.harness import configurations
+from rocketkv.formats.checkpoint import load_model, resolve_checkpoint
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError, Transformer
 
 
 def cpu_model() -> str:

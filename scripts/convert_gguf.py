@@ -21,7 +21,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import DTYPE_NAMES, OneLineParser, deprecated_alias
+from rocketkv.flags import DTYPE_NAMES, OneLineParser, deprecated_alias
 
 
 def build_parser() -> OneLineParser:
@@ -41,16 +41,16 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
-from checkpoint import (
+from rocketkv.cli.common import DTYPES
+from rocketkv.formats.checkpoint import (
     check_new_directory,
     hf_config,
     load_gguf,
     meta_to_hf_state_dict,
     write_directory,
 )
-from cli import DTYPES
-from model import ConfigError
-from tokenizer import gguf_tokenizer
+from rocketkv.formats.tokenizer import gguf_tokenizer
+from rocketkv.model import ConfigError
 
 
 def convert(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import DTYPE_NAMES, OneLineParser
+from rocketkv.flags import DTYPE_NAMES, OneLineParser
 
 
 def build_parser() -> OneLineParser:
@@ -32,9 +32,9 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
-from checkpoint import load_model, save_native
-from model import ConfigError
-from tokenizer import TOKENIZER_FILES
+from rocketkv.formats.checkpoint import load_model, save_native
+from rocketkv.formats.tokenizer import TOKENIZER_FILES
+from rocketkv.model import ConfigError
 
 # files beside tokenizer.json that hold its special tokens, EOS ids and chat template
 TOKENIZER_CONFIGS = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import OneLineParser
+from rocketkv.flags import OneLineParser
 
 
 def build_parser() -> OneLineParser:
@@ -37,9 +37,9 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
-from checkpoint import save_native
-from model import ConfigError, ModelArgs
-from tokenizer import load_tokenizer
+from rocketkv.formats.checkpoint import save_native
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError, ModelArgs
 
 HEADER = struct.Struct("<7i")
 

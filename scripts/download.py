@@ -16,7 +16,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import OneLineParser
+from rocketkv.flags import OneLineParser
 
 
 def build_parser() -> OneLineParser:
@@ -33,7 +33,7 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
     ARGS = build_parser().parse_args()
 
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
-from checkpoint import KNOWN_CHECKPOINTS
+from rocketkv.formats.checkpoint import KNOWN_CHECKPOINTS
 
 PATTERNS = ["config.json", "generation_config.json", "*.safetensors",
             "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",

@@ -1,7 +1,7 @@
 """DuoAttention's retrieval-head identification for any model: one gate per KV head, learned.
 
     python scripts/duo_identify.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --out patterns/SmolLM2-135M-Instruct [--steps 80] [--context 512 1024] \\
+        --out rocketkv/patterns/SmolLM2-135M-Instruct [--steps 80] [--context 512 1024] \\
         [--sink 32 --recent 64] [--text FILE_OR_DIR]
 
 The optimization of the DuoAttention paper (Xiao et al. 2025, Sec. 3.2): every KV head (layer
@@ -51,8 +51,8 @@ from typing import Any
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from evals.data import TEXT  # (paths only: no torch)
-from flags import OneLineParser, add_device_option, deprecated_alias
+from rocketkv.evals.data import TEXT  # (paths only: no torch)
+from rocketkv.flags import OneLineParser, add_device_option, deprecated_alias
 
 DEFAULT_TEXT = TEXT / "tinystories_valid_excerpt_30KB.txt"
 
@@ -92,11 +92,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from checkpoint import load_model, resolve_checkpoint
-from cli import check_positive, resolve_device
-from evals.prompts import read_texts, text_files
-from model import ConfigError, Transformer, precompute_rope
-from tokenizer import load_tokenizer
+from rocketkv.cli.common import check_positive, resolve_device
+from rocketkv.evals.prompts import read_texts, text_files
+from rocketkv.formats.checkpoint import load_model, resolve_checkpoint
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError, Transformer, precompute_rope
 
 
 def streaming_mask(T: int, sink: int, recent: int, device=None) -> Tensor:

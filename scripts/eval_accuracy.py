@@ -67,37 +67,37 @@ from pathlib import Path
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
-from checkpoint import load_model, resolve_checkpoint
-from cli import OneLineParser, check_positive, deprecated_alias, write_json
-from compression import METHODS
-from evals.data import (
+from rocketkv.cli.common import OneLineParser, check_positive, deprecated_alias, write_json
+from rocketkv.compression import METHODS
+from rocketkv.engine.provenance import commit_fields, provenance
+from rocketkv.evals.data import (
     ESSAYS,
 )
-from evals.fidelity import (
+from rocketkv.evals.fidelity import (
     DEFAULT_TEXTS,
     bos_prefix,
     build_prompt_set,
     evaluate,
     fidelity_fingerprint,
 )
-from evals.harness import (
+from rocketkv.evals.harness import (
     DEFAULT_BUDGETS,
     DEFAULT_METHODS,
     configurations,
     input_identity,
     progress_bar,
 )
-from evals.prompts import text_files
-from evals.provenance import commit_fields, provenance
-from evals.reports import (
+from rocketkv.evals.prompts import text_files
+from rocketkv.evals.reports import (
     add_fidelity_intervals,
     fidelity_plot,
     fidelity_report,
     fidelity_table,
 )
-from flags import add_time_limit_option
-from model import ConfigError
-from tokenizer import load_tokenizer
+from rocketkv.flags import add_time_limit_option
+from rocketkv.formats.checkpoint import load_model, resolve_checkpoint
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError
 
 DEFAULT_PROMPT_TOKENS = (2048,)
 

@@ -37,9 +37,9 @@ from collections.abc import Sequence
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from cli import OneLineParser, rows_exit_status
-from compression import given_options
-from evals.harness import (
+from rocketkv.cli.common import OneLineParser, rows_exit_status
+from rocketkv.compression import given_options
+from rocketkv.evals.harness import (
     add_common_args,
     check_common,
     check_runs,
@@ -48,7 +48,7 @@ from evals.harness import (
     resume_options,
     run_configurations,
 )
-from evals.needle import (
+from rocketkv.evals.needle import (
     VARIANTS,
     Haystack,
     add_needle_args,
@@ -57,9 +57,14 @@ from evals.needle import (
     score_answer,
     substring_score,
 )
-from evals.prompts import read_texts
-from evals.reports import accuracy_table, add_substring_scores, needle_heatmaps, report_modes
-from model import ConfigError
+from rocketkv.evals.prompts import read_texts
+from rocketkv.evals.reports import (
+    accuracy_table,
+    add_substring_scores,
+    needle_heatmaps,
+    report_modes,
+)
+from rocketkv.model import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import (
+from rocketkv.flags import (
     CLASSIFIER_CHOICES,
     DTYPE_NAMES,
     GGUF_WEIGHTS,
@@ -99,18 +99,18 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
-from checkpoint import load_model, resolve_checkpoint
-from cli import DTYPES, check_positive, command_line, rows_exit_status
-from evals.fidelity import DEFAULT_TEXTS, run_variant, split_prompts
-from evals.harness import configurations, progress_bar
-from evals.prompts import text_files
-from evals.provenance import provenance
-from evals.reports import quantization_plot, quantization_table, write_outputs
-from gguf_reader import is_gguf
-from measure import weights_label
-from model import ConfigError
-from quantized import GROUPSIZES, classifier_mode, quantize_model
-from tokenizer import load_tokenizer
+from rocketkv.cli.common import DTYPES, check_positive, command_line, rows_exit_status
+from rocketkv.engine.measure import weights_label
+from rocketkv.engine.provenance import provenance
+from rocketkv.evals.fidelity import DEFAULT_TEXTS, run_variant, split_prompts
+from rocketkv.evals.harness import configurations, progress_bar
+from rocketkv.evals.prompts import text_files
+from rocketkv.evals.reports import quantization_plot, quantization_table, write_outputs
+from rocketkv.formats.checkpoint import load_model, resolve_checkpoint
+from rocketkv.formats.gguf_reader import is_gguf
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError
+from rocketkv.quantized import GROUPSIZES, classifier_mode, quantize_model
 
 VARIANT = re.compile(r"^(int8|int4-g(\d+))$")
 

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from cli import OneLineParser, deprecated_alias, rows_exit_status
-from compression import given_options
-from evals.data import ESSAYS
-from evals.harness import (
+from rocketkv.cli.common import OneLineParser, deprecated_alias, rows_exit_status
+from rocketkv.compression import given_options
+from rocketkv.evals.data import ESSAYS
+from rocketkv.evals.harness import (
     add_common_args,
     check_common,
     check_runs,
@@ -50,10 +50,17 @@ from evals.harness import (
     resume_options,
     run_configurations,
 )
-from evals.metrics import string_match_all
-from evals.reports import add_substring_scores, report_modes, ruler_plot, ruler_table
-from evals.ruler import PASS_FAIL_TASKS, TASKS, build_items, load_essays, score_task, task_rows
-from model import ConfigError
+from rocketkv.evals.metrics import string_match_all
+from rocketkv.evals.reports import add_substring_scores, report_modes, ruler_plot, ruler_table
+from rocketkv.evals.ruler import (
+    PASS_FAIL_TASKS,
+    TASKS,
+    build_items,
+    load_essays,
+    score_task,
+    task_rows,
+)
+from rocketkv.model import ConfigError
 
 DEFAULT_LENGTHS = (4096,)
 

@@ -19,7 +19,7 @@
 # judges each regime on its own rows, and k2 and p measure the static-compile regime after.
 #
 # first: the first call of every GPU visit: nvidia-smi, the versions and the C compiler
-#    (Triton builds its launchers with one); the kernels' self-check (python -m kernels.check;
+#    (Triton builds its launchers with one); the kernels' self-check (python -m rocketkv.engine.kernel_check;
 #    the call goes on, saying so, when it is absent or fails) beside the CUDA tests
 #    (pytest -m cuda), one process a test file, all at once, so a sticky CUDA error stays in
 #    the file that raised it; kernels per step and layer at 32K of full and rocketkv@256
@@ -100,7 +100,7 @@ case $part in
 first)
     environment
     step "the kernels' self-check beside the CUDA tests, one process a test file"
-    (timeout 120 $py -m kernels.check --device cuda; echo "exit $? (kernels.check: 0 passed; 1 absent or failed; 124 cut off)") > "$out/run-check.txt" 2>&1 &
+    (timeout 120 $py -m rocketkv.engine.kernel_check --device cuda; echo "exit $? (kernel_check: 0 passed; 1 absent or failed; 124 cut off)") > "$out/run-check.txt" 2>&1 &
     for f in $(grep -lE "pytest\.mark\.cuda\b" tests/test_*.py); do
         n=1; [ "$f" = tests/test_kernels.py ] && n=3  # 34 tests: 22 ran in 140 s on the H200
         for i in $(seq 0 $((n - 1))); do

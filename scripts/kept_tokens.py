@@ -34,22 +34,22 @@ from collections.abc import Sequence
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 import torch
 
-from cli import OneLineParser, rows_exit_status
-from compression import METHODS, given_options, needs_attention_sums, options_for
-from evals.harness import (
+from rocketkv.cli.common import OneLineParser, rows_exit_status
+from rocketkv.compression import METHODS, given_options, needs_attention_sums, options_for
+from rocketkv.engine.generate import generate
+from rocketkv.engine.prefill import prefill_once
+from rocketkv.evals.harness import (
     add_common_args,
     check_common,
     load,
     progress_bar,
     run_configurations,
 )
-from evals.needle import Haystack, add_needle_args, build_items, depth_grid, needle_fact
-from evals.probes import kept_positions
-from evals.prompts import read_texts
-from evals.reports import kept_table, write_outputs
-from generate import generate
-from model import ConfigError
-from prefill import prefill_once
+from rocketkv.evals.needle import Haystack, add_needle_args, build_items, depth_grid, needle_fact
+from rocketkv.evals.probes import kept_positions
+from rocketkv.evals.prompts import read_texts
+from rocketkv.evals.reports import kept_table, write_outputs
+from rocketkv.model import ConfigError
 
 SINKS, RECENT = 4, 32
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import OneLineParser, deprecated_alias
+from rocketkv.flags import OneLineParser, deprecated_alias
 
 
 def build_parser() -> OneLineParser:
@@ -71,9 +71,9 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
     ARGS = build_parser().parse_args()
 
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
-from evals.prompts import chars_per_4, make_prompt, read_texts
-from model import ConfigError
-from tokenizer import load_tokenizer
+from rocketkv.evals.prompts import chars_per_4, make_prompt, read_texts
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError
 
 
 def _check_writable(path: str, flag: str) -> None:

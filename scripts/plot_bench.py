@@ -24,7 +24,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import OneLineParser, deprecated_alias
+from rocketkv.flags import OneLineParser, deprecated_alias
 
 
 def build_parser() -> OneLineParser:

@@ -34,7 +34,7 @@ from typing import Any
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import DTYPE_NAMES, OneLineParser, add_config_option, deprecated_alias
+from rocketkv.flags import DTYPE_NAMES, OneLineParser, add_config_option, deprecated_alias
 
 
 def build_parser() -> OneLineParser:
@@ -63,12 +63,12 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-import tp
-from cli import DTYPES, command_line, rows_exit_status, write_json
-from compression import build_caches, check_methods
-from evals.harness import configurations
-from measure import weight_bytes
-from model import CONFIGS, ConfigError, ModelArgs, Transformer
+from rocketkv import tp
+from rocketkv.cli.common import DTYPES, command_line, rows_exit_status, write_json
+from rocketkv.compression import build_caches, check_methods
+from rocketkv.engine.measure import weight_bytes
+from rocketkv.evals.harness import configurations
+from rocketkv.model import CONFIGS, ConfigError, ModelArgs, Transformer
 
 GB = 1e9
 

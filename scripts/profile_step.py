@@ -30,7 +30,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from flags import (
+from rocketkv.flags import (
     DTYPE_NAMES,
     OneLineParser,
     add_config_option,
@@ -70,8 +70,7 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
 import torch
 
-from checkpoint import RANDOM_PREFIX, load_model
-from cli import (
+from rocketkv.cli.common import (
     check_json_path,
     command_line,
     device_fault,
@@ -80,14 +79,15 @@ from cli import (
     rows_exit_status,
     write_json,
 )
-from compression import check_methods, options_for
-from evals.bench import REGIMES, resolve_run
-from evals.harness import configurations
-from evals.provenance import commit_fields
-from generate import generate
-from kernels import tuning
-from measure import device_name
-from model import CONFIGS, ConfigError
+from rocketkv.compression import check_methods, options_for
+from rocketkv.engine.generate import generate
+from rocketkv.engine.measure import device_name
+from rocketkv.engine.provenance import commit_fields
+from rocketkv.evals.bench import REGIMES, resolve_run
+from rocketkv.evals.harness import configurations
+from rocketkv.formats.checkpoint import RANDOM_PREFIX, load_model
+from rocketkv.kernels import tuning
+from rocketkv.model import CONFIGS, ConfigError
 
 
 def _device_us(event, cuda: bool) -> float:

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from evals.data import DATA, ESSAYS  # noqa: E402,F401  (ESSAYS: for the tests to import)
+from rocketkv.evals.data import DATA, ESSAYS  # noqa: E402,F401  (ESSAYS: for the tests to import)
 
 # The models under test are tiny: one thread avoids parallel-region overhead and contention
 # (pytest-xdist runs one test process per core). The CLIs the tests start as subprocesses
@@ -73,7 +73,7 @@ def stories_dir(tmp_path_factory) -> Path:
 def stories_model(stories_dir):
     import torch
 
-    from checkpoint import load_model
+    from rocketkv.formats.checkpoint import load_model
 
     return load_model(str(stories_dir), "cpu", torch.float32)
 
@@ -83,7 +83,7 @@ def smollm2_model():
     """SmolLM2-135M-Instruct loaded by our GGUF loader, float32 on CPU."""
     import torch
 
-    from checkpoint import load_model
+    from rocketkv.formats.checkpoint import load_model
 
     return load_model(str(shared_file(SMOLLM2_GGUF)), "cpu", torch.float32)
 

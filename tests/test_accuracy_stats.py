@@ -9,11 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from evals.needle import PARAPHRASE_ADJECTIVES, PARAPHRASE_NOUNS, needle_fact
-from evals.prompts import prompt_seed
-from evals.ruler import WORD_POOL, score_task
-from evals.scoring import first_value_pass, list_f1, matches_whole
-from evals.stats import (
+from rocketkv.evals.needle import PARAPHRASE_ADJECTIVES, PARAPHRASE_NOUNS, needle_fact
+from rocketkv.evals.prompts import prompt_seed
+from rocketkv.evals.ruler import WORD_POOL, score_task
+from rocketkv.evals.scoring import first_value_pass, list_f1, matches_whole
+from rocketkv.evals.stats import (
     bootstrap_interval,
     cell_stats,
     mcnemar_p,

@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 
-import generate as g
-import generate_cli
 import rocketkv
-from documents import document_ids, question_ids
-from model import ConfigError, Transformer
-from tokenizer import load_tokenizer
+from rocketkv.cli import generate as generate_cli
+from rocketkv.engine import generate as g
+from rocketkv.engine.documents import document_ids, question_ids
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ def test_a_str_prompt_is_text(stories_engine, stories_model):
 
 def test_metrics_hold_every_figure_of_the_cli_json(stories_engine, stories_dir, tmp_path):
     out = tmp_path / "r.json"
-    assert g.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
+    assert generate_cli.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
                    "--max-new-tokens", "6", "--json", str(out), "--no-stream"]) == 0
     cli = json.loads(out.read_text())
     api = stories_engine.generate("Once upon a time", max_new_tokens=6,
@@ -194,7 +194,7 @@ def test_questions_cli_answers_each_as_a_separate_run_with_one_prefill(stories_4
 
     monkeypatch.setattr(Transformer, "prefill", spy)
     out = tmp_path / "q.json"
-    rc = g.main(["--checkpoint", str(stories_4k), "--prompt", str(tmp_path / "doc.txt"),
+    rc = generate_cli.main(["--checkpoint", str(stories_4k), "--prompt", str(tmp_path / "doc.txt"),
                  "--questions", str(tmp_path / "q.txt"), "--max-new-tokens", "8",
                  "--json", str(out)])
     assert rc == 0
@@ -211,7 +211,7 @@ def test_questions_cli_answers_each_as_a_separate_run_with_one_prefill(stories_4
     for i, (q, rec) in enumerate(zip(questions, r["questions"])):
         assert f"==> question {i + 1}: {q} <==\n{rec['text'][0]}\n" in captured.out
         one = tmp_path / f"one{i}.json"  # a separate run of the document and the question
-        assert g.main(["--checkpoint", str(stories_4k), "-p", f"{text}\n\n{q}",
+        assert generate_cli.main(["--checkpoint", str(stories_4k), "-p", f"{text}\n\n{q}",
                        "--max-new-tokens", "8", "--json", str(one), "--no-stream"]) == 0
         sep = json.loads(one.read_text())
         assert sep["prompt_token_ids"][0] == (r["document"]["prompt_token_ids"][0]
@@ -243,7 +243,7 @@ def test_questions_errors_are_one_line_before_the_weights_load(stories_dir, tmp_
         raise AssertionError("the weights were loaded before the error")
 
     monkeypatch.setattr(generate_cli, "load_model", load)
-    rc = g.main(["--checkpoint", str(stories_dir), *argv, "--questions",
+    rc = generate_cli.main(["--checkpoint", str(stories_dir), *argv, "--questions",
                  str(tmp_path / qfile)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err

@@ -5,11 +5,11 @@ import json
 import torch
 import transformers
 
-from cli import device_fault, release_device
-from evals import peers
-from evals.peers import hf_model
-from measure import float_weight_bytes
-from model import ModelArgs, rope_inv_freq
+from rocketkv.cli.common import device_fault, release_device
+from rocketkv.engine.measure import float_weight_bytes
+from rocketkv.evals import peers
+from rocketkv.evals.peers import hf_model
+from rocketkv.model import ModelArgs, rope_inv_freq
 from scripts.bench import main
 
 KEYS = ("device", "torch_version", "model", "dtype", "method", "budget", "context",
@@ -59,11 +59,10 @@ def test_bad_arguments(capsys):
 def test_a_row_that_cannot_fit_is_refused_before_allocating(tmp_path, monkeypatch, capsys):
     """The memory pre-check: a row whose caches do not fit in the free memory (patched
     small) is an error row, not an allocator traceback; rows that fit run; exit 1."""
-    import measure
-
     # full: 2 x 5 layers x 4 KV heads x 8 dims x 4 B = 1280 B a token (+ one layer's prompt
     # K/V in prefill): 87 KiB at 64 + 4 tokens, 600 KiB at 400 + 4
     import scripts.bench as bench
+    from rocketkv.engine import measure
 
     free = 300 * 2 ** 10
     monkeypatch.setattr(measure, "available_bytes", lambda device: free)
@@ -347,8 +346,8 @@ def test_the_error_handler_cannot_raise(monkeypatch):
 def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch, capsys):
     """Bare ``bench.py`` on a CPU (llama-3.1-8b's random float32 weights: 32 GB): one
     ``error:`` line naming what it needs and what is free, exit 2, and nothing loaded."""
-    import measure
     import scripts.bench as bench
+    from rocketkv.engine import measure
 
     def loaded(*_):
         raise AssertionError("the weights were loaded")
@@ -379,7 +378,7 @@ def test_noisy_rows_get_the_warning_of_generate(tmp_path, monkeypatch, capsys):
     """A row whose decode steps vary 50x (p90/p10) gets the warning ``generate.py``'s report
     gives a run as noisy, in its words, naming the row; a steady row gets none."""
     import scripts.bench as bench
-    from generate import format_report
+    from rocketkv.engine.generate import format_report
 
     one, real, results = bench.run_one, bench.generate, []
 

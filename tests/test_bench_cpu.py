@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT
 from test_gguf import write_gguf
 
-from model import ConfigError
+from rocketkv.model import ConfigError
 from scripts.bench_cpu import (
     LLAMA_NOT_FOUND,
     SHARED,

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-import kernels
-from kernels import tuning
-from model import CONFIGS, ModelArgs
+from rocketkv import kernels
+from rocketkv.kernels import tuning
+from rocketkv.model import CONFIGS, ModelArgs
 from scripts.bench_dense import GRIDS, main
 
 pytestmark = pytest.mark.skipif(kernels.ops() is None, reason=f"triton: {kernels.missing()}")
-DENSE = importlib.import_module("kernels.dense") if kernels.ops() is not None else None
+DENSE = importlib.import_module("rocketkv.kernels.dense") if kernels.ops() is not None else None
 
 
 def test_rows_per_shape_and_configuration(tmp_path, monkeypatch):

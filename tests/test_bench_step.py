@@ -53,7 +53,7 @@ def test_knobs_repeat_each_configuration_and_reach_the_kernels(tmp_path, capsys,
     """``--knob NAME=V1,V2`` (Triton's interpreter): one row per combination, each recording
     the constants as they ran and launching with them (Full-KV's split over the sequence),
     the module's constants restored afterwards; bad knobs are one error line."""
-    import kernels
+    from rocketkv import kernels
 
     previous = kernels.set_mode("force")
     try:

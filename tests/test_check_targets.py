@@ -238,7 +238,7 @@ def test_the_engine_step_is_what_the_default_runs_on_that_gpu(tmp_path, monkeypa
     (the default where no tuned table timed the dense kernels faster: the H200 today) and
     with none: the sparse rows are judged; with a table that timed the dense kernels faster,
     the rows with every kernel; without sparse rows, the rows with the most kernels."""
-    from kernels import tuning
+    from rocketkv.kernels import tuning
     from tools.check_targets import engine_rows
 
     monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)

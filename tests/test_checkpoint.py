@@ -10,7 +10,8 @@ import torch
 from conftest import ROOT, STORIES_BIN, TOK512, shared_file
 from safetensors.torch import load_file, save_file
 
-from checkpoint import (
+from rocketkv.cli.quantize import quantize_checkpoint
+from rocketkv.formats.checkpoint import (
     fuse_gate_up,
     hf_to_meta_rope_rows,
     load_model,
@@ -18,8 +19,7 @@ from checkpoint import (
     random_model,
     save_native,
 )
-from model import ConfigError, ModelArgs
-from quantize import quantize_checkpoint
+from rocketkv.model import ConfigError, ModelArgs
 from scripts.convert_llama2c import read_llama2c
 
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 from test_kv_cache import slow_attention
 
-from compression import build_caches
-from generate import generate
-from kv_cache import CompressedKVCache, Selector
-from model import ConfigError, ModelArgs
-from prefill import extend_prefilled, prefill_once
+from rocketkv.cache import CompressedKVCache, Selector
+from rocketkv.compression import build_caches
+from rocketkv.engine.generate import generate
+from rocketkv.engine.prefill import extend_prefilled, prefill_once
+from rocketkv.model import ConfigError, ModelArgs
 
 METHODS = ["exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid", "rocketkv"]
 

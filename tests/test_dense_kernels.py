@@ -20,18 +20,17 @@ import torch.nn.functional as F
 from tolerance import assert_near
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import kernels
-import quantized
-from checkpoint import random_model
-from compression import METHODS, build_caches, smallest_budget
-from compression.hybrid import HybridSelector
-from compression.sparq import SparQSelector
-from generate import generate
-from kernels import tuning
-from kernels.fuse import fuse, kernel_weight
-from kv_cache import CompressedKVCache, FullKVCache
-from model import ModelArgs, RMSNorm, Transformer, apply_rope, precompute_rope
-from quantized import (
+from rocketkv import kernels, quantized
+from rocketkv.cache import CompressedKVCache, FullKVCache
+from rocketkv.compression import METHODS, build_caches, smallest_budget
+from rocketkv.compression.hybrid import HybridSelector
+from rocketkv.compression.sparq import SparQSelector
+from rocketkv.engine.generate import generate
+from rocketkv.formats.checkpoint import random_model
+from rocketkv.kernels import tuning
+from rocketkv.kernels.fuse import fuse, kernel_weight
+from rocketkv.model import ModelArgs, RMSNorm, Transformer, apply_rope, precompute_rope
+from rocketkv.quantized import (
     Int4Linear,
     dequantize_int4,
     dequantize_int8,
@@ -42,7 +41,7 @@ from quantized import (
 
 OPS = kernels.ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason=f"triton: {kernels.missing()}")
-DENSE = importlib.import_module("kernels.dense") if OPS is not None else None
+DENSE = importlib.import_module("rocketkv.kernels.dense") if OPS is not None else None
 CUDA = torch.cuda.is_available()
 interpreted = pytest.mark.skipif(CUDA and os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU tensors need Triton's interpreter; the GPU "

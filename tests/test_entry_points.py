@@ -15,8 +15,7 @@ from conftest import ROOT
 
 SCRIPTS = sorted(p for d in ("scripts", "tools") for p in (ROOT / d).glob("*.py")
                  if p.name not in ("__init__.py", "_here.py"))
-ENGINE = {p.stem for p in ROOT.glob("*.py")} | {"compression", "evals", "kernels", "scripts",
-                                                    "tools"}
+ENGINE = {"rocketkv", "scripts", "tools"}
 
 
 def test_every_script_imports_here_before_the_engine():
@@ -46,8 +45,12 @@ def test_a_script_imports_its_own_checkouts_modules(folder, script, tmp_path):
     (clone / folder).mkdir(parents=True)
     for name in ("__init__.py", "_here.py", script):
         shutil.copy(ROOT / folder / name, clone / folder / name)
-    for name in ("cli", "flags"):  # the script's parser class comes from one of them
-        (clone / f"{name}.py").write_text(
+    fake = clone / "rocketkv"  # the script's parser class comes from its flags module
+    (fake / "cli").mkdir(parents=True)
+    for name in ("__init__.py", "cli/__init__.py"):
+        (fake / name).write_text("")
+    for name in ("flags", "cli/common"):
+        (fake / f"{name}.py").write_text(
             "import argparse\nimport sys\n\n"
             f"print('{name} of the clone', file=sys.stderr)\n"
             "OneLineParser = argparse.ArgumentParser\n")
@@ -63,6 +66,7 @@ FAST_PARSE = {  # script -> a usage error its parser refuses
     "scripts/bench_step.py": ["--knob", "NUM_WARPS=4,x"],
     "scripts/bench_cpu.py": ["--checkpoint", "c", "--gguf-weights", "int3"],
     "quantize.py": ["--checkpoint", "x", "--mode", "int9"],
+    "rocketkv/__main__.py": ["generate", "--checkpoint", "c", "--context", "many"],
     "scripts/make_prompt.py": ["--text", "a.txt", "--prompt-out", "p.txt", "--context", "many"],
     "scripts/profile_step.py": ["--context", "many"],
     "scripts/predict_memory.py": ["--tp", "two"],
@@ -120,9 +124,9 @@ def _method_options_text(options) -> str:
 def test_the_torch_free_method_flags_are_the_registrys():
     """``flags.add_method_flags`` (for parsers built before torch loads) adds the flags
     ``compression.add_method_options`` adds: same names, types, choices, metavars and help."""
-    from compression import add_method_options
-    from compression.registry import every_option
-    from flags import add_method_flags
+    from rocketkv.compression import add_method_options
+    from rocketkv.compression.registry import every_option
+    from rocketkv.flags import add_method_flags
 
     def actions(add):
         p = argparse.ArgumentParser(add_help=False)
@@ -138,8 +142,8 @@ def test_the_torch_free_method_flags_are_the_registrys():
 def test_the_torch_free_method_table_is_the_registrys():
     """``flags.METHOD_TABLE`` (generate.py's --method choices and --help list, before torch
     loads) names the registry's methods in its order with their descriptions."""
-    from compression import METHODS, help_epilog
-    from flags import METHOD_TABLE, method_epilog
+    from rocketkv.compression import METHODS, help_epilog
+    from rocketkv.flags import METHOD_TABLE, method_epilog
 
     assert METHOD_TABLE == tuple((m.name, m.description) for m in METHODS.values()), \
         "flags.METHOD_TABLE differs from compression.METHODS; its entries now:\n" + \

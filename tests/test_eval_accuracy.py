@@ -11,10 +11,12 @@ import torch
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
 import scripts.eval_accuracy as ea
-from compression import build_caches
-from compression.selection import TopKSelector
-from evals.data import RULER_ESSAYS, TINYSTORIES_TEXTS
-from evals.fidelity import (
+from rocketkv.compression import build_caches
+from rocketkv.compression.selection import TopKSelector
+from rocketkv.engine.generate import generate
+from rocketkv.engine.prefill import prefill_once
+from rocketkv.evals.data import RULER_ESSAYS, TINYSTORIES_TEXTS
+from rocketkv.evals.fidelity import (
     STORY_SEPARATOR,
     attach_caches,
     bos_prefix,
@@ -26,15 +28,13 @@ from evals.fidelity import (
     spread_pick,
     teacher_forced_logprobs,
 )
-from evals.metrics import matching_prefix, selection_masses, token_nlls
-from evals.probes import RecallProbe
-from evals.prompts import text_files
-from evals.reports import fidelity_table
-from generate import generate
-from model import ConfigError
-from prefill import prefill_once
+from rocketkv.evals.metrics import matching_prefix, selection_masses, token_nlls
+from rocketkv.evals.probes import RecallProbe
+from rocketkv.evals.prompts import text_files
+from rocketkv.evals.reports import fidelity_table
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError
 from scripts.eval_accuracy import main
-from tokenizer import load_tokenizer
 
 T, M = 200, 16
 METHODS = ["full", "rocketkv", "snapkv"]
@@ -133,7 +133,7 @@ def test_a_json_haystack_is_its_text_field_as_one_document(tmp_path, stories_dir
     assert len({w.start for w in windows}) == 3 and {w.source for w in windows} == {ruler.name}
 
 def test_too_few_windows_is_a_config_error(stories_dir, texts):
-    from model import ConfigError
+    from rocketkv.model import ConfigError
 
     with pytest.raises(ConfigError, match="windows"):
         build_prompt_set(load_tokenizer(stories_dir), texts, T, M, 10_000)

@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 
-import evals.harness as ec
-from evals.data import ROOT, data_dir
-from evals.harness import (
+from rocketkv.engine.provenance import cpu_fields
+from rocketkv.evals import harness as ec
+from rocketkv.evals.data import ROOT, data_dir
+from rocketkv.evals.harness import (
     Item,
     batches_of,
     chat_pieces,
@@ -22,13 +23,12 @@ from evals.harness import (
     evaluate_items,
     pad_to_equal,
 )
-from evals.metrics import rouge1_recall
-from evals.needle import Haystack, build_items, depth_grid, insert_needle, needle_fact
-from evals.prompts import read_texts
-from evals.provenance import cpu_fields
-from evals.reports import accuracy_table, ruler_table
-from evals.ruler import task_rows
-from model import ConfigError
+from rocketkv.evals.metrics import rouge1_recall
+from rocketkv.evals.needle import Haystack, build_items, depth_grid, insert_needle, needle_fact
+from rocketkv.evals.prompts import read_texts
+from rocketkv.evals.reports import accuracy_table, ruler_table
+from rocketkv.evals.ruler import task_rows
+from rocketkv.model import ConfigError
 from scripts.eval_needle import main as needle_main
 from scripts.eval_ruler import main as ruler_main
 from scripts.kept_tokens import main as kept_main
@@ -36,7 +36,7 @@ from scripts.kept_tokens import main as kept_main
 
 @pytest.fixture(scope="module")
 def tok():
-    from tokenizer import load_tokenizer
+    from rocketkv.formats.tokenizer import load_tokenizer
 
     return load_tokenizer(str(shared_file(SMOLLM2_GGUF)))
 
@@ -107,7 +107,7 @@ def test_needle_grid_prompts_draw_independent_facts(tok, hay, monkeypatch):
     """Every (length, needle, depth) has its own hashed seed, key, number and haystack start;
     a fact repeating a key or number of the grid is redrawn; ``region`` places depth 0 in
     the sink, depth 1 in the recent window and the interior in the middle."""
-    import evals.needle as nd
+    from rocketkv.evals import needle as nd
 
     depths = depth_grid(4)
     items = build_items(tok, hay, [1200, 1500], depths, 3, seed=0)
@@ -322,7 +322,7 @@ def test_a_budget_no_run_can_use_is_one_line_before_the_weights_load(capsys, mon
     """``eval_needle.py --budgets 16`` prefilled for minutes and then died in matplotlib;
     like ``generate.py`` it now names the smallest valid budget before anything loads (the
     loader is made to fail the test); so does a length past the model's context."""
-    import evals.harness as harness
+    from rocketkv.evals import harness
 
     def no_load(*a, **kw):
         raise AssertionError("the weights were loaded before the runs were checked")
@@ -596,7 +596,7 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path):
     script.write_text(
         "import functools, multiprocessing, os, sys, time\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "import evals.harness as ec\n"
+        "import rocketkv.evals.harness as ec\n"
         "if __name__ == '__main__':\n"
         "    ctx = multiprocessing.get_context('spawn')\n"
         "    pool = ctx.Pool(1, initializer=ec._worker_start,\n"

@@ -9,23 +9,24 @@ import pytest
 import torch
 from conftest import SMOLLM2_GGUF, shared_file
 
-import kv_cache
-from compression import build_caches, derive
-from compression.duoattention import (
+from rocketkv import cache as kv_cache
+from rocketkv.cache import attention_column_sums
+from rocketkv.cli.generate import main
+from rocketkv.compression import build_caches, derive
+from rocketkv.compression.duoattention import (
     duo_retrieval_heads,
     duo_split,
     load_duo_pattern,
     shipped_pattern,
 )
-from compression.h2o import H2OCache
-from compression.streamingllm import SinkRecentCache
-from generate import generate, main
-from kv_cache import attention_column_sums
-from model import ConfigError, ModelArgs, Transformer
-from prefill import prefill_once
+from rocketkv.compression.h2o import H2OCache
+from rocketkv.compression.streamingllm import SinkRecentCache
+from rocketkv.engine.generate import generate
+from rocketkv.engine.prefill import prefill_once
+from rocketkv.model import ConfigError, ModelArgs, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2_PATTERN = ROOT / "patterns" / "SmolLM2-135M-Instruct"
+SMOLLM2_PATTERN = ROOT / "rocketkv" / "patterns" / "SmolLM2-135M-Instruct"
 
 
 def tiny_args(H=4, Hkv=2, D=8, layers=1, max_seq_len=2048):
@@ -367,7 +368,7 @@ def test_duo_finds_the_pattern_shipped_for_its_model(tmp_path):
                      budget=700, dtype=torch.float32, device="meta", duo_threshold=0.5)
     assert shipped_pattern(smollm2, root=tmp_path) is None
     # the Qwen2.5-Coder-0.5B-Instruct pattern is found for the model its config.json names
-    qwen_dir = ROOT / "patterns" / "Qwen2.5-Coder-0.5B-Instruct"
+    qwen_dir = ROOT / "rocketkv" / "patterns" / "Qwen2.5-Coder-0.5B-Instruct"
     qwen = ModelArgs(**{**ModelArgs.from_name("qwen2.5-0.5b").__dict__,
                         "name": json.loads((qwen_dir / "config.json").read_text())["model"]})
     assert shipped_pattern(qwen) == qwen_dir
@@ -447,7 +448,7 @@ def test_cli_errors_for_the_new_options(tmp_path, capsys):
 def test_smollm2_runs_each_method_at_budgets_128_to_1024(smollm2_model):
     from conftest import ESSAYS
 
-    from tokenizer import load_tokenizer
+    from rocketkv.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(shared_file(SMOLLM2_GGUF))
     words = " ".join(p.read_text() for p in sorted(shared_file(ESSAYS).glob("*.txt"))[:2]).split()

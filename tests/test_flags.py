@@ -8,12 +8,12 @@ import importlib
 import pytest
 from conftest import ROOT
 
-from flags import OneLineParser, add_time_limit_option, deprecated_alias, is_deprecated
+from rocketkv.flags import OneLineParser, add_time_limit_option, deprecated_alias, is_deprecated
 
 ENTRY_POINTS = sorted(f"{d}/{p.name}" for d in ("scripts", "tools")
                       for p in (ROOT / d).glob("*.py")
                       if p.name not in ("__init__.py", "_here.py")) \
-    + ["quantize.py", "kernels/check.py"]
+    + ["rocketkv/cli/quantize.py", "rocketkv/engine/kernel_check.py"]
 
 # The canonical spelling of each concept (flags.VOCABULARY says what each means) and the other
 # spellings of the same concept seen in this project or common elsewhere: an entry point may
@@ -30,8 +30,9 @@ OTHER_SPELLINGS = {
 }
 # Devices other than the engine's rule (cuda if available, else cpu), with the reason.
 DEVICE_EXCEPTIONS = {
-    "quantize.py": "the arithmetic runs on cpu by default: a model that fits the GPU only "
-                   "once quantized can be quantized",
+    "rocketkv/cli/quantize.py":
+        "the arithmetic runs on cpu by default: a model that fits the GPU only "
+        "once quantized can be quantized",
 }
 
 
@@ -94,7 +95,7 @@ def test_every_entry_point_speaks_the_vocabulary(script, monkeypatch):
 
 
 def test_generate_speaks_the_vocabulary(monkeypatch):
-    assert not divergences("generate.py", parser_of("generate.py", monkeypatch))
+    assert not divergences("generate.py", parser_of("rocketkv/cli/generate.py", monkeypatch))
 
 
 def test_the_walk_finds_a_divergent_spelling():
@@ -142,7 +143,7 @@ def test_an_old_spelling_still_runs_with_a_note(tmp_path, capsys):
 def test_a_shape_given_as_checkpoint_still_means_the_shape(capsys, tmp_path, monkeypatch):
     """bench.py: --config NAME, or --checkpoint weights; --checkpoint NAME of a shape (and no
     such path) is the shape of before, with a note; neither gives the default."""
-    from flags import named_config
+    from rocketkv.flags import named_config
 
     configs = {"stories260K": {}, "llama-3.1-8b": {}}
     monkeypatch.chdir(tmp_path)

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels
-import model as llama
-from compression import build_caches
-from generate import generate
-from kernels import fuse as fusing
-from kernels.fuse import FusedTransformer, FusedTransformerBlock, fuse, refusals
-from model import FeedForward, ModelArgs, Transformer, TransformerBlock
+from rocketkv import kernels
+from rocketkv import model as llama
+from rocketkv.compression import build_caches
+from rocketkv.engine.generate import generate
+from rocketkv.kernels import fuse as fusing
+from rocketkv.kernels.fuse import FusedTransformer, FusedTransformerBlock, fuse, refusals
+from rocketkv.model import FeedForward, ModelArgs, Transformer, TransformerBlock
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = kernels.ops()
@@ -54,7 +54,7 @@ def random_model(edit_mlp=False):
 @pytest.fixture
 def forced(monkeypatch):
     previous, dense = kernels.set_mode("force"), kernels.set_dense(True)
-    monkeypatch.setattr(importlib.import_module("kernels.dense"), "TARGET_PROGRAMS", 8)
+    monkeypatch.setattr(importlib.import_module("rocketkv.kernels.dense"), "TARGET_PROGRAMS", 8)
     yield
     kernels.set_mode(previous)
     kernels.set_dense(dense)
@@ -199,7 +199,7 @@ def test_refusals_by_class_name_the_part():
 
 def test_model_py_imports_nothing_from_kernels():
     """The model is one readable path: ``model.py`` imports no module of ``kernels/``."""
-    tree = ast.parse((ROOT / "model.py").read_text())
+    tree = ast.parse((ROOT / "rocketkv" / "model.py").read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert names and not [n for n in names if n == "kernels" or n.startswith("kernels.")]

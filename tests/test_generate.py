@@ -11,13 +11,14 @@ import pytest
 import torch
 from conftest import ROOT, SHARED, sigint_default
 
-from checkpoint import random_model
-from compression import build_caches
-from generate import generate, sample
-from measure import percentile
-from model import ConfigError, ModelArgs
-from report import GenerateResult
-from tokenizer import load_tokenizer
+from rocketkv.cli import generate as generate_cli
+from rocketkv.compression import build_caches
+from rocketkv.engine.generate import generate, sample
+from rocketkv.engine.measure import percentile
+from rocketkv.engine.report import GenerateResult
+from rocketkv.formats.checkpoint import random_model
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError, ModelArgs
 
 # llama2.c doc/stories260K.md: greedy decoding from BOS with the full cache begins with this
 PUBLISHED = ("Once upon a time, there was a little girl named Lily. She loved to play outside "
@@ -267,7 +268,7 @@ def test_a_closed_stdout_ends_quietly_with_the_json_written(stories_dir, tmp_pat
 def test_prefill_progress_on_a_log_file_is_plain_lines(capsys, monkeypatch):
     """stderr not a terminal (a log file): prefill progress is plain lines, at most one per
     interval, never tqdm's carriage returns; none for a short prompt or --no-progress."""
-    import report as g
+    from rocketkv.engine import report as g
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     assert g.prefill_bar(4, g.PROGRESS_TOKENS - 1, False) is None
@@ -432,7 +433,6 @@ IN_A_PROCESS = ("unknown method", "prompt too long", "budget below a method's mi
 
 @pytest.mark.parametrize("case,argv,message", BAD, ids=[b[0] for b in BAD])
 def test_cli_bad_input_one_clear_line(bad_inputs, stories_dir, case, argv, message, capsys):
-    import generate as g
 
     if case == "cuda without cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -442,7 +442,7 @@ def test_cli_bad_input_one_clear_line(bad_inputs, stories_dir, case, argv, messa
         rc, err = p.returncode, p.stderr
     else:
         try:
-            rc = g.main(argv)
+            rc = generate_cli.main(argv)
         except SystemExit as e:  # argparse's own errors
             rc = e.code
         err = capsys.readouterr().err
@@ -457,27 +457,25 @@ def test_cli_bad_input_one_clear_line(bad_inputs, stories_dir, case, argv, messa
 @pytest.mark.parametrize("case", BEFORE_LOADING)
 def test_method_and_prompt_errors_come_before_the_weights_load(bad_inputs, stories_dir, case,
                                                                 monkeypatch, capsys):
-    import generate as g
-    import generate_cli
+    from rocketkv.cli import generate as generate_cli
 
     def load(*a, **kw):
         raise AssertionError("the weights were loaded before the error")
 
     monkeypatch.setattr(generate_cli, "load_model", load)
     argv = next(b[1] for b in BAD if b[0] == case)
-    rc = g.main([a.format(d=bad_inputs, s=stories_dir) for a in argv])
+    rc = generate_cli.main([a.format(d=bad_inputs, s=stories_dir) for a in argv])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "weights were loaded" not in err, err
 
 
 def test_inline_prompt_text_equals_the_prompt_file(stories_dir, tmp_path, capsys):
-    import generate as g
 
     (tmp_path / "p.txt").write_text("Once upon a time\n")
-    assert g.main(["--checkpoint", str(stories_dir), "--prompt", str(tmp_path / "p.txt"),
+    assert generate_cli.main(["--checkpoint", str(stories_dir), "--prompt", str(tmp_path / "p.txt"),
                    "--max-new-tokens", "12", "--no-stream"]) == 0
     from_file = capsys.readouterr().out
-    assert g.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
+    assert generate_cli.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
                    "--max-new-tokens", "12", "--no-stream"]) == 0
     assert capsys.readouterr().out == from_file and from_file.startswith(", there was")
 
@@ -554,7 +552,7 @@ def test_the_result_is_a_dataclass_whose_fields_are_the_json_keys_in_order(stori
 
 
 def test_report_warns_when_step_times_spread(stories_model):
-    from report import format_report
+    from rocketkv.engine.report import format_report
 
     r = generate(stories_model, [1, 2, 3, 4], max_new_tokens=8)
     calm = format_report(r)
@@ -567,7 +565,7 @@ def test_report_warns_when_step_times_spread(stories_model):
 def test_json_destination_without_write_access_fails_before_the_run(tmp_path, monkeypatch):
     """A read-only filesystem or directory: os.access reports no write access (patched here,
     since root writes through permissions)."""
-    import cli
+    from rocketkv.cli import common as cli
 
     real = os.access
     monkeypatch.setattr(cli.os, "access", lambda path, mode: False if mode & os.W_OK
@@ -581,10 +579,9 @@ def test_json_destination_without_write_access_fails_before_the_run(tmp_path, mo
 def test_a_run_that_cannot_fit_is_refused_before_allocating(monkeypatch, capsys):
     """The float weights + KV estimate equals what a model allocates; a run above the free
     memory is one error line (random:llama-3.1-8b in float32 on a small CPU, simulated)."""
-    import generate as g
-    import measure
-    from checkpoint import random_model
-    from model import ModelArgs
+    from rocketkv.engine import measure
+    from rocketkv.formats.checkpoint import random_model
+    from rocketkv.model import ModelArgs
 
     args = ModelArgs.from_name("stories260K")  # tied classifier
     assert measure.float_weight_bytes(args, torch.float32) == \
@@ -598,7 +595,7 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating(monkeypatch, capsys)
     qwen = ModelArgs.from_name("qwen2.5-0.5b")  # q/k/v biases, tied classifier
     assert measure.float_weight_bytes(qwen, torch.float32) == 494_032_768 * 4
     monkeypatch.setattr(measure, "available_bytes", lambda device: 24 * 2**30)
-    rc = g.main(["--checkpoint", "random:llama-3.1-8b", "--device", "cpu", "--context",
+    rc = generate_cli.main(["--checkpoint", "random:llama-3.1-8b", "--device", "cpu", "--context",
                  "1024", "--max-new-tokens", "8"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: this run needs at least 30.") and \
@@ -649,7 +646,7 @@ def test_a_run_that_replaces_the_caches_resets_its_memory_peak_after_freeing_the
     previous row left (H200: rocketkv@256 at 128K after full reported full's 31 GiB). The
     meter is reset only once every old cache is released, and not when the caches are
     reused (their buffers are this run's)."""
-    import session as g
+    from rocketkv.engine import session as g
 
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                      intermediate_size=16, vocab_size=64, max_seq_len=256)
@@ -679,7 +676,7 @@ def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(sto
     """The tqdm bar only on a terminal; elsewhere plain lines (the test above)."""
     import io
 
-    import report as g
+    from rocketkv.engine import report as g
 
     seen = []
     generate(stories_model, list(range(1, 40)), max_new_tokens=2, reserve_tokens=8,

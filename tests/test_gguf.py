@@ -10,22 +10,22 @@ import pytest
 import torch
 from conftest import ROOT, SMOLLM2_GGUF, shared_file
 
-import checkpoint
-import quantized
 import rocketkv
-from checkpoint import (
+from rocketkv import quantized
+from rocketkv.compression import build_caches
+from rocketkv.engine.measure import weight_bytes, weight_bytes_per_step, weights_label
+from rocketkv.formats import checkpoint
+from rocketkv.formats.checkpoint import (
     default_gguf_weights,
     hf_config,
     hf_to_meta_rope_rows,
     load_model,
     resolve_checkpoint,
 )
-from compression import build_caches
-from gguf_reader import open_gguf, release_pages
-from measure import weight_bytes, weight_bytes_per_step, weights_label
-from model import ConfigError, ModelArgs, rope_inv_freq
-from quantized import GGUFEmbedding, Int4Linear, dequantize_blocks
-from tokenizer import load_tokenizer
+from rocketkv.formats.gguf_reader import open_gguf, release_pages
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError, ModelArgs, rope_inv_freq
+from rocketkv.quantized import GGUFEmbedding, Int4Linear, dequantize_blocks
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -201,7 +201,7 @@ def test_torch_dequantization_equals_the_gguf_package_bit_for_bit(kind):
 def test_the_gguf_reader_parses_like_the_package(tmp_path, tiny_hf):
     """gguf_reader.open_gguf (the package's reader over a plain view of the mapping) gives the
     package's own fields and tensors."""
-    from gguf_reader import open_gguf
+    from rocketkv.formats.gguf_reader import open_gguf
 
     path = write_gguf(tmp_path / "tiny.gguf", tiny_hf, Q.Q4_1)
     ours, ref = open_gguf(path), gguf.GGUFReader(path)
@@ -358,7 +358,7 @@ def test_convert_gguf_writes_a_directory_transformers_loads(converted, smollm2_m
         torch.testing.assert_close(hf_dir(ids).logits, hf_smollm2(ids).logits, atol=1e-5,
                                    rtol=0)
     # its tokenizer files give the GGUF tokenizer's ids, chat prompt and stop tokens
-    from tokenizer import load_tokenizer
+    from rocketkv.formats.tokenizer import load_tokenizer
 
     gguf_tok, dir_tok = load_tokenizer(shared_file(SMOLLM2_GGUF)), load_tokenizer(converted)
     text = "Numbers 2024 and 7 digits: 1234567.\n  def f(x):\n\treturn x  # café 日本 🚀"
@@ -454,8 +454,8 @@ def test_4bit_blocks_map_to_int4_g32_exactly(kind):
     bit; the int4 layer's ``(q - 8) scale + zero`` equals it up to float32 rounding of the
     zero, and with the scales and zeros in bfloat16 (the CPU kernels' dtype) within their
     rounding bound; the layer computes x W^T with that weight."""
-    from gguf_quantized import decode_int4, int4_stored
-    from quantized import Int4Linear, dequantize_int4
+    from rocketkv.formats.gguf_quantized import decode_int4, int4_stored
+    from rocketkv.quantized import Int4Linear, dequantize_int4
 
     rng = np.random.default_rng(1)
     rows, cols = 48, 512
@@ -494,8 +494,8 @@ def test_smollm2_quantized_weights_equal_the_gguf_dequantized_ones(smollm2_model
     scales and zeros, the Q8_0 classifier as per-channel int8 within half its step (what it
     is: requantized), the embedding and norms unchanged; 90.5 MiB read per step with the int8
     classifier against 513 MiB dequantized."""
-    import measure
-    from quantized import dequantize_int4, dequantize_int8
+    from rocketkv.engine import measure
+    from rocketkv.quantized import dequantize_int4, dequantize_int8
 
     path = str(shared_file(SMOLLM2_GGUF))
     args, sd, quant = checkpoint.read_checkpoint(path, dtype=torch.float32,
@@ -532,7 +532,7 @@ def test_smollm2_quantized_predicts_like_the_float_model(smollm2_model, smollm2_
     step's int4 kernels: the int4 layers with the float classifier agree with the dequantized
     float model on every top-1 but one at most (measured on 64 tokens: 64 of 64, mean KL
     0.0003 nats, docs/quantization.md); the logits move (they are not the float model's)."""
-    from tokenizer import load_tokenizer
+    from rocketkv.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(shared_file(SMOLLM2_GGUF)))
     text = (ROOT / "README.md").read_text()
@@ -596,7 +596,7 @@ def test_quantized_layers_are_the_float_loaders_weights(tmp_path, tiny_hf, arch,
     float path; and the model's logits stay close to the float model's."""
     from test_model import make_hf_model
 
-    from quantized import dequantize_int4, dequantize_int8
+    from rocketkv.quantized import dequantize_int4, dequantize_int8
 
     if arch == "qwen2":
         hf = make_hf_model(tmp_path / "hf", "Qwen2Config", dict(
@@ -696,7 +696,7 @@ def test_gguf_weights_default_to_quantized_on_the_cpu_only():
 
 
 def test_api_load_takes_gguf_weights():
-    from quantized import Int4Linear, Int8Linear
+    from rocketkv.quantized import Int4Linear, Int8Linear
 
     engine = rocketkv.load(str(shared_file(SMOLLM2_GGUF)), device="cpu",
                            gguf_weights="quantized-int8-classifier")

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from compression import check_methods
-from evals.peers import PEERS
-from quantized import parse_weights
+from rocketkv.compression import check_methods
+from rocketkv.evals.peers import PEERS
+from rocketkv.quantized import parse_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKLIST = ROOT / "scripts" / "gpu_checklist.sh"
@@ -59,6 +59,10 @@ def recorded_calls(tmp_path: Path, part: str) -> list[list[str]]:
         if calls.exists() else []
 
 
+COMMANDS = {"generate.py": "rocketkv/cli/generate.py",  # the root commands' code
+            "quantize.py": "rocketkv/cli/quantize.py"}
+
+
 class Parsed(BaseException):
     """Raised by the patched parser once a script's arguments parse: the run stops there."""
 
@@ -74,6 +78,7 @@ def parse_only(script: str, argv: list[str], monkeypatch) -> argparse.Namespace:
     def stop(self, args=None, namespace=None):
         raise Parsed(original(self, args, namespace))
 
+    script = COMMANDS.get(script, script)
     module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
     with monkeypatch.context() as m:
         m.setattr(argparse.ArgumentParser, "parse_args", stop)
@@ -191,10 +196,10 @@ def test_every_command_of_a_part_parses(part, tmp_path, monkeypatch):
             files = [a for a in args if a.endswith(".py")]
             options = tuple(a for a in args if a not in files)
             tests.setdefault(options, []).append(files)
-        elif argv[:2] == ["-m", "kernels.check"]:  # the self-check: absent is recorded there
-            if importlib.util.find_spec("kernels.check") is not None and \
-                    hasattr(importlib.import_module("kernels.check"), "main"):
-                parse_only("kernels/check.py", argv[2:], monkeypatch)
+        elif argv[:2] == ["-m", "rocketkv.engine.kernel_check"]:  # the self-check
+            if importlib.util.find_spec("rocketkv.engine.kernel_check") is not None and \
+                    hasattr(importlib.import_module("rocketkv.engine.kernel_check"), "main"):
+                parse_only("rocketkv/engine/kernel_check.py", argv[2:], monkeypatch)
         else:
             script, args = argv[0], argv[1:]
             assert (ROOT / script).is_file(), f"{part}: no {script}"

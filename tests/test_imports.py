@@ -1,23 +1,55 @@
 """The project's imports flow one way: no module imports another of the project inside a function
-(the way an import cycle hides), and the module-level import graph has no cycle."""
+(the way an import cycle hides), the module-level import graph has no cycle, and no import runs
+back up the package's layers (``rocketkv/__init__.py`` names them)."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("", "compression", "evals", "kernels", "scripts", "tools")  # tests/ import anything
+SOURCE_DIRS = ("", "scripts", "tools")  # and the rocketkv package; tests/ import anything
+
+# The package's layers, lowest first (rocketkv/__init__.py says what each holds): a module may
+# import only from its own layer or a lower one. Above them all: the commands at the root,
+# scripts/ and tools/.
+LAYERS = (
+    ("rocketkv.errors", "rocketkv.flags"),
+    ("rocketkv.model",),
+    ("rocketkv.kernels",),
+    ("rocketkv.quantized", "rocketkv.tp"),
+    ("rocketkv.cache",),
+    ("rocketkv.compression",),
+    ("rocketkv.formats",),
+    ("rocketkv.engine",),
+    ("rocketkv.api",),
+    ("rocketkv.cli",),
+    ("rocketkv.evals",),
+)
+TOP = len(LAYERS)  # the package's __init__ and __main__, the root commands, scripts, tools
+# Modules that import on first use, on purpose: the package's names load the API when first
+# asked for (importing a light module loads no torch), and the console command loads only the
+# command it runs, after parsing. Nothing imports them, so no cycle can hide behind them.
+DEFERRED = {"rocketkv", "rocketkv.cli.main"}
 
 
 def project_modules() -> dict[str, Path]:
     """Dotted module name -> file, for every source file of the project (tests excluded)."""
     mods = {}
-    for d in SOURCE_DIRS:
-        for path in sorted((ROOT / d).glob("*.py")):
-            parts = [*Path(d).parts, path.stem]
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            mods[".".join(parts)] = path
+    files = [p for d in SOURCE_DIRS for p in sorted((ROOT / d).glob("*.py"))]
+    files += sorted((ROOT / "rocketkv").rglob("*.py"))
+    for path in files:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
     return mods
+
+
+def layer(module: str) -> int:
+    """The index in ``LAYERS`` of the layer ``module`` belongs to (``TOP`` above them)."""
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    return TOP
 
 
 def imported(node: ast.AST, modules: dict[str, Path]) -> list[str]:
@@ -25,7 +57,11 @@ def imported(node: ast.AST, modules: dict[str, Path]) -> list[str]:
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        subs = [f"{node.module}.{a.name}" for a in node.names]
+        # ``from pkg import mod`` imports the module; the package counts when a name is not one
+        names = [s for s in subs if s in modules]
+        if len(names) < len(subs):
+            names.append(node.module)
     else:
         return []
     return [n for n in names if n in modules]
@@ -46,7 +82,7 @@ def scan() -> tuple[dict[str, set[str]], list[str]]:
                 continue
             if id(node) in top:
                 graph[name].update(t for t in targets if t != name)
-            else:
+            elif name not in DEFERRED:
                 hidden.append(f"{path.relative_to(ROOT)}:{node.lineno} imports "
                               f"{', '.join(targets)} inside a function or block")
     return graph, hidden
@@ -82,10 +118,44 @@ def test_no_project_import_hides_inside_a_function():
 
 def test_the_import_graph_has_no_cycle():
     graph, _ = scan()
-    assert len(graph) > 20 and graph["generate"] >= {"model", "session", "prefill"}
-    assert graph["session"] >= {"model", "compression"}
+    assert len(graph) > 20
+    assert graph["rocketkv.engine.generate"] >= {"rocketkv.model", "rocketkv.engine.session",
+                                                 "rocketkv.engine.prefill"}
+    assert graph["rocketkv.engine.session"] >= {"rocketkv.model", "rocketkv.compression"}
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of ``graph`` from a module into a higher layer."""
+    return [f"{m} (layer {layer(m)}) imports {n} (layer {layer(n)})"
+            for m, targets in sorted(graph.items()) for n in sorted(targets)
+            if layer(n) > layer(m)]
+
+
+def test_no_import_runs_back_up_a_layer():
+    graph, _ = scan()
+    assert every_module_has_a_layer(graph)
+    bad = upward_imports(graph)
+    assert not bad, "\n".join(bad)
+
+
+def every_module_has_a_layer(graph: dict[str, set[str]]) -> bool:
+    """Every module of the package but its ``__init__`` and ``__main__`` sits in a layer."""
+    loose = [m for m in graph if m.startswith("rocketkv.") and layer(m) == TOP
+             and m != "rocketkv.__main__"]
+    assert not loose, f"modules in no layer of LAYERS: {loose}"
+    return True
+
+
+def test_the_layer_check_sees_an_upward_import():
+    """A model that imports the cache, and a kernel that imports the engine, are refused; the
+    engine importing the model is not."""
+    graph = {"rocketkv.model": {"rocketkv.cache"},
+             "rocketkv.kernels.sparse": {"rocketkv.engine.step"},
+             "rocketkv.engine.step": {"rocketkv.model"}}
+    assert [b.split(" ")[0] for b in upward_imports(graph)] == ["rocketkv.kernels.sparse",
+                                                                 "rocketkv.model"]
 
 
 def test_the_checker_sees_a_cycle_and_a_hidden_import():
@@ -98,14 +168,17 @@ def test_the_checker_sees_a_cycle_and_a_hidden_import():
     assert imported(fn, modules) == ["model"]
 
 
-def test_the_package_lists_every_module():
-    """``pip install -e .`` (requirements.txt) makes exactly the modules and packages that
-    pyproject.toml lists importable from anywhere: a new top-level module or package must be
-    listed there, or scripts fail to import it outside the repository root."""
+def test_the_install_adds_one_import_name():
+    """pyproject.toml installs the rocketkv package alone: no top-level module, no
+    ``scripts``, ``tools`` or ``tests`` package; every folder of rocketkv with Python files is
+    one of the packages it finds."""
     import tomllib
+    from setuptools import find_packages
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    modules = {p.stem for p in ROOT.glob("*.py")}
-    packages = {p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"}
-    assert set(config["py-modules"]) == modules
-    assert set(config["packages"]) == packages
+    assert "py-modules" not in config
+    found = set(find_packages(ROOT, include=config["packages"]["find"]["include"]))
+    assert {p.split(".")[0] for p in found} == {"rocketkv"}
+    folders = {".".join(p.parent.relative_to(ROOT).parts)
+               for p in (ROOT / "rocketkv").rglob("*.py")}
+    assert folders == found

@@ -1,8 +1,8 @@
-"""The first-use self-check of the fused kernels (kernels/check.py): a kernel that raises or
-returns wrong numbers is switched off with one warning and the run gives the PyTorch path's
-tokens; ``--kernels on`` makes the same faults an error. On CPU the kernels run forced in
-Triton's interpreter (conftest.py); the test doubles replace the functions both the self-check
-and the run call (``kernels.prefix_attention``, ``kernels.sparse_attention``,
+"""The first-use self-check of the fused kernels (rocketkv/engine/kernel_check.py): a kernel
+that raises or returns wrong numbers is switched off with one warning and the run gives the
+PyTorch path's tokens; ``--kernels on`` makes the same faults an error. On CPU the kernels run
+forced in Triton's interpreter (conftest.py); the test doubles replace the functions both the
+self-check and the run call (``kernels.prefix_attention``, ``kernels.sparse_attention``,
 ``kernels.linear``)."""
 
 import json
@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import ROOT
 
-import generate as g
-import generate_cli
-import kernels
-from kernels import check
-from model import ModelArgs, Transformer
+from rocketkv import kernels
+from rocketkv.cli import generate as generate_cli
+from rocketkv.engine import generate as g
+from rocketkv.engine import kernel_check as check
+from rocketkv.model import ModelArgs, Transformer
 
 ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=64,
                  vocab_size=48, max_seq_len=256, name="tiny")
@@ -44,7 +44,8 @@ def _forced_and_fresh():
 @pytest.fixture
 def few_programs(monkeypatch):
     """Fewer, larger dense launches: the interpreter runs programs one after another."""
-    monkeypatch.setattr(kernels.ops() and sys.modules["kernels.dense"], "TARGET_PROGRAMS", 8)
+    dense = kernels.ops() and sys.modules["rocketkv.kernels.dense"]
+    monkeypatch.setattr(dense, "TARGET_PROGRAMS", 8)
 
 
 def tiny_model():
@@ -138,7 +139,7 @@ def test_cli_kernels_on_turns_a_fault_into_one_error_line(tiny_cli, monkeypatch,
     """``--kernels on``: exit 1 with one ``error:`` line; without it (the forced mode here
     standing for auto on a GPU) the warning, exit 0, and the JSON says why."""
     inject(monkeypatch, "prefix_attention", "raise")
-    assert g.main([*tiny_cli, "--kernels", "on"]) == 1
+    assert generate_cli.main([*tiny_cli, "--kernels", "on"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("load (weights and tokenizer)"), err  # printed when the load ends
     err = err.split("\n", 1)[1]
@@ -148,7 +149,7 @@ def test_cli_kernels_on_turns_a_fault_into_one_error_line(tiny_cli, monkeypatch,
     kernels.set_strict(False)  # what --kernels on set (a process runs one command)
     kernels.set_dense(False)
     out = tmp_path / "run.json"
-    assert g.main([*tiny_cli, "--json", str(out)]) == 0
+    assert generate_cli.main([*tiny_cli, "--json", str(out)]) == 0
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("warning:")
                 and "step times vary" not in line]  # the load on this machine, not ours
@@ -171,7 +172,7 @@ def test_cli_turns_an_escaping_kernel_fault_into_one_error_line(tiny_cli, monkey
         return real(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "prefix_attention", late_fault)
-    assert g.main(tiny_cli) == 1
+    assert generate_cli.main(tiny_cli) == 1
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith("error: CUDA error: an illegal memory access")
     assert "Traceback" not in err
@@ -191,11 +192,11 @@ def test_the_fault_rule_names_kernel_errors_only():
 
 
 def test_the_check_runs_alone_and_passes_every_family_on_cpu():
-    """``python -m kernels.check --device cpu``: one PASS line per family and variant, exit 0
-    (small head dim and group: the interpreter)."""
+    """``python -m rocketkv.engine.kernel_check --device cpu``: one PASS line per family and
+    variant, exit 0 (small head dim and group: the interpreter)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)  # the check sets it itself for cpu
-    p = subprocess.run([sys.executable, "-m", "kernels.check", "--device", "cpu",
+    p = subprocess.run([sys.executable, "-m", "rocketkv.engine.kernel_check", "--device", "cpu",
                         "--head-dim", "16", "--group", "2", "--groupsize", "32"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -209,8 +210,8 @@ def test_the_families_of_every_method_are_found_without_error():
     sparse kernels and passes over a cache whose ``selector`` is no Selector (OmniKV's is the
     name of its context rule: ``vars()`` of that string raised TypeError in every OmniKV run
     on CUDA, and under torchrun on CPU)."""
-    from compression import METHODS
-    from compression.selection import Selector
+    from rocketkv.compression import METHODS
+    from rocketkv.compression.selection import Selector
 
     model = tiny_model()
     previous = kernels.set_mode("off")  # the caches alone: nothing is checked or launched

@@ -20,15 +20,15 @@ import pytest
 import torch
 from tolerance import assert_near
 
-import kernels
-from compression import METHODS, derive
-from compression.exact_topk import ExactTopKSelector, exact_scores
-from compression.hybrid import HybridSelector, hybrid_page_scores
-from compression.quest import QuestSelector, page_bounds
-from compression.selection import PagedSelector, group_sum, top_r_dims
-from compression.sparq import SparQSelector, sparq_scores
-from kv_cache import CompressedKVCache, FullKVCache, Selector
-from model import ModelArgs
+from rocketkv import kernels
+from rocketkv.cache import CompressedKVCache, FullKVCache, Selector
+from rocketkv.compression import METHODS, derive
+from rocketkv.compression.exact_topk import ExactTopKSelector, exact_scores
+from rocketkv.compression.hybrid import HybridSelector, hybrid_page_scores
+from rocketkv.compression.quest import QuestSelector, page_bounds
+from rocketkv.compression.selection import PagedSelector, group_sum, top_r_dims
+from rocketkv.compression.sparq import SparQSelector, sparq_scores
+from rocketkv.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = kernels.ops()

@@ -9,19 +9,20 @@ from test_eviction import qkv, tiny_args
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from compression import build_caches, derive
-from compression.keydiff import KeyDiffCache, keydiff_scores
-from compression.omnikv import (
+from rocketkv.cache import FullKVCache
+from rocketkv.cli.generate import main
+from rocketkv.compression import build_caches, derive
+from rocketkv.compression.keydiff import KeyDiffCache, keydiff_scores
+from rocketkv.compression.omnikv import (
     OmniKVFilterCache,
     OmniKVSparseCache,
     build_omnikv,
     default_filter_layers,
     layer_roles,
 )
-from generate import generate, main
-from kv_cache import FullKVCache
-from model import ConfigError, ModelArgs, Transformer
-from prefill import prefill_once
+from rocketkv.engine.generate import generate
+from rocketkv.engine.prefill import prefill_once
+from rocketkv.model import ConfigError, ModelArgs, Transformer
 
 
 def dense_over(q, k, v, positions):
@@ -335,7 +336,7 @@ def test_omnikv_cli_errors(capsys):
 def test_smollm2_runs_keydiff_and_omnikv_at_128_to_1024(smollm2_model):
     from conftest import ESSAYS
 
-    from tokenizer import load_tokenizer
+    from rocketkv.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(shared_file(SMOLLM2_GGUF))
     essay = sorted(shared_file(ESSAYS).glob("*.txt"))[0].read_text()

@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-import kv_cache
-from compression import build_caches
-from kv_cache import (
+from rocketkv import cache as kv_cache
+from rocketkv.cache import (
     FLEX_BLOCK,
     FullKVCache,
     attend,
@@ -16,7 +15,8 @@ from kv_cache import (
     gather_tokens,
     prefix_attention,
 )
-from model import ConfigError, ModelArgs
+from rocketkv.compression import build_caches
+from rocketkv.model import ConfigError, ModelArgs
 
 
 def slow_attention(q, k, v, allowed):
@@ -78,7 +78,7 @@ def test_cpu_flash_prefill_chunk_matches_explicit_mask(start, dtype, atol, monke
     on 2 KV heads), batch 2, 37 queries, queries transposed from (B, T, H, D) and keys a
     slice of a longer buffer, as the model and the caches pass them. No SDPA call with a
     mask (the math kernel) may run."""
-    import kv_cache
+    from rocketkv import cache as kv_cache
 
     monkeypatch.setattr(kv_cache, "CPU_FLASH_PREFILL", True)
 
@@ -178,7 +178,7 @@ def test_cuda_prefill_block_takes_flash_with_the_lower_right_mask(H, Hkv):
     the lower-right causal mask (no mask tensor), and matches the explicit-mask path."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kv_cache import _flash_available
+    from rocketkv.cache import _flash_available
 
     g = torch.Generator(device="cuda").manual_seed(0)
     B, D, start, Tq = 1, 128, 700, 300
@@ -262,7 +262,7 @@ def test_a_kernel_step_builds_no_mask_of_written_slots(method):
     the kernels (forced, in Triton's interpreter) dispatches no ``arange`` and no ``le``, so
     the CUDA-graphs regime launches what the compiled step does. The PyTorch path still
     builds it (the counter sees it)."""
-    import kernels
+    from rocketkv import kernels
 
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
                      vocab_size=10, max_seq_len=512)  # head dim 16: the kernels' smallest

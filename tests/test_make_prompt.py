@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import ROOT, SHARED, shared_file
 
-from evals.prompts import (
+from rocketkv.evals.prompts import (
     build_document,
     chars_per_4,
     insert_at_depth,
@@ -31,7 +31,7 @@ TEXT = ("The first sentence is here. A second one follows!  Does a third ask?\n"
 
 @pytest.fixture(scope="module")
 def llama2_count():
-    from tokenizer import load_tokenizer
+    from rocketkv.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(shared_file(LLAMA2_TOK))
     return lambda text: len(tok.encode(text, bos=False))

@@ -10,7 +10,8 @@ from conftest import SHARED, shared_file
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compression import (
+from rocketkv.cache import CompressedKVCache, FullKVCache
+from rocketkv.compression import (
     METHODS,
     Method,
     Option,
@@ -19,17 +20,16 @@ from compression import (
     methods_table,
     smallest_budget,
 )
-from compression.registry import (
+from rocketkv.compression.registry import (
     DOC_TABLES,
     CompressedMethod,
     every_option,
     options_table,
     render_docs,
 )
-from generate import generate
-from kv_cache import CompressedKVCache, FullKVCache
-from model import CONFIGS, ConfigError, ModelArgs
-from tokenizer import load_tokenizer
+from rocketkv.engine.generate import generate
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import CONFIGS, ConfigError, ModelArgs
 
 # the test matrix comes from the registry: a newly registered method is tested here at once
 COMPRESSED = [name for name, m in METHODS.items() if m.budgeted]
@@ -46,11 +46,11 @@ def test_every_method_file_is_registered_in_import_order():
     """A method is one file and one import line: every ``@register`` class of compression/ is
     in ``METHODS``, once, in the order compression/__init__.py imports the files (``--help``'s
     order), with what the docs table and ``--help`` show."""
-    init = (ROOT / "compression" / "__init__.py").read_text()
-    imported = re.findall(r"^from compression import (\w+)  # noqa: F401", init, re.M)
-    files = {p.stem for p in (ROOT / "compression").glob("*.py")
+    init = (ROOT / "rocketkv" / "compression" / "__init__.py").read_text()
+    imported = re.findall(r"^from rocketkv.compression import (\w+)  # noqa: F401", init, re.M)
+    files = {p.stem for p in (ROOT / "rocketkv" / "compression").glob("*.py")
              if re.search(r"^@register$", p.read_text(), re.M)}
-    modules = [type(m).__module__.removeprefix("compression.") for m in METHODS.values()]
+    modules = [type(m).__module__.removeprefix("rocketkv.compression.") for m in METHODS.values()]
     assert set(modules) == files and len(files) == len(METHODS)
     assert modules == [f for f in imported if f in files]
     assert not METHODS["full"].budgeted and METHODS["rocketkv"].budgeted
@@ -78,11 +78,11 @@ def test_a_methods_shared_prefill_is_what_its_caches_do():
 
 def test_the_docs_tables_are_the_registrys():
     """README.md's and docs/methods.md's method and option tables are generated from the
-    registry (``python -m compression --update-docs``); a stale one fails here."""
+    registry (``python -m rocketkv.compression --update-docs``); a stale one fails here."""
     for rel, tables in DOC_TABLES.items():
         text = (ROOT / rel).read_text()
         assert render_docs(text, tables) == text, \
-            f"{rel} is stale: run python -m compression --update-docs"
+            f"{rel} is stale: run python -m rocketkv.compression --update-docs"
     stale = "a\n<!-- methods-table -->\n| old |\n<!-- /methods-table -->\nb"
     fresh = render_docs(stale, {"methods-table": lambda: methods_table()})
     assert fresh != stale and "| `rocketkv` | t |" in fresh and fresh.endswith("\nb")
@@ -93,8 +93,8 @@ def test_the_docs_tables_are_the_registrys():
 def test_a_flag_means_one_thing_and_a_name_registers_once():
     """Methods sharing an option share one ``Option`` (one flag, one help), and a name
     cannot be registered twice."""
-    from compression.registry import register
-    from compression.snapkv import KERNEL_SIZE
+    from rocketkv.compression.registry import register
+    from rocketkv.compression.snapkv import KERNEL_SIZE
 
     flags = [o.flag for o in every_option().values()]
     assert len(flags) == len(set(flags)) and "--kernel-size" in flags

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from checkpoint import args_from_hf_config, load_model
-from compression import build_caches
-from model import CONFIGS, ConfigError, ModelArgs, rope_inv_freq
+from rocketkv.compression import build_caches
+from rocketkv.formats.checkpoint import args_from_hf_config, load_model
+from rocketkv.model import CONFIGS, ConfigError, ModelArgs, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 
@@ -155,8 +155,8 @@ def test_from_hf_config_rejects(bad, match):
 def test_sliding_window_is_accepted_for_runs_that_fit_in_it():
     """Mistral v0.1's 4096-token window: attention equals full attention while the whole run
     fits in it, so such runs load and longer ones are refused with the reason."""
-    from checkpoint import random_model
-    from generate import generate
+    from rocketkv.engine.generate import generate
+    from rocketkv.formats.checkpoint import random_model
 
     small = {**LLAMA31_HF, "model_type": "mistral", "hidden_size": 64, "intermediate_size": 96,
              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ModelArgs
+from rocketkv.model import ModelArgs
 from scripts.predict_memory import AllocationTracker, main, predict
 
 

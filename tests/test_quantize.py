@@ -13,14 +13,13 @@ import torch
 import torch.nn.functional as F
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file, sigint_default
 
-import kernels
-import quantized
-from checkpoint import check_int8_activations, load_model, random_model
-from compression import METHODS
-from generate import generate
-from measure import weight_bytes, weight_bytes_per_step
-from model import ConfigError, ModelArgs
-from quantized import (
+from rocketkv import kernels, quantized
+from rocketkv.compression import METHODS
+from rocketkv.engine.generate import generate
+from rocketkv.engine.measure import weight_bytes, weight_bytes_per_step
+from rocketkv.formats.checkpoint import check_int8_activations, load_model, random_model
+from rocketkv.model import ConfigError, ModelArgs
+from rocketkv.quantized import (
     QUANT_CONFIG,
     Int4Linear,
     Int8Linear,
@@ -377,7 +376,7 @@ def _run(*argv, cwd=None):
 def _main(capsys, *argv):
     """quantize.py's main in this process (the CLI path without a second torch import):
     (exit status, stdout, stderr)."""
-    from quantize import main
+    from rocketkv.cli.quantize import main
 
     rc = main([str(a) for a in argv])
     out = capsys.readouterr()
@@ -445,12 +444,12 @@ def test_cli_bad_input_one_line_exit_2_nothing_written(bad_dir, capsys, case, ar
 def test_cli_checks_the_output_location_before_any_work(tmp_path, capsys, monkeypatch):
     """--out under a file, or in a directory it cannot write (os.access patched: root writes
     through permissions): one line, before the checkpoint is read."""
-    import checkpoint
+    from rocketkv.formats import checkpoint
 
     def read(*a, **kw):
         raise AssertionError("the checkpoint was read before the output was checked")
 
-    monkeypatch.setattr("quantize.read_checkpoint", read)
+    monkeypatch.setattr("rocketkv.cli.quantize.read_checkpoint", read)
     (tmp_path / "file.txt").write_text("x")
     rc, _, err = _main(capsys, "--checkpoint", "random:stories260K", "--mode", "int8",
                        "--out", tmp_path / "file.txt" / "out")
@@ -470,7 +469,7 @@ def test_cli_refuses_an_output_the_filesystem_refuses_before_any_work(capsys, mo
     def read(*a, **kw):
         raise AssertionError("the checkpoint was read before the output was checked")
 
-    monkeypatch.setattr("quantize.read_checkpoint", read)
+    monkeypatch.setattr("rocketkv.cli.quantize.read_checkpoint", read)
     rc, _, err = _main(capsys, "--checkpoint", "random:stories260K", "--mode", "int8",
                        "--out", "/proc/rocketkv-out")
     assert rc == 2 and err.startswith("error: --out /proc/rocketkv-out: cannot create")
@@ -479,7 +478,7 @@ def test_cli_refuses_an_output_the_filesystem_refuses_before_any_work(capsys, mo
 
 def test_default_output_is_in_the_current_directory_not_beside_the_source(tmp_path,
                                                                             monkeypatch):
-    from quantize import default_out
+    from rocketkv.cli.quantize import default_out
 
     src = tmp_path / "models" / "m.Q4_1.gguf"
     src.parent.mkdir()
@@ -543,7 +542,7 @@ def smollm2_int8_dir(tmp_path_factory):
 
 
 def test_smollm2_quantized_checkpoint_keeps_its_tokenizer_and_chat(smollm2_int8_dir, tmp_path):
-    from tokenizer import load_tokenizer
+    from rocketkv.formats.tokenizer import load_tokenizer
 
     src, dst = load_tokenizer(SMOLLM2_GGUF), load_tokenizer(smollm2_int8_dir)
     text = "The hidden code is 1679215. What is it?"
@@ -575,7 +574,7 @@ def _essay_window(tok, n=640):
 
 def _teacher_forced(model, ids, prompt_len):
     """Log-probs of every continuation position after a prompt_len-token prefill."""
-    from evals.fidelity import attach_caches, teacher_forced_logprobs
+    from rocketkv.evals.fidelity import attach_caches, teacher_forced_logprobs
 
     attach_caches(model, "full", None, prompt_len, len(ids) - prompt_len)
     return teacher_forced_logprobs(model, ids[:prompt_len], ids[prompt_len:])
@@ -586,7 +585,7 @@ def test_smollm2_quantized_stays_close_to_float(smollm2_model):
     teacher-forced through the decode path. SmolLM2's GGUF holds Q4_1 weights (4-bit, groups
     of 32, min/scale): int4 with groups of 32 and a float classifier re-expresses them exactly,
     so its distributions equal float's; int8 is close; breaking the model must fail."""
-    from tokenizer import load_tokenizer
+    from rocketkv.formats.tokenizer import load_tokenizer
 
     ids = _essay_window(load_tokenizer(SMOLLM2_GGUF), 288)
     T = 256
@@ -609,8 +608,8 @@ def test_smollm2_quantized_stays_close_to_float(smollm2_model):
 
 
 def test_int4_checkpoint_round_trip_with_each_classifier_storage(tmp_path):
-    from checkpoint import save_native
-    from quantize import quantize_checkpoint
+    from rocketkv.cli.quantize import quantize_checkpoint
+    from rocketkv.formats.checkpoint import save_native
 
     src = save_native(tmp_path / "tiny", TINY, random_model(TINY, "cpu", torch.float32)
                       .state_dict())
@@ -632,8 +631,8 @@ def test_int4_checkpoint_round_trip_with_each_classifier_storage(tmp_path):
 def test_accuracy_scripts_load_a_quantized_checkpoint(stories_dir, tmp_path, capsys):
     """eval_accuracy on stories260K quantized to int8 (tokenizer carried over): the quantized
     model's own full-cache row agrees with itself, and a budget covering the sequence too."""
-    from evals.data import TINYSTORIES_TEXTS
-    from quantize import quantize_checkpoint
+    from rocketkv.cli.quantize import quantize_checkpoint
+    from rocketkv.evals.data import TINYSTORIES_TEXTS
     from scripts.eval_accuracy import main as eval_accuracy
 
     out = quantize_checkpoint(str(stories_dir), "int8", None, tmp_path / "q", progress=False)
@@ -650,7 +649,7 @@ def test_accuracy_scripts_load_a_quantized_checkpoint(stories_dir, tmp_path, cap
 def test_a_hugging_face_directory_quantizes_like_the_loaded_model(tmp_path):
     """quantize.py on an HF directory (transformers' own save) equals quantizing the model
     our loader builds from it: the q/k row permutation and q/k/v fusion come first."""
-    from quantize import quantize_checkpoint
+    from rocketkv.cli.quantize import quantize_checkpoint
 
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

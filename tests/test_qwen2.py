@@ -21,19 +21,19 @@ from test_gguf import Q, logits_along, write_gguf
 from test_model import make_hf_model
 from test_tokenizer import TEXTS, apply_ids
 
-from checkpoint import (
+from rocketkv.compression import build_caches
+from rocketkv.engine.generate import generate
+from rocketkv.formats.checkpoint import (
     args_from_hf_config,
     hf_config,
     hf_to_meta_rope_rows,
     load_model,
     meta_to_hf_state_dict,
 )
-from compression import build_caches
-from generate import generate
-from gguf_reader import open_gguf
-from model import ConfigError, ModelArgs, Transformer
-from quantized import Int8Linear, quantize_model
-from tokenizer import gguf_tokenizer
+from rocketkv.formats.gguf_reader import open_gguf
+from rocketkv.formats.tokenizer import gguf_tokenizer
+from rocketkv.model import ConfigError, ModelArgs, Transformer
+from rocketkv.quantized import Int8Linear, quantize_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -200,7 +200,7 @@ def test_written_back_as_a_qwen2_directory(tmp_path):
 def test_int8_quantization_keeps_the_biases_float(tmp_path):
     """quantize.py's checkpoint of a Qwen2 directory equals quantizing the loaded model; the
     q/k/v biases stay float beside the int8 projection."""
-    from quantize import quantize_checkpoint
+    from rocketkv.cli.quantize import quantize_checkpoint
 
     qwen2_dir(tmp_path / "hf")
     out = quantize_checkpoint(str(tmp_path / "hf"), "int8", None, tmp_path / "q",

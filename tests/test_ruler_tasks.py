@@ -12,9 +12,9 @@ from collections import Counter
 import pytest
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
-from evals.metrics import string_match_all, string_match_part
-from evals.prompts import read_texts
-from evals.ruler import TASKS, Sample, load_essays, make_sample, tolerance
+from rocketkv.evals.metrics import string_match_all, string_match_part
+from rocketkv.evals.prompts import read_texts
+from rocketkv.evals.ruler import TASKS, Sample, load_essays, make_sample, tolerance
 
 NIAH = ("niah_single_noise", "niah_single_essay", "niah_single_uuid", "niah_multikey",
         "niah_multivalue", "niah_multiquery")
@@ -34,7 +34,7 @@ def essays() -> str:
 
 @pytest.fixture(scope="module")
 def smollm2_count():
-    from tokenizer import load_tokenizer
+    from rocketkv.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(shared_file(SMOLLM2_GGUF))
     return lambda text: len(tok.encode(text, bos=False))
@@ -68,7 +68,7 @@ def test_same_seed_same_sample_other_seed_other_sample(task, essays):
 def test_same_sample_in_another_process(essays):
     """No dependence on Python's per-process string hashing."""
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]);"
-            "from evals.ruler import TASKS, make_sample, load_essays;"
+            "from rocketkv.evals.ruler import TASKS, make_sample, load_essays;"
             "e = load_essays(sys.argv[2]);"
             "print(json.dumps([repr(make_sample(t, 800, lambda s: len(s) // 4, 3, e))"
             " for t in TASKS]))")
@@ -208,8 +208,8 @@ def test_bad_arguments_raise(essays):
 def test_grid_items_draw_independent_facts(essays, monkeypatch):
     """Every (task, length, sample) has its own hashed seed, and no fact (key, value, name,
     word, cwe's set) occurs in two prompts of a grid: a sample repeating one is redrawn."""
-    import evals.ruler as ruler
-    from tokenizer import load_tokenizer
+    from rocketkv.evals import ruler
+    from rocketkv.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(shared_file(SMOLLM2_GGUF))
     tasks = ["niah_multikey", "vt", "fwe"]

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-import session
-from checkpoint import random_model
-from generate import generate, release_caches
-from model import ConfigError, ModelArgs
+from rocketkv.engine import session
+from rocketkv.engine.generate import generate, release_caches
+from rocketkv.formats.checkpoint import random_model
+from rocketkv.model import ConfigError, ModelArgs
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=16,
                  vocab_size=64, max_seq_len=128)

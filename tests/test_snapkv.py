@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from compression.snapkv import pool_votes, snapkv_select, window_votes
-from compression.snapkv_pp import snapkv_pp_kernel, snapkv_pp_select
-from kv_cache import prefill_memo
-from model import CONFIGS, ModelArgs
+from rocketkv.cache import prefill_memo
+from rocketkv.compression.snapkv import pool_votes, snapkv_select, window_votes
+from rocketkv.compression.snapkv_pp import snapkv_pp_kernel, snapkv_pp_select
+from rocketkv.model import CONFIGS, ModelArgs
 
 
 def slow_votes(q, k, window):
@@ -57,7 +57,7 @@ def test_a_prefill_memo_scores_each_window_once(qk, monkeypatch):
     """Inside ``kv_cache.prefill_memo`` the SnapKV family asks for the votes of one prefill's
     window once per window length: the selections are those computed without the memo, a key
     tensor changed in place (or another window) is scored afresh."""
-    import compression.snapkv as snapkv
+    from rocketkv.compression import snapkv
 
     q, k = qk
     expect_pp = snapkv_pp_select(q, k, 20, 8, 5)

@@ -7,13 +7,13 @@ import types
 import pytest
 import torch
 
-from compression.exact_topk import ExactTopKSelector, exact_scores
-from compression.hybrid import HybridSelector, hybrid_page_scores
-from compression.quest import QuestSelector, page_bounds
-from compression.selection import page_summary, top_pages_to_tokens, top_r_dims
-from compression.sparq import SparQSelector, sparq_scores
-from kv_cache import CompressedKVCache, FullKVCache, Selector
-from model import ModelArgs
+from rocketkv.cache import CompressedKVCache, FullKVCache, Selector
+from rocketkv.compression.exact_topk import ExactTopKSelector, exact_scores
+from rocketkv.compression.hybrid import HybridSelector, hybrid_page_scores
+from rocketkv.compression.quest import QuestSelector, page_bounds
+from rocketkv.compression.selection import page_summary, top_pages_to_tokens, top_r_dims
+from rocketkv.compression.sparq import SparQSelector, sparq_scores
+from rocketkv.model import ModelArgs
 
 ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
                  vocab_size=10, max_seq_len=512)
@@ -284,7 +284,7 @@ def test_appending_a_chunk_equals_one_update_per_slot(make, dtype):
 
 def test_every_selector_with_per_slot_state_appends_chunks_itself():
     """The base ``extend`` does nothing, so a selector overriding ``update`` must override it."""
-    import compression  # noqa: F401  (imports every selector module)
+    from rocketkv import compression  # noqa: F401  (imports every selector module)
 
     def subclasses(c):
         return [c] + [s for d in c.__subclasses__() for s in subclasses(d)]

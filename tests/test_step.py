@@ -3,12 +3,10 @@
 import pytest
 import torch
 
-import evals.bench
-import step
-from checkpoint import random_model
-from generate import generate
-from model import ConfigError, ModelArgs
-from step import (
+import rocketkv.evals.bench
+from rocketkv.engine import step
+from rocketkv.engine.generate import generate
+from rocketkv.engine.step import (
     CPU_COMPILE_MIN_STEPS,
     REGIMES,
     LayerCompiledStep,
@@ -16,11 +14,13 @@ from step import (
     decode_one_token,
     default_compile,
 )
+from rocketkv.formats.checkpoint import random_model
+from rocketkv.model import ConfigError, ModelArgs
 
 
 def test_step_mode_is_the_one_table_of_regimes():
     """bench's regimes (evals.bench.REGIMES, check_targets' table words) are StepMode's."""
-    assert evals.bench.REGIMES is REGIMES
+    assert rocketkv.evals.bench.REGIMES is REGIMES
     assert [m.value for m in StepMode] == ["eager", "static", "dynamic", "graphs"]
     assert set(REGIMES) == {m.value for m in StepMode}
     assert StepMode("graphs").description == "a CUDA graph of the eager step (no torch.compile)"
@@ -139,7 +139,7 @@ def test_a_kernel_that_fails_to_compile_costs_a_warning(capsys):
     """The compiled step whose compile fails in a Triton kernel warns once, switches every
     kernel family off on the device (the result's ``kernels`` entry names the cause),
     compiles again and gives the eager run's tokens: the run is not lost."""
-    import kernels
+    from rocketkv import kernels
 
     model = tiny_model()
     ref = generate(model, [1, 2, 3], max_new_tokens=6, compile=False)["token_ids"]
@@ -173,7 +173,7 @@ def test_a_kernel_that_fails_to_compile_costs_a_warning(capsys):
     (ValueError("not a kernel"), 1),
     (None, 2)])  # a second fault
 def test_other_compile_failures_are_raised(error, fails):
-    import kernels
+    from rocketkv import kernels
 
     backend = failing_backend(fails, error)
     torch._dynamo.reset()

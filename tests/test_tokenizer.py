@@ -11,8 +11,7 @@ import unicodedata
 import pytest
 from conftest import SHARED, shared_file
 
-from model import ConfigError
-from tokenizer import (
+from rocketkv.formats.tokenizer import (
     HFTokenizer,
     SentencePieceTokenizer,
     TiktokenTokenizer,
@@ -20,6 +19,7 @@ from tokenizer import (
     has_tokenizer,
     load_tokenizer,
 )
+from rocketkv.model import ConfigError
 
 TOK = SHARED / "tokenizers"
 MODELS = SHARED / "models"
@@ -256,7 +256,7 @@ def llama_cpp_split(text: str, patterns: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("pre", sorted(LLAMA_CPP_REGEXES))
 def test_gguf_pre_tokenizers_follow_llama_cpp(pre):
-    from tokenizer import _bpe_pre_tokenizer
+    from rocketkv.formats.tokenizer import _bpe_pre_tokenizer
 
     pre_tokenizer = _bpe_pre_tokenizer(pre)
     for text in TEXTS + ["Hello, World!!! ($5.99) x=1234567 <a href='b'>", "I'VE  'll\r\n\r\n x"]:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tolerance import assert_near, relative_error, rtol
 
-from kv_cache import attend, prefix_attention
+from rocketkv.cache import attend, prefix_attention
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import generate
-import tp
-from checkpoint import load_model, random_model, save_native
-from compression import METHODS
-from compression.duoattention import DuoAttentionParams
-from model import ConfigError, ModelArgs
-from quantize import quantize_checkpoint
+from rocketkv import tp
+from rocketkv.cli import generate as generate_cli
+from rocketkv.cli.quantize import quantize_checkpoint
+from rocketkv.compression import METHODS
+from rocketkv.compression.duoattention import DuoAttentionParams
+from rocketkv.formats.checkpoint import load_model, random_model, save_native
+from rocketkv.model import ConfigError, ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "tests" / "tp_run.py"
@@ -103,7 +103,7 @@ def test_a_rank_stopped_while_joining_the_group_speaks_only_as_rank_0(
         raise AssertionError("SIGTERM was not delivered")
 
     monkeypatch.setattr(tp, "init", sigterm_while_joining)
-    code = generate.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
+    code = generate_cli.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
                           "--max-new-tokens", "4"])
     assert code == 143
     err = capsys.readouterr().err
@@ -124,7 +124,7 @@ def test_a_rank_other_than_0_that_refuses_the_run_waits_for_torchrun(
     if rank != "0":
         timer.start()
     try:
-        code = generate.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
+        code = generate_cli.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time",
                               "--max-new-tokens", "4"])
     finally:
         timer.cancel()
@@ -141,7 +141,7 @@ def test_a_rank_other_than_0_that_refuses_the_run_waits_for_torchrun(
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr(tp, "init", lambda device_type: (1, 3))
     start = time.monotonic()
-    assert generate.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time"]) == 2
+    assert generate_cli.main(["--checkpoint", str(stories_dir), "-p", "Once upon a time"]) == 2
     assert 0.2 <= time.monotonic() - start < 5
 
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kernels
-from kernels import tuning
+from rocketkv import kernels
+from rocketkv.kernels import tuning
 
 KEY = "swiglu/int4/M=1/K=4096/n=14336"
 KNOBS = {"TARGET_PROGRAMS": 128, "MAX_BLOCK_N": 16, "K_BLOCK": 512, "NUM_WARPS": 8}

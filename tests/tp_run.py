@@ -11,12 +11,12 @@ import sys
 
 import torch
 
-import tp
-from checkpoint import load_model
-from compression import METHODS
-from generate import generate
-from model import ConfigError
-from tokenizer import load_tokenizer
+from rocketkv import tp
+from rocketkv.compression import METHODS
+from rocketkv.engine.generate import generate
+from rocketkv.formats.checkpoint import load_model
+from rocketkv.formats.tokenizer import load_tokenizer
+from rocketkv.model import ConfigError
 
 BUDGET, NEW_TOKENS = 64, 12
 TEXT = ("Once upon a time there was a little girl named Lily. She loved to play outside in the "

@@ -18,10 +18,10 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-import kernels
-from kernels.fuse import FusedTransformerBlock
-from kv_cache import FullKVCache
-from model import precompute_rope
+from rocketkv import kernels
+from rocketkv.cache import FullKVCache
+from rocketkv.kernels.fuse import FusedTransformerBlock
+from rocketkv.model import precompute_rope
 
 CASES = {"full": None, "hybrid": 6, "hybrid_page1": 9, "quest": 3, "sparq": 10,
          "sparq_strided": 10, "exact_topk": 12, "sparq_realloc": 10, "quest_split": 3,

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import _here  # noqa: F401  (this checkout's engine: tools/_here.py)
 
-from flags import OneLineParser
+from rocketkv.flags import OneLineParser
 
 
 def build_parser() -> OneLineParser:
@@ -73,10 +73,10 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
     ARGS = build_parser().parse_args()
 
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
-from cli import write_json
-from evals.bench import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, DEFAULT_METHODS, REGIMES
-from evals.peers import PEERS
-from kernels import tuning
+from rocketkv.cli.common import write_json
+from rocketkv.evals.bench import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, DEFAULT_METHODS, REGIMES
+from rocketkv.evals.peers import PEERS
+from rocketkv.kernels import tuning
 
 K96, K128, K32 = 98304, 131072, 32768
 GB = 1e9

@@ -47,11 +47,11 @@ import _here  # noqa: F401  (this checkout's engine: tools/_here.py)
 import torch
 from torch import Tensor
 
-import kernels
-from cli import OneLineParser, write_json
-from compression import build_caches
-from flags import add_config_option
-from model import CONFIGS, ModelArgs
+from rocketkv import kernels
+from rocketkv.cli.common import OneLineParser, write_json
+from rocketkv.compression import build_caches
+from rocketkv.flags import add_config_option
+from rocketkv.model import CONFIGS, ModelArgs
 
 DTYPES = {"bfloat16": ("*bf16", "native"), "float16": ("*fp16", "native"),  # pointers, tl.dot
           "float32": ("*fp32", "ieee")}  # (cli.DTYPES: what --dtype accepts)
@@ -454,7 +454,7 @@ def main(argv=None) -> int:
     if not ptxas.exists():
         print(f"error: no ptxas at {ptxas}", file=sys.stderr)
         return 2
-    dense = importlib.import_module("kernels.dense")  # imported by kernels.ops() above
+    dense = importlib.import_module("rocketkv.kernels.dense")  # imported by kernels.ops() above
     table = [] if args.no_table else configurations(sparse, shape, args.dtype) + \
         dense_configurations(dense, shape, args.dtype)
     captured = captured_configurations(sparse, dense, shape, args.dtype, runs)

@@ -20,7 +20,7 @@ import sys
 import _here  # noqa: F401  (this checkout's engine: tools/_here.py)
 import numpy as np
 
-from flags import OneLineParser
+from rocketkv.flags import OneLineParser
 
 SHAPES = ((1171, 112, 256), (2736, 12, 256), (8192, 1, 256), (8192, 1, 4096))
 SCORES = {

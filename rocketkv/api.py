@@ -1,0 +1,378 @@
+"""The engine as a library: load a checkpoint, generate text, and answer many questions about
+one document from a single prefill of it.
+
+    import rocketkv
+    engine = rocketkv.load("../shared/data/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    result = engine.generate(chat, method="rocketkv", budget=256, max_new_tokens=32)
+    print(result.text, result.metrics["decode_ms_median"])
+
+``Engine.generate`` checks its settings as ``generate.py`` does (the same ``ConfigError``
+wording, before any prefill), encodes the prompt (a message list through the checkpoint's chat
+template; a string as plain text, or as one user turn with ``chat=True``), stops at the model's
+end of turn and returns a ``Result`` with the text, the token ids and every figure of
+``generate.py --json``. ``generate.generate`` stays the low-level call (token ids in, a
+``report.GenerateResult`` dataclass out).
+
+``Engine.prefill_document`` prefills (and compresses) a document once; each
+``Document.ask(question)`` then feeds the question after it (``generate(...,
+continue_conversation=True)``), answers, and the next question starts again from the document as
+the method left it: the conversation's position is set back (``generate.rewind_conversation``)
+and whatever the method's caches changed past the document (H2O's scores and evictions, the
+StreamingLLM ring, page summaries, recorded queries) is restored from a snapshot taken after the
+document's prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rocketkv.engine import generate as _g
+from rocketkv.engine.checks import (
+    NO_TOKENIZER,
+    check_document,
+    check_fit,
+    check_request,
+    checkpoint_tokenizer,
+    result_text,
+)
+from rocketkv.engine.device import DTYPES, resolve_device
+from rocketkv.engine.documents import CacheSnapshot, document_ids, prefill_summary, question_ids
+from rocketkv.engine.measure import check_memory
+from rocketkv.engine.report import GenerateResult
+from rocketkv.engine.step import default_compile
+from rocketkv.formats.checkpoint import (
+    checkpoint_args,
+    default_gguf_weights,
+    is_quantized,
+    load_model,
+    resolve_checkpoint,
+)
+from rocketkv.formats.tokenizer import Tokenizer
+from rocketkv.model import ConfigError, Transformer
+
+__all__ = ["ConfigError", "Document", "Engine", "Result", "load"]
+
+
+@dataclass
+class Result:
+    """One answer.
+
+    Attributes:
+        text: the generated text, stop tokens left out.
+        tokens: the generated token ids, the stop token included when one ended the answer.
+        stop_reason: ``eos`` (a stop token), ``max_new_tokens``, ``context_length``,
+            ``reserve`` (a document's room ran out) or ``interrupted``.
+        metrics: every figure ``generate.py --json`` writes for the run (``prefill_s``,
+            ``decode_ms_median``, ``tokens_per_s``, ``peak_memory_bytes``, ``kv_cache_bytes``,
+            ``method_params``, ``prompt_token_ids``...); for an answer about a document also
+            ``document_prefill_s``, the document's prefill paid once.
+    """
+
+    text: str | None
+    tokens: list[int]
+    stop_reason: str
+    metrics: dict[str, Any] = field(repr=False)
+
+
+def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def load(checkpoint: str, *, device: str | torch.device | None = None,
+         dtype: torch.dtype | str | None = None, tokenizer: str | None = None,
+         gguf_weights: str | None = None) -> Engine:
+    """Load a model and its tokenizer, as ``generate.py --checkpoint`` does.
+
+    Args:
+        checkpoint: a checkpoint directory, a ``.gguf`` file, a short name or ``random:NAME``
+            (``docs/checkpoints.md``).
+        device: ``"cuda"``, ``"cpu"`` or a ``torch.device``; default cuda when available.
+        dtype: of the weights and the KV cache (a ``torch.dtype`` or its name); default
+            bfloat16 on cuda, float32 on cpu.
+        tokenizer: a tokenizer file or directory (default: the checkpoint's own).
+        gguf_weights: a GGUF's weights ``"float"`` (dequantized), ``"quantized"``,
+            ``"quantized-int8-classifier"`` or ``"quantized-w8a8"`` (that on int8
+            activations, CPU only) (``generate.py --gguf-weights``, ``gguf_quantized``);
+            default ``"quantized"`` on the CPU, ``"float"`` on CUDA
+            (``checkpoint.default_gguf_weights``).
+    Raises:
+        ConfigError: what ``generate.py`` reports for the same checkpoint, device or
+            tokenizer (a missing file, an unsupported architecture, no CUDA, weights that do
+            not fit in free memory).
+    """
+    device = resolve_device(None if device is None else str(device))
+    dtype = _dtype(dtype, device)
+    t0 = time.perf_counter()
+    ckpt = resolve_checkpoint(str(checkpoint))
+    margs = checkpoint_args(ckpt)
+    tok = checkpoint_tokenizer(ckpt, margs, tokenizer)
+    if not is_quantized(ckpt):
+        check_memory(margs, dtype, device, 1, 1)  # the weights; each run checks its own KV
+    model = load_model(ckpt, device, dtype,
+                       gguf_weights=default_gguf_weights(gguf_weights, ckpt, device))
+    return Engine(model, tok, checkpoint=str(checkpoint), load_s=time.perf_counter() - t0)
+
+
+def _compile(model: Transformer, compile: bool | None, decode_steps: int) -> bool | None:
+    """``generate.py``'s default (``step.default_compile``) for the model's device and a run of
+    ``decode_steps`` (its ``max_new_tokens``)."""
+    return default_compile(compile, model.device, decode_steps)
+
+
+class Engine:
+    """A loaded model and its tokenizer (``load``). Build one around a model already loaded
+    with ``Engine(model, tokenizer)``.
+
+    One engine drives one set of caches: a ``generate`` or ``prefill_document`` call replaces
+    what the previous one left, so only the latest ``Document`` answers (an older one raises
+    ``ConfigError``). A ``generate.generate`` call on ``engine.model`` itself is noticed when
+    it rebuilt the caches (other shapes), not when it reused them.
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, *,
+                 checkpoint: str | None = None, load_s: float | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.checkpoint, self.load_s = checkpoint, load_s
+        self._document: Document | None = None  # the document the caches hold now
+
+    # ---- prompts
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The default stop tokens: the tokenizer's EOS and its chat template's end-of-turn
+        token (``Tokenizer.chat_stop_ids``); none without a tokenizer."""
+        return () if self.tokenizer is None else self.tokenizer.chat_stop_ids
+
+    def _tok(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ConfigError(NO_TOKENIZER)
+        return self.tokenizer
+
+    def encode(self, prompt: str | Sequence[dict[str, Any]] | Sequence[int], *,
+               chat: bool = False, system: str | None = None) -> list[int]:
+        """The token ids of ``prompt``: a list of messages (dicts with ``role`` and
+        ``content``) through the chat template with the generation prompt; a string as plain
+        text (with BOS where the tokenizer adds one), or with ``chat`` as one user turn (after
+        ``system``, when given) as ``generate.py --chat`` encodes it; token ids as given.
+
+        Raises:
+            ConfigError: an empty prompt, a text prompt without a tokenizer, ``system``
+                without ``chat``, no chat template, a malformed message list.
+        """
+        if system is not None and not chat and isinstance(prompt, str):
+            raise ConfigError("--system needs --chat (it is a message of the chat template)")
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ConfigError("--prompt-text is empty")
+            tok = self._tok()
+            return tok.encode_chat(prompt, system=system) if chat else tok.encode(prompt)
+        prompt = list(prompt)
+        if not prompt:
+            raise ConfigError("the prompt is empty")
+        if all(isinstance(m, dict) for m in prompt):
+            if any("role" not in m or "content" not in m for m in prompt):
+                raise ConfigError("each message needs a 'role' and a 'content'")
+            messages = ([{"role": "system", "content": system}] if system else []) + prompt
+            return self._tok().encode_messages(messages)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if system is not None:
+                raise ConfigError("system applies to a text or message prompt, not to ids")
+            return prompt
+        raise ConfigError("a prompt is a string, a list of messages (dicts with 'role' and "
+                          "'content') or a list of token ids")
+
+    # ---- one prompt
+
+    def generate(self, prompt: str | Sequence[dict[str, Any]] | Sequence[int], *,
+                 method: str = "full", budget: int | None = None, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = 0, chat: bool = False, system: str | None = None,
+                 stop_ids: Sequence[int] | None = None, compile: bool | None = None,
+                 on_token=None, **method_options) -> Result:
+        """Generate an answer to ``prompt`` (see ``encode``) with the KV cache of ``method``.
+
+        Args:
+            method, budget: the cache (``compression.METHODS``; ``docs/methods.md``), budget in
+                tokens read per decode step, per layer, per KV-head group.
+            max_new_tokens: generated tokens at most.
+            temperature, top_k, top_p, seed: sampling (temperature 0: greedy).
+            chat, system: encode a string as a user turn of the chat template.
+            stop_ids: the tokens that end the answer; default ``stop_ids`` (EOS and the
+                template's end of turn), ``()`` to run to ``max_new_tokens``.
+            compile: compile the decode step; default as ``generate.py`` (on CUDA when the
+                method allows; on CPU from ``step.CPU_COMPILE_MIN_STEPS`` max_new_tokens when
+                a C++ compiler is found).
+            on_token: called with the tokens so far, (1, n) int64, after each one (streaming).
+            method_options: the method's options by their flag names (``page_size=16``,
+                ``rocket_split="adaptive"``: ``docs/methods.md``).
+        Returns:
+            a ``Result``.
+        Raises:
+            ConfigError: with ``generate.py``'s wording, before any prefill: a bad sampling
+                setting, an unknown method, a bad or missing budget, an option the method does
+                not read, a prompt that does not fit the context, a budget too small for it.
+        """
+        options = _options(method_options)
+        check_request(method, budget, options, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p)
+        ids = self.encode(prompt, chat=chat, system=system)
+        check_fit(method, self.model.args, len(ids), max_new_tokens, budget, options)
+        stop = self.stop_ids if stop_ids is None else tuple(stop_ids)
+        self._document = None
+        r = _g.generate(self.model, ids, method=method, budget=budget,
+                        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed, stop_ids=stop,
+                        compile=_compile(self.model, compile, max_new_tokens),
+                        method_options=options, on_token=on_token)
+        return self._result(r, stop)
+
+    def _result(self, r: GenerateResult, stop: Sequence[int], **extra: Any) -> Result:
+        """The CLI's JSON record of a run (``r.to_dict()``, then ``extra``, ``text``,
+        ``checkpoint``, ``model``, ``load_s`` added) as a ``Result``."""
+        texts = result_text(self.tokenizer, r.token_ids, stop)
+        record = {**r.to_dict(), **extra, "text": texts, "checkpoint": self.checkpoint,
+                  "model": self.model.args.name, "load_s": self.load_s, "world_size": 1,
+                  "interrupted": r.stop_reason == "interrupted"}
+        return Result(None if texts is None else texts[0], list(r.token_ids[0]),
+                      r.stop_reason, record)
+
+    # ---- one document, many questions
+
+    def prefill_document(self, text: str | Sequence[int], *, method: str = "full",
+                         budget: int | None = None, reserve_tokens: int = 1024,
+                         chat: bool = False, system: str | None = None,
+                         compile: bool | None = None, **method_options) -> Document:
+        """Prefill (and compress) a document once, for any number of ``Document.ask`` calls.
+
+        Args:
+            text: the document (trailing white space dropped), or its token ids
+                (``documents.document_ids``).
+            method, budget, method_options: the cache, as for ``generate``. The method
+                compresses the document before any question is known: what an evicting
+                method drops is dropped for every question (docs/generate.md).
+            reserve_tokens: cache room after the document for one question and its answer
+                (question tokens + ``max_new_tokens`` - 1 at most); the run's new tokens for
+                the budget's parameters.
+            chat, system: the document opens a user turn of the chat template (each question
+                ends it).
+        Returns:
+            a ``Document``.
+        Raises:
+            ConfigError: as ``generate``; the document and the reserve do not fit the
+                context.
+        """
+        options = _options(method_options)
+        check_request(method, budget, options, max_new_tokens=1)
+        ids = document_ids(self._tok(), text, chat, system) if isinstance(text, str) \
+            else self.encode(text)
+        check_document(method, self.model.args, len(ids), reserve_tokens, budget, options)
+        self._document = None
+        r = _g.generate(self.model, ids, method=method, budget=budget, max_new_tokens=0,
+                        reserve_tokens=reserve_tokens, compile=_compile(self.model, compile, 0),
+                        method_options=options)
+        doc = Document(self, ids, r.to_dict(), chat=chat, system=system,
+                       text=text if isinstance(text, str) else "", compile=compile)
+        self._document = doc
+        return doc
+
+
+def _options(method_options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in method_options.items() if v is not None and v is not False}
+
+
+class Document:
+    """A document prefilled once (``Engine.prefill_document``); ``ask`` answers questions
+    about it from its cache.
+
+    Attributes:
+        ids: the document's token ids.
+        prefill_s: seconds of the document's prefill (paid once).
+        metrics: the document prefill's figures (``generate.generate``'s result as its JSON
+            record, ``to_dict()``; no tokens generated): ``prompt_tokens_kept``,
+            ``kv_cache_bytes``, ``method_params``...
+        room: positions after the document for a question and its answer.
+        snapshot_bytes: bytes of the cache state copied to rewind to the document.
+        answers: the ``metrics`` of each answer so far.
+    """
+
+    def __init__(self, engine: Engine, ids: list[int], metrics: dict[str, Any], *, chat: bool,
+                 system: str | None, text: str, compile: bool | None):
+        self.engine, self.ids, self.metrics = engine, ids, metrics
+        self.prefill_s = metrics["prefill_s"]
+        self.method, self.budget = metrics["method"], metrics["budget"]
+        self._chat, self._system, self._text, self._compile = chat, system, text, compile
+        self.room = metrics["conversation"]["room"]
+        self._snapshot = CacheSnapshot(engine.model.caches)
+        self.snapshot_bytes = self._snapshot.bytes()
+        self.answers: list[dict[str, Any]] = []
+
+    def question_ids(self, question: str | Sequence[int]) -> list[int]:
+        """The ids ``ask`` feeds after the document (``documents.question_ids``; token ids as
+        given)."""
+        if isinstance(question, str):
+            return question_ids(self.engine._tok(), question, self._chat, self._text,
+                                self._system)
+        return self.engine.encode(question)
+
+    def ask(self, question: str | Sequence[int], *, max_new_tokens: int = 256,
+            temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+            seed: int | None = 0, stop_ids: Sequence[int] | None = None,
+            on_token=None) -> Result:
+        """Answer ``question`` from the document's cache as the method left it after the
+        document's prefill (earlier questions and answers rewound away: the position, and
+        the method's state from a snapshot). The question's tokens are prefilled after the
+        document's (``generate(..., continue_conversation=True)``); with ``full`` the answer
+        is the one a separate run of document + question gives.
+
+        Args: as ``Engine.generate``'s (the method and budget are the document's).
+        Returns:
+            a ``Result`` whose ``metrics["prefill_s"]`` is the question's own prefill and
+            ``metrics["document_prefill_s"]`` the document's, paid once.
+        Raises:
+            ConfigError: a bad sampling setting; a question and ``max_new_tokens`` that do
+                not fit the document's ``reserve_tokens``; the engine's caches were replaced
+                by a later ``generate`` or ``prefill_document`` call.
+        """
+        engine = self.engine
+        check_request(self.method, self.budget, {}, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p)
+        if engine._document is not self:
+            raise ConfigError("this document's cache was replaced by a later generate() or "
+                              "prefill_document() call: prefill it again")
+        ids = self.question_ids(question)
+        if len(ids) + max_new_tokens - 1 > self.room:
+            raise ConfigError(f"the question ({len(ids)} tokens) and --max-new-tokens "
+                              f"{max_new_tokens} exceed the document's reserve "
+                              f"({self.room} tokens): pass a larger reserve_tokens to "
+                              "prefill_document")
+        _g.rewind_conversation(engine.model, len(self.ids), self._snapshot)
+        stop = engine.stop_ids if stop_ids is None else tuple(stop_ids)
+        r = _g.generate(engine.model, ids, continue_conversation=True,
+                        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed, stop_ids=stop,
+                        compile=_compile(engine.model, self._compile, max_new_tokens),
+                        on_token=on_token)
+        result = engine._result(r, stop,
+                                question=question if isinstance(question, str) else None,
+                                document_tokens=len(self.ids), document_prefill_s=self.prefill_s)
+        self.answers.append(result.metrics)
+        return result
+
+    def prefill_summary(self) -> dict[str, Any]:
+        """The prefill paid once against a separate run per question asked so far
+        (``documents.prefill_summary``: ``document_prefill_s``, ``question_prefill_s``,
+        ``prefill_saved_s``)."""
+        return prefill_summary(len(self.ids), self.prefill_s, self.answers)
