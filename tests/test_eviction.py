@@ -10,6 +10,7 @@ import torch
 from conftest import SMOLLM2_GGUF, shared_file
 
 from rocketkv import cache as kv_cache
+from rocketkv.cache import attention as kv_attention
 from rocketkv.cache import attention_column_sums
 from rocketkv.cli.generate import main
 from rocketkv.compression import build_caches, derive
@@ -132,10 +133,10 @@ def test_attention_column_sums_against_the_whole_matrix(monkeypatch, path, start
     p = s.softmax(-1)[:, :, start:]  # the block's queries
     want = p.sum(2)  # (B, H, S)
     if path == "blocks":
-        monkeypatch.setattr(kv_cache, "_CPU_FLASH", "no such kernel")
-        monkeypatch.setattr(kv_cache, "MASK_ELEMENTS", 50)  # many small row blocks
+        monkeypatch.setattr(kv_attention, "_CPU_FLASH", "no such kernel")
+        monkeypatch.setattr(kv_attention, "MASK_ELEMENTS", 50)  # many small row blocks
     else:
-        monkeypatch.setattr(kv_cache, "LSE_ROWS", 5)  # the transposed pass in several blocks
+        monkeypatch.setattr(kv_attention, "LSE_ROWS", 5)  # the transposed pass in several blocks
     got = attention_column_sums(q[:, :, start:], k, start)
     torch.testing.assert_close(got, want.view(B, Hkv, G, S).sum(2), rtol=1e-5, atol=1e-5)
     per_head = attention_column_sums(q[:, :, start:], k, start, per_query_head=True)

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from rocketkv import cache as kv_cache
 from rocketkv.cache import (
     FLEX_BLOCK,
     FullKVCache,
@@ -15,6 +14,7 @@ from rocketkv.cache import (
     gather_tokens,
     prefix_attention,
 )
+from rocketkv.cache import attention as kv_attention
 from rocketkv.compression import build_caches
 from rocketkv.model import ConfigError, ModelArgs
 
@@ -49,8 +49,8 @@ def test_causal_attention_matches_loop(H, Hkv):
 def test_causal_attention_of_a_query_block(start, mask_elements, flash, monkeypatch):
     """Queries start..8 over keys 0..8: the causal diagonal sits at the bottom right. Masked
     path in one block and one query row per block; the CPU flash path (two passes merged)."""
-    monkeypatch.setattr(kv_cache, "MASK_ELEMENTS", mask_elements or 1 << 26)
-    monkeypatch.setattr(kv_cache, "CPU_FLASH_PREFILL", flash)
+    monkeypatch.setattr(kv_attention, "MASK_ELEMENTS", mask_elements or 1 << 26)
+    monkeypatch.setattr(kv_attention, "CPU_FLASH_PREFILL", flash)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, 9, 8, generator=g)
     k, v = torch.randn(2, 2, 2, 9, 8, generator=g)
@@ -78,14 +78,13 @@ def test_cpu_flash_prefill_chunk_matches_explicit_mask(start, dtype, atol, monke
     on 2 KV heads), batch 2, 37 queries, queries transposed from (B, T, H, D) and keys a
     slice of a longer buffer, as the model and the caches pass them. No SDPA call with a
     mask (the math kernel) may run."""
-    from rocketkv import cache as kv_cache
 
-    monkeypatch.setattr(kv_cache, "CPU_FLASH_PREFILL", True)
+    monkeypatch.setattr(kv_attention, "CPU_FLASH_PREFILL", True)
 
     def no_sdpa(*a, **kw):
         raise AssertionError("SDPA called: the flash path did not run")
 
-    monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", no_sdpa)
+    monkeypatch.setattr(kv_attention.F, "scaled_dot_product_attention", no_sdpa)
     g = torch.Generator().manual_seed(3)
     Tq, D = 37, 16
     q = torch.randn(2, Tq, 6, D, generator=g).to(dtype).transpose(1, 2)
