@@ -25,14 +25,33 @@ GROUPSIZES = (32, 64, 128, 256)  # int4's input features per scale/zero group
 # --gguf-weights (gguf_quantized.py, docs/quantization.md)
 GGUF_WEIGHTS = ("float", "quantized", "quantized-int8-classifier", "quantized-w8a8")
 PROGRESS_TOKENS = 512  # prompts from this many tokens show a prefill progress bar
-# short name -> Hugging Face repository of the instruct model our users mean by it
-# (checkpoint.resolve_checkpoint, scripts/download.py)
+# One name a model: a short name of --checkpoint (the Hugging Face repository of the instruct
+# model our users mean by it: checkpoint.resolve_checkpoint, scripts/download.py) is also the
+# name of its shape in model.CONFIGS (random:NAME, --config NAME).
 KNOWN_CHECKPOINTS = {
-    "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
     "mistral-7b-v0.2": "mistralai/Mistral-7B-Instruct-v0.2",
-    "longchat-7b": "lmsys/longchat-7b-v1.5-32k",
+    "longchat-7b-v1.5-32k": "lmsys/longchat-7b-v1.5-32k",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
+    "qwen2.5-3b": "Qwen/Qwen2.5-3B-Instruct",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
 }
+# Older spellings of those names, still accepted (with a note on stderr) for one release.
+MODEL_ALIASES = {"llama3.1-8b": "llama-3.1-8b", "longchat-7b": "longchat-7b-v1.5-32k"}
+
+
+def model_name(name: str) -> str:
+    """``name`` in its one spelling: an old spelling (``MODEL_ALIASES``) becomes the current
+    one, after a ``note:`` line on stderr; any other name is returned as it is."""
+    if name in MODEL_ALIASES:
+        print(f"note: the model name {name!r} is deprecated; use {MODEL_ALIASES[name]!r}",
+              file=sys.stderr)
+        return MODEL_ALIASES[name]
+    return name
+
+
 # The registry's methods in its order, (name, description), for parsers built before torch
 # loads (generate.py's --method and --help); tests/test_entry_points.py fails, printing the
 # current list, when compression.METHODS differs.

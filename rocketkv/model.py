@@ -31,7 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from rocketkv.errors import ConfigError  # re-exported: ``from model import ConfigError`` works
+from rocketkv.errors import ConfigError
+from rocketkv.flags import model_name  # re-exported: ``from model import ConfigError`` works
 
 
 @dataclass
@@ -97,7 +98,9 @@ class ModelArgs:
 
     @classmethod
     def from_name(cls, name: str) -> ModelArgs:
-        """The named config ``name`` (exact key of ``CONFIGS``); raises ConfigError otherwise."""
+        """The named config ``name`` (a key of ``CONFIGS``, or an old spelling of one:
+        ``flags.MODEL_ALIASES``); raises ConfigError otherwise."""
+        name = model_name(name)
         if name not in CONFIGS:
             raise ConfigError(f"unknown model config {name!r}; known: {', '.join(CONFIGS)}")
         return cls(name=name, **CONFIGS[name])
@@ -125,16 +128,26 @@ CONFIGS: dict[str, dict[str, Any]] = {
                                  intermediate_size=11008, vocab_size=32000, rope_theta=10000.0,
                                  rope_scaling={"type": "linear", "factor": 8.0},
                                  max_seq_len=32768, norm_eps=1e-5),
+    # SmolLM2-135M-Instruct (the header of its GGUF in ../shared/data agrees)
+    "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
+                         vocab_size=49152, rope_theta=100000.0, max_seq_len=8192, norm_eps=1e-5,
+                         tie_word_embeddings=True),
     "stories260K": dict(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, intermediate_size=172,
                         vocab_size=512, rope_theta=10000.0, max_seq_len=512, norm_eps=1e-5,
                         tie_word_embeddings=True),
-    # Qwen2.5 Instruct (sliding window off in both config.json files)
-    "qwen2.5-7b": dict(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, intermediate_size=18944,
-                       vocab_size=152064, rope_theta=1e6, max_seq_len=32768, norm_eps=1e-6,
-                       qkv_bias=True),
+    # Qwen2.5 Instruct (sliding window off in every config.json)
     "qwen2.5-0.5b": dict(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, intermediate_size=4864,
                          vocab_size=151936, rope_theta=1e6, max_seq_len=32768, norm_eps=1e-6,
                          tie_word_embeddings=True, qkv_bias=True),
+    "qwen2.5-1.5b": dict(dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, intermediate_size=8960,
+                         vocab_size=151936, rope_theta=1e6, max_seq_len=32768, norm_eps=1e-6,
+                         tie_word_embeddings=True, qkv_bias=True),
+    "qwen2.5-3b": dict(dim=2048, n_layers=36, n_heads=16, n_kv_heads=2, intermediate_size=11008,
+                       vocab_size=151936, rope_theta=1e6, max_seq_len=32768, norm_eps=1e-6,
+                       tie_word_embeddings=True, qkv_bias=True),
+    "qwen2.5-7b": dict(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, intermediate_size=18944,
+                       vocab_size=152064, rope_theta=1e6, max_seq_len=32768, norm_eps=1e-6,
+                       qkv_bias=True),
 }
 
 

@@ -22,7 +22,7 @@ from rocketkv.flags import OneLineParser
 def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repo-id", required=True, help="e.g. meta-llama/Llama-3.1-8B-Instruct, or "
-                   "a short name (llama3.1-8b, mistral-7b-v0.2, longchat-7b, smollm2-135m)")
+                   "a short name (llama-3.1-8b, mistral-7b-v0.2, qwen2.5-0.5b, smollm2-135m, ...)")
     p.add_argument("--out", metavar="DIR", default="checkpoints",
                    help="parent directory (default checkpoints/)")
     p.add_argument("--hf-token", default=os.environ.get("HF_TOKEN"))

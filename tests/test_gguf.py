@@ -400,11 +400,12 @@ def test_short_names_resolve_to_local_copies(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ConfigError, match="python scripts/download.py --repo-id "
                                           "meta-llama/Llama-3.1-8B-Instruct"):
-        resolve_checkpoint("llama3.1-8b")
+        resolve_checkpoint("llama-3.1-8b")
     # the directory scripts/download.py writes
     (ckpts / "Llama-3.1-8B-Instruct").mkdir()
     (ckpts / "Llama-3.1-8B-Instruct" / "config.json").write_text("{}")
-    assert resolve_checkpoint("llama3.1-8b") == str(ckpts / "Llama-3.1-8B-Instruct")
+    assert resolve_checkpoint("llama-3.1-8b") == str(ckpts / "Llama-3.1-8B-Instruct")
+    assert resolve_checkpoint("llama3.1-8b") == str(ckpts / "Llama-3.1-8B-Instruct")  # old name
     # a GGUF of the repository
     (ckpts / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(shared_file(SMOLLM2_GGUF))
     assert resolve_checkpoint("smollm2-135m").endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -414,7 +415,7 @@ def test_short_names_resolve_to_local_copies(tmp_path, monkeypatch):
     (snap / "config.json").write_text("{}")
     (snap.parents[1] / "refs").mkdir()
     (snap.parents[1] / "refs" / "main").write_text("abc123")
-    assert resolve_checkpoint("longchat-7b") == str(snap)
+    assert resolve_checkpoint("longchat-7b-v1.5-32k") == str(snap)
     # paths, random: and unknown names pass through
     assert resolve_checkpoint("random:llama-3.1-8b") == "random:llama-3.1-8b"
     assert resolve_checkpoint("no-such-model") == "no-such-model"

@@ -126,6 +126,9 @@ def test_named_configs_match_reference_values():
             a.max_seq_len, a.tie_word_embeddings) == (64, 5, 8, 4, 172, 512, 512, True)
     assert set(CONFIGS) >= {"llama-3.1-8b", "llama-3.1-70b", "llama-3-8b", "llama-2-7b",
                             "mistral-7b-v0.2", "longchat-7b-v1.5-32k", "stories260K"}
+    a = ModelArgs.from_name("smollm2-135m")
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.intermediate_size, a.vocab_size,
+            a.max_seq_len, a.rope_theta) == (576, 30, 9, 3, 1536, 49152, 8192, 100000.0)
     # KV cache per token of Llama-3.1-8B: 128 KiB in bf16
     a = ModelArgs.from_name("llama-3.1-8b")
     assert 2 * a.n_layers * a.n_kv_heads * a.head_dim * 2 == 128 * 1024
@@ -174,3 +177,32 @@ def test_sliding_window_is_accepted_for_runs_that_fit_in_it():
 def test_unknown_name_is_an_error_not_a_fuzzy_match():
     with pytest.raises(ConfigError, match="unknown model config"):
         ModelArgs.from_name("llama-3.1-8b-instruct")
+
+
+def test_a_model_has_one_name_everywhere(capsys):
+    """A short name of --checkpoint is the name of its shape (random:NAME, --config NAME), and
+    an old spelling still resolves, with one note on stderr."""
+    from rocketkv.flags import KNOWN_CHECKPOINTS, MODEL_ALIASES
+
+    assert set(KNOWN_CHECKPOINTS) <= set(CONFIGS)
+    assert {"smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b",
+            "qwen2.5-7b"} <= set(CONFIGS)
+    for old, new in MODEL_ALIASES.items():
+        assert ModelArgs.from_name(old) == ModelArgs.from_name(new)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"note: the model name {old!r} is deprecated; use {new!r}"
+                   for old, new in MODEL_ALIASES.items()]
+
+
+def test_the_smollm2_config_is_the_gguf_header():
+    """``random:smollm2-135m`` has the shape of the SmolLM2 GGUF (benchmarks at that shape)."""
+    from conftest import SMOLLM2_GGUF, shared_file
+
+    from rocketkv.formats.checkpoint import checkpoint_args
+
+    gguf = checkpoint_args(str(shared_file(SMOLLM2_GGUF)))
+    named = ModelArgs.from_name("smollm2-135m")
+    for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
+              "vocab_size", "rope_theta", "max_seq_len", "tie_word_embeddings", "qkv_bias"):
+        assert getattr(named, f) == getattr(gguf, f), f
+    assert abs(named.norm_eps - gguf.norm_eps) < 1e-9

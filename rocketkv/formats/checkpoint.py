@@ -21,7 +21,7 @@ Layouts accepted by ``load_model``:
   block types as int8 layers instead (``gguf_quantized.py``).
 * ``random:NAME``: the named config of ``model.CONFIGS`` with random weights (cost depends on
   shapes, not values).
-* A short name (``KNOWN_CHECKPOINTS``: ``llama3.1-8b``, ``smollm2-135m``...): resolved to a
+* A short name (``KNOWN_CHECKPOINTS``: ``llama-3.1-8b``, ``smollm2-135m``...): resolved to a
   local copy by ``resolve_checkpoint``.
 The tokenizer (``tokenizer.py``) comes from the directory's ``tokenizer.json`` or
 ``tokenizer.model``, or from the GGUF file's own metadata.
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from rocketkv import tp
-from rocketkv.flags import KNOWN_CHECKPOINTS  # noqa: F401  (re-exported: short names)
+from rocketkv.flags import KNOWN_CHECKPOINTS, model_name  # KNOWN_CHECKPOINTS: re-exported
 from rocketkv.formats.gguf_quantized import (
     GGUFLoader,
     check_gguf_weights,
@@ -658,8 +658,10 @@ def resolve_checkpoint(checkpoint: str) -> str:
         ConfigError: a known name with no local copy; the message gives the command that
             downloads it.
     """
-    if checkpoint.startswith(RANDOM_PREFIX) or Path(checkpoint).exists() \
-            or checkpoint not in KNOWN_CHECKPOINTS:
+    if checkpoint.startswith(RANDOM_PREFIX) or Path(checkpoint).exists():
+        return checkpoint
+    checkpoint = model_name(checkpoint)
+    if checkpoint not in KNOWN_CHECKPOINTS:
         return checkpoint
     repo_id = KNOWN_CHECKPOINTS[checkpoint]
     repo_name = repo_id.split("/")[-1]
