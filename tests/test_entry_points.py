@@ -3,12 +3,10 @@
 
 import argparse
 import ast
-import json
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import pytest
 from conftest import ROOT
@@ -103,29 +101,20 @@ def test_help_and_usage_errors_come_before_torch(script, tmp_path):
             assert len(err) == 1 and err[0].startswith("error: argument "), err
 
 
-def _lit(v) -> str:
-    if isinstance(v, tuple):
-        return "(" + ", ".join(map(_lit, v)) + ("," if len(v) == 1 else "") + ")"
-    return "None" if v is None else json.dumps(v, ensure_ascii=False)
+def test_the_torch_free_method_tables_are_generated_from_the_registry():
+    """``rocketkv/method_tables.py`` (what parsers built before torch loads know of the
+    methods) is exactly what the registry renders: ``python -m rocketkv.compression
+    --update-docs`` writes it, and a registry change without it fails here."""
+    from rocketkv.compression.registry import TORCH_FREE_MODULE, torch_free_tables
 
-
-def _method_options_text(options) -> str:
-    """The entries of ``flags.METHOD_OPTIONS`` for the registry's ``options``."""
-    out = []
-    for o in options:
-        parts = textwrap.wrap(o.help, 88, drop_whitespace=False, break_on_hyphens=False)
-        out.append(f"    ({_lit(o.name)}, {'None' if o.type is None else o.type.__name__}, "
-                   f"{_lit(o.choices)}, {_lit(o.metavar)},\n"
-                   + "\n".join("     " + json.dumps(x, ensure_ascii=False) for x in parts)
-                   + "),")
-    return "\n".join(out)
+    assert (ROOT / TORCH_FREE_MODULE).read_text() == torch_free_tables(), \
+        f"{TORCH_FREE_MODULE} is stale: run python -m rocketkv.compression --update-docs"
 
 
 def test_the_torch_free_method_flags_are_the_registrys():
     """``flags.add_method_flags`` (for parsers built before torch loads) adds the flags
     ``compression.add_method_options`` adds: same names, types, choices, metavars and help."""
     from rocketkv.compression import add_method_options
-    from rocketkv.compression.registry import every_option
     from rocketkv.flags import add_method_flags
 
     def actions(add):
@@ -134,9 +123,7 @@ def test_the_torch_free_method_flags_are_the_registrys():
         return [(a.option_strings, a.dest, type(a).__name__, a.type, a.choices, a.metavar,
                  a.help, a.default) for a in p._actions]
 
-    assert actions(add_method_flags) == actions(add_method_options), \
-        "flags.METHOD_OPTIONS differs from the registry; its entries now:\n" + \
-        _method_options_text(every_option().values())
+    assert actions(add_method_flags) == actions(add_method_options)
 
 
 def test_the_torch_free_method_table_is_the_registrys():
@@ -145,7 +132,5 @@ def test_the_torch_free_method_table_is_the_registrys():
     from rocketkv.compression import METHODS, help_epilog
     from rocketkv.flags import METHOD_TABLE, method_epilog
 
-    assert METHOD_TABLE == tuple((m.name, m.description) for m in METHODS.values()), \
-        "flags.METHOD_TABLE differs from compression.METHODS; its entries now:\n" + \
-        "\n".join(f"    ({m.name!r}, {m.description!r})," for m in METHODS.values())
+    assert METHOD_TABLE == tuple((m.name, m.description) for m in METHODS.values())
     assert method_epilog() == help_epilog()

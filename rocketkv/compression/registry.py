@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -547,6 +549,47 @@ def options_table() -> str:
                                                  if o.choices else "N"))
         rows.append(f"| `{o.flag}{value}` | {users_text} | {o.help} |")
     return "\n".join(rows)
+
+
+TORCH_FREE_MODULE = "rocketkv/method_tables.py"  # written by torch_free_tables()
+
+
+def _literal(v: Any) -> str:
+    """``v`` (None, a string or a tuple of strings) as Python source, strings double-quoted."""
+    if isinstance(v, tuple):
+        return "(" + ", ".join(map(_literal, v)) + ("," if len(v) == 1 else "") + ")"
+    return "None" if v is None else json.dumps(v, ensure_ascii=False)
+
+
+def _wrapped(text: str, indent: str, width: int = 88) -> str:
+    """``text`` as implicitly concatenated string literals, one per line at ``indent``."""
+    parts = textwrap.wrap(text, width, drop_whitespace=False, break_on_hyphens=False) or [""]
+    return "\n".join(indent + json.dumps(x, ensure_ascii=False) for x in parts)
+
+
+def torch_free_tables() -> str:
+    """The source of ``rocketkv/method_tables.py``: the registry's methods (name, description)
+    and every method option (name, type name, choices, metavar, help) as data, for the parsers
+    built before torch loads (``flags.method_epilog``, ``flags.add_method_flags``). Written by
+    ``python -m rocketkv.compression --update-docs``; a test fails while the file differs."""
+    methods = "\n".join(f"    ({_literal(m.name)},\n{_wrapped(m.description, '     ')})," for m in
+                        METHODS.values())
+    options = "\n".join(
+        f"    ({_literal(o.name)}, {_literal(None if o.type is None else o.type.__name__)}, "
+        f"{_literal(o.choices)}, {_literal(o.metavar)},\n{_wrapped(o.help, '     ')}),"
+        for o in every_option().values())
+    head = ('"""The method registry as data, for parsers built before torch loads '
+            "(``flags.py``).\n\nGenerated from ``rocketkv.compression``'s registry by "
+            "``python -m rocketkv.compression\n--update-docs``: do not edit by hand "
+            "(tests/test_entry_points.py fails while it differs).\n"
+            '"""\n\n')
+    return (head + "# (name, description), in the registry's order (--method's choices and "
+            "--help's list)\n"
+            f"METHOD_TABLE: tuple[tuple[str, str], ...] = (\n{methods}\n)\n\n"
+            "# (name, argparse type name or None for a switch, choices, metavar, help)\n"
+            "METHOD_OPTIONS: tuple[tuple[str, str | None, tuple[str, ...] | None, str | None, "
+            "str], ...] = (\n"
+            f"{options}\n)\n")
 
 
 DOC_TABLES = {  # file (from the repository root) -> {marker: table}
