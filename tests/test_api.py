@@ -108,22 +108,23 @@ def test_metrics_hold_every_figure_of_the_cli_json(stories_engine, stories_dir, 
 
 ERRORS = [
     (dict(method="snapkv", budget=20, max_new_tokens=32), "smallest valid budget"),
-    (dict(budget=64), "takes no --budget"),
+    (dict(budget=64), "takes no budget"),
     (dict(method="magic"), "unknown method 'magic'"),
-    (dict(top_p=2.0), "--top-p must lie in (0, 1]"),
-    (dict(max_new_tokens=0), "--max-new-tokens must be positive"),
+    (dict(top_p=2.0), "top_p must lie in (0, 1]"),
+    (dict(max_new_tokens=0), "max_new_tokens must be positive"),
     (dict(temperature=float("nan")), "finite number"),
     (dict(method="quest", budget=64, rocket_split="sqrt"),
-     "--rocket-split does not apply to method quest"),
+     "rocket_split does not apply to method quest"),
     # an unbudgeted method's options: check_options's words, the one check of them
-    (dict(page_size=16), "--page-size does not apply to method full (its options: none)"),
-    (dict(system="be brief"), "--system needs --chat"),
+    (dict(page_size=16), "page_size does not apply to method full (its options: none)"),
+    (dict(system="be brief"), "system needs chat=True"),
 ]
 
 
 @pytest.mark.parametrize("kwargs,message", ERRORS, ids=[e[1] for e in ERRORS])
-def test_errors_have_the_cli_wording_before_any_prefill(stories_engine, monkeypatch, kwargs,
-                                                        message):
+def test_errors_have_the_cli_checks_in_python_words_before_any_prefill(
+        stories_engine, monkeypatch, kwargs, message):
+    """The CLI's checks, worded with the parameters' names (``python_words``)."""
     def prefill(*a, **kw):
         raise AssertionError("prefilled before the error")
 

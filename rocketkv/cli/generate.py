@@ -39,6 +39,8 @@ from rocketkv.cli.generate_flags import build_parser
 from rocketkv.compression import given_options
 from rocketkv.engine.checks import (
     NO_TOKENIZER,
+    budget_note,
+    chat_mode,
     check_document,
     check_fit,
     check_request,
@@ -136,8 +138,6 @@ def _main(args: argparse.Namespace) -> int:
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         apply_kernels_option(args)
-        if args.system is not None and not args.chat:
-            raise ConfigError("--system needs --chat (it is a message of the chat template)")
         if args.chat and args.context is not None:
             raise ConfigError("--chat needs a text --prompt or --prompt-text")
         text = args.prompt_text if args.prompt_text is not None else \
@@ -151,14 +151,18 @@ def _main(args: argparse.Namespace) -> int:
         tok = checkpoint_tokenizer(checkpoint, margs, args.tokenizer)
         if tok is None and text is not None:
             raise ConfigError(NO_TOKENIZER)
+        # --chat, --no-chat, or (auto) whether the checkpoint has a chat template of its own
+        chat = text is not None and chat_mode(args.chat, tok)
+        if args.system is not None and not chat:
+            raise ConfigError("--system needs --chat (it is a message of the chat template)")
         if args.questions is not None:  # one document, many questions: rocketkv.py
             if world > 1:
                 raise ConfigError("--questions runs in one process, not under torchrun")
             compile = default_compile(args.compile, device, args.max_new_tokens)
-            return _answer_questions(args, checkpoint, margs, tok, text, device,
+            return _answer_questions(args, checkpoint, margs, tok, text, chat, device,
                                      dtype, options, compile, t_load)
         if text is not None:
-            ids = tok.encode_chat(text, system=args.system) if args.chat else tok.encode(text)
+            ids = tok.encode_chat(text, system=args.system) if chat else tok.encode(text)
         else:
             gen = torch.Generator().manual_seed(args.seed)
             ids = torch.randint(0, margs.vocab_size, (args.context,),
@@ -167,6 +171,9 @@ def _main(args: argparse.Namespace) -> int:
         # every method setting is checked here, before the weights load
         room = check_fit(args.method, margs, len(ids), args.max_new_tokens, args.budget,
                          options)
+        note = budget_note(args.method, args.budget, len(ids), min(args.max_new_tokens, room))
+        if note is not None and rank == 0:
+            print(f"note: {note}", file=sys.stderr)
         # the decode steps the context leaves room for (CPU's default compiles long runs only)
         compile = default_compile(args.compile, device, min(args.max_new_tokens, room))
         if not is_quantized(checkpoint):
@@ -184,7 +191,7 @@ def _main(args: argparse.Namespace) -> int:
                   f"model's context ({model.args.max_seq_len}) leaves after the {len(ids)}-token "
                   "prompt; generation stops at the context end", file=sys.stderr)
         stop_ids = () if (tok is None or args.ignore_eos) else (
-            tok.chat_stop_ids if args.chat else tok.stop_ids)
+            tok.chat_stop_ids if chat else tok.stop_ids)
         streamer = TextStreamer(tok, stop_ids) if (
             tok is not None and args.batch_size == 1 and args.stream and rank == 0) else None
         bar = prefill_bar(model.args.n_layers, len(ids), args.no_progress or rank != 0)
@@ -255,7 +262,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _answer_questions(args: argparse.Namespace, checkpoint: str, margs,
-                      tok: Tokenizer | None, text: str | None, device: torch.device,
+                      tok: Tokenizer | None, text: str | None, chat: bool,
+                      device: torch.device,
                       dtype: torch.dtype, options: dict[str, Any], compile: bool | None,
                       t_load: float) -> int:
     """``--questions``: the document prefilled once, then per question its answer block on
@@ -268,10 +276,13 @@ def _answer_questions(args: argparse.Namespace, checkpoint: str, margs,
     if args.batch_size != 1:
         raise ConfigError("--questions answers one sequence: --batch-size must be 1")
     questions = read_questions(args.questions)
-    doc = document_ids(tok, text, args.chat, args.system)
-    asks = [question_ids(tok, q, args.chat, text, args.system) for q in questions]
+    doc = document_ids(tok, text, chat, args.system)
+    asks = [question_ids(tok, q, chat, text, args.system) for q in questions]
     reserve = min(max(map(len, asks)) + args.max_new_tokens - 1, margs.max_seq_len - len(doc))
     check_document(args.method, margs, len(doc), reserve, args.budget, options)
+    note = budget_note(args.method, args.budget, len(doc), reserve)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
     if not is_quantized(checkpoint):
         check_memory(margs, dtype, device, 1, len(doc) + reserve)
     model = load_model(checkpoint, device, dtype,
@@ -287,7 +298,7 @@ def _answer_questions(args: argparse.Namespace, checkpoint: str, margs,
         if bar is not None:
             bar.close()
     snapshot = CacheSnapshot(model.caches)
-    stop_ids = () if args.ignore_eos else (tok.chat_stop_ids if args.chat else tok.stop_ids)
+    stop_ids = () if args.ignore_eos else (tok.chat_stop_ids if chat else tok.stop_ids)
     records: list[dict[str, Any]] = []
     for i, (question, ids) in enumerate(zip(questions, asks), 1):
         write_stdout(f"==> question {i}: {question} <==\n")

@@ -71,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of compiling, capture the eager decode step in a CUDA graph "
                         "(about a second instead of a minute's compile; unfused kernels)")
     add_kernels_option(p)
-    p.add_argument("--chat", action="store_true",
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="the prompt is the user message of the checkpoint's chat template; "
-                        "generation stops at the template's end-of-turn token")
-    p.add_argument("--system", help="system message (with --chat)")
+                        "generation stops at the template's end-of-turn token (default: when "
+                        "the checkpoint has a chat template of its own, as instruct models do; "
+                        "--no-chat for plain text)")
+    p.add_argument("--system", help="system message (with chat)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="print the text as it is decoded (default; batch 1 with a tokenizer). "

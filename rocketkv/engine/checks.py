@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from rocketkv.compression import check_budget, check_method, check_options, plan
+from rocketkv.compression import METHODS, check_budget, check_method, check_options, plan
 from rocketkv.formats.checkpoint import RANDOM_PREFIX
 from rocketkv.formats.tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
 from rocketkv.model import ConfigError, ModelArgs
@@ -59,6 +59,19 @@ def check_fit(method: str, margs: ModelArgs, prompt_len: int, max_new_tokens: in
     return room
 
 
+def budget_note(method: str, budget: int | None, prompt_len: int, new_tokens: int) -> str | None:
+    """The note for a run whose budget covers its whole sequence (``prompt_len`` +
+    ``new_tokens``, as ``check_fit`` and ``check_document`` pass them to ``compression.plan``):
+    ``plan`` then builds the full cache, so nothing is compressed. None otherwise (an
+    unbudgeted method, a budget below the sequence). The CLI prints it as ``note: ...``, the
+    API warns with it (``UserWarning``)."""
+    if budget is None or not METHODS[method].budgeted or budget < prompt_len + new_tokens:
+        return None
+    return (f"no compression: the budget ({budget}) covers all {prompt_len + new_tokens} "
+            f"tokens (prompt {prompt_len} + up to {new_tokens} new); {method} runs with the "
+            "full cache")
+
+
 def check_document(method: str, margs: ModelArgs, doc_tokens: int, reserve_tokens: int,
                    budget: int | None, options: dict[str, Any]) -> None:
     """``check_fit`` for a document (``--questions``, ``rocketkv.Document``): the document plus
@@ -94,6 +107,16 @@ def checkpoint_tokenizer(checkpoint: str, margs: ModelArgs, tokenizer: str | Non
         raise ConfigError(f"tokenizer has {tok.vocab_size} tokens, model only "
                           f"{margs.vocab_size}")
     return tok
+
+
+def chat_mode(chat: bool | None, tok: Tokenizer | None) -> bool:
+    """Whether a text prompt goes through the chat template: ``chat`` when given (True or
+    False), else (None: auto) whether the tokenizer has a chat template of its own, as an
+    instruct checkpoint's has (``Tokenizer.chat_template``; the generic fallback templates of
+    SentencePiece and tiktoken tokenizers do not count)."""
+    if chat is not None:
+        return bool(chat)
+    return tok is not None and tok.chat_template is not None
 
 
 def result_text(tok: Tokenizer | None, token_ids: Sequence[Sequence[int]],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -261,24 +261,76 @@ def bar_step(bar):
 
 
 class TextStreamer:
-    """``generate``'s ``on_token`` for the CLI: prints the text of sequence 0 as it grows (the
-    whole continuation is decoded again each step, so multi-token characters come out whole;
-    text ending in an incomplete character waits for the next token)."""
+    """``generate``'s ``on_token`` that streams the text of sequence 0 as it grows: the whole
+    continuation is decoded again each step and only the new suffix is passed to ``emit``, so
+    multi-token characters come out whole (text ending in an incomplete character waits for the
+    next token). ``emit`` defaults to the CLI's stdout (``write_stdout``); the API passes its
+    caller's ``on_text``."""
 
-    def __init__(self, tok: Tokenizer, stop_ids: Sequence[int]):
+    def __init__(self, tok: Tokenizer, stop_ids: Sequence[int],
+                 emit: Callable[[str], Any] | None = None):
         self.tok, self.stop = tok, set(stop_ids)
+        self.emit = write_stdout if emit is None else emit
         self.shown = ""
 
     def __call__(self, tokens: Tensor) -> None:
         text = self.tok.decode([t for t in tokens[0].tolist() if t not in self.stop])
-        if text.startswith(self.shown) and not text.endswith("\ufffd"):
-            write_stdout(text[len(self.shown):])
+        if text.startswith(self.shown) and not text.endswith("\ufffd") and \
+                len(text) > len(self.shown):
+            self.emit(text[len(self.shown):])
+            self.shown = text
+
+    def flush(self, text: str) -> None:
+        """Emit what is still missing of the final ``text`` (a character the last token left
+        incomplete); nothing when what was shown is not its start."""
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self.emit(text[len(self.shown):])
             self.shown = text
 
     def finish(self, text: str) -> None:
         """End the streamed text with what is still missing of ``text`` and a newline."""
         rest = text[len(self.shown):] if text.startswith(self.shown) else "\n" + text
-        write_stdout(rest + "\n")
+        self.emit(rest + "\n")
+
+
+# parameters the method line leaves out: the budget and method (on the line already), the
+# flags ``plan`` sets, the sizes the other lines give
+_HIDDEN_PARAMS = {"budget", "method", "compressed", "note", "max_seq_len", "prompt_tokens_kept"}
+
+
+def _param_value(value: Any) -> str:
+    """A parameter's value for people: floats to 3 significant digits (whole above 1000),
+    lists joined by commas."""
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_param_value(v) for v in value)
+    return str(value)
+
+
+def method_line(r: Mapping[str, Any]) -> str:
+    """The report's first line: the method, its budget and its parameters named and rounded
+    (``method rocketkv  budget 256  (compression ratio 7.81, c2 2.92, page size 2, ...)``);
+    booleans, ``skip_layers`` 0 and the fields ``_HIDDEN_PARAMS`` names are left out (the JSON's
+    ``method_params`` keeps them all)."""
+    line = f"method {r['method']}" + ("" if r["budget"] is None else f"  budget {r['budget']}")
+    params = r.get("method_params") or {}
+    if params.get("compressed") is False:
+        return line + "  (no compression: the budget covers the whole sequence)"
+    shown = [f"{k.replace('_', ' ')} {_param_value(v)}" for k, v in params.items()
+             if k not in _HIDDEN_PARAMS and not isinstance(v, bool) and v is not None
+             and not (k == "skip_layers" and not v)]
+    return line + (f"  ({', '.join(shown)})" if shown else "")
+
+
+def kernels_ran(r: Mapping[str, Any]) -> bool:
+    """Whether the report names the kernels: on CUDA, or where a family ran or was tried
+    elsewhere (forced onto Triton's interpreter); not on a CPU run where they cannot run."""
+    states = (r.get("kernels") or {}).values()
+    if not states:
+        return False
+    return r.get("device", "cpu") != "cpu" or any(
+        v == "fused" or v.startswith("pytorch (self-check") for v in states)
 
 
 def format_report(r: Mapping[str, Any], load_line: bool = True) -> str:
@@ -289,7 +341,7 @@ def format_report(r: Mapping[str, Any], load_line: bool = True) -> str:
         return f"{x / 2**20:.1f} MiB"
 
     lines = [
-        f"method {r['method']}  budget {r['budget']}  params {r['method_params']}",
+        method_line(r),
         *([f"load (weights and tokenizer) {r['load_s']:.1f} s"]
           if load_line and r.get("load_s") else []),
         f"prompt tokens {r['prompt_tokens']}  generated {r['new_tokens']} ({r['stop_reason']})"
@@ -333,7 +385,7 @@ def format_report(r: Mapping[str, Any], load_line: bool = True) -> str:
         + "  fused kernels " + ("all" if r.get("dense_kernels") else "sparse" if
                                 r.get("fused_kernels") else "off"),
         *([f"kernels: {', '.join(f'{k} {v}' for k, v in r['kernels'].items())}"]
-          if r.get("kernels") else []),
+          if kernels_ran(r) else []),
     ]
     if r.get("world_size", 1) > 1:
         per = r["per_rank"]
