@@ -52,7 +52,7 @@ from rocketkv.cli.common import OneLineParser, check_json_path, command_line, wr
 from rocketkv.engine.measure import device_name, percentile, sync
 from rocketkv.engine.provenance import commit_fields
 from rocketkv.evals.bench import measure_bandwidth, resolve_run, results_dir
-from rocketkv.flags import add_config_option, add_device_option
+from rocketkv.flags import DTYPE_NAMES, add_config_option, add_device_option
 from rocketkv.kernels import tuning
 from rocketkv.model import CONFIGS, ConfigError, ModelArgs, precompute_rope
 from rocketkv.quantized import Int4Linear, Int8Linear, parse_weights, quantize_int4, quantize_int8
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int)
     add_device_option(p)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=DTYPE_NAMES)
     p.add_argument("--weights", nargs="+", default=["float"],
                    help="weight modes: float, int8, int4-g<G> (G = 32, 64, 128, 256)")
     p.add_argument("--json", metavar="PATH", help="rows (default ./<device>/"

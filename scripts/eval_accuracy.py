@@ -94,7 +94,7 @@ from rocketkv.evals.reports import (
     fidelity_report,
     fidelity_table,
 )
-from rocketkv.flags import add_time_limit_option
+from rocketkv.flags import DTYPE_NAMES, add_time_limit_option
 from rocketkv.formats.checkpoint import load_model, resolve_checkpoint
 from rocketkv.formats.tokenizer import load_tokenizer
 from rocketkv.model import ConfigError
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                    help="the model's weights and activations (default float32)")
     add_time_limit_option(
         p, "start no prompt after this many seconds of evaluation (needs --out): the tables "

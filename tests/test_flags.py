@@ -8,7 +8,13 @@ import importlib
 import pytest
 from conftest import ROOT
 
-from rocketkv.flags import OneLineParser, add_time_limit_option, deprecated_alias, is_deprecated
+from rocketkv.flags import (
+    DTYPE_NAMES,
+    OneLineParser,
+    add_time_limit_option,
+    deprecated_alias,
+    is_deprecated,
+)
 
 ENTRY_POINTS = sorted(f"{d}/{p.name}" for d in ("scripts", "tools")
                       for p in (ROOT / d).glob("*.py")
@@ -77,6 +83,9 @@ def divergences(script: str, parser: argparse.ArgumentParser) -> list[str]:
                        f"not {a.metavar}")
         if "--out" in flags and a.metavar != "DIR":
             bad.append(f"{script}: --out is a folder (metavar DIR), not {a.metavar}")
+        if "--dtype" in flags and tuple(a.choices or ()) != DTYPE_NAMES:
+            bad.append(f"{script}: --dtype offers {a.choices}, not every dtype "
+                       f"{DTYPE_NAMES}")
         if "--json" in flags and a.metavar != "PATH":
             bad.append(f"{script}: --json is one file (metavar PATH), not {a.metavar}")
         if "--device" in flags and script not in DEVICE_EXCEPTIONS and (

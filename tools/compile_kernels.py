@@ -50,7 +50,7 @@ from torch import Tensor
 from rocketkv import kernels
 from rocketkv.cli.common import OneLineParser, write_json
 from rocketkv.compression import build_caches
-from rocketkv.flags import add_config_option
+from rocketkv.flags import DTYPE_NAMES, add_config_option
 from rocketkv.model import CONFIGS, ModelArgs
 
 DTYPES = {"bfloat16": ("*bf16", "native"), "float16": ("*fp16", "native"),  # pointers, tl.dot
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90)")
     add_config_option(p, choices=[n for n in CONFIGS if ModelArgs.from_name(n).head_dim >= 16],
                       help="the model shape, a named config (default llama-3.1-8b)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16",
                    help="the model's and cache's dtype (default bfloat16)")
     p.add_argument("--runs", default="all", metavar="NAMES",
                    help=f"the captured runs whose launches compile, comma-separated, of "

@@ -65,6 +65,7 @@ from torch import Tensor, nn
 from rocketkv import kernels
 from rocketkv.cache import CompressedKVCache, FullKVCache, Selector
 from rocketkv.compression import build_caches
+from rocketkv.flags import DTYPE_NAMES
 from rocketkv.model import ModelArgs, apply_rope
 from rocketkv.quantized import dequantize_int4, kernel_dtype, quantize_int4, quantize_int8
 
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cuda if available, else cpu (the kernels "
                    "then run in Triton's interpreter)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", choices=DTYPE_NAMES,
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--head-dim", type=int, default=128, help="default 128 (llama-3.1-8b)")
     p.add_argument("--group", type=int, default=4, help="query heads per KV head (default 4)")
