@@ -11,7 +11,8 @@ package (``rocketkv.flags``, the command lines' ``--help``) does not load torch.
 The package's layers, lowest first; a module imports only from its own layer or a lower one
 (``tests/test_imports.py`` checks it):
 
-* ``errors``, ``flags``: the error type and the torch-free vocabulary of the command lines.
+* ``errors``, ``flags``, ``method_tables``, ``data``: the error type, the torch-free vocabulary
+  of the command lines (the method tables generated from the registry) and where the data lives.
 * ``model``: the transformer, in one file.
 * ``kernels``: the Triton kernels and ``fuse(model)``.
 * ``quantized``, ``tp``: functions applied to a model (quantized linears, tensor parallelism).

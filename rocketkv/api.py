@@ -60,6 +60,7 @@ from rocketkv.engine.report import GenerateResult, TextStreamer
 from rocketkv.engine.step import default_compile
 from rocketkv.formats.checkpoint import (
     checkpoint_args,
+    default_checkpoint,
     default_gguf_weights,
     is_quantized,
     load_model,
@@ -90,6 +91,7 @@ _PHRASES = (
     ("use --no-compile", "pass compile=False"),
 )
 _FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+_COMMAND = re.compile(r"(python3? \S+\.py[^,;)]*)")
 
 
 def python_words(message: str) -> str:
@@ -99,7 +101,11 @@ def python_words(message: str) -> str:
     empty``."""
     for flag_words, python in _PHRASES:
         message = message.replace(flag_words, python)
-    return _FLAG.sub(lambda m: m.group(1).replace("-", "_"), message)
+    # a command the message quotes (``python scripts/download.py --repo-id ...``) keeps its
+    # flags: it is to be run as it stands
+    parts = _COMMAND.split(message)
+    return "".join(part if i % 2 else _FLAG.sub(lambda m: m.group(1).replace("-", "_"), part)
+                   for i, part in enumerate(parts))
 
 
 def _in_python_words(fn: Callable) -> Callable:
@@ -232,14 +238,15 @@ def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype
 
 
 @_in_python_words
-def load(checkpoint: str, *, device: str | torch.device | None = None,
+def load(checkpoint: str | None = None, *, device: str | torch.device | None = None,
          dtype: torch.dtype | str | None = None, tokenizer: str | None = None,
          gguf_weights: str | None = None) -> Engine:
     """Load a model and its tokenizer, as ``generate.py --checkpoint`` does.
 
     Args:
         checkpoint: a checkpoint directory, a ``.gguf`` file, a short name or ``random:NAME``
-            (``docs/checkpoints.md``).
+            (``docs/checkpoints.md``); default (None): SmolLM2-135M-Instruct, from the data
+            directory or ``checkpoints/`` (``checkpoint.default_checkpoint``).
         device: ``"cuda"``, ``"cpu"`` or a ``torch.device``; default cuda when available.
         dtype: of the weights and the KV cache (a ``torch.dtype`` or its name); default
             bfloat16 on cuda, float32 on cpu.
@@ -257,6 +264,8 @@ def load(checkpoint: str, *, device: str | torch.device | None = None,
     device = resolve_device(None if device is None else str(device))
     dtype = _dtype(dtype, device)
     t0 = time.perf_counter()
+    if checkpoint is None:
+        checkpoint = default_checkpoint()
     ckpt = resolve_checkpoint(str(checkpoint))
     margs = checkpoint_args(ckpt)
     tok = checkpoint_tokenizer(ckpt, margs, tokenizer)

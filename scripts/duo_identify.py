@@ -51,7 +51,7 @@ from typing import Any
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from rocketkv.evals.data import TEXT  # (paths only: no torch)
+from rocketkv.data import TEXT  # (paths only: no torch)
 from rocketkv.flags import OneLineParser, add_device_option, deprecated_alias
 
 DEFAULT_TEXT = TEXT / "tinystories_valid_excerpt_30KB.txt"

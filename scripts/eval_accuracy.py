@@ -69,10 +69,10 @@ import torch
 
 from rocketkv.cli.common import OneLineParser, check_positive, deprecated_alias, write_json
 from rocketkv.compression import METHODS
-from rocketkv.engine.provenance import commit_fields, provenance
-from rocketkv.evals.data import (
+from rocketkv.data import (
     ESSAYS,
 )
+from rocketkv.engine.provenance import commit_fields, provenance
 from rocketkv.evals.fidelity import (
     DEFAULT_TEXTS,
     bos_prefix,

@@ -40,7 +40,7 @@ import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
 from rocketkv.cli.common import OneLineParser, deprecated_alias, rows_exit_status
 from rocketkv.compression import given_options
-from rocketkv.evals.data import ESSAYS
+from rocketkv.data import ESSAYS
 from rocketkv.evals.harness import (
     add_common_args,
     check_common,

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from rocketkv.evals.data import DATA, ESSAYS  # noqa: E402,F401  (ESSAYS: for the tests to import)
+from rocketkv.data import DATA, ESSAYS  # noqa: E402,F401  (ESSAYS: for the tests to import)
 
 # The models under test are tiny: one thread avoids parallel-region overhead and contention
 # (pytest-xdist runs one test process per core). The CLIs the tests start as subprocesses
@@ -32,7 +32,7 @@ def _one_thread_again():
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
 
-SHARED = DATA  # ../shared/data, or $ROCKETKV_DATA (evals/data.py)
+SHARED = DATA  # ../shared/data, or $ROCKETKV_DATA (rocketkv/data.py)
 STORIES_BIN = SHARED / "models" / "stories260K.bin"
 TOK512 = SHARED / "tokenizers" / "tok512.model"
 SMOLLM2_GGUF = SHARED / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,7 +48,7 @@ def sigint_default() -> None:
 
 
 def shared_file(path: Path) -> Path:
-    """A file from the data directory (``evals.data.DATA``); skip when absent outside CI, fail
+    """A file from the data directory (``rocketkv.data.DATA``); skip when absent outside CI, fail
     in CI."""
     if not path.exists():
         if os.environ.get("CI"):

@@ -13,9 +13,9 @@ from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 import scripts.eval_accuracy as ea
 from rocketkv.compression import build_caches
 from rocketkv.compression.selection import TopKSelector
+from rocketkv.data import RULER_ESSAYS, TINYSTORIES_TEXTS
 from rocketkv.engine.generate import generate
 from rocketkv.engine.prefill import prefill_once
-from rocketkv.evals.data import RULER_ESSAYS, TINYSTORIES_TEXTS
 from rocketkv.evals.fidelity import (
     STORY_SEPARATOR,
     attach_caches,

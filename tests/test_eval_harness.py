@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 
+from rocketkv.data import ROOT, data_dir
 from rocketkv.engine.provenance import cpu_fields
 from rocketkv.evals import harness as ec
-from rocketkv.evals.data import ROOT, data_dir
 from rocketkv.evals.harness import (
     Item,
     batches_of,

@@ -12,7 +12,7 @@ SOURCE_DIRS = ("", "scripts", "tools")  # and the rocketkv package; tests/ impor
 # import only from its own layer or a lower one. Above them all: the commands at the root,
 # scripts/ and tools/.
 LAYERS = (
-    ("rocketkv.errors", "rocketkv.method_tables", "rocketkv.flags"),
+    ("rocketkv.errors", "rocketkv.method_tables", "rocketkv.flags", "rocketkv.data"),
     ("rocketkv.model",),
     ("rocketkv.kernels",),
     ("rocketkv.quantized", "rocketkv.tp"),

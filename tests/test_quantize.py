@@ -632,7 +632,7 @@ def test_accuracy_scripts_load_a_quantized_checkpoint(stories_dir, tmp_path, cap
     """eval_accuracy on stories260K quantized to int8 (tokenizer carried over): the quantized
     model's own full-cache row agrees with itself, and a budget covering the sequence too."""
     from rocketkv.cli.quantize import quantize_checkpoint
-    from rocketkv.evals.data import TINYSTORIES_TEXTS
+    from rocketkv.data import TINYSTORIES_TEXTS
     from scripts.eval_accuracy import main as eval_accuracy
 
     out = quantize_checkpoint(str(stories_dir), "int8", None, tmp_path / "q", progress=False)

@@ -68,6 +68,7 @@ from rocketkv.engine.session import rewind_conversation
 from rocketkv.engine.step import StepMode, default_compile
 from rocketkv.formats.checkpoint import (
     checkpoint_args,
+    default_checkpoint,
     default_gguf_weights,
     is_quantized,
     load_model,
@@ -146,6 +147,10 @@ def _main(args: argparse.Namespace) -> int:
             raise ConfigError("--prompt-text is empty")
 
         t_load = time.perf_counter()
+        if args.checkpoint is None:
+            args.checkpoint = default_checkpoint()
+            if rank == 0:
+                print(f"checkpoint {args.checkpoint} (no --checkpoint given)", file=sys.stderr)
         checkpoint = resolve_checkpoint(args.checkpoint)
         margs = checkpoint_args(checkpoint)
         tok = checkpoint_tokenizer(checkpoint, margs, args.tokenizer)

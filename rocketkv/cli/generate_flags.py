@@ -28,11 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     one ``error:`` line (exit 2) before the engine loads."""
     p = OneLineParser(description=DESCRIPTION, epilog=method_epilog(),
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True,
+    p.add_argument("--checkpoint",
                    help="checkpoint directory (HF layout or converted), a .gguf file, a short "
                         f"name ({', '.join(KNOWN_CHECKPOINTS)}: a local copy in checkpoints/ or "
                         "the Hugging Face cache), or random:NAME with NAME a named config "
-                        "(random weights at the real shapes)")
+                        "(random weights at the real shapes); default: the SmolLM2-135M-Instruct "
+                        "GGUF of the data directory or checkpoints/")
     p.add_argument("--tokenizer", help="tokenizer.json, tokenizer.model or .gguf file "
                    "(default: the checkpoint's)")
     p.add_argument("--method", default="full", choices=[name for name, _ in METHOD_TABLE],

@@ -1,7 +1,6 @@
 """The evaluation package: the library code behind the accuracy and benchmark scripts in
 ``scripts/``, which parse flags, call these modules and the engine, and print.
 
-* ``data``: where the real data lives (``../shared/data`` or ``$ROCKETKV_DATA``).
 * ``prompts``: texts, sentences, documents of a token count, the made-up needle fact.
 * ``harness``: chat items, batches, one prefill per batch, resuming, workers, the shared flags.
 * ``needle``, ``ruler``: the needle grid and the RULER-style tasks as harness items.

@@ -110,11 +110,11 @@ from torch import Tensor
 
 from rocketkv.cache import KVCache
 from rocketkv.compression import METHODS, build_caches, needs_attention_sums
+from rocketkv.data import ESSAYS
 from rocketkv.engine.generate import generate
 from rocketkv.engine.measure import weight_bytes, weight_bytes_per_step
 from rocketkv.engine.prefill import PrefilledPrompt, prefill_once
 from rocketkv.engine.report import GenerateResult
-from rocketkv.evals.data import ESSAYS
 from rocketkv.evals.harness import (
     DEV_SEED_OFFSET,
     configurations,

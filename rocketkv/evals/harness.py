@@ -61,7 +61,7 @@ from rocketkv.compression import (
 from rocketkv.engine.generate import generate
 from rocketkv.engine.prefill import extend_prefilled, prefill_once
 from rocketkv.engine.provenance import checkpoint_sha256, commit_fields, cpu_has_native_bf16
-from rocketkv.evals.data import ROOT
+from rocketkv.data import ROOT
 from rocketkv.flags import add_device_option, add_time_limit_option
 from rocketkv.formats.checkpoint import checkpoint_args, load_model, resolve_checkpoint
 from rocketkv.formats.tokenizer import Tokenizer, load_tokenizer

@@ -42,7 +42,7 @@ import argparse
 import random
 from collections.abc import Sequence
 
-from rocketkv.evals.data import ESSAYS
+from rocketkv.data import ESSAYS
 from rocketkv.evals.harness import Item, chat_pieces
 from rocketkv.evals.metrics import rouge1_recall, string_match_all
 from rocketkv.evals.prompts import (

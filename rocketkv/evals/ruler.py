@@ -97,7 +97,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rocketkv.evals.data import ESSAYS
+from rocketkv.data import ESSAYS
 from rocketkv.evals.harness import Item, chat_pieces
 from rocketkv.evals.prompts import prompt_seed, read_texts, split_sentences
 from rocketkv.evals.scoring import score_answer

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from rocketkv import tp
+from rocketkv.data import MODELS
 from rocketkv.flags import KNOWN_CHECKPOINTS, model_name  # KNOWN_CHECKPOINTS: re-exported
 from rocketkv.formats.gguf_quantized import (
     GGUFLoader,
@@ -679,6 +680,32 @@ def resolve_checkpoint(checkpoint: str) -> str:
     raise ConfigError(f"checkpoint {checkpoint!r} ({repo_id}) is not on this machine (looked in "
                       f"{' and '.join(str(d) for d in dirs)} and the Hugging Face cache); "
                       f"download it with: python scripts/download.py --repo-id {repo_id}")
+
+
+DEFAULT_CHECKPOINT = "smollm2-135m"  # what a command runs without --checkpoint
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # its file in the data directory
+
+
+def default_checkpoint() -> str:
+    """The checkpoint a command runs when none is given: SmolLM2-135M-Instruct, a small instruct
+    model with an 8K context (``DEFAULT_GGUF`` in the data directory's ``models/``,
+    ``rocketkv.data.MODELS``; else a local copy of the short name ``smollm2-135m``, as
+    ``resolve_checkpoint`` finds one).
+
+    Raises:
+        ConfigError: none on this machine; the message says how to get it.
+    """
+    gguf = MODELS / DEFAULT_GGUF
+    if gguf.is_file():
+        return str(gguf)
+    try:
+        return resolve_checkpoint(DEFAULT_CHECKPOINT)
+    except ConfigError:
+        raise ConfigError(f"no --checkpoint given, and the default model is not on this machine "
+                          f"(not {gguf}, nor {DEFAULT_CHECKPOINT} in checkpoints/ or the Hugging "
+                          f"Face cache): download it with python scripts/download.py --repo-id "
+                          f"{KNOWN_CHECKPOINTS[DEFAULT_CHECKPOINT]}, or pass --checkpoint"
+                          ) from None
 
 
 def is_quantized(checkpoint: str) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository root
+ROOT = Path(__file__).resolve().parents[1]  # the repository root (of a checkout)
 DATA_ENV = "ROCKETKV_DATA"
 
 
