@@ -84,7 +84,7 @@ _PHRASES = (
     ("--system needs --chat", "system needs chat=True"),
     ("--chat: the checkpoint has no chat template; run without --chat",
      "chat=True: the checkpoint has no chat template; pass chat=False"),
-    ("pass --tokenizer FILE or use --context N",
+    ("pass --tokenizer FILE or use --random-prompt N",
      "pass tokenizer=FILE to rocketkv.load, or the prompt's token ids"),
     ("--device cuda requested", "device='cuda' requested"),
     ("--dtype bfloat16", "dtype='bfloat16'"),

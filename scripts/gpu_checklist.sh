@@ -206,10 +206,10 @@ g1|g2)
 a)
     environment
     step smoke full
-    timeout 120 $py generate.py --checkpoint random:llama-3.1-8b --context 32768 \
+    timeout 120 $py generate.py --checkpoint random:llama-3.1-8b --random-prompt 32768 \
         --max-new-tokens 64 --method full --json "$out/smoke-full.json" | tail -8
     step smoke rocketkv --budget 256
-    timeout 120 $py generate.py --checkpoint random:llama-3.1-8b --context 32768 \
+    timeout 120 $py generate.py --checkpoint random:llama-3.1-8b --random-prompt 32768 \
         --max-new-tokens 64 --method rocketkv --budget 256 --json "$out/smoke-rocketkv.json" \
         | tail -8
     step profile 128K

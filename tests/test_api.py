@@ -222,7 +222,7 @@ def test_questions_cli_answers_each_as_a_separate_run_with_one_prefill(stories_4
 
 
 QUESTION_ERRORS = [
-    (["--context", "64"], "q.txt", "--questions needs a text document"),
+    (["--random-prompt", "64"], "q.txt", "--questions needs a text document"),
     (["-p", "Once upon a time"], "empty.txt", "holds no question"),
     (["-p", "Once upon a time"], "bad.txt", "line 2: a JSON line needs a \"question\""),
     (["-p", "Once upon a time", "--batch-size", "2"], "q.txt", "--batch-size must be 1"),

@@ -64,7 +64,7 @@ FAST_PARSE = {  # script -> a usage error its parser refuses
     "scripts/bench_step.py": ["--knob", "NUM_WARPS=4,x"],
     "scripts/bench_cpu.py": ["--checkpoint", "c", "--gguf-weights", "int3"],
     "quantize.py": ["--checkpoint", "x", "--mode", "int9"],
-    "rocketkv/__main__.py": ["generate", "--checkpoint", "c", "--context", "many"],
+    "rocketkv/__main__.py": ["generate", "--checkpoint", "c", "--random-prompt", "many"],
     "scripts/make_prompt.py": ["--text", "a.txt", "--prompt-out", "p.txt", "--context", "many"],
     "scripts/profile_step.py": ["--context", "many"],
     "scripts/predict_memory.py": ["--tp", "two"],
@@ -78,7 +78,7 @@ FAST_PARSE = {  # script -> a usage error its parser refuses
     "scripts/compare_hf.py": ["--checkpoint", "c", "--random", "--dtype", "int3"],
     "scripts/duo_identify.py": ["--checkpoint", "c", "--out", "d", "--steps", "many"],
     "scripts/eval_quantized.py": ["--checkpoint", "c", "--classifier", "int3"],
-    "generate.py": ["--checkpoint", "c", "--context", "many"],
+    "generate.py": ["--checkpoint", "c", "--random-prompt", "many"],
 }
 
 

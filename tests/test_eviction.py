@@ -434,7 +434,7 @@ def test_mixed_head_layers_compile_once_and_equal_eager(tmp_path):
 
 
 def test_cli_errors_for_the_new_options(tmp_path, capsys):
-    base = ["--checkpoint", "random:stories260K", "--context", "200",
+    base = ["--checkpoint", "random:stories260K", "--random-prompt", "200",
             "--max-new-tokens", "4", "--no-stream"]
     assert main(base + ["--method", "h2o", "--budget", "64", "--sink-size", "3"]) == 2
     assert "--sink-size does not apply to method h2o" in capsys.readouterr().err

@@ -190,3 +190,17 @@ def test_an_alias_keeps_the_rules_of_its_option(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == "error: the following arguments are required: --prompt-out"
     assert "error: argument --prompt: not allowed with argument --prompt-tokens" in err
+
+
+def test_generates_random_prompt_is_named_for_what_it_is(capsys):
+    """``generate.py --random-prompt N`` is a prompt of N random token ids (not llama.cpp's
+    ``-c``, the context size); the old spelling ``--context`` still parses, with a note."""
+    from rocketkv.cli.generate_flags import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["--random-prompt", "64"]).random_prompt == 64
+    assert capsys.readouterr().err == ""
+    assert p.parse_args(["--context", "64"]).random_prompt == 64
+    assert capsys.readouterr().err == "note: --context is deprecated; use --random-prompt\n"
+    help_text = p.format_help()
+    assert "--random-prompt N" in help_text and "--context" not in help_text

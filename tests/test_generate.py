@@ -309,7 +309,7 @@ def test_cli_stdin_chat_batch_and_random_prompt(stories_dir):
     assert lines[0] == "==> sequence 0 <==" and "==> sequence 1 <==" in lines
     first, second = p.stdout.split("==> sequence 1 <==\n")
     assert first.removeprefix("==> sequence 0 <==\n") == second  # the same prompt, greedy
-    p = run_cli("--checkpoint", "random:stories260K", "--context", 64,
+    p = run_cli("--checkpoint", "random:stories260K", "--random-prompt", 64,
                 "--max-new-tokens", 4, "--temperature", 0.8, "--top-k", 20)
     assert p.returncode == 0, p.stderr
     assert "prompt tokens 64" in p.stderr
@@ -369,9 +369,9 @@ BAD = [
      "cannot read"),
     ("unreadable weights", ["--checkpoint", "{d}/truncated", "--prompt", "{d}/ok.txt"],
      "cannot read weights"),
-    ("config without weights", ["--checkpoint", "{d}/no_weights", "--context", "8"],
+    ("config without weights", ["--checkpoint", "{d}/no_weights", "--random-prompt", "8"],
      "config without weights"),
-    ("unsupported architecture", ["--checkpoint", "{d}/gpt2", "--context", "8"],
+    ("unsupported architecture", ["--checkpoint", "{d}/gpt2", "--random-prompt", "8"],
      "unsupported architecture"),
     ("empty prompt", ["--checkpoint", "{s}", "--prompt", "{d}/empty.txt"], "is empty"),
     ("missing prompt file", ["--checkpoint", "{s}", "--prompt", "{d}/none.txt"],
@@ -386,7 +386,7 @@ BAD = [
                                          "--max-new-tokens", "32"], "smallest valid budget"),
     ("cuda without cuda", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--device",
                            "cuda"], "CUDA is not available"),
-    ("unknown named config", ["--checkpoint", "random:llama-9", "--context", "8"],
+    ("unknown named config", ["--checkpoint", "random:llama-9", "--random-prompt", "8"],
      "unknown model config"),
     ("tokenizer.json that does not parse", ["--checkpoint", "{s}", "--tokenizer",
                                             "{d}/broken_tokenizer.json", "--prompt",
@@ -413,7 +413,7 @@ BAD = [
     ("empty prompt text", ["--checkpoint", "{s}", "-p", "  "], "--prompt-text is empty"),
     ("prompt text and file", ["--checkpoint", "{s}", "-p", "hi", "--prompt", "{d}/ok.txt"],
      "not allowed with"),
-    ("chat on random ids", ["--checkpoint", "{s}", "--context", "8", "--chat"],
+    ("chat on random ids", ["--checkpoint", "{s}", "--random-prompt", "8", "--chat"],
      "--chat needs a text"),
     ("cuda graphs on cpu", ["--checkpoint", "{s}", "--prompt", "{d}/ok.txt", "--device", "cpu",
                             "--cuda-graphs"], "--cuda-graphs needs a CUDA device"),
@@ -512,7 +512,7 @@ def test_compiled_step_is_reused_across_contexts_and_budgets():
 
 
 def test_cli_says_once_when_max_new_tokens_exceeds_the_context(stories_dir):
-    p = run_cli("--checkpoint", str(stories_dir), "--context", "500",
+    p = run_cli("--checkpoint", str(stories_dir), "--random-prompt", "500",
                 "--max-new-tokens", "40")
     assert p.returncode == 0, p.stderr
     notes = [line for line in p.stderr.splitlines() if line.startswith("note:")]
@@ -595,8 +595,8 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating(monkeypatch, capsys)
     qwen = ModelArgs.from_name("qwen2.5-0.5b")  # q/k/v biases, tied classifier
     assert measure.float_weight_bytes(qwen, torch.float32) == 494_032_768 * 4
     monkeypatch.setattr(measure, "available_bytes", lambda device: 24 * 2**30)
-    rc = generate_cli.main(["--checkpoint", "random:llama-3.1-8b", "--device", "cpu", "--context",
-                 "1024", "--max-new-tokens", "8"])
+    rc = generate_cli.main(["--checkpoint", "random:llama-3.1-8b", "--device", "cpu",
+                            "--random-prompt", "1024", "--max-new-tokens", "8"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: this run needs at least 30.") and \
         "cpu has 24.0 GiB free" in err and len(err.strip().splitlines()) == 1

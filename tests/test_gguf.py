@@ -327,7 +327,7 @@ def test_bad_gguf_files_give_one_line_and_exit_2(tmp_path, tiny_hf, case):
     else:
         write_gguf(path, tiny_hf, arch="gpt2")
         message = "unsupported architecture"
-    p = cli("--checkpoint", str(path), "--context", "8", "--max-new-tokens", "2")
+    p = cli("--checkpoint", str(path), "--random-prompt", "8", "--max-new-tokens", "2")
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], p.stderr
@@ -422,7 +422,7 @@ def test_short_names_resolve_to_local_copies(tmp_path, monkeypatch):
 
 
 def test_cli_short_name_without_a_local_copy(tmp_path):
-    p = cli("--checkpoint", "mistral-7b-v0.2", "--context", "8", cwd=tmp_path)
+    p = cli("--checkpoint", "mistral-7b-v0.2", "--random-prompt", "8", cwd=tmp_path)
     if p.returncode == 0:
         pytest.skip("this machine has a local Mistral-7B copy")
     lines = p.stderr.strip().splitlines()

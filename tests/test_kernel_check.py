@@ -130,7 +130,7 @@ def tiny_cli(monkeypatch):
     monkeypatch.setattr(generate_cli, "resolve_checkpoint", lambda c: c)
     monkeypatch.setattr(generate_cli, "checkpoint_args", lambda c: ARGS)
     monkeypatch.setattr(generate_cli, "load_model", lambda *a, **k: tiny_model())
-    return ["--checkpoint", "random:tiny", "--device", "cpu", "--context", "24",
+    return ["--checkpoint", "random:tiny", "--device", "cpu", "--random-prompt", "24",
             "--max-new-tokens", "3", "--no-stream"]
 
 

@@ -321,7 +321,7 @@ def test_omnikv_offload_equals_in_memory_and_k_covering_the_sequence_equals_full
 def test_omnikv_cli_errors(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--checkpoint", "random:llama-3.1-8b", "--method", "omnikv", "--budget", "64",
-              "--context", "100", "--filter-layers", "2,x"])
+              "--random-prompt", "100", "--filter-layers", "2,x"])
     assert e.value.code == 2 and "comma-separated layer indices" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no --skip-layers"):
         build_caches("omnikv", tiny_args(layers=6), batch_size=1, prompt_len=100,

@@ -401,7 +401,7 @@ def test_cli_checkpoint_loads_as_the_in_memory_quantization(tmp_path, capsys):
     b = generate(ref, prompt, method="full", max_new_tokens=8)
     assert a["token_ids"] == b["token_ids"]
     assert a["weight_bytes_per_step"] == b["weight_bytes_per_step"]
-    r = _run("generate.py", "--checkpoint", str(out), "--context", "40",
+    r = _run("generate.py", "--checkpoint", str(out), "--random-prompt", "40",
              "--max-new-tokens", "4")
     assert r.returncode == 0, r.stderr
 

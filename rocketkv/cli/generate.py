@@ -5,7 +5,7 @@ run ``main`` here, over the decode loop ``rocketkv.engine.generate.generate``):
 
     python generate.py --checkpoint DIR --prompt FILE [--method full] [--budget N] [--json OUT]
     python generate.py --checkpoint model.gguf --chat --method rocketkv --budget 256 --prompt FILE
-    python generate.py --checkpoint random:llama-3.1-8b --context 32768 --max-new-tokens 64
+    python generate.py --checkpoint random:llama-3.1-8b --random-prompt 32768 --max-new-tokens 64
     python generate.py --checkpoint model.gguf --chat --prompt doc.txt --questions q.txt
 
 Parsing, the checks before the load (``checks.py``), the load, the tensor-parallel gather,
@@ -123,7 +123,7 @@ def _kernel_fault(e: Exception) -> int:
 def _main(args: argparse.Namespace) -> int:
     rank, world = tp.rank(), 1  # world 1 until torchrun's process group is joined
     try:
-        check_positive(args, "batch_size", "context", "threads")
+        check_positive(args, "batch_size", "random_prompt", "threads")
         if args.threads:
             torch.set_num_threads(args.threads)
         options = given_options(args)
@@ -139,7 +139,7 @@ def _main(args: argparse.Namespace) -> int:
         dtype = DTYPES[args.dtype] if args.dtype else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         apply_kernels_option(args)
-        if args.chat and args.context is not None:
+        if args.chat and args.random_prompt is not None:
             raise ConfigError("--chat needs a text --prompt or --prompt-text")
         text = args.prompt_text if args.prompt_text is not None else \
             read_prompt(args.prompt) if args.prompt is not None else None
@@ -170,7 +170,7 @@ def _main(args: argparse.Namespace) -> int:
             ids = tok.encode_chat(text, system=args.system) if chat else tok.encode(text)
         else:
             gen = torch.Generator().manual_seed(args.seed)
-            ids = torch.randint(0, margs.vocab_size, (args.context,),
+            ids = torch.randint(0, margs.vocab_size, (args.random_prompt,),
                                 generator=gen).tolist()
         tp.check_world(margs, world)
         # every method setting is checked here, before the weights load

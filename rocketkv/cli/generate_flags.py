@@ -43,9 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="FILE", help="prompt text file, - for stdin")
     src.add_argument("-p", "--prompt-text", metavar="TEXT", help="the prompt text itself")
-    src.add_argument("--context", type=int, metavar="N",
-                     help="synthetic prompt of N random token ids (efficiency runs)")
-    deprecated_alias(p, "--prompt-tokens", "--context")
+    src.add_argument("--random-prompt", type=int, metavar="N",
+                     help="a prompt of N random token ids, for speed and memory runs (the "
+                          "prompt's length, not the context size)")
+    deprecated_alias(p, "--context", "--random-prompt")
+    deprecated_alias(p, "--prompt-tokens", "--random-prompt")
     add_method_flags(p.add_argument_group(
         "method options (every derived parameter is printed and saved)"))
     p.add_argument("--max-new-tokens", type=int, default=256)

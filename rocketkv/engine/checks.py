@@ -16,7 +16,7 @@ from rocketkv.model import ConfigError, ModelArgs
 
 NO_TOKENIZER = ("a text prompt needs a tokenizer: the checkpoint has none ("
                 f"{', '.join(TOKENIZER_FILES)} or GGUF tokenizer metadata); pass --tokenizer "
-                "FILE or use --context N")
+                "FILE or use --random-prompt N")
 
 
 def check_request(method: str, budget: int | None, options: dict[str, Any], *,
