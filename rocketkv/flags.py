@@ -4,7 +4,7 @@ modes and group sizes).
 
 Nothing here imports torch or a module of the engine, so a script builds and parses its
 arguments before loading them: ``--help`` and a usage error come back in a fraction of a
-second instead of the seconds ``import torch`` takes (issue 46). ``cli.py`` re-exports these
+second instead of the seconds ``import torch`` takes. ``cli.py`` re-exports these
 names beside the helpers that need torch.
 """
 
@@ -97,7 +97,7 @@ def add_kernels_option(p: argparse.ArgumentParser) -> None:
                         "error (on); the attention and selection only (sparse); none (off)")
 
 
-# The flag vocabulary (issue 46): one spelling and one unit per concept in every entry point.
+# The flag vocabulary: one spelling and one unit per concept in every entry point.
 # Old spellings stay for one release as ``deprecated_alias``es; tests/test_flags.py walks every
 # script's parser and fails on another spelling of these concepts. docs/flags.md lists them.
 VOCABULARY = {
@@ -206,7 +206,7 @@ def named_config(args: argparse.Namespace, configs: Any, default: str) -> str | 
     """The shape of a script that takes ``--config NAME`` or ``--checkpoint`` (weights):
     ``args.config``; ``default`` when neither was given; None when ``--checkpoint`` names the
     weights. ``--checkpoint NAME`` with NAME a config of ``configs`` and no such path (the
-    shape, before issue 46) still means ``--config NAME`` for one release, with a ``note:``."""
+    shape, in older releases) still means ``--config NAME`` for one release, with a ``note:``."""
     if args.config is not None:
         return args.config
     if args.checkpoint is None:

@@ -1,5 +1,5 @@
 """CPU decode and prefill speed of our engine against llama.cpp's ``llama-bench`` on the same
-GGUF file, in one run, alternating (issue 47).
+GGUF file, in one run, alternating.
 
     python scripts/bench_cpu.py --checkpoint ../shared/data/models/SmolLM2-135M-Instruct.Q4_1.gguf
     python scripts/bench_cpu.py --checkpoint qwen2.5-0.5b-instruct-q4_k_m.gguf \\

@@ -204,3 +204,20 @@ def test_generates_random_prompt_is_named_for_what_it_is(capsys):
     assert capsys.readouterr().err == "note: --context is deprecated; use --random-prompt\n"
     help_text = p.format_help()
     assert "--random-prompt N" in help_text and "--context" not in help_text
+
+
+HELP_ENTRY_POINTS = ENTRY_POINTS + ["rocketkv/cli/generate.py"]
+
+
+@pytest.mark.parametrize("script", HELP_ENTRY_POINTS)
+def test_every_help_speaks_to_users(script, monkeypatch):
+    """``--help`` of every entry point, like README.md and docs/ (tests/test_docs.py's
+    patterns), names no issue number and no wording of the project's GPU visits."""
+    import re
+
+    from test_docs import FORBIDDEN
+
+    text = parser_of(script, monkeypatch).format_help()
+    found = [f"{name}: {m.group(0)!r}" for name, pattern in FORBIDDEN.items()
+             for m in re.finditer(pattern, text, re.I)]
+    assert not found, f"{script} --help: " + "; ".join(found)

@@ -1,4 +1,4 @@
-"""Developer-only tools (issue 46): ``compile_kernels.py`` (the fused kernels' registers and
+"""Developer-only tools: ``compile_kernels.py`` (the fused kernels' registers and
 spills, compiled for a GPU without one), ``check_targets.py`` (bench rows judged against the
 project's targets) and ``selection_steps.py`` (the NumPy model of the selection's threshold
 search); ``python tools/X.py --help`` for each. The user's scripts are in ``scripts/``. Each
