@@ -42,30 +42,13 @@ from typing import Any
 import torch
 
 from rocketkv.compression.registry import every_option
+from rocketkv.engine import checks
 from rocketkv.engine import generate as _g
-from rocketkv.engine.checks import (
-    NO_TOKENIZER,
-    budget_note,
-    chat_mode,
-    check_document,
-    check_fit,
-    check_request,
-    checkpoint_tokenizer,
-    result_text,
-)
 from rocketkv.engine.device import DTYPES, resolve_device
 from rocketkv.engine.documents import CacheSnapshot, document_ids, prefill_summary, question_ids
-from rocketkv.engine.measure import check_memory, weights_label
+from rocketkv.engine.measure import weights_label
 from rocketkv.engine.report import GenerateResult, TextStreamer
 from rocketkv.engine.step import default_compile
-from rocketkv.formats.checkpoint import (
-    checkpoint_args,
-    default_checkpoint,
-    default_gguf_weights,
-    is_quantized,
-    load_model,
-    resolve_checkpoint,
-)
 from rocketkv.formats.tokenizer import Tokenizer
 from rocketkv.model import ConfigError, Transformer
 
@@ -129,7 +112,7 @@ def _int(name: str, value: Any, *, minimum: int | None = 1, optional: bool = Fal
          what: str | None = None) -> int | None:
     """``value`` as an int (numpy's included), or ConfigError for another type (a bool, a
     float, a string); ``optional``: None passes. The range is left to the shared checks, which
-    word it as the CLI does (``check_request``), unless ``what`` says it here."""
+    word it as the CLI does (``checks.check_request``), unless ``what`` says it here."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -172,7 +155,7 @@ def _options(method_options: dict[str, Any]) -> dict[str, Any]:
 
 def _sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
               seed: Any) -> tuple[int, float, int | None, float | None, int | None]:
-    """The sampling settings' types checked (their ranges: ``check_request``)."""
+    """The sampling settings' types checked (their ranges: ``checks.check_request``)."""
     return (_int("max_new_tokens", max_new_tokens),
             _real("temperature", temperature, "a number >= 0"),
             _int("top_k", top_k, optional=True, what="a positive int"),
@@ -264,16 +247,12 @@ def load(checkpoint: str | None = None, *, device: str | torch.device | None = N
     device = resolve_device(None if device is None else str(device))
     dtype = _dtype(dtype, device)
     t0 = time.perf_counter()
-    if checkpoint is None:
-        checkpoint = default_checkpoint()
-    ckpt = resolve_checkpoint(str(checkpoint))
-    margs = checkpoint_args(ckpt)
-    tok = checkpoint_tokenizer(ckpt, margs, tokenizer)
-    if not is_quantized(ckpt):
-        check_memory(margs, dtype, device, 1, 1)  # the weights; each run checks its own KV
-    model = load_model(ckpt, device, dtype,
-                       gguf_weights=default_gguf_weights(gguf_weights, ckpt, device))
-    return Engine(model, tok, checkpoint=str(checkpoint), load_s=time.perf_counter() - t0)
+    ckpt, margs, tok = checks.open_checkpoint(None if checkpoint is None else str(checkpoint),
+                                       tokenizer)
+    # the weights; each run checks its own KV
+    model = checks.load_weights(ckpt, margs, device, dtype, gguf_weights=gguf_weights)
+    return Engine(model, tok, checkpoint=str(checkpoint or ckpt),
+                  load_s=time.perf_counter() - t0)
 
 
 def _compile(model: Transformer, compile: bool | None, decode_steps: int) -> bool | None:
@@ -317,11 +296,11 @@ class Engine:
         """Whether a text prompt is a user turn of the chat template by default (``chat=None``):
         the tokenizer has a chat template of its own (``checks.chat_mode``), as an instruct
         checkpoint's has."""
-        return chat_mode(None, self.tokenizer)
+        return checks.chat_mode(None, self.tokenizer)
 
     def _tok(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise ConfigError(NO_TOKENIZER)
+            raise ConfigError(checks.NO_TOKENIZER)
         return self.tokenizer
 
     @_in_python_words
@@ -339,7 +318,7 @@ class Engine:
                 without chat, no chat template, a malformed message list.
         """
         if isinstance(prompt, str):
-            chat = chat_mode(chat, self.tokenizer)
+            chat = checks.chat_mode(chat, self.tokenizer)
             if system is not None and not chat:
                 raise ConfigError("--system needs --chat (it is a message of the chat "
                                   "template)")
@@ -422,13 +401,14 @@ class Engine:
         max_new_tokens, temperature, top_k, top_p, seed = _sampling(
             max_new_tokens, temperature, top_k, top_p, seed)
         options = _options(method_options)
-        check_request(method, budget, options, max_new_tokens=max_new_tokens,
+        checks.check_request(method, budget, options, max_new_tokens=max_new_tokens,
                       temperature=temperature, top_k=top_k, top_p=top_p)
         ids = self.encode(prompt, chat=chat, system=system)
-        room = check_fit(method, self.model.args, len(ids), max_new_tokens, budget, options)
+        _, note = checks.plan_run(method, self.model.args, len(ids), max_new_tokens, budget,
+                                  options)
         stop = self.stop_ids if stop_ids is None else tuple(stop_ids)
         on_token, streamer = self._streaming(on_token, on_text, stop)
-        _warn_uncompressed(budget_note(method, budget, len(ids), min(max_new_tokens, room)))
+        _warn_uncompressed(note)
         self._document = None
         r = _g.generate(self.model, ids, method=method, budget=budget,
                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -442,7 +422,7 @@ class Engine:
         """The CLI's JSON record of a run (``r.to_dict()``, then ``extra``, ``text``,
         ``checkpoint``, ``model``, ``load_s`` added) as a ``Result``; the text ``streamer``
         has not passed on yet passed on."""
-        texts = result_text(self.tokenizer, r.token_ids, stop)
+        texts = checks.result_text(self.tokenizer, r.token_ids, stop)
         record = {**r.to_dict(), **extra, "text": texts, "checkpoint": self.checkpoint,
                   "model": self.model.args.name, "load_s": self.load_s, "world_size": 1,
                   "interrupted": r.stop_reason == "interrupted"}
@@ -481,12 +461,12 @@ class Engine:
         budget = _int("budget", budget, optional=True)
         reserve_tokens = _int("reserve_tokens", reserve_tokens)
         options = _options(method_options)
-        check_request(method, budget, options, max_new_tokens=1)
-        chat = chat_mode(chat, self.tokenizer)
+        checks.check_request(method, budget, options, max_new_tokens=1)
+        chat = checks.chat_mode(chat, self.tokenizer)
         ids = document_ids(self._tok(), text, chat, system) if isinstance(text, str) \
             else self.encode(text)
-        check_document(method, self.model.args, len(ids), reserve_tokens, budget, options)
-        _warn_uncompressed(budget_note(method, budget, len(ids), reserve_tokens))
+        _warn_uncompressed(checks.plan_document(method, self.model.args, len(ids),
+                                                reserve_tokens, budget, options))
         self._document = None
         r = _g.generate(self.model, ids, method=method, budget=budget, max_new_tokens=0,
                         reserve_tokens=reserve_tokens, compile=_compile(self.model, compile, 0),
@@ -564,7 +544,7 @@ class Document:
         engine = self.engine
         max_new_tokens, temperature, top_k, top_p, seed = _sampling(
             max_new_tokens, temperature, top_k, top_p, seed)
-        check_request(self.method, self.budget, {}, max_new_tokens=max_new_tokens,
+        checks.check_request(self.method, self.budget, {}, max_new_tokens=max_new_tokens,
                       temperature=temperature, top_k=top_k, top_p=top_p)
         if engine._document is not self:
             raise ConfigError("this document's cache was replaced by a later generate() or "

@@ -12,6 +12,7 @@ from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 
 import rocketkv
 from rocketkv.cli import generate as generate_cli
+from rocketkv.engine import checks as run_steps
 from rocketkv.engine import generate as g
 from rocketkv.engine.documents import document_ids, question_ids
 from rocketkv.formats.tokenizer import load_tokenizer
@@ -243,7 +244,7 @@ def test_questions_errors_are_one_line_before_the_weights_load(stories_dir, tmp_
     def load(*a, **kw):
         raise AssertionError("the weights were loaded before the error")
 
-    monkeypatch.setattr(generate_cli, "load_model", load)
+    monkeypatch.setattr(run_steps, "load_model", load)
     rc = generate_cli.main(["--checkpoint", str(stories_dir), *argv, "--questions",
                  str(tmp_path / qfile)])
     err = capsys.readouterr().err

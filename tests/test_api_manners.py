@@ -12,6 +12,7 @@ from conftest import SMOLLM2_GGUF, shared_file
 
 import rocketkv
 from rocketkv.cli import generate as generate_cli
+from rocketkv.engine import checks as run_steps
 from rocketkv.engine.report import TextStreamer
 from rocketkv.formats.tokenizer import load_tokenizer
 
@@ -201,7 +202,7 @@ def test_chat_follows_the_checkpoints_template(smol, stories_engine, no_prefill)
 
 def test_cli_chat_defaults_to_the_checkpoints_template(smol, stories_dir, tmp_path,
                                                        monkeypatch, capsys):
-    monkeypatch.setattr(generate_cli, "load_model", lambda *a, **k: smol.model)
+    monkeypatch.setattr(run_steps, "load_model", lambda *a, **k: smol.model)
     question, out = "What is the capital of France?", tmp_path / "r.json"
     tok = smol.tokenizer
     base = ["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "-p", question,

@@ -13,6 +13,7 @@ from conftest import ROOT, SHARED, sigint_default
 
 from rocketkv.cli import generate as generate_cli
 from rocketkv.compression import build_caches
+from rocketkv.engine import checks as run_steps
 from rocketkv.engine.generate import generate, sample
 from rocketkv.engine.measure import percentile
 from rocketkv.engine.report import GenerateResult
@@ -462,7 +463,7 @@ def test_method_and_prompt_errors_come_before_the_weights_load(bad_inputs, stori
     def load(*a, **kw):
         raise AssertionError("the weights were loaded before the error")
 
-    monkeypatch.setattr(generate_cli, "load_model", load)
+    monkeypatch.setattr(run_steps, "load_model", load)
     argv = next(b[1] for b in BAD if b[0] == case)
     rc = generate_cli.main([a.format(d=bad_inputs, s=stories_dir) for a in argv])
     err = capsys.readouterr().err

@@ -16,6 +16,7 @@ from conftest import ROOT
 
 from rocketkv import kernels
 from rocketkv.cli import generate as generate_cli
+from rocketkv.engine import checks as run_steps
 from rocketkv.engine import generate as g
 from rocketkv.engine import kernel_check as check
 from rocketkv.model import ModelArgs, Transformer
@@ -127,9 +128,9 @@ def test_strict_mode_makes_a_fault_an_error(monkeypatch):
 @pytest.fixture
 def tiny_cli(monkeypatch):
     """generate.main on the tiny model (``--checkpoint random:tiny``)."""
-    monkeypatch.setattr(generate_cli, "resolve_checkpoint", lambda c: c)
-    monkeypatch.setattr(generate_cli, "checkpoint_args", lambda c: ARGS)
-    monkeypatch.setattr(generate_cli, "load_model", lambda *a, **k: tiny_model())
+    monkeypatch.setattr(run_steps, "resolve_checkpoint", lambda c: c)
+    monkeypatch.setattr(run_steps, "checkpoint_args", lambda c: ARGS)
+    monkeypatch.setattr(run_steps, "load_model", lambda *a, **k: tiny_model())
     return ["--checkpoint", "random:tiny", "--device", "cpu", "--random-prompt", "24",
             "--max-new-tokens", "3", "--no-stream"]
 

@@ -39,12 +39,12 @@ from rocketkv.cli.generate_flags import build_parser
 from rocketkv.compression import given_options
 from rocketkv.engine.checks import (
     NO_TOKENIZER,
-    budget_note,
     chat_mode,
-    check_document,
-    check_fit,
     check_request,
-    checkpoint_tokenizer,
+    load_weights,
+    open_checkpoint,
+    plan_document,
+    plan_run,
     result_text,
 )
 from rocketkv.engine.documents import (
@@ -56,7 +56,6 @@ from rocketkv.engine.documents import (
     summary_line,
 )
 from rocketkv.engine.generate import generate
-from rocketkv.engine.measure import check_memory
 from rocketkv.engine.provenance import provenance
 from rocketkv.engine.report import (
     TextStreamer,
@@ -67,12 +66,7 @@ from rocketkv.engine.report import (
 from rocketkv.engine.session import rewind_conversation
 from rocketkv.engine.step import StepMode, default_compile
 from rocketkv.formats.checkpoint import (
-    checkpoint_args,
     default_checkpoint,
-    default_gguf_weights,
-    is_quantized,
-    load_model,
-    resolve_checkpoint,
 )
 from rocketkv.formats.tokenizer import Tokenizer
 from rocketkv.model import ConfigError
@@ -151,9 +145,7 @@ def _main(args: argparse.Namespace) -> int:
             args.checkpoint = default_checkpoint()
             if rank == 0:
                 print(f"checkpoint {args.checkpoint} (no --checkpoint given)", file=sys.stderr)
-        checkpoint = resolve_checkpoint(args.checkpoint)
-        margs = checkpoint_args(checkpoint)
-        tok = checkpoint_tokenizer(checkpoint, margs, args.tokenizer)
+        checkpoint, margs, tok = open_checkpoint(args.checkpoint, args.tokenizer)
         if tok is None and text is not None:
             raise ConfigError(NO_TOKENIZER)
         # --chat, --no-chat, or (auto) whether the checkpoint has a chat template of its own
@@ -174,19 +166,15 @@ def _main(args: argparse.Namespace) -> int:
                                 generator=gen).tolist()
         tp.check_world(margs, world)
         # every method setting is checked here, before the weights load
-        room = check_fit(args.method, margs, len(ids), args.max_new_tokens, args.budget,
-                         options)
-        note = budget_note(args.method, args.budget, len(ids), min(args.max_new_tokens, room))
+        room, note = plan_run(args.method, margs, len(ids), args.max_new_tokens, args.budget,
+                              options)
         if note is not None and rank == 0:
             print(f"note: {note}", file=sys.stderr)
         # the decode steps the context leaves room for (CPU's default compiles long runs only)
         compile = default_compile(args.compile, device, min(args.max_new_tokens, room))
-        if not is_quantized(checkpoint):
-            check_memory(tp.local_args(margs, world), dtype, device, args.batch_size,
-                         len(ids) + args.max_new_tokens)
-        model = load_model(checkpoint, device, dtype, shard=(rank, world),
-                           gguf_weights=default_gguf_weights(args.gguf_weights, checkpoint,
-                                                             device))
+        model = load_weights(checkpoint, margs, device, dtype, gguf_weights=args.gguf_weights,
+                             batch_size=args.batch_size, seq_len=len(ids) + args.max_new_tokens,
+                             shard=(rank, world), local_args=tp.local_args(margs, world))
         load_s = time.perf_counter() - t_load
         if rank == 0:  # now, not after the prefill: a long prefill would hide a finished load
             print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
@@ -284,14 +272,11 @@ def _answer_questions(args: argparse.Namespace, checkpoint: str, margs,
     doc = document_ids(tok, text, chat, args.system)
     asks = [question_ids(tok, q, chat, text, args.system) for q in questions]
     reserve = min(max(map(len, asks)) + args.max_new_tokens - 1, margs.max_seq_len - len(doc))
-    check_document(args.method, margs, len(doc), reserve, args.budget, options)
-    note = budget_note(args.method, args.budget, len(doc), reserve)
+    note = plan_document(args.method, margs, len(doc), reserve, args.budget, options)
     if note is not None:
         print(f"note: {note}", file=sys.stderr)
-    if not is_quantized(checkpoint):
-        check_memory(margs, dtype, device, 1, len(doc) + reserve)
-    model = load_model(checkpoint, device, dtype,
-                       gguf_weights=default_gguf_weights(args.gguf_weights, checkpoint, device))
+    model = load_weights(checkpoint, margs, device, dtype, gguf_weights=args.gguf_weights,
+                         seq_len=len(doc) + reserve)
     load_s = time.perf_counter() - t_load
     print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
     bar = prefill_bar(model.args.n_layers, len(doc), args.no_progress)

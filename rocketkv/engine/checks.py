@@ -1,6 +1,8 @@
-"""The checks of a run that need no weights, and the tokenizer and text of a run: shared by
-``generate.py``'s command line and the Python API (``rocketkv.py``), so both refuse bad input
-with the same words before the slow work (the weights' load, the prefill).
+"""The steps of a run before its prefill, shared by ``generate.py``'s command line and the
+Python API (``rocketkv/api.py``), so both take them in one order and refuse bad input with the
+same words before the slow work: the checkpoint opened without its weights
+(``open_checkpoint``), the settings checked (``check_request``), the prompt's fit and the
+method's plan (``plan_run``, ``plan_document``), then the weights loaded (``load_weights``).
 """
 
 from __future__ import annotations
@@ -9,10 +11,21 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from rocketkv.compression import METHODS, check_budget, check_method, check_options, plan
-from rocketkv.formats.checkpoint import RANDOM_PREFIX
+from rocketkv.engine.measure import check_memory
+from rocketkv.formats.checkpoint import (
+    RANDOM_PREFIX,
+    checkpoint_args,
+    default_checkpoint,
+    default_gguf_weights,
+    is_quantized,
+    load_model,
+    resolve_checkpoint,
+)
 from rocketkv.formats.tokenizer import TOKENIZER_FILES, Tokenizer, has_tokenizer, load_tokenizer
-from rocketkv.model import ConfigError, ModelArgs
+from rocketkv.model import ConfigError, ModelArgs, Transformer
 
 NO_TOKENIZER = ("a text prompt needs a tokenizer: the checkpoint has none ("
                 f"{', '.join(TOKENIZER_FILES)} or GGUF tokenizer metadata); pass --tokenizer "
@@ -127,3 +140,61 @@ def result_text(tok: Tokenizer | None, token_ids: Sequence[Sequence[int]],
         return None
     stop = set(stop_ids)
     return [tok.decode([t for t in row if t not in stop]) for row in token_ids]
+
+
+def open_checkpoint(checkpoint: str | None, tokenizer: str | None = None
+                    ) -> tuple[str, ModelArgs, Tokenizer | None]:
+    """A run's checkpoint without its weights: the resolved path (``checkpoint`` None: the
+    default model, ``checkpoint.default_checkpoint``), its config and its tokenizer
+    (``checkpoint_tokenizer``).
+
+    Raises:
+        ConfigError: no such checkpoint (or no default one), an unreadable config or
+            tokenizer.
+    """
+    resolved = resolve_checkpoint(default_checkpoint() if checkpoint is None else checkpoint)
+    margs = checkpoint_args(resolved)
+    return resolved, margs, checkpoint_tokenizer(resolved, margs, tokenizer)
+
+
+def plan_run(method: str, margs: ModelArgs, prompt_len: int, max_new_tokens: int,
+             budget: int | None, options: dict[str, Any]) -> tuple[int, str | None]:
+    """The method checked and planned for a ``prompt_len``-token prompt: the room the context
+    leaves (``check_fit``) and the note of a budget that covers the whole run
+    (``budget_note``; None otherwise).
+
+    Raises:
+        ConfigError: see ``check_fit``.
+    """
+    room = check_fit(method, margs, prompt_len, max_new_tokens, budget, options)
+    return room, budget_note(method, budget, prompt_len, min(max_new_tokens, room))
+
+
+def plan_document(method: str, margs: ModelArgs, doc_tokens: int, reserve_tokens: int,
+                  budget: int | None, options: dict[str, Any]) -> str | None:
+    """``plan_run`` for a document and the room kept after it (``check_document``): the note
+    of a budget that covers it, or None.
+
+    Raises:
+        ConfigError: see ``check_document``.
+    """
+    check_document(method, margs, doc_tokens, reserve_tokens, budget, options)
+    return budget_note(method, budget, doc_tokens, reserve_tokens)
+
+
+def load_weights(checkpoint: str, margs: ModelArgs, device: torch.device, dtype: torch.dtype, *,
+                 gguf_weights: str | None = None, batch_size: int = 1, seq_len: int = 1,
+                 shard: tuple[int, int] = (0, 1), local_args: ModelArgs | None = None
+                 ) -> Transformer:
+    """The model of a resolved ``checkpoint`` on ``device``: a float checkpoint's weights and
+    the KV cache of ``batch_size`` sequences of ``seq_len`` tokens are checked against the
+    free memory first (``measure.check_memory``, with ``local_args``: a tensor-parallel rank's
+    share); a GGUF's weights as ``gguf_weights`` says (default: ``default_gguf_weights``).
+
+    Raises:
+        ConfigError: they do not fit; what ``checkpoint.load_model`` raises.
+    """
+    if not is_quantized(checkpoint):
+        check_memory(local_args or margs, dtype, device, batch_size, seq_len)
+    return load_model(checkpoint, device, dtype, shard=shard,
+                      gguf_weights=default_gguf_weights(gguf_weights, checkpoint, device))
