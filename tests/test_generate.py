@@ -660,15 +660,14 @@ def test_a_run_that_replaces_the_caches_resets_its_memory_peak_after_freeing_the
         def reset(self):
             resets.append([layer.attention.kv_cache for layer in model.layers])
 
-    spec = {"method": "full", "budget": None, "batch_size": 1, "prompt_len": 8,
-            "new_tokens": 4, "dtype": torch.float32, "device": torch.device("cpu"),
-            "options": {}}
+    spec = g.CacheSpec(method="full", budget=None, batch_size=1, prompt_len=8, new_tokens=4,
+                       dtype=torch.float32, device=torch.device("cpu"))
     g.prepare_caches(model, spec, Meter())
     old = list(model.caches)
-    g.prepare_caches(model, dict(spec, method="streamingllm", budget=8), Meter())
+    g.prepare_caches(model, spec.replace(method="streamingllm", budget=8), Meter())
     assert len(resets) == 2 and all(c is None for caches in resets for c in caches)
     assert all(a is not b for a, b in zip(old, model.caches))
-    g.prepare_caches(model, dict(spec, method="streamingllm", budget=8), Meter())  # reused
+    g.prepare_caches(model, spec.replace(method="streamingllm", budget=8), Meter())  # reused
     assert len(resets) == 2
 
 

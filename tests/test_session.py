@@ -24,7 +24,7 @@ def test_each_model_holds_its_own_session():
     first = generate(a, [1, 2, 3, 4], max_new_tokens=3, reserve_tokens=8, compile=False)
     held = session.session(a)
     assert isinstance(held, session.Session) and held is a.generate_session
-    assert held.conversation["position"] == first["conversation"]["position"]
+    assert held.conversation.position == first["conversation"]["position"]
     generate(b, [5, 6, 7], max_new_tokens=2, reserve_tokens=4, compile=False)
     assert session.session(a) is held and session.session(b) is b.generate_session
     nxt = generate(a, [9, 10], continue_conversation=True, max_new_tokens=2, compile=False)

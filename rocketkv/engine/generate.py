@@ -31,6 +31,8 @@ from rocketkv.engine.report import (  # noqa: F401 (SPREAD_WARN, format_report: 
     result_record,
 )
 from rocketkv.engine.session import (  # noqa: F401 (release_caches, rewind_conversation: re-exported)
+    CacheSpec,
+    Conversation,
     Session,
     prepare_caches,
     release_caches,
@@ -213,10 +215,9 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
             raise ConfigError("prefilled applies to the first turn, not to a continuation")
         turn = _next_turn(model, prompt, max_new_tokens, on_prefill_layer)
     else:
-        spec = {"method": method, "budget": budget, "batch_size": prompt.shape[0],
-                "prompt_len": prompt.shape[1], "new_tokens": reserve_tokens,
-                "dtype": model.dtype, "device": device,
-                "options": dict(method_options or {})}
+        spec = CacheSpec(method=method, budget=budget, batch_size=prompt.shape[0],
+                         prompt_len=prompt.shape[1], new_tokens=reserve_tokens,
+                         dtype=model.dtype, device=device, options=dict(method_options or {}))
         turn = _first_turn(model, prompt, spec, max_new_tokens, prefilled, meter,
                            on_prefill_layer)
     peak_setup = meter.peak()
@@ -238,9 +239,9 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
                sampling, stop, meter, warmup_steps=warmup_steps, on_token=on_token,
                stop_check_every=stop_check_every)
     spec = turn.state.spec
-    end = spec["prompt_len"] + spec["new_tokens"]  # positions the caches hold
-    turn.state.conversation = {"batch_size": prompt.shape[0], "pending": run["pending"],
-                               "position": run["position"], "end": end}
+    end = spec.positions  # positions the caches hold
+    turn.state.conversation = Conversation(batch_size=prompt.shape[0], pending=run["pending"],
+                                           position=run["position"], end=end)
     if getattr(step_fn, "fault", None):  # a kernel failed to compile: the PyTorch path ran
         fused = dense = False
         ran = {f: v if v == "unused" else f"pytorch (compile: {step_fn.fault})"
@@ -272,19 +273,19 @@ class _Turn:
     shared: bool = False  # the caches are built from a shared prefill (``prefilled``)
 
 
-def _first_turn(model: Transformer, prompt: Tensor, spec: dict[str, Any], max_new_tokens: int,
+def _first_turn(model: Transformer, prompt: Tensor, spec: CacheSpec, max_new_tokens: int,
                 prefilled: PrefilledPrompt | None, meter: MemoryMeter, on_layer=None) -> _Turn:
-    """The caches of ``spec`` for ``prompt`` (``spec["new_tokens"]`` holds the reserve, to
+    """The caches of ``spec`` for ``prompt`` (``spec.new_tokens`` holds the reserve, to
     which the new tokens are added), prefilled by the model or from ``prefilled``."""
     T, context = prompt.shape[1], model.args.max_seq_len
-    reserve = spec["new_tokens"]
+    reserve = spec.new_tokens
     if prefilled is not None and not torch.equal(prefilled.tokens, prompt):
         raise ConfigError("prefilled holds another prompt than the one given")
     new_tokens = min(max_new_tokens, context - T)  # prompt + generated fit the context
     if T + new_tokens + reserve > context:
         raise ConfigError(f"prompt {T} + new tokens {new_tokens} + reserve_tokens "
                           f"{reserve} exceed the model's context ({context} tokens)")
-    state = prepare_caches(model, {**spec, "new_tokens": new_tokens + reserve}, meter)
+    state = prepare_caches(model, spec.replace(new_tokens=new_tokens + reserve), meter)
     if prefilled is not None and not all(c.shared_prefill for c in model.caches):
         prefilled = None  # the method prefills its own way (KeyDiff's blocks)
     if prefilled is not None:
@@ -304,12 +305,12 @@ def _next_turn(model: Transformer, prompt: Tensor, max_new_tokens: int,
         raise ConfigError("no conversation to continue: the previous generate() call must "
                           "leave its caches (a prefill_once or another model run since "
                           "drops them)")
-    if prompt.shape[0] != conv["batch_size"]:
+    if prompt.shape[0] != conv.batch_size:
         raise ConfigError(f"the conversation has {conv['batch_size']} sequences, the "
                           f"prompt {prompt.shape[0]}")
-    chunk = prompt if conv["pending"] is None else torch.cat([conv["pending"], prompt], 1)
-    start = conv["position"]
-    room = conv["end"] - start
+    chunk = prompt if conv.pending is None else torch.cat([conv.pending, prompt], 1)
+    start = conv.position
+    room = conv.end - start
     if chunk.shape[1] > room:
         raise ConfigError(f"the turn ({chunk.shape[1]} tokens with the pending generated "
                           f"token) exceeds the conversation's room ({room} tokens); pass "

@@ -26,6 +26,7 @@ from rocketkv.engine.measure import (  # noqa: F401  (SPREAD_WARN: re-exported)
     weight_bytes_per_step,
     weights_label,
 )
+from rocketkv.engine.session import CacheSpec
 from rocketkv.engine.step import StepMode
 from rocketkv.flags import PROGRESS_TOKENS
 from rocketkv.formats.tokenizer import Tokenizer
@@ -123,7 +124,7 @@ class GenerateResult(Mapping):
 _RESULT_KEYS = {f.name: None for f in fields(GenerateResult)}  # the JSON keys, in order
 
 
-def result_record(model: Transformer, spec: dict[str, Any], prompt: Tensor,
+def result_record(model: Transformer, spec: CacheSpec, prompt: Tensor,
                   run: dict[str, Any], *, stop_ids: Sequence[int], max_new_tokens: int,
                   limit_reason: str, conversation: dict[str, int], shared: bool,
                   peak_setup: int, memory_kind: str, mode: StepMode, fused: bool, dense: bool,
@@ -135,7 +136,7 @@ def result_record(model: Transformer, spec: dict[str, Any], prompt: Tensor,
     ``shared`` prefill, the step ``mode`` and the kernels that ran (``kernels.report``)."""
     B, T = prompt.shape
     device, dtype = model.device, model.dtype
-    end = spec["prompt_len"] + spec["new_tokens"]
+    end = spec.positions
     # each sequence ends at its first stop token (kept); the rest of the batch may run on
     tokens = []
     stop_set = set(stop_ids)
@@ -165,12 +166,12 @@ def result_record(model: Transformer, spec: dict[str, Any], prompt: Tensor,
     # rank's KV heads under tensor parallelism)
     a = model.args
     full_kv_bytes = 2 * a.n_layers * B * a.n_kv_heads * a.head_dim * end * dtype.itemsize
-    kept = [getattr(c, "kept", spec["prompt_len"]) for c in caches]  # prompt tokens kept
+    kept = [getattr(c, "kept", spec.prompt_len) for c in caches]  # prompt tokens kept
     w_per_step = weight_bytes_per_step(model)
     return GenerateResult(
-        method=spec["method"],
-        budget=spec["budget"],
-        method_params={**caches[-1].method_params(), **spec["options"]},
+        method=spec.method,
+        budget=spec.budget,
+        method_params={**caches[-1].method_params(), **spec.options},
         batch_size=B,
         prompt_tokens=T,
         prompt_token_ids=prompt.tolist(),

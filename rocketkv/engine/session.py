@@ -8,8 +8,9 @@ buffers) and ``continue_conversation`` goes on where the last call stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,17 +24,64 @@ from rocketkv.model import ConfigError, Transformer
 ATTRIBUTE = "generate_session"  # the model's attribute that holds its Session
 
 
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a run's caches are built for (``compression.build_caches``): two runs of equal
+    specs reuse the same caches and compiled step.
+
+    Attributes:
+        method, budget: the method and its token budget (None: unbudgeted).
+        batch_size: sequences.
+        prompt_len, new_tokens: tokens the caches hold room for: the prompt, and what follows
+            it (generated tokens and the reserve for later turns).
+        dtype, device: of the caches.
+        options: the method's options (``Option.name`` -> value).
+    """
+
+    method: str
+    budget: int | None
+    batch_size: int
+    prompt_len: int
+    new_tokens: int
+    dtype: torch.dtype
+    device: torch.device
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def positions(self) -> int:
+        """Positions the caches hold: ``prompt_len + new_tokens``."""
+        return self.prompt_len + self.new_tokens
+
+    def replace(self, **changes: Any) -> CacheSpec:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """The conversation a session's caches hold (``continue_conversation``).
+
+    Attributes:
+        batch_size: sequences.
+        pending: the last generated token, (B, 1) int64, not yet fed; or None.
+        position: tokens fed so far.
+        end: positions the caches hold.
+    """
+
+    batch_size: int
+    pending: torch.Tensor | None
+    position: int
+    end: int
+
+
 @dataclass
 class Session:
     """What ``generate`` left in a model's caches: the spec they were built for, weak
     references to them (whether they are still the model's shows whether the session holds),
-    and the conversation they hold (``continue_conversation``): ``batch_size``, ``pending``
-    (the last generated token, (B, 1) int64, not yet fed; or None), ``position`` (tokens fed)
-    and ``end`` (positions the caches hold)."""
+    and the conversation they hold (None until a run has decoded)."""
 
-    spec: dict[str, Any]
+    spec: CacheSpec
     caches: list[weakref.ref]
-    conversation: dict[str, Any] | None = None
+    conversation: Conversation | None = None
 
     def holds(self, model: Transformer) -> bool:
         """Whether ``model``'s caches are still the ones this session built."""
@@ -73,15 +121,15 @@ def rewind_conversation(model: Transformer, position: int,
     if conv is None or (snapshot is not None and not snapshot.holds(model.caches)):
         raise ConfigError("no conversation to rewind: the caches were replaced since (by "
                           "another run); prefill the document again")
-    if not 0 < position <= conv["end"]:
+    if not 0 < position <= conv.end:
         raise ConfigError(f"cannot rewind to position {position} (the conversation holds "
-                          f"{conv['end']} positions)")
+                          f"{conv.end} positions)")
     if snapshot is not None:
         snapshot.restore()
-    state.conversation = {**conv, "pending": None, "position": position}
+    state.conversation = dataclasses.replace(conv, pending=None, position=position)
 
 
-def prepare_caches(model: Transformer, spec: dict[str, Any],
+def prepare_caches(model: Transformer, spec: CacheSpec,
                    meter: MemoryMeter | None = None) -> Session:
     """Attach caches for ``spec``; reuse the model's current ones when ``generate`` built them
     for the same spec, so repeated calls keep the compiled graph and its static buffers (a new
@@ -103,13 +151,13 @@ def prepare_caches(model: Transformer, spec: dict[str, Any],
         meter.reset()
     shard = getattr(model, "tp", None)  # tensor parallelism (tp.py): this rank's KV heads,
     # the method's parameters of the whole model
-    caches = build_caches(spec["method"], shard["args"] if shard else model.args,
-                          batch_size=spec["batch_size"], prompt_len=spec["prompt_len"],
-                          max_new_tokens=spec["new_tokens"], budget=spec["budget"],
-                          dtype=spec["dtype"], device=spec["device"],
+    caches = build_caches(spec.method, shard["args"] if shard else model.args,
+                          batch_size=spec.batch_size, prompt_len=spec.prompt_len,
+                          max_new_tokens=spec.new_tokens, budget=spec.budget,
+                          dtype=spec.dtype, device=spec.device,
                           shard=(shard["rank"], shard["world_size"]) if shard else (0, 1),
-                          **spec["options"])
-    model.setup_caches(caches, spec["prompt_len"] + spec["new_tokens"])
+                          **spec.options)
+    model.setup_caches(caches, spec.positions)
     state = Session(spec, [weakref.ref(c) for c in caches])
     setattr(model, ATTRIBUTE, state)
     return state
