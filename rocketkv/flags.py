@@ -4,7 +4,7 @@ modes and group sizes).
 
 Nothing here imports torch or a module of the engine, so a script builds and parses its
 arguments before loading them: ``--help`` and a usage error come back in a fraction of a
-second instead of the seconds ``import torch`` takes. ``cli.py`` re-exports these
+second instead of the seconds ``import torch`` takes. ``cli/common.py`` re-exports these
 names beside the helpers that need torch.
 """
 

@@ -2,7 +2,7 @@
 
 The model knows nothing about KV-cache compression: every attention layer computes q, k, v,
 rotates q and k at the tokens' true positions, and hands them to its cache object
-(``kv_cache.KVCache``), which stores what it wants and returns the attention output.
+(``cache.KVCache``), which stores what it wants and returns the attention output.
 
 Two entry points:
 

@@ -1,6 +1,6 @@
 """``generate.py``'s command line without the engine: its parser, built from ``flags.py``
 alone, so that ``python generate.py --help`` and a usage error come back before ``import
-torch`` (a fraction of a second instead of 4-6 s). ``generate_cli.py`` runs what it parses.
+torch`` (a fraction of a second instead of 4-6 s). ``cli/generate.py`` runs what it parses.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Full-KV: every token cached and read at every decode step (the reference, no budget).
 
-The cache is ``kv_cache.FullKVCache``: a static (B, H_kv, T + m, D) buffer for K and for V, of
+The cache is ``cache.FullKVCache``: a static (B, H_kv, T + m, D) buffer for K and for V, of
 which a compiled decode step reads the written prefix.
 """
 

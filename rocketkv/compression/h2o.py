@@ -3,7 +3,7 @@
 Per KV head, ``heavy`` heavy hitters (largest accumulated attention, summed over the query heads
 of the group as in the RocketKV paper's GQA baselines) and the ``recent`` latest tokens (half
 and half by default). The prompt's accumulated scores are the column sums of every prompt query's
-causal attention (``kv_cache.attention_and_column_sums``: on the CPU one flash-attention pass beside
+causal attention (``cache.attention_and_column_sums``: on the CPU one flash-attention pass beside
 the attention's own, row blocks elsewhere, never T x T); at each decode step, when the cache is
 full, the token with the lowest accumulated score outside the recent window is evicted before the
 new token is written, so the step reads exactly t tokens, and the new query's attention is added to

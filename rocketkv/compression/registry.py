@@ -275,7 +275,7 @@ class PromptEviction:
 
 
 class CompressedMethod(Method):
-    """A method whose caches are ``kv_cache.CompressedKVCache``: the prompt tokens an
+    """A method whose caches are ``cache.CompressedKVCache``: the prompt tokens an
     ``evictor`` keeps at the end of prefill (all of them without one), then a decode-time
     ``selector`` over the kept and generated tokens. Parameters that are ``PromptEviction``
     give the prompt tokens kept (``keep``) and the evictor's observation window

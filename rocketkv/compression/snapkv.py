@@ -59,7 +59,7 @@ def window_votes(q: Tensor, k: Tensor, window: int) -> Tensor:
     Returns:
         (B, H, T - window) float32: per query head, sum over window queries i of
         softmax_j(q_i . k_j / sqrt(D)) (causal over the whole prompt) at prefix keys j
-        (``kv_cache.attention_column_sums`` per query head: scores one KV head at a time, so
+        (``cache.attention_column_sums`` per query head: scores one KV head at a time, so
         the float32 transient is (B, G * window, T), 64 MiB at 128K tokens, G = 4, window 32).
     """
     T = k.shape[2]

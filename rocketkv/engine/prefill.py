@@ -111,10 +111,10 @@ class PrefilledPrompt:
         q_obs: per layer (B, H, w, D), the last w = min(obs_window, T) queries (rotated).
         prefill_s: wall time of the prefill (seconds).
         attention_sums: per layer (B, H_kv, T) float32 column sums of every prompt query's
-            attention (``kv_cache.attention_column_sums``), recorded when asked for (H2O
+            attention (``cache.attention_column_sums``), recorded when asked for (H2O
             needs them); None otherwise.
         memos: per layer, a dict that lives as long as the prefill, where the caches built
-            from it keep work they share (``kv_cache.prefill_memo``; e.g. the SnapKV family's
+            from it keep work they share (``cache.prefill_memo``; e.g. the SnapKV family's
             observation-window votes, (B, H, T) float32 per layer and window length, so many
             methods' and budgets' caches score the window once per layer).
     """

@@ -11,5 +11,5 @@
 * ``probes``: what a compressed cache reads at each step and keeps after prefill.
 * ``fidelity``: the fidelity prompt set and passes against the full cache.
 * ``reports``: tables, figures and result files.
-* ``bench``: what the speed and memory scripts share (the flag vocabulary is ``cli.py``'s).
+* ``bench``: what the speed and memory scripts share (the flag vocabulary: ``flags.py``).
 """

@@ -341,7 +341,7 @@ def dense_in_use(device: torch.device) -> bool:
 
 
 def no_aux(like: Tensor) -> tuple[Tensor, int, int]:
-    """A token write's ``(aux, aux_kind, page_size)`` (``kv_cache.TokenStore``) without
+    """A token write's ``(aux, aux_kind, page_size)`` (``cache.TokenStore``) without
     auxiliary keys: an empty tensor on ``like``'s device (aliasing no cache buffer),
     ``AUX_NONE``, 1."""
     return like.new_empty(0), AUX_NONE, 1
@@ -351,7 +351,7 @@ def qkv_store(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: 
               rope: Tensor, store: tuple, n_heads: int, scales: Tensor | None = None,
               groupsize: int = 0) -> Tensor:
     """RMSNorm, q/k/v projection, RoPE and the token's write into ``store`` (a
-    ``kv_cache.TokenStore``) in one kernel (``kernels.dense.qkv_store``; int8 or int4
+    ``cache.TokenStore``) in one kernel (``kernels.dense.qkv_store``; int8 or int4
     weights with ``scales``); returns q (B, H, 1, D)."""
     return torch.ops.rocketkv.qkv_store(x, norm_weight, eps, weight, bias, rope, *store, n_heads,
                                         scales, groupsize)

@@ -412,7 +412,7 @@ def qkv_store(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: 
             ``bias`` the same rows' bias or None; quantized with ``scales`` and
             ``groupsize`` as in ``linear``.
         rope: (1, D / 2, 2) float32 cos and sin of the step's position (``precompute_rope``).
-        k_cache, v_cache, pos, offset, aux, aux_kind, page_size: a ``kv_cache.TokenStore``:
+        k_cache, v_cache, pos, offset, aux, aux_kind, page_size: a ``cache.TokenStore``:
             the (B, H_kv, S, D) static buffers (last dim contiguous) written at slot
             ``pos - offset`` ((1,) int64 device tensors; ``offset`` None: 0), and the
             selector's auxiliary keys as in ``write_token`` (``AUX_SUMMARY``,
