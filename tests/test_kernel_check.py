@@ -229,3 +229,84 @@ def test_the_families_of_every_method_are_found_without_error():
             assert bool(selectors) == ("sparse" in found), name
     finally:
         kernels.set_mode(previous)
+
+
+# What Inductor's compile workers hand back when a Triton kernel fails to compile inside
+# torch.compile (three of the four compile failures on the H200, 2026-11-27): the Triton error
+# only as text in a SubprocException's traceback, re-raised as an InductorError.
+SUBPROC_TEXT = """An exception occurred in a subprocess:
+
+Name=_select_attend_kernel
+Traceback (most recent call last):
+  File "/opt/venv/lib/python3.12/site-packages/triton/language/core.py", line 43, in wrapper
+    return fn(*args, **kwargs)
+AssertionError: Both operands must be same dtype. Got fp64 and fp32
+
+The above exception was the direct cause of the following exception:
+
+triton.compiler.errors.CompilationError: at 15:33:
+    s = _dot(q, tl.trans(kt), DOT) * scale
+                                 ^
+Both operands must be same dtype. Got fp64 and fp32
+"""
+
+
+def test_a_triton_error_handed_back_as_text_by_inductor_is_a_compile_fault():
+    """``kernels.compile_fault`` finds the Triton error inside the text of Inductor's
+    subprocess exception, so the compiled step falls back to the PyTorch path with one
+    warning (``step.FallbackStep``) instead of ending the run in a traceback; a CUDA error
+    in such text is still no compile fault, and text without Triton is nothing."""
+    from torch._inductor.exc import InductorError
+
+    class SubprocException(Exception):
+        pass
+
+    def inductor_error(text: str) -> Exception:
+        inner = SubprocException(text)
+        try:
+            raise InductorError(inner, None) from inner  # as Inductor re-raises it
+        except InductorError as e:
+            return e
+
+    err = inductor_error(SUBPROC_TEXT)
+    assert "SubprocException: An exception occurred" in str(err)
+    reason = kernels.compile_fault(err)
+    assert reason == ("Triton CompilationError: at 15:33: ... Both operands must be same dtype. "
+                      "Got fp64 and fp32")
+    assert kernels.fault(err) == reason
+    cuda = inductor_error(SUBPROC_TEXT + "\nRuntimeError: CUDA error: an illegal memory access")
+    assert kernels.compile_fault(cuda) is None
+    assert kernels.compile_fault(inductor_error("a C++ compiler failed")) is None
+
+
+def test_the_compiled_step_falls_back_on_inductors_text_form(monkeypatch, capsys):
+    """``step.FallbackStep`` given Inductor's text form of a Triton compile error: one
+    ``warning:`` line, every kernel family off on the device, the PyTorch path's step runs."""
+    from torch._inductor.exc import InductorError
+
+    from rocketkv.engine.step import FallbackStep
+
+    class SubprocException(Exception):
+        pass
+
+    calls = []
+
+    def step(model, tokens, input_pos):
+        calls.append(1)
+        if len(calls) == 1:
+            inner = SubprocException(SUBPROC_TEXT)
+            raise InductorError(inner, None) from inner
+        return "the PyTorch path's tokens"
+
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+    device = torch.device("cpu")
+    try:
+        fallback = FallbackStep(step, device)
+        assert fallback(None, None, None) == "the PyTorch path's tokens"
+        assert fallback.fault.startswith("Triton CompilationError: at 15:33:")
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("warning: a fused kernel failed to compile")
+        assert all(kernels.failure(f, device) == fallback.fault
+                   for f in kernels.FAMILIES)
+    finally:
+        kernels.reset_failures()

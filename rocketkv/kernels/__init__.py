@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from types import ModuleType
 
@@ -130,7 +131,34 @@ def fault(e: BaseException) -> str | None:
             return f"Triton {type(x).__name__}: {_line(x)}"
         if cuda_error(x):
             return first if first.startswith("CUDA error") else f"CUDA error: {first}"
+    for x in _chain(e):  # Inductor's compile workers hand a Triton error back as text only
+        if (reason := _triton_in_text(str(x))) is not None:
+            return reason
     return None
+
+
+# A Triton exception named at the start of a traceback's line (``triton.compiler.errors.
+# CompilationError: at 7:15:``); its message ends where the traceback goes on
+_TRITON_TEXT = re.compile(r"^triton\.[\w.]*\.(\w+): ", re.MULTILINE)
+_MESSAGE_END = re.compile(r"^(?:The above exception was|During handling of|Traceback \(most)",
+                          re.MULTILINE)
+
+
+def _triton_in_text(text: str) -> str | None:
+    """The one-line reason of the Triton error whose traceback ``text`` holds (the form in
+    which Inductor's compile workers return it inside a ``SubprocException``), as ``fault``
+    words a Triton exception: "Triton <Name>: <first line> ... <last line>" of the first one
+    named (the root cause: later ones point at the calls that led to it); None when the text
+    names none."""
+    found = _TRITON_TEXT.search(text)
+    if found is None:
+        return None
+    rest = text[found.end():]
+    end = _MESSAGE_END.search(rest)
+    lines = [ln.strip() for ln in rest[:end.start() if end else None].splitlines()
+             if ln.strip() and ln.strip() != "^"]
+    body = "" if not lines else lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return f"Triton {found.group(1)}: {body}"
 
 
 def compile_fault(e: BaseException) -> str | None:
