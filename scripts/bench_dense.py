@@ -19,13 +19,13 @@ replayed ``--iters`` times (CUDA events), so launch overhead is not counted, as 
 step's graph; on CPU by wall clock. Rows go to ``--json`` (default
 ``./<device>/bench_dense-<time>.json`` under the current directory), saved after every shape.
 The configuration the decode step launches (``default: true`` rows) is the tuned table's entry
-for the launch on this GPU (``kernels/tuned/*.json``, ``tuned: true``) or else the module's
+for the launch on this GPU (``rocketkv/kernels/tuned/*.json``, ``tuned: true``) or else the module's
 constants; the grid's rows time the constants with the table set aside.
 
 ``--tuned PATH`` also writes the fastest configuration of each launch (its ``key``: epilogue,
 weight format, one batch row or several, K, N) as a tuned table for this GPU, with the times
-behind it; committed as ``kernels/tuned/<name>.json`` it is what the kernels launch on a GPU of
-that name from then on (``kernels.dense.launch_knobs``). Tables are read only on CUDA.
+behind it; committed as ``rocketkv/kernels/tuned/<name>.json`` it is what the kernels launch on
+a GPU of that name from then on (``kernels.dense.launch_knobs``). Tables are read only on CUDA.
 
 ``--weights int8 int4-g128`` times the same launches on quantized weights (``quantize.py``'s
 formats, dequantized in the kernel), against what the model runs without our kernels:
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="rows (default ./<device>/"
                                                   "bench_dense-<time>.json)")
     p.add_argument("--tuned", metavar="PATH", help="also write each launch's fastest "
-                   "configuration here, a table for kernels/tuned/")
+                   "configuration here, a table for rocketkv/kernels/tuned/")
     args = p.parse_args(argv)
     args.compile, args.kernels = None, None  # resolve_run's other flags: not read here
     try:

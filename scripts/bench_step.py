@@ -43,8 +43,8 @@ it ran), ``setting`` (its combination's index), ``split_pages`` and ``fused_kern
 the Triton kernels ran: CUDA with triton). ``--tuned PATH`` also writes the combination whose
 steps are fastest relative to each configuration's best (``best_setting``; among those whose
 every row ran) as a tuned table for this GPU, with every combination's figures; committed
-under ``kernels/tuned/`` its constants are what ``kernels.sparse`` runs with on a GPU of that
-name (``kernels.tuning``).
+under ``rocketkv/kernels/tuned/`` its constants are what ``kernels.sparse`` runs with on a GPU
+of that name (``kernels.tuning``).
 
 Methods whose layers differ (omnikv, duoattention) have no single representative layer and are
 refused; use ``scripts/bench.py``. Results: ``--json`` (default
@@ -122,7 +122,7 @@ def build_parser() -> OneLineParser:
                         "a program (kernels.sparse.SPLIT_PAGES; where the kernels run)")
     p.add_argument("--tuned", metavar="PATH", help="also write the --knob setting whose steps "
                    "ran fastest (relative to each configuration's best) as a table for "
-                   "kernels/tuned/")
+                   "rocketkv/kernels/tuned/")
     p.add_argument("--knob", type=parse_knob, action="append", default=[],
                    metavar="NAME=V1,V2", help="repeat each configuration at every combination "
                    "of these launch constants of the fused kernels (kernels.sparse's, "

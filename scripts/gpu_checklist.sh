@@ -28,7 +28,7 @@
 #    peers last). Files back: log-first.txt, profile-32768.{json,md}, <device>/bench-*.json
 # k: the dense kernels' knobs at batch 1 over the quick grid, as a table
 #    (tuned-dense-b1.json) the rest of the call uses and the session commits under
-#    kernels/tuned/ for t and q; kernels per step and layer at 32K of full and rocketkv@256
+#    rocketkv/kernels/tuned/ for t and q; kernels per step and layer at 32K of full and rocketkv@256
 #    with every kernel, and of rocketkv on the PyTorch path (--kernels off: the count before);
 #    then full and the selecting methods @256 at 32K (first runs the CUDA tests)
 # t: the targets' rows (items 2, 4 and 6): full and rocketkv@256 beside transformers' static
@@ -45,14 +45,14 @@
 #    H200's 132 SMs, 57 us a layer at 32K, results/NVIDIA-H200/README.md);
 #    then Full-KV's attention over a grid of its launch constants (PREFIX_PROGRAMS,
 #    ATTEND_TOKENS, PREFIX_WARPS: unmeasured); the fastest of each comes back as a table
-#    (tuned-*.json) to commit under kernels/tuned/
+#    (tuned-*.json) to commit under rocketkv/kernels/tuned/
 # kd: the dense kernels alone against cuBLAS at the llama-3.1-8b projections over a grid of
 #    launch configurations (scripts/bench_dense.py): batch 1 over the full grid, batch 16 over
 #    the quick one; each launch's fastest knobs come back as tables (tuned-*.json) to commit
-#    under kernels/tuned/ (the kernels read them on that GPU from then on)
+#    under rocketkv/kernels/tuned/ (the kernels read them on that GPU from then on)
 # kq: the dense kernels on int8 and int4 (group 128) weights against the model's quantized layers
 #    without them (int8 converted in the matmul, tinygemm), batch 1 and 16, quick grid, and
-#    their fastest knobs as a table for kernels/tuned/
+#    their fastest knobs as a table for rocketkv/kernels/tuned/
 # p: part t's peers and part q's weights compiled (static regime): transformers' static cache
 #    beside our full and rocketkv@256 at 32K and 128K in one bench call, then int8 and int4
 #    weights with full and rocketkv@256 at 32K and 128K
@@ -122,7 +122,7 @@ k)
     timeout 110 $py scripts/bench_dense.py --batch-sizes 1 --grid quick \
         --json "$out/bench_dense-k.json" --tuned "$out/tuned-dense-b1.json" | tail -6
     [ -s "$out/tuned-dense-b1.json" ] && cp "$out/tuned-dense-b1.json" \
-        kernels/tuned/0-session-dense-b1.json  # the launches it measured, even if cut off
+        rocketkv/kernels/tuned/0-session-dense-b1.json  # the launches it measured, even if cut off
     step "kernels per step at 32K: every kernel (full, rocketkv), the PyTorch path"
     timeout 90 $py scripts/profile_step.py --context 32768 --methods full rocketkv \
         --budgets 256 --compile-regime graphs --out "$out" | grep -v "^|" | head -20
@@ -131,7 +131,7 @@ k)
     step "full and the selecting methods @256 at 32K"
     timeout 120 $py scripts/bench.py $G --context 32768 --methods full rocketkv hybrid quest \
         sparq exact_topk --budgets 256 --time-limit 80
-    rm -f kernels/tuned/0-session-*.json  # this call's copy: the committed table serves later
+    rm -f rocketkv/kernels/tuned/0-session-*.json  # this call's copy: the committed table serves later
     ;;
 t)
     step "full and rocketkv@256 beside transformers at 32K and 128K, one run"

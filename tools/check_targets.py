@@ -36,8 +36,9 @@ Targets (llama-3.1-8b shape, bf16, batch 1 unless said; the issue that set each 
 A configuration measured with several kernel settings (``bench.py --kernels on``, ``sparse``
 or ``off``, ``profile_step.py --kernels off``: comparisons) is judged on the rows that ran
 what ``--kernels auto`` runs there today, the engine's step: the sparse kernels, and the dense
-ones only where the GPU's tuned table (``kernels/tuned/``) timed them faster than cuBLAS; the
-rows that ran the most kernels where no row ran that; the others neither replace nor count.
+ones only where the GPU's tuned table (``rocketkv/kernels/tuned/``) timed them faster than
+cuBLAS; the rows that ran the most kernels where no row ran that; the others neither replace
+nor count.
 
 Rows are judged per compile regime (``compile_regime``: ``static``, ``dynamic``, ``graphs``,
 ``eager``; rows from before the field are ``static`` when compiled): the same configuration

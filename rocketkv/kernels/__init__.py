@@ -12,7 +12,7 @@ first use: ``ops()``.
 Switches, read when a decode step is traced or run:
     * ``ROCKETKV_KERNELS=0`` in the environment, or ``set_mode("off")``: never.
     * ``set_mode("auto")`` (the default): on CUDA tensors when triton imports; the dense
-      kernels only on a GPU whose tuned table (``kernels/tuned/``) timed them faster than
+      kernels only on a GPU whose tuned table (``rocketkv/kernels/tuned/``) timed them faster than
       cuBLAS (``tuning.Table.dense_faster``): untuned on the H200 they made the 8B decode
       step 31% slower (10.46 against 7.99 ms at 32K, results/NVIDIA-H200/README.md).
     * ``set_mode("force")``: on any device (tests on CPU, with ``TRITON_INTERPRET=1`` set

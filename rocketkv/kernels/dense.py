@@ -34,7 +34,7 @@ scale sum_k x_k (q_nk - 8) + zero sum_k x_k (even features in the high nibble).
 
 One batch row uses a multiply-and-sum per block (a GEMV); several use ``tl.dot`` on blocks of
 16 rows. Block sizes follow a rule (``launch_config``) from four knobs: the module's constants,
-or, on a GPU that ``kernels/tuned/*.json`` names, the knobs measured fastest there for that
+or, on a GPU that ``rocketkv/kernels/tuned/*.json`` names, the knobs measured fastest there for that
 launch (``launch_knobs``: per epilogue, weight format, one or several batch rows, K and N).
 ``scripts/bench_dense.py --tuned PATH`` times a grid of them against cuBLAS on a GPU and
 writes such a file; ``--kernels sparse`` keeps the PyTorch projections for the whole-step

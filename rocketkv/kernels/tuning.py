@@ -1,4 +1,4 @@
-"""Launch settings measured per GPU: the tables under ``kernels/tuned/``.
+"""Launch settings measured per GPU: the tables under ``rocketkv/kernels/tuned/``.
 
 A table is a JSON file a benchmark wrote on a GPU (``scripts/bench_dense.py --tuned``,
 ``scripts/bench_step.py --tuned``), committed from a real run:
