@@ -892,3 +892,49 @@ def test_the_choice_takes_the_reference_slots(case):
     got = list(zip(pages[:int(n)].tolist(), take[:int(n)].tolist()))
     assert got == choice_reference(key.tolist(), cnt.tolist(), k_eff)
     assert sum(t for _, t in got) == k_eff
+
+
+def test_selection_splits_fill_the_gpus_multiprocessors():
+    """With ``sms`` multiprocessors and ``programs`` (B x H_kv) that leave them idle, the
+    selection splits further: up to the power of two >= sms / programs, each split at least
+    ``MIN_SPLIT_PAGES`` pages, never fewer than the ``SPLIT_PAGES`` rule. RocketKV @256 at
+    32K on an H200 (132 SMs, 8 KV heads; 740-1,171 pages): 8-16 splits at batch 1 (64-128
+    programs), 2 at batch 16; off CUDA (sms 0) the rule of one program per KV head stands."""
+    assert [OPS.selection_splits(p, 128, 44, 8, 132) for p in (740, 1171)] == [8, 16]
+    assert [OPS.selection_splits(p, 128, 44, 128, 132) for p in (740, 1171)] == [2, 2]
+    assert [OPS.selection_splits(p, 128, 44) for p in (740, 1171)] == [1, 1]
+    assert OPS.selection_splits(2736, 128, 12, 8, 132) == 32  # hybrid at 32K: 85 pages each
+    assert OPS.selection_splits(2736, 128, 12, 256, 132) == 2  # GPU full: SPLIT_PAGES's rule
+    assert OPS.selection_splits(100, 128, 44, 8, 132) == 1  # too few pages to split
+    assert OPS.selection_splits(32768, 128, 1, 8, 132) == 32
+    assert OPS.selection_splits(131072, 256, 1, 8, 132) == 32  # candidates cap it as before
+
+
+@interpreted
+@pytest.mark.parametrize("name,pages", [("hybrid", 1024), ("hybrid", 1171), ("quest", 740)])
+def test_a_step_split_over_the_gpu_gives_the_one_program_output(name, pages, monkeypatch):
+    """At real page counts (RocketKV's at 32K) with few heads, the decode step whose
+    selection is split to fill 132 SMs (``kernels.multiprocessors``) gives the one-program
+    step's output and the reference's."""
+    ps = SELECTORS[name](1).page_size
+    T, k = pages * ps, 128
+    ref, ker, (q, kk, v) = twin_caches(name, k, model_args(2, 1, 16), T, 1, torch.float32,
+                                       "cpu")
+    ins = q[:, :, T:T + 1], kk[:, :, T:T + 1], v[:, :, T:T + 1]
+    want = decode(ref, "off", *ins, T)
+    splits = []
+    spy = OPS._split_selection
+
+    def counting(*a, **kw):
+        splits.append(a[10] if len(a) > 10 else kw["splits"])
+        return spy(*a, **kw)
+
+    monkeypatch.setattr(OPS, "_split_selection", counting)
+    outputs = {}
+    for sms in (0, 132):
+        monkeypatch.setattr(kernels, "multiprocessors", lambda device, sms=sms: sms)
+        cache = twin_caches(name, k, model_args(2, 1, 16), T, 1, torch.float32, "cpu")[1]
+        outputs[sms] = decode(cache, "force", *ins, T)
+        assert torch.allclose(outputs[sms], want, atol=2e-5, rtol=1e-4), sms
+    assert len(splits) == 1 and splits[0] > 1  # only the filled step ran split
+    assert torch.allclose(outputs[0], outputs[132], atol=1e-6, rtol=1e-5)

@@ -17,7 +17,8 @@ per KV head), dtype and weight format, with two KV heads and batch 1:
 * ``sparse`` and ``write``: a ``CompressedKVCache`` with a fresh selector of the run's class,
   page size, r and k (so the kernels' compile-time constants are the run's) holding
   ``max(64, 2 k + 2 page size) + 1`` prompt tokens decodes one step, with only that family's
-  kernels on (``kernels.only``);
+  kernels on (``kernels.only``); on a GPU at least 8 x ``MIN_SPLIT_PAGES`` pages, so that the
+  selection runs split over programs as a real run's does (``selection_splits``);
 * ``dense``: ``qkv_store`` (norm, q/k/v, RoPE, the K/V write) and ``linear`` with a residual,
   with the norm and SwiGLU, and with the norm alone (the LM head), over an input width of
   ``max(64, groupsize)``, in the run's weight format (float, int8, int4 with its groupsize;
@@ -203,7 +204,11 @@ def _decode_case(family: str, device, dtype, head_dim: int, group: int, sel, see
         T = PROMPT
     else:
         page = sel.page_size
-        T = -(-max(PROMPT, 2 * getattr(sel, "k", 16) + 2 * page) // page) * page + 1
+        # on a GPU, enough pages that the selection runs split over the SMs as real runs'
+        # does (kernels.sparse.selection_splits; 2 KV heads: 8 splits of MIN_SPLIT_PAGES)
+        pages = 8 * kernels.ops().MIN_SPLIT_PAGES if kernels.multiprocessors(device) else 0
+        T = -(-max(PROMPT, 2 * getattr(sel, "k", 16) + 2 * page, pages * page) // page) \
+            * page + 1
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, h, T + 1, head_dim, generator=g).to(dtype)
                for h in (args.n_heads, KV_HEADS, KV_HEADS))

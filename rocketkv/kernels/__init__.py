@@ -340,12 +340,16 @@ def enabled(x: Tensor, family: str | None = None) -> bool:
     return in_use(x.device, family)
 
 
+_sms: dict[str, int] = {}  # device key -> its SMs (multiprocessors)
+
+
 def _available(device: torch.device) -> bool:
     """The mode, the device and triton allow the kernels on ``device``; on a GPU a tuned
     table names, its constants are set first (once a process)."""
     if _mode == "off" or (_mode != "force" and device.type != "cuda") or ops() is None:
         return False
     tuning.apply_constants(device, {"sparse": _ops, "dense": sys.modules["rocketkv.kernels.dense"]})
+    multiprocessors(device)  # recorded now, before a decode step is traced
     return True
 
 
@@ -446,9 +450,21 @@ def select_then_attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor
 
 def _splits(k_cache: Tensor, rows: Tensor | None, k: int, page_size: int) -> int:
     """The selection's programs per KV head (``kernels.sparse.selection_splits``) over the
-    pages of ``rows`` (the summary, (B, H_kv, rows, P)) or the tokens of ``k_cache``."""
+    pages of ``rows`` (the summary, (B, H_kv, rows, P)) or the tokens of ``k_cache``, for its
+    B x H_kv programs on the device's SMs (none counted off CUDA)."""
     n_pages = k_cache.shape[2] if rows is None else rows.shape[3]
-    return ops().selection_splits(n_pages, k, page_size)
+    B, Hkv = k_cache.shape[:2]
+    return ops().selection_splits(n_pages, k, page_size, B * Hkv, multiprocessors(k_cache.device))
+
+
+def multiprocessors(device: torch.device | str) -> int:
+    """The SMs of a CUDA ``device``, asked once a process (``_available`` asks first, before a
+    decode step is traced, so the traced step reads the recorded count); 0 elsewhere (the
+    interpreter runs one program at a time)."""
+    device = torch.device(device)
+    if device.type == "cuda" and _key(device) not in _sms and torch.cuda.is_available():
+        _sms[_key(device)] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sms.get(_key(device), 0)
 
 
 def prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor,

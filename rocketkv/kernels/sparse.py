@@ -88,6 +88,14 @@ SELECT_REGISTER_PAGES = 8192  # up to this many pages the choice of k runs in re
 # passes over the scores, which the selectors leave to the PyTorch path (kernels.selection_fits)
 SELECT_BLOCK = 1024  # scores per loop iteration of those passes
 SPLIT_PAGES = 2048  # pages one program scores and chooses over: more pages split the selection
+# The selection runs B x H_kv programs per layer: at batch 1 and 8 KV heads, 8 of an H200's 132
+# SMs read every page summary while the rest idle (RocketKV @256 at 32K: 740-1,171 pages, 57 us
+# a layer on 2026-11-27). So a step splits the pages further, until the programs fill the GPU's
+# SMs once (``selection_splits``: the power of two >= SMs / (B x H_kv)), each split keeping at
+# least MIN_SPLIT_PAGES pages: below that a split's fixed costs (its log-sum-exp pass, its
+# candidate list, the last choice over them) outweigh the pages it scores. A tuned table may
+# set it (a large value keeps B x H_kv programs).
+MIN_SPLIT_PAGES = 64  # one SCORE_BLOCK loop iteration a split at the least
 # over programs of about this many pages each, then choose among their candidates (untuned:
 # RocketKV's pages stay in one program up to 128K, hybrid's and SparQ's one-token pages split)
 SELECT_CANDIDATES = 8192  # at most this many candidates (splits x their page lists) reach the
@@ -630,17 +638,25 @@ def selected_pages(k: int, page_size: int, n_pages: int, splits: int = 1) -> int
     return min(n_pages, -(-k // page_size) + (splits if page_size > 1 else 0))
 
 
-def selection_splits(n_pages: int, k: int, page_size: int) -> int:
+def selection_splits(n_pages: int, k: int, page_size: int, programs: int = 0,
+                     sms: int = 0) -> int:
     """Programs per KV head that score and choose over ``n_pages`` pages (tokens, for pages
     of one slot): 1 up to ``SPLIT_PAGES`` pages (one program: ``paged_select``,
     ``select_attend``); above, the power of two that gives each about ``SPLIT_PAGES`` pages
-    (the split selection), fewer where their candidates (splits x ``selected_pages``) would
-    pass ``SELECT_CANDIDATES``; 0 where no count fits in registers (the selectors then keep
-    the PyTorch path: ``kernels.selection_fits``)."""
+    (the split selection). On a GPU of ``sms`` multiprocessors where the ``programs``
+    (sequences x KV heads) leave SMs idle, more: up to the power of two >= sms / programs,
+    each split at least ``MIN_SPLIT_PAGES`` pages (sms 0, the CPU and the interpreter: no
+    such split). Fewer where their candidates (splits x ``selected_pages``) would pass
+    ``SELECT_CANDIDATES``; 0 where no count fits in registers (the selectors then keep the
+    PyTorch path: ``kernels.selection_fits``)."""
     P = int(n_pages)
-    if P <= SPLIT_PAGES:
+    splits = _pow2(-(-P // SPLIT_PAGES)) if P > SPLIT_PAGES else 1
+    if sms > 0 and 0 < programs < sms and P >= 2 * MIN_SPLIT_PAGES:
+        fill = _pow2(-(-sms // programs))
+        most = 1 << ((P // MIN_SPLIT_PAGES).bit_length() - 1)  # splits of >= MIN pages
+        splits = max(splits, min(fill, most))
+    if splits == 1:
         return 1 if register_pages(P) else 0
-    splits = _pow2(-(-P // SPLIT_PAGES))
     while splits > 1:
         per = -(-P // splits)
         if not register_pages(per):  # fewer splits only lengthen them

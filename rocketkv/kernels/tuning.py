@@ -29,9 +29,9 @@ TUNED_DIR = Path(__file__).with_name("tuned")
 LAUNCH_KNOBS = ("TARGET_PROGRAMS", "MAX_BLOCK_N", "K_BLOCK", "NUM_WARPS")  # a launch's config
 POW2 = {"MAX_BLOCK_N": 1, "K_BLOCK": 16, "NUM_WARPS": 1}  # powers of two, at least this
 CONSTANTS = {  # module -> constant -> the smallest power of two it must be (None: any >= 1)
-    "sparse": {"SPLIT_PAGES": None, "PREFIX_SPLIT": None, "PREFIX_PROGRAMS": None,
-               "PREFIX_WARPS": 1, "ATTEND_TOKENS": 16, "SPLIT_TOKENS": None,
-               "SCORE_BLOCK": 16, "NUM_WARPS": 1},
+    "sparse": {"SPLIT_PAGES": None, "MIN_SPLIT_PAGES": None, "PREFIX_SPLIT": None,
+               "PREFIX_PROGRAMS": None, "PREFIX_WARPS": 1, "ATTEND_TOKENS": 16,
+               "SPLIT_TOKENS": None, "SCORE_BLOCK": 16, "NUM_WARPS": 1},
     "dense": {"TARGET_PROGRAMS": None, "MAX_BLOCK_N": 1, "K_BLOCK_GEMV": 16, "K_BLOCK_DOT": 16,
               "NUM_WARPS": 1},
 }
