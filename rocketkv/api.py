@@ -44,7 +44,7 @@ import torch
 from rocketkv.compression.registry import every_option
 from rocketkv.engine import checks
 from rocketkv.engine import generate as _g
-from rocketkv.engine.device import DTYPES, resolve_device
+from rocketkv.engine.device import default_dtype, resolve_device
 from rocketkv.engine.documents import CacheSnapshot, document_ids, prefill_summary, question_ids
 from rocketkv.engine.measure import weights_label
 from rocketkv.engine.report import GenerateResult, TextStreamer
@@ -209,17 +209,6 @@ class Result:
                 f"stop_reason={self.stop_reason!r})")
 
 
-def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPES)})")
-    return DTYPES[name]
-
-
 @_in_python_words
 def load(checkpoint: str | None = None, *, device: str | torch.device | None = None,
          dtype: torch.dtype | str | None = None, tokenizer: str | None = None,
@@ -245,7 +234,7 @@ def load(checkpoint: str | None = None, *, device: str | torch.device | None = N
             not fit in free memory), naming the parameters.
     """
     device = resolve_device(None if device is None else str(device))
-    dtype = _dtype(dtype, device)
+    dtype = default_dtype(dtype, device)
     t0 = time.perf_counter()
     ckpt, margs, tok = checks.open_checkpoint(None if checkpoint is None else str(checkpoint),
                                        tokenizer)

@@ -161,20 +161,25 @@ from rocketkv.formats.checkpoint import (
     RANDOM_PREFIX,
     check_creatable,
     checkpoint_args,
+    default_gguf_weights,
     is_quantized,
     load_model,
     resolve_checkpoint,
 )
 from rocketkv.kernels import tuning
 from rocketkv.model import CONFIGS, ConfigError
-from rocketkv.quantized import parse_weights, quantize_model
+from rocketkv.quantized import check_quantizable, parse_weights, quantize_model
 
 
 def load_weights(ckpt: str, spec: str, device: torch.device, dtype: torch.dtype):
     """The model of ``ckpt`` with ``spec``'s weights (``parse_weights``), this rank's share
-    of it under ``torchrun`` (``tp.py``)."""
+    of it under ``torchrun`` (``tp.py``). A GGUF file's own weights (``float``) load as
+    ``generate.py`` loads them (``checkpoint.default_gguf_weights``: its blocks kept quantized
+    on the CPU); another mode quantizes its dequantized weights."""
     mode, groupsize = parse_weights(spec)
-    model = load_model(ckpt, device, dtype, shard=(tp.rank(), tp.world_size()))
+    gguf_weights = default_gguf_weights(None, ckpt, device) if mode == "float" else "float"
+    model = load_model(ckpt, device, dtype, shard=(tp.rank(), tp.world_size()),
+                       gguf_weights=gguf_weights)
     if mode != "float" and model.quantization is not None:
         raise ConfigError(f"--weights {spec}: {ckpt} is already quantized; pass --weights "
                           "float (its own weights) or a float checkpoint")
@@ -468,8 +473,14 @@ def run(args, argv=None) -> int:
         for spec in args.weights:
             parse_weights(spec)
         check_out_dir(args.out)
+        margs = checkpoint_args(ckpt)  # the header alone: no weights read
+        for spec in args.weights:  # quantize_model's checks (a group size that divides)
+            mode, groupsize = parse_weights(spec)
+            if mode != "float":
+                check_quantizable(margs, mode, groupsize)
+        check_context(margs.max_seq_len, args.context, args.max_new_tokens)
         if not is_quantized(ckpt):  # the float weights and the smallest row's full cache
-            check_memory(tp.local_args(checkpoint_args(ckpt), world), dtype, device,
+            check_memory(tp.local_args(margs, world), dtype, device,
                          min(args.batch_sizes), min(args.context) + args.max_new_tokens)
         model = load_weights(ckpt, args.weights[0], device, dtype)
     except ConfigError as e:
@@ -576,6 +587,20 @@ def check_out_dir(out: str) -> None:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {out}: not a directory")
     check_creatable(out, path)
+
+
+def check_context(max_seq_len: int, contexts, new_tokens: int) -> None:
+    """Fail before the load when a ``--context`` with ``--max-new-tokens`` decoded after it
+    exceeds the model's context (read from the checkpoint's header), as the other tools do:
+    every row decodes the same number of steps, so none may be cut short.
+
+    Raises:
+        ConfigError: naming the first such context and the model's context.
+    """
+    too_long = [c for c in contexts if c + new_tokens > max_seq_len]
+    if too_long:
+        raise ConfigError(f"--context {too_long[0]} + {new_tokens} new tokens exceed the "
+                          f"model's context ({max_seq_len} tokens)")
 
 
 def row_label(row: dict) -> str:

@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         checkpoint = resolve_checkpoint(args.checkpoint)
         text_files(args.text)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        dtype = getattr(torch, args.dtype)  # flags.DTYPE_NAMES are torch's names
         model = load_model(checkpoint, "cpu", dtype)
         tok = load_tokenizer(args.tokenizer or checkpoint)
         if tok.vocab_size > model.args.vocab_size:

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 import transformers
 
@@ -417,3 +418,25 @@ def test_an_out_the_filesystem_refuses_is_one_line_before_loading(monkeypatch, c
     assert main(["--device", "cpu", "--config", "stories260K", "--out", "/proc/rocketkv"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --out /proc/rocketkv: cannot create")
+
+
+def test_a_gguf_loads_as_generate_loads_it(monkeypatch):
+    """bench.py measures a GGUF file as ``generate.py`` runs it: on the CPU its blocks kept
+    quantized (``checkpoint.default_gguf_weights``), where it measured the dequantized float
+    weights; ``--weights int8`` quantizes the dequantized ones."""
+    from conftest import SMOLLM2_GGUF, shared_file
+
+    import scripts.bench as bench_script
+
+    seen = []
+
+    def record(ckpt, device, dtype, shard=(0, 1), gguf_weights="float"):
+        seen.append(gguf_weights)
+        raise KeyboardInterrupt  # no weights read
+
+    monkeypatch.setattr(bench_script, "load_model", record)
+    gguf = str(shared_file(SMOLLM2_GGUF))
+    for spec in ("float", "int8"):
+        with pytest.raises(KeyboardInterrupt):
+            bench_script.load_weights(gguf, spec, torch.device("cpu"), torch.float32)
+    assert seen == ["quantized", "float"]

@@ -26,7 +26,6 @@ import torch
 
 from rocketkv import kernels, tp
 from rocketkv.cli.common import (
-    DTYPES,
     apply_kernels_option,
     check_json_path,
     check_positive,
@@ -47,6 +46,7 @@ from rocketkv.engine.checks import (
     plan_run,
     result_text,
 )
+from rocketkv.engine.device import default_dtype
 from rocketkv.engine.documents import (
     CacheSnapshot,
     document_ids,
@@ -130,8 +130,7 @@ def _main(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
         StepMode.of(False, args.cuda_graphs).check_device(device)
         rank, world = tp.init(device.type)  # torchrun: this process is one rank of world
-        dtype = DTYPES[args.dtype] if args.dtype else (
-            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = default_dtype(args.dtype, device)
         apply_kernels_option(args)
         if args.chat and args.random_prompt is not None:
             raise ConfigError("--chat needs a text --prompt or --prompt-text")

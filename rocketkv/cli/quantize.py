@@ -11,14 +11,19 @@ weights) is a converted
 checkpoint (``model_args.json`` + ``model.safetensors``) plus ``quantization.json``, which
 records the mode, the group size and the quantized layers, and the source's tokenizer.
 Everything is written under a temporary name and renamed at the end: a failed run leaves
-nothing behind. What is quantized and how it runs: ``quantized.py``.
+nothing behind. Ctrl-C before the rename ends the run with exit status 130, one ``error:``
+line and nothing written; once every file is written the run completes and Ctrl-C is
+ignored. What is quantized and how it runs: ``quantized.py``.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,12 +88,15 @@ def _save_tokenizer(source: str, out: Path) -> list[str]:
 
 def quantize_checkpoint(checkpoint: str, mode: str, groupsize: int | None, out: str | Path,
                         classifier: str = "int8", dtype: torch.dtype | None = None,
-                        device: str = "cpu", progress: bool = True) -> Path:
+                        device: str = "cpu", progress: bool = True,
+                        before_commit: Callable[[], None] | None = None) -> Path:
     """Write the quantized checkpoint directory ``out`` for ``checkpoint`` (module docstring).
 
     ``dtype``: the dtype of the tensors kept in float (embedding, norms, a float classifier):
     default as stored, except bfloat16 for a GGUF's dequantized tensors and random weights.
-    ``device``: where the quantization arithmetic runs.
+    ``device``: where the quantization arithmetic runs. ``before_commit``: called once every
+    file is written, just before the directory is renamed into place (the command line stops
+    taking Ctrl-C there); an exception it raises removes the files, as any failure does.
 
     Raises:
         ConfigError: see ``check_quantizable``; an already quantized source; ``out`` that
@@ -117,11 +125,12 @@ def quantize_checkpoint(checkpoint: str, mode: str, groupsize: int | None, out: 
     if args.tie_word_embeddings and "output" in names:
         sd["output.weight"] = sd["tok_embeddings.weight"]
     stored: dict[str, Tensor] = {}
-    for name, m in tqdm(names.items(), desc=f"quantize {mode}", unit="layer",
-                        disable=not progress):
-        w = sd.pop(f"{name}.weight").to(device)
-        for suffix, t in quantize_tensor(w, m, groupsize).items():
-            stored[f"{name}.{suffix}"] = t.cpu()
+    with tqdm(names.items(), desc=f"quantize {mode}", unit="layer", file=PROGRESS_STREAM,
+              disable=not progress) as layers:
+        for name, m in layers:
+            w = sd.pop(f"{name}.weight").to(device)
+            for suffix, t in quantize_tensor(w, m, groupsize).items():
+                stored[f"{name}.{suffix}"] = t.cpu()
     if args.tie_word_embeddings:
         sd.pop("output.weight", None)
     stored.update({n: t.contiguous() for n, t in sd.items()})
@@ -136,32 +145,106 @@ def quantize_checkpoint(checkpoint: str, mode: str, groupsize: int | None, out: 
         (tmp / NATIVE_CONFIG).write_text(json.dumps(args.to_dict(), indent=2))
         (tmp / QUANT_CONFIG).write_text(json.dumps(config, indent=2))
         _save_tokenizer(source, tmp)
+        if before_commit is not None:
+            before_commit()
 
-    return write_directory(out, fill)
+    parent, prefix = out.absolute().parent, f".{out.name}."
+    before = _temporaries(parent, prefix)
+    try:
+        return write_directory(out, fill)
+    except KeyboardInterrupt:
+        # write_directory removes its temporary folder on any failure inside its try, but a
+        # Ctrl-C between making the folder and entering the try left it behind: remove what
+        # appeared under its prefix since
+        for tmp in _temporaries(parent, prefix) - before:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class _ProgressStream:
+    """The progress bar's stderr, remembering whether its last write left a line open (a
+    frame drawn after ``\\r``, no newline yet). tqdm ends its line when it closes, but not
+    always after Ctrl-C: interrupted between drawing a frame and recording that it drew one
+    (``tqdm.update``, the constructor), it closes without a newline, and the error line would
+    follow the frame on the same line (``run`` ends it)."""
+
+    line_open = False
+
+    def write(self, text: str) -> int:
+        if text:
+            self.line_open = not text.endswith("\n")
+        return sys.stderr.write(text)
+
+    def __getattr__(self, name: str):  # flush, encoding, isatty...: stderr's, as it is now
+        return getattr(sys.stderr, name)
+
+
+PROGRESS_STREAM = _ProgressStream()
+
+
+def _temporaries(parent: Path, prefix: str) -> set[Path]:
+    """The folders in ``parent`` whose names start with ``prefix`` (``write_directory``'s
+    temporary folders for one output); none when ``parent`` does not exist."""
+    try:
+        return {p for p in parent.iterdir() if p.name.startswith(prefix) and p.is_dir()}
+    except OSError:
+        return set()
 
 
 def main(argv=None) -> int:
-    return run(build_parser().parse_args(argv))
+    """``quantize.py`` in this process: the exit status (argparse's own usage errors still
+    exit; a ``--mode``/``--groupsize`` mismatch is returned as 2, after its one line)."""
+    return run(build_parser(check_groups=False).parse_args(argv))
 
 
-def run(a) -> int:
-    """Quantize as the parsed arguments ``a`` say; the exit status."""
+def _ignore_interrupts() -> None:
+    """Ctrl-C ignored from here to the process's exit (main thread only: elsewhere Python
+    delivers no signals). A Ctrl-C already pending raises KeyboardInterrupt here, before
+    anything is committed. The ignore outlives the interpreter's shutdown, which restores
+    SIGINT's default action (death by the signal, nothing said) only for signals that had a
+    Python handler."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def run(a, *, restore_interrupts: bool = True) -> int:
+    """Quantize as the parsed arguments ``a`` say; the exit status: 0 once the directory is
+    in place, 2 for bad input, 130 after Ctrl-C with nothing written. From the moment the
+    files are complete (just before the rename) Ctrl-C is ignored, so a Ctrl-C late in the
+    run cannot end it with status 130 beside a complete folder, nor after the rename say that
+    nothing was written. ``restore_interrupts``: SIGINT's handler as it was on return (for
+    callers in a process that goes on); ``entry`` keeps Ctrl-C ignored until the exit."""
+    previous = signal.getsignal(signal.SIGINT)
+    PROGRESS_STREAM.line_open = False
     try:
         out = a.out or default_out(a.checkpoint, a.mode, a.groupsize)
         path = quantize_checkpoint(a.checkpoint, a.mode, a.groupsize, out,
                                    classifier=a.classifier,
                                    dtype=DTYPES[a.dtype] if a.dtype else None, device=a.device,
-                                   progress=not a.no_progress)
+                                   progress=not a.no_progress, before_commit=_ignore_interrupts)
+        print(f"wrote {path}")
+        return 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # write_directory removed its temporary directory
+    except KeyboardInterrupt:  # before the rename: write_directory removed its temporary copy
+        if not restore_interrupts:
+            try:
+                _ignore_interrupts()  # a second Ctrl-C on the way out changes nothing
+            except KeyboardInterrupt:
+                pass
+        if PROGRESS_STREAM.line_open:  # the bar's frame: the error line starts its own
+            print(file=sys.stderr)
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
-    print(f"wrote {path}")
-    return 0
+    finally:
+        if restore_interrupts and previous is not None \
+                and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
 
 
 def entry(args=None) -> None:
     """``python quantize.py`` and the ``rocketkv quantize`` console command."""
-    sys.exit(run(args) if args is not None else main())
+    if args is None:
+        args = build_parser().parse_args()
+    sys.exit(run(args, restore_interrupts=False))

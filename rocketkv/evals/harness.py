@@ -58,12 +58,18 @@ from rocketkv.compression import (
     options_for,
     plan,
 )
+from rocketkv.data import ROOT
+from rocketkv.engine.device import default_dtype
 from rocketkv.engine.generate import generate
 from rocketkv.engine.prefill import extend_prefilled, prefill_once
 from rocketkv.engine.provenance import checkpoint_sha256, commit_fields, cpu_has_native_bf16
-from rocketkv.data import ROOT
-from rocketkv.flags import add_device_option, add_time_limit_option
-from rocketkv.formats.checkpoint import checkpoint_args, load_model, resolve_checkpoint
+from rocketkv.flags import DTYPE_NAMES, add_device_option, add_time_limit_option
+from rocketkv.formats.checkpoint import (
+    check_creatable,
+    checkpoint_args,
+    load_model,
+    resolve_checkpoint,
+)
 from rocketkv.formats.tokenizer import Tokenizer, load_tokenizer
 from rocketkv.model import ConfigError, Transformer
 
@@ -433,8 +439,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                    run_key: Any = None, tag: Any = None, restart: bool = False,
                    complete: Sequence[str | Path] = (),
                    stop: Callable[[], bool] | None = None, workers: int = 1,
-                   load_worker: Callable[[], tuple[Transformer, Tokenizer]] | None = None
-                   ) -> dict[str, Any]:
+                   load_worker: Callable[[], tuple[Transformer, Tokenizer]] | None = None,
+                   header: str | None = None) -> dict[str, Any]:
     """Answers and scores of every configuration on every item in every mode
     (``max_new_tokens`` unless an item's ``meta["max_new_tokens"]`` says otherwise; a batch
     decodes its items' largest).
@@ -460,6 +466,9 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     of the batches not run are unfinished: their scores and answers are None, and rows score
     the finished items (``items_run``). With ``partial``, the same call later runs only the
     unfinished batches.
+
+    ``header``: a line printed on stderr once the saved results are read, before the first
+    batch (``run_header``).
 
     ``tag``: a JSON value saved with each batch (the run's code: ``{"commit", "dirty"}``);
     ``item_tags`` in the result gives each item the tag of the run that answered it (a batch
@@ -513,6 +522,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
         if done:
             print(f"resuming: {len(done)} of {len(batches)} batches from {partial}",
                   file=sys.stderr)
+    if header:
+        print(header, file=sys.stderr)
     todo = [idx for idx in batches if tuple(idx) not in done]
     bar = progress_bar(len(batches) * len(configs) * len(modes), progress)
     if bar is not None and done:
@@ -720,14 +731,13 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--batch-size", type=int, default=10,
                    help="equal-length prompts decoded together (default 10)")
     add_time_limit_option(
-        p, "start no batch after this many seconds of evaluation (it was minutes: "
-           "--time-limit-min still takes minutes for one release): the results cover the "
+        p, "start no batch after this many seconds of evaluation: the results cover the "
            "prompts finished (the JSON's 'unfinished' counts the rest) and the same command "
            "later runs only the rest", was_minutes=True)
     add_device_option(p)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="default bfloat16 on cuda and on CPUs with native bfloat16 "
-                        "(AMX or AVX512-BF16), float32 on other CPUs")
+    p.add_argument("--dtype", choices=list(DTYPE_NAMES), default=None,
+                   help="of the weights and the KV cache (default, as generate.py: bfloat16 on "
+                        "cuda, float32 on cpu)")
     p.add_argument("--threads", type=int,
                    help="CPU threads for torch, shared among the workers (default: all cores)")
     p.add_argument("--workers", type=int,
@@ -743,8 +753,10 @@ def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
 
 
 def check_common(args: argparse.Namespace) -> None:
-    """ConfigError for values no run can use; ``--methods`` parsed into ``args.methods``
-    (names) and ``args.method_budgets`` (``parse_method_specs``)."""
+    """ConfigError for values no run can use, an ``--out`` where no folder can be made or
+    written (a file in its way, a read-only filesystem, ``/proc``: ``checkpoint.
+    check_creatable``), all before the weights load; ``--methods`` parsed into
+    ``args.methods`` (names) and ``args.method_budgets`` (``parse_method_specs``)."""
     check_positive(args, "limit", "batch_size", "threads", "time_limit", "workers")
     args.methods, args.method_budgets = parse_method_specs(args.methods)
     bad = [b for b in args.budgets if b <= 0]
@@ -753,6 +765,7 @@ def check_common(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
+    check_creatable(args.out, out)  # before the weights load: the results need a folder
 
 
 def check_runs(args: argparse.Namespace, lengths: Sequence[int], new_tokens: int) -> None:
@@ -781,14 +794,14 @@ def check_runs(args: argparse.Namespace, lengths: Sequence[int], new_tokens: int
 
 
 def load(args: argparse.Namespace):
-    """(model, tokenizer, device) for the run; the tokenizer must have a chat template."""
+    """(model, tokenizer, device) for the run; the tokenizer must have a chat template.
+    ``--dtype`` defaults as ``generate.py``'s and the API's (``device.default_dtype``): bfloat16 on
+    cuda, float32 on cpu (``run_header`` names the dtype a run used)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    cpu_bf16 = device.type == "cpu" and cpu_has_native_bf16()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
-        args.dtype or ("bfloat16" if device.type == "cuda" or cpu_bf16 else "float32")]
-    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_bf16:
+    dtype = default_dtype(args.dtype, device)  # default: bfloat16 on cuda, float32 on cpu
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
         print("note: this CPU has no native bfloat16 (AMX or AVX512-BF16): bfloat16 is "
               "emulated, several times slower than float32", file=sys.stderr)
     checkpoint = resolve_checkpoint(args.checkpoint)
@@ -822,8 +835,9 @@ def resume_options(args: argparse.Namespace, task: str, model: Transformer,
     process: in bfloat16 the thread count changes sums' order and so, rarely, an answer),
     ``stop`` (``--time-limit``, counted from
     this call), ``workers`` (``--workers`` or ``default_workers``) and ``load_worker`` (the
-    model as loaded here, with ``--threads`` or all cores shared among the workers) for a
-    script's run."""
+    model as loaded here, with ``--threads`` or all cores shared among the workers) and
+    ``header`` (``run_header``: the line ``evaluate_items`` prints before the first batch)
+    for a script's run."""
     dtype = next(model.parameters()).dtype
     t0, limit = time.perf_counter(), args.time_limit
     workers = getattr(args, "workers", None) or default_workers(device)
@@ -838,4 +852,20 @@ def resume_options(args: argparse.Namespace, task: str, model: Transformer,
                         spec["threads"] if workers > 1 else threads],  # sums' order
             "stop": None if limit is None else lambda: time.perf_counter() - t0 > limit,
             "tag": commit_fields(), "restart": getattr(args, "restart", False),
-            "workers": workers, "load_worker": partial(_load_worker, spec)}
+            "workers": workers, "load_worker": partial(_load_worker, spec),
+            "header": run_header(task, model.args.name, device, spec["dtype"],
+                                 getattr(args, "dtype", None) is None, workers,
+                                 spec["threads"] if workers > 1 else threads)}
+
+
+def run_header(task: str, model_name: str, device: torch.device, dtype: str, default: bool,
+               workers: int, threads: int) -> str:
+    """The line a run starts with on stderr, naming what its answers depend on beyond the
+    command: ``needle: SmolLM2-135M-Instruct on cpu in float32 (the default on cpu; --dtype
+    to change), 2 processes x 1 thread``. The dtype is named because its default followed the
+    machine before (bfloat16 on CPUs with native bfloat16) and is generate.py's rule now:
+    a bare command's answers, and the resume key of its saved batches, depend on it."""
+    why = f" (the default on {device.type}; --dtype to change)" if default else ""
+    procs = f"{workers} processes" if workers > 1 else "1 process"
+    return (f"{task}: {model_name} on {device} in {dtype}{why}, {procs} x {threads} "
+            f"thread{'s' if threads != 1 else ''}")
