@@ -69,28 +69,39 @@ def test_cells_carry_wilson_intervals_and_runs_merge_by_prompt(tmp_path, capsys)
     assert c["ci_low"] == pytest.approx(34.238, abs=1e-3) and c["ci_high"] == 100.0
     assert _cell(summary, length=100, method="full")["budget"] is None
     # the claim lines: paired over the prompts, McNemar, no difference stated at n = 2
-    # Tango's interval of one discordant prompt in 2: [-48.6, +90.5]
-    assert ("- rocketkv@128 vs exact_topk@128 (n = 2): +50.0 points [-48.6, +90.5], p = 1 "
-            "(mcnemar; 1 better, 0 worse): no detectable difference at n = 2") in text
+    # Tango's interval of one discordant prompt in 2: [-48.6, +90.5]; the MDD of differences
+    # 1 and 0 (sd .707): 2.80 x .707 / sqrt(2) = 1.40, over the 100 points a score can move
+    assert ("- rocketkv@128 vs exact_topk@128 (n = 2): +50.0 points [-48.6, +90.5], p = 1, "
+            "Holm 1 (mcnemar; 1 better, 0 worse): no detectable difference (MDD over 100 "
+            "points at n = 2)") in text
     pooled = _cell(summary, task="needle", length="pooled", method="quest", budget=128)
     assert pooled["n"] == 3 and pooled["score"] == pytest.approx(50.0)  # mean of 0 and 1
 
 
-def test_a_difference_is_stated_only_where_the_exact_test_finds_it(tmp_path, capsys):
-    items = [{"length": 100, "depth": i / 5, "seed": i, "answer": "1679215"} for i in range(6)]
-    res = _result([{"method": "full", "budget": None, "scores": [1.0] * 6},
-                   {"method": "rocketkv", "budget": 64, "scores": [1.0] * 6},
-                   {"method": "quest", "budget": 64, "scores": [0.0] * 6},
-                   {"method": "sparq", "budget": 64, "scores": [0.0] * 5 + [1.0]}], items=items)
+def test_a_difference_is_stated_only_where_the_holm_adjusted_test_finds_it(tmp_path, capsys):
+    """A length's comparisons are one family: their exact p values are Holm-adjusted together
+    and the claim follows the adjusted one; otherwise the line gives the minimum detectable
+    difference (or equivalence, where the two one-sided tests show it)."""
+    items = [{"length": 100, "depth": i / 10, "seed": i, "answer": "1679215"} for i in range(10)]
+    res = _result([{"method": "full", "budget": None, "scores": [1.0] * 10},
+                   {"method": "rocketkv", "budget": 64, "scores": [1.0] * 10},
+                   {"method": "quest", "budget": 64, "scores": [0.0] * 10},
+                   {"method": "sparq", "budget": 64, "scores": [0.0] * 6 + [1.0] * 4}],
+                  items=items)
     text, summary = _run(tmp_path, res, capsys=capsys)
-    # 6 discordant pairs all one way: p = 2 / 2^6 = .03125 < .05
-    assert "rocketkv@64 vs quest@64 (n = 6): +100.0 points" in text
-    assert "p = 0.0312 (mcnemar; 6 better, 0 worse): rocketkv higher" in text
-    # 5 of 5: p = 2 / 32 = .0625: not stated
-    assert "p = 0.0625 (mcnemar; 5 better, 0 worse): no detectable difference at n = 6" in text
-    comp = next(x for x in summary["comparisons"] if x["b"] == "quest" and x["length"] == 100)
-    assert comp["p"] == pytest.approx(2 / 64) and comp["diff"] == 100.0
-
+    # quest: 10 discordant pairs one way, p = 2 / 2^10 = .00195; Holm x 3 = .00586: stated
+    assert "rocketkv@64 vs quest@64 (n = 10): +100.0 points" in text
+    assert "p = 0.00195, Holm 0.00586 (mcnemar; 10 better, 0 worse): rocketkv higher" in text
+    # sparq: 6 of 6, p = 2 / 64 = .03125 < .05, but Holm: max(.00586, 2 x .03125) = .0625;
+    # MDD = (1.960 + 0.842) sd / sqrt(10), sd of six 1s and four 0s = .5164: 45.7 points
+    assert ("p = 0.0312, Holm 0.0625 (mcnemar; 6 better, 0 worse): no detectable difference "
+            "(MDD 46 points at n = 10)") in text
+    # full: no discordant pair, p = 1; 10 prompts are too few for equivalence at 5 points
+    assert "p = 1, Holm 1 (mcnemar; 0 better, 0 worse): no detectable difference" in text
+    comp = next(x for x in summary["comparisons"] if x["b"] == "sparq" and x["length"] == 100)
+    assert comp["p"] == pytest.approx(2 / 64) and comp["p_holm"] == pytest.approx(2 / 32)
+    assert comp["mdd"] == pytest.approx(45.75, abs=0.05) and comp["equivalent"] is False
+    assert summary["equivalence_margin"] == 5.0
 
 
 def test_question_agnostic_columns_only_where_a_run_has_that_mode(tmp_path, capsys):

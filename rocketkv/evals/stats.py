@@ -34,6 +34,9 @@ from typing import Any
 import numpy as np
 
 Z95 = 1.959963984540054  # the standard normal's 0.975 quantile: two-sided 95%
+Z90 = 1.6448536269514722  # its 0.95 quantile: the two one-sided tests at 5% (a 90% interval)
+Z80 = 0.8416212335729143  # its 0.80 quantile: 80% power
+EQUIVALENCE_MARGIN = 0.05  # "near" means within 5 points, as the two one-sided tests check
 BOOTSTRAP_REPS = 4000
 MAX_EXACT_SUMS = 2_000_000  # the exact sign-flip's grid: |sums| up to this many units
 MONTE_CARLO_DRAWS = 200_000
@@ -509,6 +512,7 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
     else:
         lo, hi = bootstrap_interval(d, strata=strata, seed=seed)
         interval = "bootstrap"
+    lo90, hi90 = _interval90(a, b, d, strata, binary, equal, wins, losses, seed)
     if strata is None and binary:
         p, test = mcnemar_p(wins, losses), "mcnemar"
     else:
@@ -518,4 +522,56 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
         p, exact = _sign_flip(fr, seed)
         test = "sign-flip" if exact else "sign-flip (Monte Carlo)"
     return {"n": len(a), "diff": diff, "ci_low": lo, "ci_high": hi, "interval": interval,
-            "p": p, "test": test, "wins": wins, "losses": losses}
+            "p": p, "test": test, "wins": wins, "losses": losses,
+            "ci90_low": lo90, "ci90_high": hi90,
+            "equivalent": bool(-EQUIVALENCE_MARGIN < lo90 and hi90 < EQUIVALENCE_MARGIN),
+            "mdd": min_detectable_difference(d) if len(d) > 1 else None}
+
+
+def _interval90(a, b, d, strata, binary, equal, wins, losses, seed) -> tuple[float, float]:
+    """``paired_comparison``'s interval at 90% (the same kind as its 95% one): the two
+    one-sided tests of equivalence at 5% each reject both ends exactly where it lies inside
+    the margin (Schuirmann 1987)."""
+    if binary and equal:
+        return tango_paired_interval(wins, losses, len(a), z=Z90)
+    if binary:
+        labels = list(dict.fromkeys(strata))
+        sizes = Counter(strata)
+        return stratified_paired_interval(
+            [sum(x > y for x, y, s in zip(a, b, strata) if s == lab) for lab in labels],
+            [sum(x < y for x, y, s in zip(a, b, strata) if s == lab) for lab in labels],
+            [sizes[lab] for lab in labels], z=Z90)
+    return bootstrap_interval(d, strata=strata, seed=seed, level=0.90)
+
+
+def min_detectable_difference(diffs: Sequence[float], *, z_alpha: float = Z95,
+                              z_power: float = Z80) -> float:
+    """The smallest true mean difference a paired comparison of these prompts detects with 80%
+    power at a two-sided 5% level, by the normal approximation: (z_0.975 + z_0.8) sd(d) /
+    sqrt(n), sd the per-prompt differences' sample standard deviation, at least that of one
+    discordant prompt in n (identical runs would otherwise claim to detect anything). In the
+    scores' unit (a fraction: 0.12 is 12 points).
+
+    Raises:
+        ValueError: fewer than two prompts.
+    """
+    n = len(diffs)
+    if n < 2:
+        raise ValueError(f"a detectable difference needs two prompts or more, got {n}")
+    sd = float(np.std(np.asarray(diffs, dtype=float), ddof=1))
+    floor = math.sqrt((1 - 1 / n) / (n - 1))  # the sd of n - 1 zeros and one 1
+    return (z_alpha + z_power) * max(sd, floor) / math.sqrt(n)
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p values (Holm 1979), in the input's order: with the m values
+    sorted ascending, p_(i) becomes max over j <= i of min(1, (m - j + 1) p_(j)). Rejecting
+    where the adjusted value is under alpha controls the family-wise error at alpha."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    m = len(pvalues)
+    out = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = running
+    return out

@@ -15,13 +15,14 @@ from rocketkv.compression import METHODS
 from rocketkv.evals.needle import VARIANTS
 from rocketkv.evals.ruler import PASS_FAIL_TASKS, score_task
 from rocketkv.evals.scoring import first_value_pass
-from rocketkv.evals.stats import cell_stats, paired_comparison
+from rocketkv.evals.stats import EQUIVALENCE_MARGIN, cell_stats, holm, paired_comparison
 
 ORACLES = ("full", "exact_topk")
 REFERENCE = "rocketkv"
 MODES = ("standard", "question_agnostic")
 WEAK_BELOW = 0.5  # full's score under which a (task, length) is reported apart
 ALPHA = 0.05
+PERCENT_FIELDS = ("diff", "ci_low", "ci_high", "ci90_low", "ci90_high", "mdd")  # in points
 # the benchmarks' headings, in report order: the needle per variant, then RULER
 _VARIANT_HEADINGS = {"paraphrase": "paraphrased question (no content word shared with it)"}
 BENCHES = {"needle": "Needle",
@@ -277,13 +278,24 @@ def comparisons(c: Collected, bench: str, mode: str, budget: int, keys: set[str]
 
 
 def fmt_comparison(r: dict[str, Any]) -> str:
+    """One comparison's line: the difference, its 95% interval, the test's p and the p the
+    claim uses (``p_holm``: Holm-adjusted within its family, ``Report.claims``), and the
+    claim: higher or lower where the adjusted p is under ``ALPHA``; else equivalent within
+    the margin where the two one-sided tests say so (its 90% interval inside it); else no
+    detectable difference, with the smallest difference the prompts could have detected."""
     b = f"{r['b']}@{r['b_budget']}" if r["b_budget"] is not None else r["b"]
     head = (f"- {r['a']}@{r['budget']} vs {b} (n = {r['n']}): "
             f"{100 * r['diff']:+.1f} points [{100 * r['ci_low']:+.1f}, {100 * r['ci_high']:+.1f}]"
-            f", p = {r['p']:.3g} ({r['test']}; {r['wins']} better, {r['losses']} worse): ")
-    if r["p"] < ALPHA:
+            f", p = {r['p']:.3g}, Holm {r['p_holm']:.3g} ({r['test']}; {r['wins']} better, "
+            f"{r['losses']} worse): ")
+    if r["p_holm"] < ALPHA:
         return head + f"{r['a']} {'higher' if r['diff'] > 0 else 'lower'}"
-    return head + f"no detectable difference at n = {r['n']}"
+    if r["equivalent"]:
+        return head + (f"equivalent within {100 * EQUIVALENCE_MARGIN:.0f} points (90% "
+                       f"[{100 * r['ci90_low']:+.1f}, {100 * r['ci90_high']:+.1f}])")
+    mdd = "n/a" if r["mdd"] is None else "over 100 points" if r["mdd"] > 1 else \
+        f"{100 * r['mdd']:.0f} points"
+    return head + f"no detectable difference (MDD {mdd} at n = {r['n']})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,16 +356,20 @@ class Report:
 
     def claims(self, bench: str, length: Any, keys: set[str],
                strata: Callable[[str], Hashable] | None = None) -> None:
-        for mode in self.modes:
-            for b in self.budgets:
-                got = comparisons(self.c, bench, mode, b, keys, strata)
-                if not got:
-                    continue
-                self.lines.append(f"{mode}, budget {b}:")
-                for r in got:
-                    self.lines.append(fmt_comparison(r))
-                    self.comparisons.append({"bench": bench, "length": length, **r})
-                self.lines.append("")
+        """The comparisons of ``bench`` at ``length`` (or pooled), every mode and budget: one
+        family, whose p values are Holm-adjusted together (``stats.holm``)."""
+        family = [(mode, b, comparisons(self.c, bench, mode, b, keys, strata))
+                  for mode in self.modes for b in self.budgets]
+        adjusted = iter(holm([r["p"] for _, _, got in family for r in got]))
+        for mode, b, got in family:
+            if not got:
+                continue
+            self.lines.append(f"{mode}, budget {b}:")
+            for r in got:
+                r["p_holm"] = next(adjusted)
+                self.lines.append(fmt_comparison(r))
+                self.comparisons.append({"bench": bench, "length": length, **r})
+            self.lines.append("")
 
     @staticmethod
     def _not_run_line(bench: str, missing: dict[str, int], ran: int) -> str:
@@ -503,8 +519,13 @@ def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = Fal
             "(pass/fail), the stratified score interval (pass/fail pooled over lengths of "
             "different sizes), bootstrap over prompts (partial credit). Comparisons: paired "
             "over the same prompts, Tango's score interval (pass/fail; stratified over lengths "
-            "of different sizes) or the bootstrap, and the exact McNemar or sign-flip test; a "
-            "difference is stated only where p < 0.05."
+            "of different sizes) or the bootstrap, and the exact McNemar or sign-flip test; p "
+            "values Holm-adjusted within a family (one length's comparisons, or the pooled "
+            "ones), and a difference stated only where the adjusted p < 0.05; "
+            f"\"equivalent\" only where the two one-sided tests at a {100 * EQUIVALENCE_MARGIN:.0f}"
+            "-point margin say so (the 90% interval inside it); else \"no detectable "
+            "difference\" with the minimum detectable difference (MDD: 80% power, two-sided "
+            "5%, normal approximation from the prompts' differences)."
             + (f" {rescored} of {len(paths)} files were scored by substring and are "
                "rescored here from their answers." if rescored else ""), ""]
     if model["sha256"] or model["dtype"]:
@@ -517,6 +538,7 @@ def summarize(results: list[tuple[str, dict[str, Any]]], allow_mixed: bool = Fal
                "files": [{k: v for k, v in f.items() if k != "group"} for f in c.files],
                "weak_below": 100 * WEAK_BELOW, "weak": r.weak, "not_run": r.not_run,
                "cells": r.cells,
-               "comparisons": [{**x, "diff": 100 * x["diff"], "ci_low": 100 * x["ci_low"],
-                                "ci_high": 100 * x["ci_high"]} for x in r.comparisons]}
+               "equivalence_margin": 100 * EQUIVALENCE_MARGIN,
+               "comparisons": [{**x, **{k: None if x[k] is None else 100 * x[k]
+                                        for k in PERCENT_FIELDS}} for x in r.comparisons]}
     return "\n".join(head + r.lines), summary
