@@ -310,3 +310,30 @@ def test_the_compiled_step_falls_back_on_inductors_text_form(monkeypatch, capsys
                    for f in kernels.FAMILIES)
     finally:
         kernels.reset_failures()
+
+
+def test_on_a_gpu_the_check_runs_the_split_and_merged_paths(monkeypatch):
+    """Where the device has SMs (a GPU; simulated here, the kernels in the interpreter with
+    small splits), the prefix case is long enough that ``attend_prefix`` splits and merges
+    its programs, and the selection case has enough pages that the selection splits over
+    programs: the paths real runs take, checked before a run trusts them."""
+    from rocketkv.engine import kernel_check
+    from rocketkv.kernels import sparse
+
+    monkeypatch.setattr(kernels, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(sparse, "PREFIX_SPLIT", 8)  # 32 splits of 8 slots: 257 tokens
+    monkeypatch.setattr(sparse, "MIN_SPLIT_PAGES", 4)  # 8 splits of 4 pages
+    monkeypatch.setattr(kernel_check, "_outcomes", {})
+    splits, prefixes = [], []
+    real_split, real_prefix = sparse._split_selection, sparse.prefix_splits
+    monkeypatch.setattr(sparse, "_split_selection",
+                        lambda *a, **kw: splits.append(a[10]) or real_split(*a, **kw))
+    monkeypatch.setattr(sparse, "prefix_splits",
+                        lambda *a: prefixes.append(real_prefix(*a)) or prefixes[-1])
+    from rocketkv.compression.hybrid import HybridSelector
+
+    for family, variant in (("prefix", None), ("sparse", HybridSelector(4, 8, 16))):
+        out = kernel_check.check_family(family, "cpu", torch.float32, 32, 2, variant)
+        assert out.ok and out.note is None, (family, out)
+    assert prefixes and max(prefixes) == 32
+    assert splits and min(splits) >= 8

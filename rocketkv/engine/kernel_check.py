@@ -13,7 +13,9 @@ in plausible wrong tokens. ``ensure(model)`` (``generate`` calls it) runs every 
 run's decode steps launch (``families``), at the run's head dim D, query group G (query heads
 per KV head), dtype and weight format, with two KV heads and batch 1:
 
-* ``prefix``: a ``FullKVCache`` of 64 prompt tokens decodes one step (``attend_prefix``);
+* ``prefix``: a ``FullKVCache`` of 64 prompt tokens decodes one step (``attend_prefix``); on
+  a GPU ``PREFIX_SPLITS`` x ``PREFIX_SPLIT`` tokens, so that the attention runs split over
+  programs and merged, as at real lengths;
 * ``sparse`` and ``write``: a ``CompressedKVCache`` with a fresh selector of the run's class,
   page size, r and k (so the kernels' compile-time constants are the run's) holding
   ``max(64, 2 k + 2 page size) + 1`` prompt tokens decodes one step, with only that family's
@@ -73,6 +75,7 @@ from rocketkv.quantized import dequantize_int4, kernel_dtype, quantize_int4, qua
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 KV_HEADS = 2  # KV heads of the synthetic inputs (not 1: Triton specializes integers equal to 1)
 PROMPT = 64  # prompt tokens of the prefix case (and the least of the selectors')
+PREFIX_SPLITS = 32  # on a GPU, the prefix case's splits (real runs: 32-64 at 32K-128K)
 
 
 @dataclass
@@ -200,13 +203,16 @@ def _decode_case(family: str, device, dtype, head_dim: int, group: int, sel, see
     PyTorch path: the output's relative error; the written K/V and the selector's buffers of
     the cache dtype must equal the reference's."""
     args = _args(head_dim, group)
+    gpu = kernels.multiprocessors(device) > 0
     if sel is None:
-        T = PROMPT
+        # on a GPU, a prefix long enough that attend_prefix runs split and merged
+        # (_merge_splits_kernel) as real runs' does (kernels.sparse.prefix_splits)
+        T = PREFIX_SPLITS * kernels.ops().PREFIX_SPLIT + 1 if gpu else PROMPT
     else:
         page = sel.page_size
         # on a GPU, enough pages that the selection runs split over the SMs as real runs'
         # does (kernels.sparse.selection_splits; 2 KV heads: 8 splits of MIN_SPLIT_PAGES)
-        pages = 8 * kernels.ops().MIN_SPLIT_PAGES if kernels.multiprocessors(device) else 0
+        pages = 8 * kernels.ops().MIN_SPLIT_PAGES if gpu else 0
         T = -(-max(PROMPT, 2 * getattr(sel, "k", 16) + 2 * page, pages * page) // page) \
             * page + 1
     g = torch.Generator().manual_seed(seed)
