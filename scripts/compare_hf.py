@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -124,18 +123,12 @@ from rocketkv.cli.common import (
 from rocketkv.compression import METHODS, check_methods
 from rocketkv.engine.generate import generate
 from rocketkv.engine.measure import device_name, percentile, sync
-from rocketkv.engine.provenance import commit_fields, cpu_fields
+from rocketkv.engine.provenance import commit_fields, cpu_model, load_average
 from rocketkv.evals.bench import results_dir
 from rocketkv.evals.harness import configurations
 from rocketkv.formats.checkpoint import load_model, resolve_checkpoint
 from rocketkv.formats.tokenizer import load_tokenizer
 from rocketkv.model import ConfigError, Transformer
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``evals.provenance.cpu_fields``)."""
-    return cpu_fields()["model"]
-
 
 # --------------------------------------------------------------------------------------------
 # The two engines
@@ -193,14 +186,6 @@ def best_of(repeats: int, run) -> dict[str, Any]:
     """The result of ``run()`` with the lowest decode median over ``repeats`` calls."""
     results = [run() for _ in range(repeats)]
     return min(results, key=lambda r: percentile(r["decode_ms"], 50) or 0.0)
-
-
-def load_average() -> float | None:
-    """The machine's 1-minute load average (other processes compete for the CPU)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
 
 
 def ours_generate(model: Transformer, ids: Sequence[int], method: str, budget: int | None,

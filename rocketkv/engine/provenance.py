@@ -105,6 +105,20 @@ def cpu_fields(cpuinfo: str | None = None) -> dict[str, Any]:
             "native_bf16": cpu_has_native_bf16(cpuinfo)}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``cpu_fields``)."""
+    return cpu_fields()["model"]
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (other processes compete for the CPU); None where
+    the system has none."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def commit_fields() -> dict[str, Any]:
     """``{"commit": ..., "dirty": ...}`` (``git_state``) for a result row or file header."""
     commit, dirty = git_state()
