@@ -45,7 +45,7 @@ if __name__ == "__main__":  # --help and usage errors before torch and the engin
     ARGS = build_parser().parse_args()
 
 # ruff: noqa: E402  (the engine's imports come after the arguments are parsed)
-from scripts.bench import plot
+from rocketkv.evals.sweep import plot
 from tools.check_targets import engine_rows, load_rows, regime
 
 

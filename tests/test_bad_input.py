@@ -80,9 +80,10 @@ def test_bench_refuses_a_context_past_the_models_before_the_load(tmp_path, capsy
     """SmolLM2's header says 8192 tokens: ``--context 20000`` is one ``error:`` line before
     the weights load (it loaded them, measured the copy bandwidth and wrote a JSON of one
     failed row); so is a context whose new tokens do not fit, for a named shape too."""
+    from rocketkv.evals import sweep
     from scripts import bench
 
-    monkeypatch.setattr(bench, "load_weights", _no_load)
+    monkeypatch.setattr(sweep, "load_weights", _no_load)
     gguf = str(shared_file(SMOLLM2_GGUF))
     for argv, first in (
             (["--checkpoint", gguf, "--context", "20000"], "--context 20000 + 64 new tokens"),

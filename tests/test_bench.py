@@ -62,7 +62,7 @@ def test_a_row_that_cannot_fit_is_refused_before_allocating(tmp_path, monkeypatc
     small) is an error row, not an allocator traceback; rows that fit run; exit 1."""
     # full: 2 x 5 layers x 4 KV heads x 8 dims x 4 B = 1280 B a token (+ one layer's prompt
     # K/V in prefill): 87 KiB at 64 + 4 tokens, 600 KiB at 400 + 4
-    import scripts.bench as bench
+    from rocketkv.evals import sweep as bench
     from rocketkv.engine import measure
 
     free = 300 * 2 ** 10
@@ -129,7 +129,7 @@ def test_one_compile_regime_per_sweep(tmp_path, monkeypatch):
     take a minute, so those rows run eagerly). A counting backend stands in for inductor."""
     from torch._dynamo.testing import CompileCounter
 
-    import scripts.bench as bench
+    from rocketkv.evals import sweep as bench
 
     counter = CompileCounter()
     real, asked = bench.generate, []
@@ -165,7 +165,7 @@ def _row(method, budget, context, ms):
 def test_charts_draw_a_line_only_for_series_at_several_contexts(tmp_path, monkeypatch):
     """A sweep joined with an every-method row at one context: charts (a)-(c) leave out the
     one-point series (chart (d) holds them); a one-context run keeps every series."""
-    import scripts.bench as bench
+    from rocketkv.evals import sweep as bench
 
     legends = {}
 
@@ -261,7 +261,7 @@ def test_a_row_that_fails_is_its_error_and_the_run_goes_on(tmp_path, monkeypatch
     """An unexpected exception in a row (ours, or inside transformers) ends that row as its
     type and first line, with the traceback on stderr for the log; the other rows run and the
     exit status says a row failed."""
-    import scripts.bench as bench
+    from rocketkv.evals import sweep as bench
 
     def broken(*a, **kw):
         raise RuntimeError("Dynamo failed to run FX node\nmore text")
@@ -293,7 +293,7 @@ def test_a_cuda_error_ends_the_sweep_with_the_rows_saved(tmp_path, monkeypatch, 
     allocator's ``empty_cache`` included) in the 2nd of 3 rows: the 1st row stays in the JSON
     as measured, the 2nd records the error, the 3rd is listed as not run, and the run ends with
     exit status 1 and one stderr line naming the failing row (no traceback, no second line)."""
-    import scripts.bench as bench
+    from rocketkv.evals import sweep as bench
 
     one, calls = bench.run_one, []
 
@@ -347,7 +347,7 @@ def test_the_error_handler_cannot_raise(monkeypatch):
 def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch, capsys):
     """Bare ``bench.py`` on a CPU (llama-3.1-8b's random float32 weights: 32 GB): one
     ``error:`` line naming what it needs and what is free, exit 2, and nothing loaded."""
-    import scripts.bench as bench
+    from rocketkv.evals import sweep as bench
     from rocketkv.engine import measure
 
     def loaded(*_):
@@ -378,7 +378,7 @@ def test_results_go_to_the_current_directory_by_default(tmp_path, monkeypatch):
 def test_noisy_rows_get_the_warning_of_generate(tmp_path, monkeypatch, capsys):
     """A row whose decode steps vary 50x (p90/p10) gets the warning ``generate.py``'s report
     gives a run as noisy, in its words, naming the row; a steady row gets none."""
-    import scripts.bench as bench
+    from rocketkv.evals import sweep as bench
     from rocketkv.engine.generate import format_report
 
     one, real, results = bench.run_one, bench.generate, []
@@ -406,7 +406,7 @@ def test_an_out_the_filesystem_refuses_is_one_line_before_loading(monkeypatch, c
 
     import pytest
 
-    import scripts.bench as bench
+    from rocketkv.evals import sweep as bench
 
     if not pathlib.Path("/proc/self").is_dir():
         pytest.skip("needs Linux's /proc")
@@ -426,7 +426,7 @@ def test_a_gguf_loads_as_generate_loads_it(monkeypatch):
     weights; ``--weights int8`` quantizes the dequantized ones."""
     from conftest import SMOLLM2_GGUF, shared_file
 
-    import scripts.bench as bench_script
+    from rocketkv.evals import sweep as bench_script
 
     seen = []
 
