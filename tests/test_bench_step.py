@@ -142,7 +142,7 @@ def test_a_cuda_error_ends_the_run_with_the_rows_saved(tmp_path, monkeypatch, ca
     run, exit status 1 with one stderr line naming the row (no traceback)."""
     import torch
 
-    import scripts.bench_step as bs
+    from rocketkv.evals import layer_step as bs
 
     one, calls = bs.run_one, []
 
