@@ -62,8 +62,8 @@ def test_a_row_that_cannot_fit_is_refused_before_allocating(tmp_path, monkeypatc
     small) is an error row, not an allocator traceback; rows that fit run; exit 1."""
     # full: 2 x 5 layers x 4 KV heads x 8 dims x 4 B = 1280 B a token (+ one layer's prompt
     # K/V in prefill): 87 KiB at 64 + 4 tokens, 600 KiB at 400 + 4
-    from rocketkv.evals import sweep as bench
     from rocketkv.engine import measure
+    from rocketkv.evals import sweep as bench
 
     free = 300 * 2 ** 10
     monkeypatch.setattr(measure, "available_bytes", lambda device: free)
@@ -347,8 +347,8 @@ def test_the_error_handler_cannot_raise(monkeypatch):
 def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch, capsys):
     """Bare ``bench.py`` on a CPU (llama-3.1-8b's random float32 weights: 32 GB): one
     ``error:`` line naming what it needs and what is free, exit 2, and nothing loaded."""
-    from rocketkv.evals import sweep as bench
     from rocketkv.engine import measure
+    from rocketkv.evals import sweep as bench
 
     def loaded(*_):
         raise AssertionError("the weights were loaded")
@@ -378,8 +378,8 @@ def test_results_go_to_the_current_directory_by_default(tmp_path, monkeypatch):
 def test_noisy_rows_get_the_warning_of_generate(tmp_path, monkeypatch, capsys):
     """A row whose decode steps vary 50x (p90/p10) gets the warning ``generate.py``'s report
     gives a run as noisy, in its words, naming the row; a steady row gets none."""
-    from rocketkv.evals import sweep as bench
     from rocketkv.engine.generate import format_report
+    from rocketkv.evals import sweep as bench
 
     one, real, results = bench.run_one, bench.generate, []
 
