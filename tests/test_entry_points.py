@@ -79,6 +79,7 @@ FAST_PARSE = {  # script -> a usage error its parser refuses
     "scripts/duo_identify.py": ["--checkpoint", "c", "--out", "d", "--steps", "many"],
     "scripts/eval_quantized.py": ["--checkpoint", "c", "--classifier", "int3"],
     "generate.py": ["--checkpoint", "c", "--random-prompt", "many"],
+    "serve.py": ["--port", "many"],
 }
 
 

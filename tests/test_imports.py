@@ -21,7 +21,7 @@ LAYERS = (
     ("rocketkv.formats",),
     ("rocketkv.engine",),
     ("rocketkv.api",),
-    ("rocketkv.cli",),
+    ("rocketkv.cli", "rocketkv.serve"),
     ("rocketkv.evals",),
 )
 TOP = len(LAYERS)  # the package's __init__ and __main__, the root commands, scripts, tools

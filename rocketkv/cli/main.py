@@ -1,6 +1,7 @@
-"""The ``rocketkv`` console command: ``rocketkv generate ...`` and ``rocketkv quantize ...``
-take exactly the flags of ``python generate.py`` and ``python quantize.py``
-(``rocketkv COMMAND --help``). ``python -m rocketkv`` is the same command."""
+"""The ``rocketkv`` console command: ``rocketkv generate ...``, ``rocketkv quantize ...`` and
+``rocketkv serve ...`` take exactly the flags of ``python generate.py``, ``python quantize.py``
+and ``python serve.py`` (``rocketkv COMMAND --help``). ``python -m rocketkv`` is the same
+command."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 COMMANDS = {
     "generate": "generate text with a compressed KV cache and measure speed and memory",
     "quantize": "write a weight-only int8 or int4 checkpoint",
+    "serve": "serve a model over an OpenAI-compatible HTTP API",
 }
 
 
@@ -33,6 +35,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
     if command == "generate":
         from rocketkv.cli.generate_flags import build_parser
+    elif command == "serve":
+        from rocketkv.cli.serve_flags import build_parser
     else:
         from rocketkv.cli.quantize_flags import build_parser
     parser = build_parser()
@@ -40,6 +44,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(rest)  # --help and usage errors before torch loads
     if command == "generate":
         from rocketkv.cli.generate import entry
+    elif command == "serve":
+        from rocketkv.cli.serve import entry
     else:
         from rocketkv.cli.quantize import entry
     entry(args)

@@ -1,0 +1,59 @@
+"""``serve.py``'s parser, torch-free: ``python serve.py --help`` and its usage errors come
+before torch and the engine load (``rocketkv serve`` is the same command)."""
+
+from __future__ import annotations
+
+import argparse
+
+from rocketkv.flags import (
+    DTYPE_NAMES,
+    GGUF_WEIGHTS,
+    METHOD_TABLE,
+    OneLineParser,
+    add_device_option,
+    add_method_flags,
+    method_epilog,
+)
+
+DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+               "/v1/completions, /v1/models, /health, /metrics). One request runs at a time; "
+               "the others wait in a queue.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``serve.py``'s flags: torch-free, so a bad flag is one ``error:`` line
+    (exit 2) before the engine loads. ``--method``, ``--budget``, the method options and
+    ``--max-new-tokens`` are the defaults of a request that does not set them."""
+    p = OneLineParser(description=DESCRIPTION, epilog=method_epilog(),
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint",
+                   help="checkpoint directory, a .gguf file, a short name or random:NAME "
+                        "(default: the SmolLM2-135M-Instruct GGUF of the data directory or "
+                        "checkpoints/)")
+    p.add_argument("--tokenizer", help="tokenizer file or directory (default: the "
+                   "checkpoint's)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--model-name", metavar="NAME",
+                   help="the model's id in /v1/models and the responses (default: the "
+                        "checkpoint's file or folder name)")
+    p.add_argument("--method", default="full", choices=[name for name, _ in METHOD_TABLE],
+                   metavar="METHOD",
+                   help="KV cache method of a request that names none (see below; default full)")
+    p.add_argument("--budget", type=int,
+                   help="token budget of a request that gives none (with --method): KV pairs "
+                        "read per decode step per layer per KV-head group")
+    add_method_flags(p.add_argument_group(
+        "method options (defaults for requests that use --method and set none)"))
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="generated tokens at most when a request sets no max_tokens "
+                        "(default 256)")
+    add_device_option(p)
+    p.add_argument("--dtype", choices=list(DTYPE_NAMES),
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS,
+                   help="a GGUF's weights as float or kept quantized (default quantized on the "
+                        "CPU, float on CUDA; docs/quantization.md)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    return p

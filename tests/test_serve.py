@@ -1,0 +1,225 @@
+"""The OpenAI-compatible server (``rocketkv/serve/app.py``): in process through FastAPI's
+TestClient, and through the ``openai`` client against a real uvicorn server on 127.0.0.1."""
+
+import json
+import threading
+import time
+import warnings
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import SMOLLM2_GGUF, shared_file
+from fastapi.testclient import TestClient
+
+import rocketkv
+from rocketkv.serve.app import ServeDefaults, create_app
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = ("The quick brown fox jumps over the lazy dog near the river bank. " * 12
+        + "Which animal jumps?")
+MAX = 12
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return rocketkv.load(shared_file(SMOLLM2_GGUF))
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with TestClient(create_app(engine, ServeDefaults(max_new_tokens=MAX))) as c:
+        yield c
+
+
+def chat(client, **fields):
+    body = {"model": "m", "messages": QUESTION, "max_tokens": MAX, "temperature": 0, **fields}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def sse(text: str) -> list:
+    """The chunks of a server-sent event stream, which ends with ``data: [DONE]``."""
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+
+
+def test_a_chat_completion_has_the_openai_shape_and_is_engine_generate(client, engine):
+    r = chat(client)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == "SmolLM2-135M-Instruct.Q4_1" and isinstance(body["created"], int)
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in ("stop", "length")
+    direct = engine.generate(QUESTION, max_new_tokens=MAX, temperature=0)
+    assert choice["message"]["content"] == direct.text
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == direct.metrics["prompt_tokens"]
+    assert usage["completion_tokens"] == len(direct.tokens)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert choice["finish_reason"] == ("stop" if direct.stop_reason == "eos" else "length")
+
+
+def test_a_streamed_chat_completion_is_the_whole_one_in_pieces(client):
+    whole = chat(client).json()["choices"][0]["message"]["content"]
+    r = chat(client, stream=True)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = sse(r.text)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == whole
+
+
+def test_a_completion_is_plain_text_generation(client, engine):
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200
+    out = r.json()
+    assert out["object"] == "text_completion"
+    (choice,) = out["choices"]
+    direct = engine.generate("The capital of France is", chat=False, max_new_tokens=8,
+                             temperature=0)
+    assert choice["text"] == direct.text and choice["index"] == 0
+    assert choice["finish_reason"] in ("stop", "length")
+    streamed = client.post("/v1/completions", json={**body, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in sse(streamed.text)) == direct.text
+
+
+def test_a_request_chooses_its_kv_cache(client, engine):
+    """``method``, ``budget`` and a method option as extra fields: the answer is the engine's
+    with the same cache."""
+    prompt = [{"role": "user", "content": LONG}]
+    r = chat(client, messages=prompt, method="rocketkv", budget=64, max_tokens=8)
+    assert r.status_code == 200, r.text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the budget compresses: no "no compression" warning
+        direct = engine.generate(prompt, method="rocketkv", budget=64, max_new_tokens=8,
+                                 temperature=0)
+    assert r.json()["choices"][0]["message"]["content"] == direct.text
+    r = chat(client, method="quest", budget=32, page_size=8, max_tokens=4)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("body, words", [
+    ("{not json", "not valid JSON"),
+    ({"messages": QUESTION, "method": "nope"}, "unknown method 'nope'"),
+    ({"messages": QUESTION, "method": "rocketkv", "budget": -3}, "budget"),
+    ({"messages": QUESTION, "method": "rocketkv", "budget": "many"}, "budget"),
+    ({"messages": QUESTION, "max_tokens": 0}, "max_tokens must be"),
+    ({"messages": QUESTION, "temperature": "hot"}, "temperature"),
+    ({"messages": QUESTION, "stop": ["\n"]}, "stop strings are not supported"),
+    ({"messages": "hi"}, "messages must be"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"messages": QUESTION, "method": "full", "page_size": 8}, "page_size"),
+    ({"messages": [{"role": "user", "content": "hello " * 9000}]}, "context"),
+    ({"messages": [{"role": "user", "content": "hello " * 9000}], "stream": True}, "context"),
+])
+def test_bad_input_is_a_400_with_the_message(client, body, words):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = client.post("/v1/chat/completions", content=content)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert words in error["message"] and "\n" not in error["message"]
+
+
+def test_models_health_and_metrics(client):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
+    assert client.get("/health").json()["status"] == "ok"
+    chat(client, max_tokens=2)
+    text = client.get("/metrics").text
+    assert 'rocketkv_requests_total{endpoint="/v1/chat/completions",method="full",' \
+           'status="200"}' in text
+    assert 'rocketkv_generated_tokens_total{method="full"}' in text
+    assert "rocketkv_queue_length 0.0" in text and "rocketkv_running 0.0" in text
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """A uvicorn server on 127.0.0.1 (a free port the system picks) in a thread; its base URL.
+    Stopped at the end."""
+    config = uvicorn.Config(create_app(engine, ServeDefaults(max_new_tokens=MAX)),
+                            host="127.0.0.1", port=0, log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}/v1"
+    srv.should_exit = True
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+@pytest.fixture
+def api(server):
+    http = httpx.Client(trust_env=False, timeout=60)  # loopback: no proxy
+    with openai.OpenAI(base_url=server, api_key="unused", max_retries=0,
+                       http_client=http) as c:
+        yield c
+
+
+def test_the_openai_client_talks_to_the_server(api, engine):
+    (model,) = api.models.list().data
+    assert model.id == "SmolLM2-135M-Instruct.Q4_1"
+    whole = api.chat.completions.create(model=model.id, messages=QUESTION, max_tokens=MAX,
+                                        temperature=0)
+    text = whole.choices[0].message.content
+    assert text == engine.generate(QUESTION, max_new_tokens=MAX, temperature=0).text
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    stream = api.chat.completions.create(model=model.id, messages=QUESTION, max_tokens=MAX,
+                                         temperature=0, stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(pieces) == text
+    done = api.completions.create(model=model.id, prompt="The capital of France is",
+                                  max_tokens=6, temperature=0)
+    assert done.choices[0].text == engine.generate(
+        "The capital of France is", chat=False, max_new_tokens=6, temperature=0).text
+    compressed = api.chat.completions.create(
+        model=model.id, messages=[{"role": "user", "content": LONG}], max_tokens=8,
+        temperature=0, extra_body={"method": "rocketkv", "budget": 64})
+    assert compressed.choices[0].message.content == engine.generate(
+        [{"role": "user", "content": LONG}], method="rocketkv", budget=64, max_new_tokens=8,
+        temperature=0).text
+
+
+def test_the_openai_client_sees_a_400(api):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="m", messages=QUESTION, max_tokens=4,
+                                    extra_body={"method": "nope"})
+    assert e.value.status_code == 400
+    assert "unknown method 'nope'" in e.value.message
+
+
+def test_requests_at_once_wait_their_turn(server, engine):
+    """Three chat requests sent together run one at a time (no batching yet): each is answered
+    in full, with the greedy answer a request alone gets."""
+    expected = engine.generate(QUESTION, max_new_tokens=MAX, temperature=0).text
+    answers, errors = [], []
+
+    def ask() -> None:
+        try:
+            with httpx.Client(trust_env=False, timeout=60) as http:
+                r = http.post(f"{server}/chat/completions",
+                              json={"messages": QUESTION, "max_tokens": MAX, "temperature": 0})
+            answers.append(r.json()["choices"][0]["message"]["content"])
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and answers == [expected] * 3
