@@ -23,9 +23,10 @@
 #    the call goes on, saying so, when it is absent or fails) beside the CUDA tests
 #    (pytest -m cuda), one process a test file, all at once, so a sticky CUDA error stays in
 #    the file that raised it; kernels per step and layer at 32K of full and rocketkv@256
-#    (profile_step.py, graphs regime); then full and rocketkv@256 beside transformers' static
-#    cache at 32K and 131008 (bench.py, graphs regime; rows saved as each finishes, the
-#    peers last). Files back: log-first.txt, profile-32768.{json,md}, <device>/bench-*.json
+#    (profile_step.py, graphs regime); then the chart: full and rocketkv@256 at 16K-131008
+#    (bench.py, graphs regime; rows saved as each finishes), and transformers' static cache at
+#    32K in a call of its own (its 131008 row and batch 16 are part t's). Files back:
+#    log-first.txt, profile-32768.{json,md}, <device>/bench-*.json
 # k: the dense kernels' knobs at batch 1 over the quick grid, as a table
 #    (tuned-dense-b1.json) the rest of the call uses and the session commits under
 #    rocketkv/kernels/tuned/ for t and q; kernels per step and layer at 32K of full and rocketkv@256
@@ -110,11 +111,16 @@ first)
     wait
     for f in "$out"/run-*.txt; do step "${f##*/run-}"; cat "$f"; rm -f "$f"; done
     step "kernels per step and layer at 32K: full and rocketkv@256, CUDA graphs of the eager step"
-    timeout 75 $py scripts/profile_step.py --context 32768 --methods full rocketkv \
+    timeout 40 $py scripts/profile_step.py --context 32768 --methods full rocketkv \
         --budgets 256 --compile-regime graphs --out "$out" | grep -v "^|"
-    step "full and rocketkv@256 beside transformers at 32K and 131008, graphs regime"
-    timeout 210 $py scripts/bench.py $G --context 32768 131008 --methods full rocketkv \
-        transformers --budgets 256 --time-limit 160
+    # the chart's rows, each call under its own limit so that a slow peer costs only its own
+    # rows (2026-11-27: ours at 32K and 131008 took 48 s in all, transformers at 32K 37 s and
+    # at 131008 more than the 105 s it had left)
+    step "full and rocketkv@256 at 16K, 32K, 64K and 131008, graphs regime"
+    timeout 165 $py scripts/bench.py $G --context 16384 32768 65536 131008 --methods full \
+        rocketkv --budgets 256 --time-limit 130
+    step "transformers' static cache at 32K"
+    timeout 95 $py scripts/bench.py $G --context 32768 --methods transformers --time-limit 10
     ;;
 k)
     environment
