@@ -43,6 +43,7 @@ from rocketkv.engine.step import (  # noqa: F401 (re-exported: tests and scripts
     DYNAMO_CONFIG,
     WARMUP_STEPS,
     GraphStep,
+    Sampling,
     StepMode,
     compiled_decode,
     decode_one_token,
@@ -54,7 +55,7 @@ from rocketkv.model import ConfigError, Transformer
 
 @torch.no_grad()
 def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int, step_fn,
-         sampling: dict, stop_ids: Tensor, meter: MemoryMeter,
+         sampling: Sampling, stop_ids: Tensor, meter: MemoryMeter,
          warmup_steps: int = 0, on_token=None, stop_check_every: int = 1) -> dict[str, Any]:
     """Prefill (``prefill_fn() -> logits``), then decode from position ``first_pos``; the first
     ``warmup_steps`` decode steps (compilation, CUDA-graph capture) are timed together as
@@ -72,7 +73,7 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
     sync(device)
     t0 = time.perf_counter()
     logits = prefill_fn()
-    next_tok = sample(logits, **sampling) if new_tokens else None  # (B, 1)
+    next_tok = sample(logits, **sampling.kwargs()) if new_tokens else None  # (B, 1)
     sync(device)
     prefill_s = time.perf_counter() - t0
     peak_prefill = meter.peak()
@@ -100,7 +101,7 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
                 compile_s = time.perf_counter() - t_warm
                 meter.reset()
             start = timer.start() if step >= warmup_steps else None
-            next_tok = step_fn(model, next_tok, input_pos, **sampling).clone()
+            next_tok = step_fn(model, next_tok, input_pos, **sampling.kwargs()).clone()
             if start is not None:
                 timer.stop(start)
             out[:, n:n + 1] = next_tok
@@ -221,7 +222,7 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         turn = _first_turn(model, prompt, spec, max_new_tokens, prefilled, meter,
                            on_prefill_layer)
     peak_setup = meter.peak()
-    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    sampling = Sampling(temperature, top_k, top_p)
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     compilable = all(c.compilable for c in model.caches)
     mode = StepMode.of(compilable if compile is None else compile, cuda_graphs, compile_dynamic)

@@ -15,6 +15,7 @@ import enum
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,19 @@ from rocketkv import kernels
 from rocketkv.model import ConfigError, Transformer
 
 WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a run draws its next tokens (``sample``): ``temperature`` (0: greedy), ``top_k``
+    and ``top_p`` (None: off). ``kwargs()`` passes them to ``sample`` and the decode step."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def kwargs(self) -> dict[str, float | int | None]:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
 
 def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
