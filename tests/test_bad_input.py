@@ -226,7 +226,7 @@ def test_ctrl_c_just_as_the_temporary_folder_is_made_leaves_nothing(tmp_path, ca
                                                                     monkeypatch):
     """Ctrl-C between ``write_directory`` making its temporary folder and the ``try`` that
     removes it on failure (the window the test above aims at) left ``.o.XXXXXXXX`` behind;
-    quantize.py removes it."""
+    ``checkpoint.write_directory`` removes it."""
     import tempfile
 
     from rocketkv.cli.quantize import main

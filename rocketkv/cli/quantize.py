@@ -148,17 +148,7 @@ def quantize_checkpoint(checkpoint: str, mode: str, groupsize: int | None, out: 
         if before_commit is not None:
             before_commit()
 
-    parent, prefix = out.absolute().parent, f".{out.name}."
-    before = _temporaries(parent, prefix)
-    try:
-        return write_directory(out, fill)
-    except KeyboardInterrupt:
-        # write_directory removes its temporary folder on any failure inside its try, but a
-        # Ctrl-C between making the folder and entering the try left it behind: remove what
-        # appeared under its prefix since
-        for tmp in _temporaries(parent, prefix) - before:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return write_directory(out, fill)
 
 
 class _ProgressStream:
@@ -180,15 +170,6 @@ class _ProgressStream:
 
 
 PROGRESS_STREAM = _ProgressStream()
-
-
-def _temporaries(parent: Path, prefix: str) -> set[Path]:
-    """The folders in ``parent`` whose names start with ``prefix`` (``write_directory``'s
-    temporary folders for one output); none when ``parent`` does not exist."""
-    try:
-        return {p for p in parent.iterdir() if p.name.startswith(prefix) and p.is_dir()}
-    except OSError:
-        return set()
 
 
 def main(argv=None) -> int:

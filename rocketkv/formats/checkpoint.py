@@ -943,12 +943,19 @@ def write_directory(out: str | Path, fill) -> Path:
     import tempfile
 
     out = check_new_directory(out)
+    prefix = f".{out.name}."
+
+    def temporaries() -> set[Path]:  # this output's temporary folders beside it
+        return {p for p in out.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()}
+
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        before = temporaries()
     except OSError as e:
         raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
+    tmp = None
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
         fill(tmp)
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -956,11 +963,12 @@ def write_directory(out: str | Path, fill) -> Path:
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        # tmp None: interrupted (Ctrl-C) between mkdtemp making the folder and returning it
+        for made in [tmp] if tmp is not None else temporaries() - before:
+            shutil.rmtree(made, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
         raise
     return out
 
