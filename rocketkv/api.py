@@ -393,7 +393,7 @@ class Engine:
         checks.check_request(method, budget, options, max_new_tokens=max_new_tokens,
                       temperature=temperature, top_k=top_k, top_p=top_p)
         ids = self.encode(prompt, chat=chat, system=system)
-        _, note = checks.plan_run(method, self.model.args, len(ids), max_new_tokens, budget,
+        _, note = checks.check_fit(method, self.model.args, len(ids), max_new_tokens, budget,
                                   options)
         stop = self.stop_ids if stop_ids is None else tuple(stop_ids)
         on_token, streamer = self._streaming(on_token, on_text, stop)
@@ -454,7 +454,7 @@ class Engine:
         chat = checks.chat_mode(chat, self.tokenizer)
         ids = document_ids(self._tok(), text, chat, system) if isinstance(text, str) \
             else self.encode(text)
-        _warn_uncompressed(checks.plan_document(method, self.model.args, len(ids),
+        _warn_uncompressed(checks.check_document(method, self.model.args, len(ids),
                                                 reserve_tokens, budget, options))
         self._document = None
         r = _g.generate(self.model, ids, method=method, budget=budget, max_new_tokens=0,

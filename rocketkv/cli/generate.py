@@ -39,11 +39,11 @@ from rocketkv.compression import given_options
 from rocketkv.engine.checks import (
     NO_TOKENIZER,
     chat_mode,
+    check_document,
+    check_fit,
     check_request,
     load_weights,
     open_checkpoint,
-    plan_document,
-    plan_run,
     result_text,
 )
 from rocketkv.engine.device import default_dtype
@@ -165,7 +165,7 @@ def _main(args: argparse.Namespace) -> int:
                                 generator=gen).tolist()
         tp.check_world(margs, world)
         # every method setting is checked here, before the weights load
-        room, note = plan_run(args.method, margs, len(ids), args.max_new_tokens, args.budget,
+        room, note = check_fit(args.method, margs, len(ids), args.max_new_tokens, args.budget,
                               options)
         if note is not None and rank == 0:
             print(f"note: {note}", file=sys.stderr)
@@ -271,7 +271,7 @@ def _answer_questions(args: argparse.Namespace, checkpoint: str, margs,
     doc = document_ids(tok, text, chat, args.system)
     asks = [question_ids(tok, q, chat, text, args.system) for q in questions]
     reserve = min(max(map(len, asks)) + args.max_new_tokens - 1, margs.max_seq_len - len(doc))
-    note = plan_document(args.method, margs, len(doc), reserve, args.budget, options)
+    note = check_document(args.method, margs, len(doc), reserve, args.budget, options)
     if note is not None:
         print(f"note: {note}", file=sys.stderr)
     model = load_weights(checkpoint, margs, device, dtype, gguf_weights=args.gguf_weights,

@@ -2,7 +2,7 @@
 Python API (``rocketkv/api.py``), so both take them in one order and refuse bad input with the
 same words before the slow work: the checkpoint opened without its weights
 (``open_checkpoint``), the settings checked (``check_request``), the prompt's fit and the
-method's plan (``plan_run``, ``plan_document``), then the weights loaded (``load_weights``).
+method's plan (``check_fit``, ``check_document``), then the weights loaded (``load_weights``).
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ def check_request(method: str, budget: int | None, options: dict[str, Any], *,
 
 
 def check_fit(method: str, margs: ModelArgs, prompt_len: int, max_new_tokens: int,
-              budget: int | None, options: dict[str, Any]) -> int:
+              budget: int | None, options: dict[str, Any]) -> tuple[int, str | None]:
     """The room (tokens) the model's context leaves after a ``prompt_len``-token prompt, after
     checking the method's setting for this run (``compression.plan`` with the new tokens that
-    fit): everything that needs the prompt's length but no weights.
+    fit): everything that needs the prompt's length but no weights; and the note of a run
+    ``plan`` leaves uncompressed (a budgeted method whose budget covers the whole sequence),
+    or None. The CLI prints the note as ``note: ...``, the API warns with it.
 
     Raises:
         ConfigError: no room left, or what ``plan`` rejects (a budget too small...).
@@ -67,40 +69,32 @@ def check_fit(method: str, margs: ModelArgs, prompt_len: int, max_new_tokens: in
     if room <= 0:
         raise ConfigError(f"the prompt ({prompt_len} tokens) leaves no room in the model's "
                           f"context ({margs.max_seq_len} tokens)")
-    plan(method, margs, prompt_len=prompt_len, max_new_tokens=min(max_new_tokens, room),
-         budget=budget, **options)
-    return room
-
-
-def budget_note(method: str, budget: int | None, prompt_len: int, new_tokens: int) -> str | None:
-    """The note for a run whose budget covers its whole sequence (``prompt_len`` +
-    ``new_tokens``, as ``check_fit`` and ``check_document`` pass them to ``compression.plan``):
-    ``plan`` then builds the full cache, so nothing is compressed. None otherwise (an
-    unbudgeted method, a budget below the sequence). The CLI prints it as ``note: ...``, the
-    API warns with it (``UserWarning``)."""
-    if budget is None or not METHODS[method].budgeted or budget < prompt_len + new_tokens:
-        return None
-    return (f"no compression: the budget ({budget}) covers all {prompt_len + new_tokens} "
-            f"tokens (prompt {prompt_len} + up to {new_tokens} new); {method} runs with the "
-            "full cache")
+    new = min(max_new_tokens, room)
+    params = plan(method, margs, prompt_len=prompt_len, max_new_tokens=new, budget=budget,
+                  **options)
+    if params is not None or not METHODS[method].budgeted:
+        return room, None
+    return room, (f"no compression: the budget ({budget}) covers all {prompt_len + new} tokens "
+                  f"(prompt {prompt_len} + up to {new} new); {method} runs with the full cache")
 
 
 def check_document(method: str, margs: ModelArgs, doc_tokens: int, reserve_tokens: int,
-                   budget: int | None, options: dict[str, Any]) -> None:
+                   budget: int | None, options: dict[str, Any]) -> str | None:
     """``check_fit`` for a document (``--questions``, ``rocketkv.Document``): the document plus
     ``reserve_tokens`` for a question and its answer fit the context, the method's setting for
-    a ``doc_tokens`` prompt with ``reserve_tokens`` new tokens is valid.
+    a ``doc_tokens`` prompt with ``reserve_tokens`` new tokens is valid; ``check_fit``'s note.
 
     Raises:
         ConfigError: naming the sizes; what ``plan`` rejects.
     """
     if reserve_tokens <= 0:
         raise ConfigError(f"reserve_tokens must be positive, got {reserve_tokens}")
-    room = check_fit(method, margs, doc_tokens, reserve_tokens, budget, options)
+    room, note = check_fit(method, margs, doc_tokens, reserve_tokens, budget, options)
     if reserve_tokens > room:
         raise ConfigError(f"the document ({doc_tokens} tokens) and the room for a question "
                           f"and its answer ({reserve_tokens} tokens) exceed the model's "
                           f"context ({margs.max_seq_len} tokens)")
+    return note
 
 
 def checkpoint_tokenizer(checkpoint: str, margs: ModelArgs, tokenizer: str | None = None
@@ -155,31 +149,6 @@ def open_checkpoint(checkpoint: str | None, tokenizer: str | None = None
     resolved = resolve_checkpoint(default_checkpoint() if checkpoint is None else checkpoint)
     margs = checkpoint_args(resolved)
     return resolved, margs, checkpoint_tokenizer(resolved, margs, tokenizer)
-
-
-def plan_run(method: str, margs: ModelArgs, prompt_len: int, max_new_tokens: int,
-             budget: int | None, options: dict[str, Any]) -> tuple[int, str | None]:
-    """The method checked and planned for a ``prompt_len``-token prompt: the room the context
-    leaves (``check_fit``) and the note of a budget that covers the whole run
-    (``budget_note``; None otherwise).
-
-    Raises:
-        ConfigError: see ``check_fit``.
-    """
-    room = check_fit(method, margs, prompt_len, max_new_tokens, budget, options)
-    return room, budget_note(method, budget, prompt_len, min(max_new_tokens, room))
-
-
-def plan_document(method: str, margs: ModelArgs, doc_tokens: int, reserve_tokens: int,
-                  budget: int | None, options: dict[str, Any]) -> str | None:
-    """``plan_run`` for a document and the room kept after it (``check_document``): the note
-    of a budget that covers it, or None.
-
-    Raises:
-        ConfigError: see ``check_document``.
-    """
-    check_document(method, margs, doc_tokens, reserve_tokens, budget, options)
-    return budget_note(method, budget, doc_tokens, reserve_tokens)
 
 
 def load_weights(checkpoint: str, margs: ModelArgs, device: torch.device, dtype: torch.dtype, *,
