@@ -71,9 +71,10 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
     timer = StepTimer(device)
     meter.reset()
     sync(device)
+    draw = sampling.kwargs()  # once: the step's keyword arguments
     t0 = time.perf_counter()
     logits = prefill_fn()
-    next_tok = sample(logits, **sampling.kwargs()) if new_tokens else None  # (B, 1)
+    next_tok = sample(logits, **draw) if new_tokens else None  # (B, 1)
     sync(device)
     prefill_s = time.perf_counter() - t0
     peak_prefill = meter.peak()
@@ -101,7 +102,7 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
                 compile_s = time.perf_counter() - t_warm
                 meter.reset()
             start = timer.start() if step >= warmup_steps else None
-            next_tok = step_fn(model, next_tok, input_pos, **sampling.kwargs()).clone()
+            next_tok = step_fn(model, next_tok, input_pos, **draw).clone()
             if start is not None:
                 timer.stop(start)
             out[:, n:n + 1] = next_tok
