@@ -498,21 +498,10 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
     binary = is_binary(a) and is_binary(b)
     sizes = Counter(strata) if strata is not None else None  # prompts per stratum
     equal = sizes is None or len(set(sizes.values())) == 1
-    if binary and equal:
-        # strata of one size weigh every prompt alike: the pooled difference is (b - c) / n
-        lo, hi = tango_paired_interval(wins, losses, len(a))
-        interval = "tango"
-    elif binary:  # strata of different sizes: Tango's interval of the mean of their differences
-        labels = list(dict.fromkeys(strata))
-        lo, hi = stratified_paired_interval(
-            [sum(x > y for x, y, s in zip(a, b, strata) if s == lab) for lab in labels],
-            [sum(x < y for x, y, s in zip(a, b, strata) if s == lab) for lab in labels],
-            [sizes[lab] for lab in labels])
-        interval = "score"
-    else:
-        lo, hi = bootstrap_interval(d, strata=strata, seed=seed)
-        interval = "bootstrap"
-    lo90, hi90 = _interval90(a, b, d, strata, binary, equal, wins, losses, seed)
+    lo, hi, interval = _paired_interval(a, b, d, strata, binary, wins, losses, seed, 0.95)
+    # the two one-sided tests of equivalence at 5% each reject both ends exactly where the
+    # 90% interval (of the same kind) lies inside the margin (Schuirmann 1987)
+    lo90, hi90, _ = _paired_interval(a, b, d, strata, binary, wins, losses, seed, 0.90)
     if strata is None and binary:
         p, test = mcnemar_p(wins, losses), "mcnemar"
     else:
@@ -528,20 +517,24 @@ def paired_comparison(a: Sequence[float], b: Sequence[float], *,
             "mdd": min_detectable_difference(d) if len(d) > 1 else None}
 
 
-def _interval90(a, b, d, strata, binary, equal, wins, losses, seed) -> tuple[float, float]:
-    """``paired_comparison``'s interval at 90% (the same kind as its 95% one): the two
-    one-sided tests of equivalence at 5% each reject both ends exactly where it lies inside
-    the margin (Schuirmann 1987)."""
-    if binary and equal:
-        return tango_paired_interval(wins, losses, len(a), z=Z90)
+def _paired_interval(a, b, d, strata, binary: bool, wins: int, losses: int, seed: int,
+                     level: float) -> tuple[float, float, str]:
+    """``paired_comparison``'s interval of the difference at ``level`` (0.95 or 0.90), and its
+    kind: "tango" when both are pass/fail, without strata or in strata of one size (every
+    prompt weighs alike: the pooled difference is (b - c) / n); "score" when both are
+    pass/fail in strata of different sizes (Tango's interval of the mean of their
+    differences); else "bootstrap"."""
+    z = {0.95: Z95, 0.90: Z90}[level]
+    sizes = Counter(strata) if strata is not None else None  # prompts per stratum
+    if binary and (sizes is None or len(set(sizes.values())) == 1):
+        return (*tango_paired_interval(wins, losses, len(a), z=z), "tango")
     if binary:
         labels = list(dict.fromkeys(strata))
-        sizes = Counter(strata)
-        return stratified_paired_interval(
+        return (*stratified_paired_interval(
             [sum(x > y for x, y, s in zip(a, b, strata) if s == lab) for lab in labels],
             [sum(x < y for x, y, s in zip(a, b, strata) if s == lab) for lab in labels],
-            [sizes[lab] for lab in labels], z=Z90)
-    return bootstrap_interval(d, strata=strata, seed=seed, level=0.90)
+            [sizes[lab] for lab in labels], z=z), "score")
+    return (*bootstrap_interval(d, strata=strata, seed=seed, level=level), "bootstrap")
 
 
 def min_detectable_difference(diffs: Sequence[float], *, z_alpha: float = Z95,
