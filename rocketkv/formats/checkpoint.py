@@ -649,7 +649,8 @@ def _hf_cache_snapshot(repo_id: str) -> Path | None:
 def resolve_checkpoint(checkpoint: str) -> str:
     """A ``--checkpoint`` value made a loadable path.
 
-    Paths and ``random:NAME`` are returned as they are. A name of ``KNOWN_CHECKPOINTS``
+    Paths are returned as they are, ``random:NAME`` with NAME in its one spelling
+    (``flags.model_name``). A name of ``KNOWN_CHECKPOINTS``
     resolves to a local copy: in ``checkpoints/`` (of the working directory, then of this
     project) the directory ``scripts/download.py`` writes (the repository's name), a directory
     or ``.gguf`` file named after the short name, or a GGUF of the repository
@@ -659,7 +660,9 @@ def resolve_checkpoint(checkpoint: str) -> str:
         ConfigError: a known name with no local copy; the message gives the command that
             downloads it.
     """
-    if checkpoint.startswith(RANDOM_PREFIX) or Path(checkpoint).exists():
+    if checkpoint.startswith(RANDOM_PREFIX):  # an old spelling of the shape's name: noted once
+        return RANDOM_PREFIX + model_name(checkpoint[len(RANDOM_PREFIX):])
+    if Path(checkpoint).exists():
         return checkpoint
     checkpoint = model_name(checkpoint)
     if checkpoint not in KNOWN_CHECKPOINTS:
