@@ -14,7 +14,8 @@ METHOD_TABLE: tuple[tuple[str, str], ...] = (
     ("exact_topk",
      "oracle top-k on exact attention scores (k = t), exact attention over them"),
     ("snapkv",
-     "SnapKV: per-head observation-window voting evicts prompt tokens (budget t - m)"),
+     "SnapKV: per-head observation-window voting; each query head keeps t // G prompt tokens, "
+     "evicting more as the answer grows"),
     ("snapkv_pp",
      "SnapKV++: group-shared voting, adaptive max-pool kernel (RocketKV Alg. 1)"),
     ("quest",

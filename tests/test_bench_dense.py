@@ -7,9 +7,10 @@ import json
 import pytest
 
 from rocketkv import kernels
+from rocketkv.evals.dense_bench import GRIDS
 from rocketkv.kernels import tuning
 from rocketkv.model import CONFIGS, ModelArgs
-from scripts.bench_dense import GRIDS, main
+from scripts.bench_dense import main
 
 pytestmark = pytest.mark.skipif(kernels.ops() is None, reason=f"triton: {kernels.missing()}")
 DENSE = importlib.import_module("rocketkv.kernels.dense") if kernels.ops() is not None else None

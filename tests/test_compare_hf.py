@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from scripts.compare_hf import main, make_row
+from rocketkv.evals.compare_hf import make_row
+from scripts.compare_hf import main
 
 
 @pytest.fixture(scope="module")

@@ -263,7 +263,7 @@ def decode_logits(model, method, fused, T=72, steps=2, batch=2, replay=False, **
     args = model.args
     budget = None
     if METHODS[method].budgeted:  # compressing: below prompt + new tokens
-        smallest = smallest_budget(method, T, steps + 1, args, options)
+        smallest = smallest_budget(method, T, args, options, T + steps + 1)
         if smallest is None:
             pytest.skip(f"{method} takes no budget below the sequence at this shape")
         budget = max(40, smallest)
@@ -360,7 +360,10 @@ def test_quantized_model_decodes_alike_with_the_kernels(mode, monkeypatch, few_p
     assert all(kernel_weight(m) is not None for layer in model.layers
                for m in (layer.attention.wqkv, layer.feed_forward.w2)) and \
         kernel_weight(model.output) is not None
-    ref, _ = decode_logits(model, "rocketkv", fused=False)
+    # the full cache: a compressed one may pick other tokens where the quantized matmuls'
+    # rounding reorders near-tied scores (rocketkv's second step differs by 6-100% of the
+    # logits' scale at T = 64 or 96 from a selection flip, not from the kernels)
+    ref, _ = decode_logits(model, "full", fused=False)
     calls = []
     spy = kernels.linear
 
@@ -369,7 +372,7 @@ def test_quantized_model_decodes_alike_with_the_kernels(mode, monkeypatch, few_p
         return spy(*a, **kw)
 
     monkeypatch.setattr(kernels, "linear", counting)
-    out, _ = decode_logits(model, "rocketkv", fused=True)
+    out, _ = decode_logits(model, "full", fused=True)
     assert calls and all(calls)  # every projection and the LM head, from quantized weights
     scale = ref.abs().max()
     assert (out - ref).abs().max() <= 0.01 * scale, (out - ref).abs().max() / scale

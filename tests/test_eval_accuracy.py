@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file
 
-import scripts.eval_accuracy as ea
+import rocketkv.evals.fidelity_run as ea
 from rocketkv.compression import build_caches
 from rocketkv.compression.selection import TopKSelector
 from rocketkv.data import RULER_ESSAYS, TINYSTORIES_TEXTS

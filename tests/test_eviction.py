@@ -316,7 +316,7 @@ def test_duo_budget_mapping_follows_the_papers_baseline():
     assert d["retrieval_heads"] == math.floor(96 * (1024 - 640) / (8192 - 640)) == 4
     # the average read per KV head stays within the budget
     args = ModelArgs.from_name("llama-3.1-8b")
-    p = derive("duoattention", 4096, 32768, 0, args, {})
+    p = derive("duoattention", 4096, 32768, args, {})
     assert p.traffic_tokens <= 4096 and p.retrieval_heads == 27
 
 
@@ -361,7 +361,7 @@ def test_duo_finds_the_pattern_shipped_for_its_model(tmp_path):
                           max_new_tokens=4, budget=700, dtype=torch.float32, device="meta")
     assert caches[0].method_params()["duo_patterns"] == str(SMOLLM2_PATTERN)
     other = ModelArgs(**{**smollm2.__dict__, "name": "another model"})
-    with pytest.raises(ConfigError, match="keeps 20 retrieval heads .* --duo-patterns PATH"):
+    with pytest.raises(ConfigError, match="keeps 16 retrieval heads .* --duo-patterns PATH"):
         build_caches("duoattention", other, batch_size=1, prompt_len=900, max_new_tokens=4,
                      budget=700, dtype=torch.float32, device="meta")
     with pytest.raises(ConfigError, match="gates above --duo-threshold 0.5 .* --duo-patterns"):
@@ -386,12 +386,13 @@ def test_duo_caches_have_per_head_capacities_and_attend_like_the_references(tmp_
     caches = build_caches("duoattention", args, batch_size=B, prompt_len=T, max_new_tokens=m,
                           budget=700, dtype=torch.float32, device="cpu",
                           duo_patterns=str(pattern))
-    # (700 - 640) / (803 - 640) of the 4 KV heads -> 1 retrieval head: layer 0, head 1
+    # (700 - 640) / (832 - 640) of the 4 KV heads -> 1 retrieval head: layer 0, head 1 (832:
+    # the cache's 801 tokens at the first decode step, rounded up to 64; not T + m)
     assert [(c.n_retrieval, c.n_streaming) for c in caches] == [(1, 1), (0, 2)]
     assert caches[0].k_full.shape == (B, 1, T + m, D)
     assert caches[0].k_ring.shape == (B, 1, 640, D) and caches[1].k_ring.shape == (B, 2, 640, D)
     p = caches[0].method_params()
-    assert p["traffic_tokens"] == pytest.approx((803 + 3 * 640) / 4) and p["traffic_tokens"] < 700
+    assert p["traffic_tokens"] == pytest.approx((832 + 3 * 640) / 4) and p["traffic_tokens"] < 700
     total = sum(c.bytes_read_per_step() for c in caches)
     assert total == 2 * D * 4 * (803 + 3 * 640) * B
     q, k, v = qkv(B, H, Hkv, T + m, D, seed=5)
@@ -410,7 +411,7 @@ def test_duo_caches_have_per_head_capacities_and_attend_like_the_references(tmp_
                           duo_patterns=str(pattern), duo_threshold=0.25)
     assert [c.n_retrieval for c in caches] == [2, 0]
     assert caches[0].method_params()["budget_overshoot"] == pytest.approx(
-        (2 * 803 + 2 * 640) / 4 / 700)
+        (2 * 832 + 2 * 640) / 4 / 700)
 
 
 def test_mixed_head_layers_compile_once_and_equal_eager(tmp_path):
@@ -419,10 +420,11 @@ def test_mixed_head_layers_compile_once_and_equal_eager(tmp_path):
     torch.manual_seed(0)
     args = tiny_args(H=4, Hkv=2, D=16, layers=3, max_seq_len=1024)
     model = Transformer(args)
-    # 6 KV heads, (700 - 640) / (760 - 640) of them -> 3 retrieval heads: 2, 1 and 0 per layer
+    # 6 KV heads, (704 - 640) / (768 - 640) of them -> 3 retrieval heads: 2, 1 and 0 per layer
+    # (768: the 751 tokens of the first decode step rounded up to 64)
     pattern = write_tsv(tmp_path / "p.tsv", [[0.9, 0.8], [0.1, 0.7], [0.2, 0.3]])
     prompt = torch.randint(0, args.vocab_size, (1, 750))
-    kw = dict(method="duoattention", budget=700, max_new_tokens=10,
+    kw = dict(method="duoattention", budget=704, max_new_tokens=10,
               method_options={"duo_patterns": str(pattern)})
     eager = generate(model, prompt, **kw)
     assert [(c.n_retrieval, c.n_streaming) for c in model.caches] == [(2, 0), (1, 1), (0, 2)]
@@ -483,7 +485,7 @@ def test_committed_smollm2_pattern_matches_the_model(smollm2_model):
 # ---- head identification ------------------------------------------------------------------------
 
 def test_identification_keeps_a_retrieving_head_and_drops_an_idle_one():
-    from scripts.duo_identify import identify
+    from rocketkv.evals.duo_identify import identify
 
     torch.manual_seed(0)
     args = tiny_args(H=2, Hkv=2, D=16, layers=1, max_seq_len=64)
@@ -510,7 +512,7 @@ def test_identification_keeps_a_retrieving_head_and_drops_an_idle_one():
 def test_passkey_samples_have_the_exact_length_and_end_with_the_answer():
     import random
 
-    from scripts.duo_identify import passkey_sample
+    from rocketkv.evals.duo_identify import passkey_sample
 
     def encode(s):
         return [ord(c) for c in s]

@@ -658,7 +658,7 @@ def paper_selector(method, budget, prompt, options):
     """(selector factory, prompt tokens the cache keeps) of ``method`` at ``budget`` for a
     prompt of ``prompt`` tokens and ``NEW_TOKENS`` new ones at llama-3.1-8b's shape, as the
     registry derives them (RocketKV keeps SnapKV++'s share of the prompt)."""
-    params = derive(method, budget, prompt, NEW_TOKENS, LLAMA, options)
+    params = derive(method, budget, prompt, LLAMA, options)
     return (lambda: METHODS[method].selector(params)), getattr(params, "keep", prompt)
 
 

@@ -196,9 +196,9 @@ def test_keydiff_covering_the_sequence_equals_full_and_appends_like_one_prefill(
 
 
 def test_keydiff_budget_parameters_and_cli_errors(capsys):
-    p = derive("keydiff", 256, 4000, 32, tiny_args(), {})
+    p = derive("keydiff", 256, 4000, tiny_args(), {})
     assert (p.capacity, p.block_size, p.cache_slots) == (255, 128, 383)
-    assert derive("keydiff", 256, 4000, 32, tiny_args(), {"block_size": 64}).block_size == 64
+    assert derive("keydiff", 256, 4000, tiny_args(), {"block_size": 64}).block_size == 64
     with pytest.raises(ConfigError, match="smallest valid budget here is 2"):
         build_caches("keydiff", tiny_args(), batch_size=1, prompt_len=100, max_new_tokens=4,
                      budget=1, dtype=torch.float32, device="meta")
@@ -219,13 +219,13 @@ def test_filter_layers_and_roles():
     assert default_filter_layers(5) == [1]  # each filter layer serves a sparse layer
     assert layer_roles(8, [2, 5]) == ["full", "full", "filter", "full", "sparse", "filter",
                                       "full", "sparse"]
-    p = derive("omnikv", 64, 1000, 24, tiny_args(layers=8), {"filter_layers": [2, 5]})
-    # layers 0, 1, 2, 3, 5, 6 read all 1024 tokens, layers 4 and 7 read 64
-    assert p.traffic_tokens == pytest.approx((6 * 1024 + 2 * 64) / 8)
+    p = derive("omnikv", 64, 1000, tiny_args(layers=8), {"filter_layers": [2, 5]})
+    # at the first decode step layers 0, 1, 2, 3, 5, 6 read all 1001 tokens, layers 4 and 7 64
+    assert p.traffic_tokens == pytest.approx((6 * 1001 + 2 * 64) / 8)
     assert p.budget_overshoot == pytest.approx(p.traffic_tokens / 64)
     for bad in ([5, 2], [1, 8], [-1]):
         with pytest.raises(ConfigError, match="--filter-layers must be increasing"):
-            derive("omnikv", 64, 1000, 24, tiny_args(layers=8), {"filter_layers": bad})
+            derive("omnikv", 64, 1000, tiny_args(layers=8), {"filter_layers": bad})
 
 
 def omnikv_reference_scores(q_win, pos_win, k, now, selector):
@@ -328,7 +328,7 @@ def test_omnikv_cli_errors(capsys):
                      max_new_tokens=4, budget=16, dtype=torch.float32, device="meta",
                      skip_layers=2)
     with pytest.raises(ConfigError, match="--omnikv-selector must be one of"):
-        derive("omnikv", 64, 1000, 24, tiny_args(layers=8), {"omnikv_selector": "max"})
+        derive("omnikv", 64, 1000, tiny_args(layers=8), {"omnikv_selector": "max"})
 
 
 # ---- a real model ------------------------------------------------------------------------

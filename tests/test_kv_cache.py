@@ -253,8 +253,8 @@ def aten_ops_of(fn):
     return names
 
 
-@pytest.mark.parametrize("method", ["full", "exact_topk", "snapkv_pp", "quest", "sparq",
-                                    "hybrid", "rocketkv"])
+@pytest.mark.parametrize("method", ["full", "exact_topk", "quest", "sparq", "hybrid",
+                                    "rocketkv"])
 def test_a_kernel_step_builds_no_mask_of_written_slots(method):
     """Issue 45 item 5: where the kernels run, the eager step builds nothing it does not use.
     The mask of written slots (``arange(S) <= pos``) is the PyTorch path's: a step through

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rocketkv.engine.memory_model import AllocationTracker, predict
 from rocketkv.model import ModelArgs
-from scripts.predict_memory import AllocationTracker, main, predict
+from scripts.predict_memory import main
 
 
 def test_tracker_counts_live_storages_once():

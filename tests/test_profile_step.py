@@ -38,7 +38,7 @@ def test_each_method_is_saved_as_it_finishes(tmp_path, monkeypatch, capsys):
     there keeps it) and fails with an ordinary error, which is its row, the run going on; the
     3rd hits a sticky CUDA error (test double), which ends the run: exit status 1, one stderr
     line naming the row, the JSON and the table holding every row so far, the 4th not run."""
-    import scripts.profile_step as ps
+    import rocketkv.evals.profile as ps
 
     one, seen = ps.profile_one, []
 

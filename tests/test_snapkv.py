@@ -1,4 +1,5 @@
-"""compression/snapkv.py against slow loop references (SnapKV listing, RocketKV Alg. 1)."""
+"""compression/snapkv.py against slow loop references (SnapKV listing, RocketKV Alg. 1); the
+decode steps are in test_snapkv_decode.py."""
 
 import math
 
@@ -6,8 +7,21 @@ import pytest
 import torch
 
 from rocketkv.cache import prefill_memo
-from rocketkv.compression.snapkv import pool_votes, snapkv_select, window_votes
-from rocketkv.compression.snapkv_pp import snapkv_pp_kernel, snapkv_pp_select
+from rocketkv.compression import METHODS, build_caches, derive
+from rocketkv.compression.registry import BudgetError
+from rocketkv.compression.snapkv import (
+    VoteEvictionSelector,
+    pool_votes,
+    snapkv_ranked,
+    snapkv_select,
+    window_votes,
+)
+from rocketkv.compression.snapkv_pp import (
+    snapkv_pp_evictor,
+    snapkv_pp_kernel,
+    snapkv_pp_order,
+    snapkv_pp_select,
+)
 from rocketkv.model import CONFIGS, ModelArgs
 
 
@@ -133,6 +147,108 @@ def test_snapkv_per_head_selection_and_union_storage(qk):
             assert window_tokens <= mine
             assert is_top(pooled, mine - window_tokens, per_head - window)
             assert slots == sorted(slots)  # stored once per KV head, in position order
+
+
+def test_snapkv_pp_order_keeps_the_top_and_stores_them_lowest_first(qk):
+    """SnapKV++'s cache layout: the top keep - window prefix tokens by the group's pooled votes,
+    lowest first (the order the decode steps evict them in), then the window; the same set as
+    RocketKV's stage 1 (``snapkv_pp_select``, ascending) where no votes tie."""
+    q, k = qk
+    T, window, keep, kernel = 40, 6, 16, 1  # kernel 1: no pooling plateaus, so no ties
+    idx = snapkv_pp_order(q, k, keep, window, kernel)
+    assert idx.shape == (2, 2, keep)
+    votes = slow_votes(q, k, window)
+    for b in range(2):
+        for kv in range(2):
+            pooled = slow_pool(votes[b, 2 * kv] + votes[b, 2 * kv + 1], kernel, "max")
+            prefix = idx[b, kv, :-window].tolist()
+            assert idx[b, kv, -window:].tolist() == list(range(T - window, T))
+            assert is_top(pooled, set(prefix), keep - window)
+            assert all(pooled[x] <= pooled[y] + 1e-6 for x, y in zip(prefix, prefix[1:]))
+    ascending = snapkv_pp_select(q, k, keep, window, kernel)
+    assert torch.equal(idx.sort(dim=-1).values, ascending)
+
+
+def test_equal_votes_go_earlier_position_first():
+    """Max pooling makes plateaus of equal votes: the earlier position is evicted first, so
+    the later one is kept (one rule on every device)."""
+    from rocketkv.compression.snapkv import eviction_order
+
+    pooled = torch.tensor([[3.0, 1.0, 3.0, 2.0, 1.0, 3.0]])
+    assert eviction_order(pooled).tolist() == [[1, 4, 3, 0, 2, 5]]
+
+
+def test_snapkv_ranks_give_each_query_heads_eviction_order(qk):
+    q, k = qk
+    window, per_head, kernel = 6, 10, 7
+    keep = 2 * (per_head - window) + window
+    idx, head_mask, ranks = snapkv_ranked(q, k, keep, per_head, window, kernel, "avg")
+    assert ranks.shape == (2, 2, 2, keep - window) and ranks.dtype == torch.int32
+    assert torch.equal(head_mask[..., :keep - window], ranks >= 0)
+    votes = slow_votes(q, k, window)
+    for b in range(2):
+        for h in range(4):
+            kv, g = divmod(h, 2)
+            pooled = slow_pool(votes[b, h], kernel, "avg")
+            r = ranks[b, kv, g].tolist()
+            mine = sorted((rank, int(idx[b, kv, s])) for s, rank in enumerate(r) if rank >= 0)
+            assert [rank for rank, _ in mine] == list(range(per_head - window))
+            by_rank = [pos for _, pos in mine]  # lowest vote first
+            assert all(pooled[x] <= pooled[y] + 1e-6 for x, y in zip(by_rank, by_rank[1:]))
+            assert is_top(pooled, set(by_rank), per_head - window)
+
+
+LLAMA = ModelArgs.from_name("llama-3.1-8b")  # G = 4
+
+
+def test_parameters_follow_the_budget_not_the_answer_length():
+    """SnapKV keeps t // G tokens per query head, SnapKV++ min(T, t) per KV head, whatever the
+    number of tokens asked for (derive never sees it); the window bounds the budget."""
+    p = derive("snapkv", 1024, 4096, LLAMA, {})
+    assert (p.per_head_keep, p.keep, p.window) == (256, 4 * (256 - 32) + 32, 32)
+    assert (p.kernel_size, p.pooling, p.evict) == (7, "avg", True)
+    assert "prompt_budget" not in p.to_dict() and "per_head_budget" not in p.to_dict()
+    assert derive("snapkv", 1024, 100, LLAMA, {}).per_head_keep == 100
+    p = derive("snapkv_pp", 1024, 4096, LLAMA, {})
+    assert (p.keep, p.pooling, p.evict) == (1024, "max", True)
+    assert derive("snapkv_pp", 1024, 300, LLAMA, {}).keep == 300  # kept whole, then ranked
+    assert not derive("snapkv_pp", 1024, 32, LLAMA, {}).evict  # window only: nothing to rank
+    derive("snapkv_pp", 33, 4096, LLAMA, {})
+    with pytest.raises(BudgetError, match="t = 32 does not exceed the observation window"):
+        derive("snapkv_pp", 32, 4096, LLAMA, {})
+    derive("snapkv", 132, 4096, LLAMA, {})
+    with pytest.raises(BudgetError, match="t // G = 131 // 4 = 32 does not exceed"):
+        derive("snapkv", 131, 4096, LLAMA, {})
+
+
+@pytest.mark.parametrize("method", ["snapkv", "snapkv_pp"])
+def test_caches_read_t_tokens_per_step(method):
+    """The selector of both methods reports a full step's traffic: t key+value pairs (RocketKV
+    App. A.3), or the whole buffer where it holds fewer (SnapKV stores G * (t // G - window) +
+    window prompt slots: 224 + m here)."""
+    args = ModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=8,
+                     vocab_size=10, max_seq_len=8192)
+    for m in (8, 400):
+        cache = build_caches(method, args, batch_size=1, prompt_len=4096, max_new_tokens=m,
+                             budget=256, dtype=torch.bfloat16, device="meta")[0]
+        assert isinstance(cache.selector, VoteEvictionSelector)
+        assert cache.ideal_bytes_per_step() == cache.kv_bytes(min(256, cache.capacity))
+        params = cache.method_params()
+        assert params["selection"] == "vote_eviction" and params["k"] == 256
+        assert cache.kept == (256 if method == "snapkv_pp" else 2 * (128 - 32) + 32)
+        if method == "snapkv_pp":
+            assert cache.bytes_read_per_step() == cache.kv_bytes(256)
+
+
+def test_rocketkv_stage1_keeps_ascending_positions_and_no_decode_eviction(qk):
+    q, k = qk
+    p = METHODS["rocketkv"].derive(256, 4096, LLAMA, {})
+    params = p.replace(keep=16, window=6, kernel_size=5)
+    idx, mask = snapkv_pp_evictor(params)(q, k)
+    assert mask is None and torch.equal(idx, snapkv_pp_select(q, k, 16, 6, 5))
+    cache = build_caches("rocketkv", LLAMA, batch_size=1, prompt_len=4096, max_new_tokens=8,
+                         budget=256, dtype=torch.bfloat16, device="meta")[0]
+    assert not isinstance(cache.selector, VoteEvictionSelector)
 
 
 def paper_args(name):

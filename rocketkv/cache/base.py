@@ -13,6 +13,7 @@ from rocketkv import kernels
 from rocketkv.cache.attention import causal_attention, prefill_memo, prefix_attention
 from rocketkv.model import ConfigError, ModelArgs
 
+NEVER = 1 << 62  # a decode position no run reaches
 
 class TokenStore(NamedTuple):
     """Where a decode step's fused projection kernel (``kernels.dense.qkv_store``) writes the
@@ -59,6 +60,14 @@ class KVCache(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
 
     obs_window = 0  # last prompt queries ``store_prompt`` needs (observation window)
+    retune_at = NEVER  # the decode position at which ``retune_for`` must next be asked
+
+    def retune_for(self, input_pos: int, force: bool = False) -> bool:
+        """Re-derive the decode parameters for the step that writes position ``input_pos``,
+        if they follow the cache's length (``CompressedKVCache``); True when the step's
+        tensors changed (a captured CUDA graph must be recaptured). Called by the decode loop
+        when ``input_pos`` reaches ``retune_at``, and with ``force`` at a call's first step."""
+        return False
     dense_kernels = True  # the decode step may run the dense kernels (``kernels/dense.py``)
 
     def _register_kv(self, slots: int, positions: bool = False) -> None:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from rocketkv import kernels
 from rocketkv.cache.attention import attend, causal_attention, prefix_attention, written_slots
-from rocketkv.cache.base import KVCache, TokenStore, same_view
+from rocketkv.cache.base import NEVER, KVCache, TokenStore, same_view
 from rocketkv.model import ModelArgs
 
 SECTOR = 32  # bytes: the unit in which GPU memory is read (an L2 sector)
@@ -75,6 +75,13 @@ class Selector(nn.Module):
     """
 
     page_size = 1  # the cache's buffer length is rounded up to a multiple of this
+    horizon: int | None = None  # the cache length its parameters were derived for (set when
+    # they follow the cache: ``CompressedKVCache.retune_for``); None: the cache's capacity
+
+    def span(self, cache: CompressedKVCache) -> int:
+        """Tokens the ideal traffic counts (``ideal_bytes``): the cache length the parameters
+        were derived for, else the cache's capacity."""
+        return cache.capacity if self.horizon is None else self.horizon
 
     def allocate(self, cache: CompressedKVCache) -> None:
         """Create auxiliary buffers for ``cache`` (its shapes are final)."""
@@ -89,6 +96,20 @@ class Selector(nn.Module):
         """Account for the keys just written at slots ``first .. first + n - 1`` (a prompt
         chunk appended to the cache), leaving the state ``n`` ``update`` calls in order would.
         A selector that keeps per-slot state overrides both."""
+
+    def adopt(self, old: Selector, cache: CompressedKVCache, written: int) -> None:
+        """Take over from ``old``, the selector of ``cache`` until now, whose first
+        ``written`` slots hold tokens (parameters re-derived as the cache grew:
+        ``CompressedKVCache.retune_for``). A selector of the same kind and page size keeps
+        ``old``'s auxiliary buffers (they describe the same slots); any other allocates its own
+        and builds them from the written slots (``extend`` over slots 0 .. written - 1)."""
+        if type(old) is type(self) and old.page_size == self.page_size:
+            for name, buf in old.named_buffers(recurse=False):
+                self.register_buffer(name, buf, persistent=False)
+            return
+        self.allocate(cache)
+        if written:
+            self.extend(cache, 0, written)
 
     def token_aux(self, cache: CompressedKVCache) -> tuple[Tensor, int, int] | None:
         """The auxiliary keys a fused kernel updates with the token's write, as
@@ -155,21 +176,39 @@ class CompressedKVCache(KVCache):
         selector: decode-time selection (``Selector``).
         per_head: reserve a per-query-head mask (original SnapKV on GQA models).
         params: derived parameters to report.
+        retune: ``retune(length) -> (selector, holds_until, params)``: the selector of a
+            decode step whose cache holds ``length`` tokens, the largest length it serves and
+            its parameters to report (the method's ``at_length``); None: ``selector`` serves
+            every step. The report gives the latest step's parameters.
+        page_size: the page size the buffers are laid out for (rounded up to whole pages),
+            when the selectors ``retune`` gives (dense while the cache fits the budget) may
+            differ from ``selector``; default ``selector.page_size``.
     """
 
     def __init__(self, layer_idx: int, args: ModelArgs, batch_size: int, dtype: torch.dtype,
                  device, *, prompt_len: int, prompt_capacity: int, max_new_tokens: int,
-                 selector: Selector, evict: Callable | None = None, per_head: bool = False,
-                 obs_window: int = 0, params: dict[str, Any] | None = None):
+                 selector: Selector | None = None, evict: Callable | None = None,
+                 per_head: bool = False, obs_window: int = 0,
+                 params: dict[str, Any] | None = None,
+                 retune: Callable[[int], tuple[Selector, int]] | None = None,
+                 page_size: int | None = None):
         super().__init__(layer_idx, args, batch_size, dtype, device)
         self.prompt_len = prompt_len
         self.kept = min(prompt_len, prompt_capacity)
         self.capacity = self.kept + max_new_tokens
         self.evict = evict
         self.obs_window = obs_window if evict is not None else 0
-        self.selector = selector
+        self._retune = retune
+        self.retune_at = NEVER  # the next decode position whose step may need other parameters
         self._params = dict(params or {})
-        length = -(-self.capacity // selector.page_size) * selector.page_size
+        if retune is not None:
+            selector, holds, step_params = retune(self.kept + 1)
+            self.retune_at = self._position_after(holds)
+            self._report(step_params)
+            selector.horizon = holds if holds < NEVER else None
+        self.selector = selector
+        page = page_size or selector.page_size
+        length = -(-self.capacity // page) * page
         shape = (batch_size, args.n_kv_heads, length, args.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
@@ -186,6 +225,50 @@ class CompressedKVCache(KVCache):
     def length(self) -> int:
         """Slots in the static buffers (capacity rounded up to whole pages)."""
         return self.k_cache.shape[2]
+
+    def _report(self, step_params: dict[str, Any]) -> None:
+        """Report the parameters of the latest step (``budget_overshoot`` only where they
+        overshoot)."""
+        self._params.pop("budget_overshoot", None)
+        self._params.update(step_params)
+
+    def _position_after(self, holds: int) -> int:
+        """The decode position whose step's cache holds ``holds + 1`` tokens."""
+        return NEVER if holds >= NEVER else holds + self.prompt_len - self.kept
+
+    def retune_for(self, input_pos: int, force: bool = False) -> bool:
+        """Re-derive the decode parameters for the step that writes position ``input_pos``
+        (the cache then holds ``input_pos - slot_offset + 1`` tokens), when the current ones
+        no longer serve it, or whatever they are with ``force`` (a call's first step: the
+        cache may have been rewound); True when the selector changed (a captured step must be
+        recaptured; a compiled one recompiles on its own). The decode loop calls it at
+        ``retune_at`` only: a host-side integer check, no device read."""
+        if self._retune is None or (input_pos < self.retune_at and not force):
+            return False
+        length = input_pos - (self.prompt_len - self.kept) + 1
+        return self._tune(length, length - 1)  # the step's own token: the new selector's
+
+    def _tune(self, length: int, written: int) -> bool:
+        """Take the selector of a step whose cache holds ``length`` tokens, ``written`` of
+        them already in the cache; True when it differs from the current one."""
+        new, holds, step_params = self._retune(length)
+        self.retune_at = self._position_after(holds)
+        self._report(step_params)
+        old = self.selector
+        old.horizon = new.horizon = holds if holds < NEVER else None
+        if type(new) is type(old) and new.params() == old.params():
+            return False
+        if type(new) is type(old) and new.page_size == old.page_size:
+            # the same kind over the same pages (r or k changed): keep the module, whose
+            # buffers describe the same slots, and take the new integers, so a compiled step
+            # sees one module whose integers Dynamo may treat as symbolic (no recompile each)
+            for name, value in vars(new).items():
+                if not name.startswith("_"):
+                    setattr(old, name, value)
+            return True
+        new.adopt(old, self, written)
+        self.selector = new
+        return True
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of ``tokens`` key+value pairs for every sequence and KV head."""
@@ -209,6 +292,8 @@ class CompressedKVCache(KVCache):
         if not same_view(k, self.k_cache[:, :, :self.kept]):
             self.k_cache[:, :, :self.kept] = k
             self.v_cache[:, :, :self.kept] = v
+        if self._retune is not None:  # reused caches: the first step's parameters again
+            self._tune(self.kept + 1, 0)
         self.selector.build(self)
 
     def append(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:

@@ -9,7 +9,8 @@ The token budget ``t`` means one thing for every method (RocketKV paper Sec. 3.5
 pairs read per decode step, per layer, per KV-head group, approximation traffic included. A
 budget of at least T + m (prompt plus new tokens) means nothing needs compressing: the run uses
 the full cache and the parameters say so. A budget for which no valid setting exists raises
-``ConfigError`` naming the smallest valid budget.
+``ConfigError`` naming the smallest valid budget. Parameters follow the tokens in the cache at
+each decode step (``decode_horizon``), never the number of tokens asked for.
 """
 
 # ruff: noqa: I001  (the imports register the methods: their order is the --help order)
@@ -24,6 +25,7 @@ from rocketkv.compression.registry import (
     check_method,
     check_methods,
     check_options,
+    decode_horizon,
     derive,
     given_options,
     help_epilog,
@@ -49,6 +51,6 @@ from rocketkv.compression import keydiff  # noqa: F401
 from rocketkv.compression import omnikv  # noqa: F401
 
 __all__ = ["METHODS", "BudgetError", "Method", "Option", "add_method_options", "build_caches",
-           "check_budget", "check_method", "check_methods", "check_options", "derive",
-           "given_options", "help_epilog", "methods_table", "needs_attention_sums",
+           "check_budget", "check_method", "check_methods", "check_options", "decode_horizon",
+           "derive", "given_options", "help_epilog", "methods_table", "needs_attention_sums",
            "options_for", "plan", "smallest_budget"]

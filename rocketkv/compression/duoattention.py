@@ -12,9 +12,13 @@ in the prefill phase ... including DuoAttention").
 Token budget ``t`` (the RocketKV paper's baseline, App. A.3, ``duo_split``): above 640 tokens the
 streaming heads keep 128 sinks + 512 recent and the share of retrieval heads is set so the
 average read per KV head meets t: the int(N (t - 640) / (C - 640)) KV heads (N over the model,
-C = prompt + new tokens) with the largest gates retrieve (``--duo-threshold``: gates above it
-instead); at or below 640 every head streams, with 128 sinks above 256 and ``int(0.2 t)`` below,
-the rest recent.
+C = the cache's length when decoding starts, prompt + 1 rounded up to a multiple of 64 by
+``decode_horizon``, never the number of tokens asked for) with the largest gates retrieve
+(``--duo-threshold``: gates above it instead); at or below 640 every head streams, with 128
+sinks above 256 and ``int(0.2 t)`` below, the rest recent. Which heads retrieve is the cache's
+layout and holds for the whole answer: past C the retrieval heads read one more token per step,
+so a long answer's traffic grows past t by the retrieval share per token (``traffic_tokens`` is
+the first steps').
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rocketkv.compression.registry import INTERNAL, OPTIONAL, Method, Option, Params, register
+from rocketkv.compression.registry import (
+    INTERNAL,
+    OPTIONAL,
+    Method,
+    Option,
+    Params,
+    decode_horizon,
+    register,
+)
 from rocketkv.compression.streamingllm import SinkRecentCache
 from rocketkv.model import ConfigError, ModelArgs
 
@@ -50,8 +62,8 @@ def duo_split(t: int, capacity: int, n_heads_total: int,
     """DuoAttention's parameters at budget t (RocketKV App. A.3).
 
     Args:
-        t: token budget; capacity: prompt + new tokens (what a retrieval head reads per step,
-            its whole static buffer); n_heads_total: layers x KV heads.
+        t: token budget; capacity: the cache's length when decoding starts (what a retrieval
+            head reads per step); n_heads_total: layers x KV heads.
         threshold: gates above it make retrieval heads (the pattern's own split); None: the
             budget sets how many.
     Returns:
@@ -165,16 +177,17 @@ class DuoAttentionMethod(Method):
     name = "duoattention"
     description = ("DuoAttention: retrieval heads keep everything, streaming heads sinks + "
                    "recent (--duo-patterns)")
-    budget_rule = ("t > 640: streaming heads 128 + 512, the top int(N (t - 640) / (T + m - 640)) "
-                   "of the N KV heads retrieve (`--duo-threshold`: gates above it instead); t <= "
+    budget_rule = ("t > 640: streaming heads 128 + 512, the top int(N (t - 640) / (C - 640)) "
+                   "of the N KV heads retrieve (C: T + 1 rounded up to 64 tokens) "
+                   "(`--duo-threshold`: gates above it instead); t <= "
                    "640: every head streams, 128 sinks above 256 else int(0.2 t), the rest recent")
     options = (PATTERNS, THRESHOLD)
     cache_classes = (SinkRecentCache,)
     source = "DuoAttention (Xiao et al. 2025); RocketKV App. A.3"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
+    def derive(self, budget, prompt_len, args, options):
         N = args.n_layers * args.n_kv_heads
-        cap = prompt_len + new_tokens
+        cap = decode_horizon(prompt_len + 1)  # the cache's length when decoding starts
         split = duo_split(budget, cap, N, options.get("duo_threshold"))
         n_ret = split["retrieval_heads"]
         traffic = None if n_ret is None else duo_traffic(n_ret, N, cap, split["sink"],
@@ -182,8 +195,8 @@ class DuoAttentionMethod(Method):
         return DuoAttentionParams(budget=budget, compression_ratio=prompt_len / budget,
                                   traffic_tokens=traffic, **split)
 
-    def validate(self, params, args, capacity, options):
-        return self.with_retrieval_heads(params, args, capacity, options)
+    def validate(self, params, args, prompt_len, options):
+        return self.with_retrieval_heads(params, args, decode_horizon(prompt_len + 1), options)
 
     def shard_params(self, params, rank, world, args):
         """The retrieval heads were chosen over every KV head (the gates rank them all);

@@ -71,7 +71,7 @@ class ExactTopKMethod(CompressedMethod):
     budget_rule = "k = t (its exact scoring is not counted, as in the paper)"
     source = "RocketKV Sec. 3.1"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
+    def derive(self, budget, prompt_len, args, options):
         return ExactTopKParams(budget=budget, compression_ratio=prompt_len / budget, k=budget)
 
     def selector(self, params):

@@ -203,7 +203,7 @@ class H2OMethod(Method):
     cache_classes = (H2OCache,)
     source = "H2O (Zhang et al. 2023); RocketKV App. A.3"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
+    def derive(self, budget, prompt_len, args, options):
         ratio = options.get("heavy_ratio") or H2O_HEAVY_RATIO
         heavy = int(budget * ratio)
         if heavy < 1 or budget - heavy < 1:

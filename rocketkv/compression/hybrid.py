@@ -8,10 +8,14 @@ token-level top-k is taken on the page-constant scores: a page weighs in the sof
 valid token (a page-level softmax for full pages; a partial last page counts only its written
 tokens). RocketKV (``compression/rocketkv.py``) runs the same selection after SnapKV++.
 
-Token budget t (``hybrid_split``, released-code split): c = C / t (C = cached tokens + new
-tokens), page_size = min(floor(c), ceil(sqrt(c))), r = round(d page_size / c) clamped to
-[1, d], k = t // 2; traffic ceil(C / page_size) r / (2 d) + k key+value pairs (rounding may
-overshoot slightly; reported as ``budget_overshoot``).
+Token budget t (``hybrid_split``, released-code split): c = C / t, page_size = min(floor(c),
+ceil(sqrt(c))), r = round(d page_size / c) clamped to [1, d], k = t // 2; traffic
+ceil(C / page_size) r / (2 d) + k key+value pairs (rounding may overshoot slightly; reported as
+``budget_overshoot``). The released code takes C = prompt + new tokens, so its answer depends on
+how many tokens are asked for; here C is the cache's length at the decode step, rounded up to a
+multiple of 64 (``decode_horizon``): the page size is fixed when decoding starts (the cache's
+layout, from the first length above t), r follows the cache as the answer grows
+(``hybrid_at``), and while the whole cache fits the budget (C <= t) attention is dense.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ import torch
 from torch import Tensor
 
 from rocketkv.cache import CompressedKVCache, Selector, gather_tokens, token_bytes
-from rocketkv.compression.registry import INTERNAL, BudgetError, CompressedMethod, Params, register
+from rocketkv.compression.registry import (
+    INTERNAL,
+    BudgetError,
+    CompressedMethod,
+    Params,
+    decode_horizon,
+    register,
+)
 from rocketkv.compression.selection import PagedSelector, query_dims, sparq_temperature, top_r_dims
 
 
@@ -69,6 +80,40 @@ def hybrid_split(capacity: int, t: int, head_dim: int) -> HybridSplit:
     k = t // 2
     traffic = math.ceil(capacity / page) * r / (2 * head_dim) + k
     return HybridSplit(c2=c, page_size=page, r=r, k=k, dense=False, traffic_tokens=traffic)
+
+
+def hybrid_at(layout: HybridSplit, length: int, t: int, head_dim: int
+              ) -> tuple[HybridSplit, int]:
+    """Stage-2 parameters of a decode step whose cache holds ``length`` tokens, and the largest
+    length they serve.
+
+    ``layout``'s page size is kept (the cache's pages); the rest is ``hybrid_split``'s rule for
+    C = ``decode_horizon(length)``: r = round(d page_size t / C) clamped to [1, d] (the released
+    r = round(d page_size / c), c = C / t), k = t // 2, so the traffic stays at t until the cache
+    outgrows C. ``length <= t``: dense attention over the whole cache (at most t pairs, c2
+    reported as 1), serving lengths up to t.
+    """
+    if length <= t:
+        return dataclasses.replace(layout, c2=1.0, r=head_dim, dense=True,
+                                   traffic_tokens=float(t)), t
+    horizon = decode_horizon(length)
+    page, k = layout.page_size, layout.k
+    r = min(head_dim, max(1, round(head_dim * page * t / horizon)))
+    traffic = math.ceil(horizon / page) * r / (2 * head_dim) + k
+    return HybridSplit(c2=horizon / t, page_size=page, r=r, k=k, dense=False,
+                       traffic_tokens=traffic), horizon
+
+
+def hybrid_start(kept: int, t: int, head_dim: int) -> HybridSplit:
+    """Stage-2 parameters of the first decode step over ``kept`` cached prompt tokens: the page
+    size from ``hybrid_split`` at the first cache length that needs compressing (the larger of
+    the first step's kept + 1 and t + 1, rounded by ``decode_horizon``), then ``hybrid_at``.
+
+    Raises:
+        BudgetError: k = t // 2 < 1.
+    """
+    layout = hybrid_split(decode_horizon(max(kept + 1, t + 1)), t, head_dim)
+    return hybrid_at(layout, kept + 1, t, head_dim)[0]
 
 
 def split_fields(split: HybridSplit) -> dict[str, Any]:
@@ -140,11 +185,19 @@ class HybridSelector(PagedSelector):
 
     def ideal_bytes(self, cache: CompressedKVCache) -> int:
         # r elements (min or max by sign) per page, then k pairs
-        approx = cache.kv_bytes(self.n_pages(cache)) * self.r // (2 * cache.head_dim)
+        pages = -(-self.span(cache) // self.page_size)
+        approx = cache.kv_bytes(pages) * self.r // (2 * cache.head_dim)
         return approx + cache.kv_bytes(self.k)
 
     def params(self) -> dict[str, Any]:
         return {"selection": "hybrid", "page_size": self.page_size, "r": self.r, "k": self.k}
+
+
+def hybrid_params_at(params: Params, length: int, args) -> tuple[Params, int]:
+    """``Method.at_length`` of the methods whose ``params`` mix in ``HybridSplit`` (hybrid,
+    RocketKV): ``hybrid_at`` with the run's page size."""
+    split, holds = hybrid_at(params, length, params.budget, args.head_dim)
+    return params.replace(**split_fields(split)), holds
 
 
 def hybrid_selector(params: HybridSplit) -> Selector:
@@ -159,14 +212,18 @@ def hybrid_selector(params: HybridSplit) -> Selector:
 class HybridMethod(CompressedMethod):
     name = "hybrid"
     description = "hybrid attention (RocketKV Alg. 2) on the full cache (t/2 + t/2)"
-    budget_rule = ("c = (T + m) / t; page = min(floor c, ceil sqrt c), r = round(d page / c) "
-                   "clamped to [1, d], k = t // 2")
+    budget_rule = ("c = C / t (C: the cache's length, rounded up to 64 tokens); page = "
+                   "min(floor c, ceil sqrt c) when decoding starts, r = round(d page / c) "
+                   "clamped to [1, d] as the cache grows, k = t // 2; dense while C <= t")
     source = "RocketKV Sec. 3.4, Alg. 2, App. A.3"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
-        split = hybrid_split(prompt_len + new_tokens, budget, args.head_dim)
+    def derive(self, budget, prompt_len, args, options):
+        split = hybrid_start(prompt_len, budget, args.head_dim)
         return HybridParams(budget=budget, compression_ratio=prompt_len / budget,
                             **split_fields(split))
+
+    def at_length(self, params, length, args):
+        return hybrid_params_at(params, length, args)
 
     def selector(self, params):
         return hybrid_selector(params)

@@ -256,7 +256,7 @@ class KeyDiffMethod(Method):
     cache_classes = (KeyDiffCache,)  # prefills in blocks of its own: no shared prefill
     source = "KeyDiff (Park et al. 2025) Sec. 3.2, Eq. 6, 8"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
+    def derive(self, budget, prompt_len, args, options):
         if budget < 2:
             raise BudgetError("keydiff keeps t - 1 tokens beside the new one: t must be >= 2")
         block = options.get("block_size") or KEYDIFF_BLOCK

@@ -430,7 +430,7 @@ class OmniKVMethod(Method):
     skip_layers = "the layers before the first filter layer attend fully (--filter-layers)"
     source = "OmniKV (Hao et al. 2025) Sec. 4, Alg. 1, Eq. 2-4"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
+    def derive(self, budget, prompt_len, args, options):
         if budget < 2:
             raise BudgetError("omnikv selects t - 1 tokens beside the new one: t must be >= 2")
         layers = options.get("filter_layers")
@@ -449,7 +449,7 @@ class OmniKVMethod(Method):
             sparse_layers=roles.count("sparse"), k_select=budget - 1, selector=selector,
             selector_window=1 if selector == "last" else OMNIKV_WINDOW,
             offload=bool(options.get("offload")),
-            traffic_tokens=omnikv_traffic(roles, prompt_len + new_tokens, budget), note=note)
+            traffic_tokens=omnikv_traffic(roles, prompt_len + 1, budget), note=note)
 
     def build(self, args, params, *, batch_size, prompt_len, max_new_tokens, dtype, device,
               options):

@@ -7,27 +7,33 @@ is possible, including k below one page (RocketKV App. A.3 reports Quest at budg
 at 96K tokens, where t/2 is far below one page).
 
 Token budget t (RocketKV Sec. 3.5): k = t // 2 tokens attended exactly; page_size =
-max(16, ceil(C / (t - k))) unless ``--page-size`` (C = prompt + new tokens), so the
-ceil(C / page_size) pages scored (min and max: one key+value pair each) fit in t - k. Traffic
-ceil(C / page_size) + k pairs; above t (a small ``--page-size``) it is reported as
-``budget_overshoot``.
+max(16, ceil(C / (t - k))) unless ``--page-size``, so the ceil(C / page_size) pages scored (min
+and max: one key+value pair each) fit in t - k. Traffic ceil(C / page_size) + k pairs; above t
+(a small ``--page-size``) it is reported as ``budget_overshoot``. C is the cache's length at
+the decode step rounded up to a multiple of 64 (``decode_horizon``), never the number of tokens
+asked for: the page size is fixed when decoding starts (the cache's layout, from the first
+length above t), and as the answer grows k shrinks to t - ceil(C / page_size) (at most t // 2,
+at least 1) so the step stays within the budget (``quest_at``); while the whole cache fits the
+budget (C <= t) attention is dense.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from rocketkv.cache import CompressedKVCache, token_bytes
+from rocketkv.cache import CompressedKVCache, Selector, token_bytes
 from rocketkv.compression.registry import (
+    INTERNAL,
     BudgetError,
     CompressedMethod,
     Option,
     Params,
+    decode_horizon,
     positive,
     register,
 )
@@ -87,7 +93,7 @@ class QuestSelector(PagedSelector):
 
     def ideal_bytes(self, cache: CompressedKVCache) -> int:
         # min and max of every page (one key+value pair's worth each), then k pairs
-        return cache.kv_bytes(self.n_pages(cache) + self.k)
+        return cache.kv_bytes(-(-self.span(cache) // self.page_size) + self.k)
 
     def params(self) -> dict[str, Any]:
         return {"selection": "quest", "page_size": self.page_size, "k": self.k}
@@ -101,26 +107,46 @@ class QuestParams(Params):
     k: int
     page_size: int
     pages_scored: int
+    dense: bool = field(metadata=INTERNAL)
+
+
+def quest_at(params: QuestParams, length: int) -> tuple[QuestParams, int]:
+    """Quest's parameters for a decode step whose cache holds ``length`` tokens, and the
+    largest length they serve: dense up to t (the whole cache, at most t pairs); then, for
+    C = ``decode_horizon(length)``,
+    ceil(C / page_size) pages scored and k = min(t // 2, t - pages) tokens (at least 1)."""
+    t = params.budget
+    if length <= t:
+        return params.replace(k=t, pages_scored=0, dense=True, traffic_tokens=float(t)), t
+    horizon = decode_horizon(length)
+    pages = math.ceil(horizon / params.page_size)  # min and max keys: one KV pair's worth each
+    k = max(1, min(t // 2, t - pages))
+    return params.replace(k=k, pages_scored=pages, dense=False,
+                          traffic_tokens=float(pages + k)), horizon
 
 
 @register
 class QuestMethod(CompressedMethod):
     name = "quest"
     description = "Quest: page min/max bounds rank tokens, exact attention over the top t/2"
-    budget_rule = ("k = t // 2; page max(16, ceil((T + m) / (t - k))); traffic ceil((T + m) / "
-                   "page) + k")
+    budget_rule = ("C: the cache's length, rounded up to 64 tokens; page max(16, ceil(C / (t - "
+                   "t // 2))) when decoding starts; k = min(t // 2, t - ceil(C / page)) as the "
+                   "cache grows; traffic ceil(C / page) + k; dense while C <= t")
     options = (PAGE_SIZE,)
     source = "Quest (Tang et al. 2024); RocketKV App. A.3"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
+    def derive(self, budget, prompt_len, args, options):
         k = budget // 2
         if k < 1:
             raise BudgetError("k = t // 2 rounds to zero")
-        cap = prompt_len + new_tokens
+        cap = decode_horizon(max(prompt_len + 1, budget + 1))  # the first length compressed
         page = options.get("page_size") or max(16, math.ceil(cap / max(1, budget - k)))
-        pages = math.ceil(cap / page)  # min and max keys: one KV pair's worth each
-        return QuestParams(budget=budget, compression_ratio=prompt_len / budget, k=k,
-                           page_size=page, pages_scored=pages, traffic_tokens=float(pages + k))
+        params = QuestParams(budget=budget, compression_ratio=prompt_len / budget, k=k,
+                             page_size=page, pages_scored=0, dense=False, traffic_tokens=0.0)
+        return quest_at(params, prompt_len + 1)[0]
+
+    def at_length(self, params, length, args):
+        return quest_at(params, length)
 
     def selector(self, params):
-        return QuestSelector(params.page_size, params.k)
+        return Selector() if params.dense else QuestSelector(params.page_size, params.k)

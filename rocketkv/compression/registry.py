@@ -10,6 +10,13 @@ a run (``build_caches``), which applies the rules shared by every method:
 * the token budget ``t`` (RocketKV paper Sec. 3.5): key+value pairs read per decode step, per
   layer, per KV-head group, approximation traffic included; a budget of at least T + m (prompt
   plus new tokens) means nothing needs compressing, and the run uses the full cache;
+* parameters follow the tokens in the cache, never the requested answer length m: ``derive``
+  sees the prompt only, and a method whose parameters depend on the cache length re-derives
+  them as the answer grows (``Method.at_length``, for the length rounded up to a multiple of
+  ``DECODE_HORIZON`` tokens: ``decode_horizon``), so an answer's first tokens are the same
+  whatever ``--max-new-tokens`` says and every step stays within the budget; every method
+  attends densely while the whole cache fits the budget, which makes the full-cache shortcut
+  above exact;
 * a budget below what the method can honour raises ``ConfigError`` naming the smallest valid
   budget (``smallest_budget``);
 * ``--skip-layers N`` leaves the first N layers uncompressed (LongChat in the paper);
@@ -32,11 +39,26 @@ import torch
 
 from rocketkv import tp
 from rocketkv.cache import CompressedKVCache, FullKVCache, KVCache, Selector
+from rocketkv.cache.base import NEVER
 from rocketkv.model import ConfigError, ModelArgs
 
 
 class BudgetError(ConfigError):
     """A budget the method cannot honour (the reason, without the smallest valid budget)."""
+
+
+DECODE_HORIZON = 64  # tokens: decode parameters are re-derived every 64 cached tokens at most
+
+
+def decode_horizon(length: int) -> int:
+    """The cache length (tokens) a method derives its decode parameters for when a step's
+    cache holds ``length`` tokens: ``length`` rounded up to a multiple of ``DECODE_HORIZON``.
+
+    Parameters derived for the horizon keep the step within the budget until the cache
+    outgrows it, so they change at most once every 64 decode steps, and they are a function of
+    the cache length alone (not of ``--max-new-tokens``).
+    """
+    return -(-length // DECODE_HORIZON) * DECODE_HORIZON
 
 
 @dataclass(frozen=True)
@@ -202,10 +224,13 @@ class Method:
         return self.options + ((SKIP_LAYERS,) if self.budgeted and self.skip_layers is True
                                else ())
 
-    def derive(self, budget: int, prompt_len: int, new_tokens: int, args: ModelArgs,
+    def derive(self, budget: int, prompt_len: int, args: ModelArgs,
                options: Mapping[str, Any]) -> Params:
         """Every parameter of the method at token budget ``budget`` for a prompt of
-        ``prompt_len`` tokens and ``new_tokens`` new tokens (the paper's rule).
+        ``prompt_len`` tokens, as the first decode step uses them (the paper's rule, with the
+        cache's length at that step where the paper has prompt + new tokens). It never sees
+        the number of tokens to generate: see ``at_length`` for how parameters follow the
+        answer.
 
         Returns:
             the method's ``Params`` subclass: ``budget``, ``compression_ratio`` (T / t) and
@@ -238,11 +263,22 @@ class Method:
         ``params.to_dict()``)."""
         raise NotImplementedError
 
-    def validate(self, params: Params, args: ModelArgs, capacity: int,
+    def at_length(self, params: Params, length: int, args: ModelArgs) -> tuple[Params, int]:
+        """The parameters of a decode step whose cache holds ``length`` tokens (the kept
+        prompt and the answer so far, the step's own token included), from the run's
+        ``params`` (``derive``'s), and the largest cache length they serve. A method whose
+        traffic grows with the cache re-derives here for ``decode_horizon(length)``, keeping
+        what fixes the cache's layout (a page size); the default: the parameters hold for
+        every length (a fixed-size cache, or a method that reads a fixed number of tokens).
+        Only ``CompressedMethod`` caches ask (``CompressedKVCache.retune_for``).
+        """
+        return params, NEVER
+
+    def validate(self, params: Params, args: ModelArgs, prompt_len: int,
                  options: Mapping[str, Any]) -> Params:
         """Checks of the derived ``params`` that need more than the budget (files the method
         reads, for one); returns them, completed where the checks add parameters.
-        ``capacity``: prompt + new tokens.
+        ``prompt_len``: prompt tokens.
 
         Raises:
             ConfigError: what the run cannot use.
@@ -297,12 +333,19 @@ class CompressedMethod(Method):
                     dtype: torch.dtype, device) -> KVCache:
         evict = self.evictor(params)
         evicting = isinstance(params, PromptEviction)
+        kept = min(prompt_len, params.keep) if evicting else prompt_len
+        retune = None
+        if type(self).at_length is not Method.at_length:
+            def retune(length: int) -> tuple[Selector, int, dict[str, Any]]:
+                step_params, holds = self.at_length(params, length, args)
+                return self.selector(step_params), holds, step_params.to_dict()
         return CompressedKVCache(
             layer, args, batch_size, dtype, device, prompt_len=prompt_len,
-            prompt_capacity=params.keep if evicting else prompt_len,
-            max_new_tokens=max_new_tokens, selector=self.selector(params), evict=evict,
+            prompt_capacity=kept, max_new_tokens=max_new_tokens,
+            selector=None if retune else self.selector(params), evict=evict,
             per_head=self.per_head_mask and evict is not None,
-            obs_window=params.window if evicting else 0, params=params.to_dict())
+            obs_window=params.window if evicting else 0, params=params.to_dict(),
+            retune=retune, page_size=getattr(params, "page_size", None))
 
 
 def full_cache(layer: int, args: ModelArgs, batch_size: int, prompt_len: int,
@@ -412,7 +455,7 @@ def check_options(method: str, options: Mapping[str, Any]) -> None:
             raise ConfigError(f"{option.flag} {reason}")
 
 
-def derive(method: str, budget: int, prompt_len: int, new_tokens: int, args: ModelArgs,
+def derive(method: str, budget: int, prompt_len: int, args: ModelArgs,
            options: Mapping[str, Any]) -> Params:
     """``METHODS[method].derive`` after ``check_options``: every parameter at ``budget`` (see
     ``Method.derive``).
@@ -422,15 +465,16 @@ def derive(method: str, budget: int, prompt_len: int, new_tokens: int, args: Mod
         ConfigError: an option the method does not read, or a bad value.
     """
     check_options(method, options)
-    return METHODS[method].derive(budget, prompt_len, new_tokens, args, options)
+    return METHODS[method].derive(budget, prompt_len, args, options)
 
 
-def smallest_budget(method: str, prompt_len: int, new_tokens: int, args: ModelArgs,
-                    options: Mapping[str, Any]) -> int | None:
-    """The smallest budget ``derive`` accepts (None if none below the whole sequence)."""
-    for t in range(1, prompt_len + new_tokens):
+def smallest_budget(method: str, prompt_len: int, args: ModelArgs, options: Mapping[str, Any],
+                    below: int) -> int | None:
+    """The smallest budget ``derive`` accepts, or None if none below ``below`` tokens (the
+    whole sequence, where the run needs no compression)."""
+    for t in range(1, below):
         try:
-            derive(method, t, prompt_len, new_tokens, args, options)
+            derive(method, t, prompt_len, args, options)
             return t
         except BudgetError:
             continue
@@ -474,16 +518,16 @@ def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
     if budget >= T + new:
         return None
     try:
-        params = m.derive(budget, T, new, args, options)
+        params = m.derive(budget, T, args, options)
     except BudgetError as e:
-        t_min = smallest_budget(method, T, new, args, options)
+        t_min = smallest_budget(method, T, args, options, T + new)
         hint = (f"the smallest valid budget here is {t_min}" if t_min is not None else
                 f"the smallest valid budget here is {T + new} (the whole sequence, "
                 "uncompressed)")
         raise ConfigError(f"{method}: budget {budget} is too small: {e}; {hint} (prompt {T} "
                           f"tokens, max_new_tokens {new})") from None
     params = params.replace(method=method, skip_layers=skip, compressed=True)
-    return m.validate(params, args, T + new, options)
+    return m.validate(params, args, T, options)
 
 
 def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,

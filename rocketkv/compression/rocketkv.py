@@ -8,7 +8,8 @@ Token budget ``t`` (Sec. 3.5): with prompt length T, compression ratio c = T / t
 between the stages. Stage 1 keeps T / c^alpha prompt tokens: alpha = 1/2 (``sqrt``, the paper's
 v1 split, the default) or alpha = min(0.2 + 0.06 log2 c, 0.8) (``adaptive``,
 ``--rocket-split``); the SnapKV++ kernel follows ``snapkv_pp.snapkv_pp_kernel``. Stage 2 is
-``hybrid.hybrid_split`` on the kept tokens + m new tokens at budget t.
+hybrid attention at budget t over the kept tokens and the answer so far (``hybrid.hybrid_at``:
+its parameters follow the cache's length, never the number of tokens asked for).
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rocketkv.compression.hybrid import HybridSplit, hybrid_selector, hybrid_split, split_fields
+from rocketkv.compression.hybrid import (
+    HybridSplit,
+    hybrid_params_at,
+    hybrid_selector,
+    hybrid_start,
+    split_fields,
+)
 from rocketkv.compression.registry import BudgetError, CompressedMethod, Option, Params, register
 from rocketkv.compression.snapkv import KERNEL_SIZE, WINDOW_OPTION, observation_window
 from rocketkv.compression.snapkv_pp import SnapKVPPEviction, snapkv_pp_evictor, snapkv_pp_kernel
@@ -50,11 +57,11 @@ class RocketKVMethod(CompressedMethod):
     description = "RocketKV: SnapKV++ at prefill, then hybrid attention at every decode step"
     budget_rule = ("c = T / t; stage 1 keeps T / sqrt(c) tokens (`--rocket-split sqrt`) or T / "
                    "c^alpha, alpha = min(0.2 + 0.06 log2 c, 0.8) (`adaptive`); stage 2 as hybrid "
-                   "on the kept tokens + m")
+                   "on the kept tokens and the answer so far")
     options = (KERNEL_SIZE, WINDOW_OPTION, ROCKET_SPLIT)
     source = "RocketKV Sec. 3.3-3.5, Alg. 1-2, App. A.3"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
+    def derive(self, budget, prompt_len, args, options):
         window = observation_window(budget, options)
         split = options.get("rocket_split") or "sqrt"
         T, c = prompt_len, prompt_len / budget
@@ -67,7 +74,10 @@ class RocketKVMethod(CompressedMethod):
             budget=budget, compression_ratio=c, split=split, alpha=alpha, c1=T / keep,
             window=window, keep=keep, evict=keep < T, pooling="max",
             kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args, T),
-            **split_fields(hybrid_split(keep + new_tokens, budget, args.head_dim)))
+            **split_fields(hybrid_start(keep, budget, args.head_dim)))
+
+    def at_length(self, params, length, args):
+        return hybrid_params_at(params, length, args)
 
     def evictor(self, params):
         return snapkv_pp_evictor(params)

@@ -13,15 +13,26 @@ of the model's context (49152 = 3/8 * 131072, 12288 = 3/8 * 32768), and both mod
 context by RoPE scaling, which Mistral lacks. Rule: kernel 511 when the config has RoPE scaling
 and the prompt has at least ``3 * max_seq_len // 8`` tokens, else 63.
 
-Token budget ``t`` (RocketKV Sec. 3.5 and App. A.3): SnapKV++ compresses only the prompt and
-reads everything it keeps, so the prompt budget t - max_new_tokens is shared by the group.
-RocketKV's first stage (``rocketkv.py``) is SnapKV++ with its own prompt budget.
+Token budget ``t`` (RocketKV Sec. 3.5 and App. A.3): a decode step reads at most t key+value
+pairs per layer and KV group, and the method's behaviour never depends on the number of tokens
+asked for (m). The paper keeps a prompt budget P = t - m at prefill; here the prompt is cut as
+the answer grows instead ("evict as the answer grows"): at the end of prefill each KV head keeps
+min(T, t) prompt tokens, the window plus its top t - window prefix tokens by the group's pooled
+votes, stored lowest vote first (``snapkv_pp_order``). While the kept and generated tokens number
+at most t, a step attends to all of them; beyond that, each generated token evicts (no longer
+attends to) the lowest-voted remaining prefix token, and once none remains, the oldest window
+or generated token (a recent window): a step reads exactly t tokens
+(``snapkv.VoteEvictionSelector``). The set read at the step with i generated tokens cached
+contains the paper's set for m = i (top t - i prefix tokens, the window, the i generated ones),
+so the paper's rule is this one's last step. RocketKV's first stage (``rocketkv.py``) is
+SnapKV++'s selection (``snapkv_pp_select``) with its own keep count and no decode-time eviction.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from rocketkv.compression.registry import (
@@ -34,8 +45,10 @@ from rocketkv.compression.registry import (
 from rocketkv.compression.snapkv import (
     KERNEL_SIZE,
     WINDOW_OPTION,
+    VoteEvictionSelector,
+    eviction_order,
+    observation_window,
     pool_votes,
-    prompt_budget,
     window_votes,
     with_window,
 )
@@ -44,22 +57,56 @@ from rocketkv.model import ModelArgs
 SNAPKV_PP_KERNELS = (63, 511)  # (below the threshold, at or above it)
 
 
+def group_votes(q: Tensor, k: Tensor, window: int, kernel: int) -> Tensor:
+    """SnapKV++'s scores (Alg. 1): the window's votes (``snapkv.window_votes``) summed over each
+    query group, max-pooled with ``kernel``.
+
+    Args:
+        q: (B, H, Tq, D), its last ``window`` rows the prompt's last queries; k: (B, H_kv, T, D).
+    Returns:
+        (B, H_kv, T - window) float32, one score per prefix token and KV head.
+    """
+    B, H = q.shape[:2]
+    T = k.shape[2]
+    Hkv = k.shape[1]
+    votes = window_votes(q, k, window).view(B, Hkv, H // Hkv, T - window).sum(dim=2)
+    return pool_votes(votes, kernel, "max")
+
+
 def snapkv_pp_select(q: Tensor, k: Tensor, keep: int, window: int, kernel: int) -> Tensor:
-    """SnapKV++ (Alg. 1): token indices kept per KV head, shared by its query group.
+    """SnapKV++ (Alg. 1): token indices kept per KV head, shared by its query group (RocketKV's
+    first stage).
 
     Args:
         q: (B, H, Tq, D), its last ``window`` rows the prompt's last queries; k: (B, H_kv, T, D);
         keep: prompt tokens to keep (window < keep < T).
     Returns:
         (B, H_kv, keep) int64, ascending: top ``keep - window`` prefix tokens by max-pooled
-        group-summed votes, then the ``window`` observation tokens.
+        group-summed votes (``group_votes``), then the ``window`` observation tokens.
     """
-    B, H = q.shape[:2]
     T = k.shape[2]
-    Hkv = k.shape[1]
-    votes = window_votes(q, k, window).view(B, Hkv, H // Hkv, T - window).sum(dim=2)
-    pooled = pool_votes(votes, kernel, "max")
+    pooled = group_votes(q, k, window, kernel)
     return with_window(pooled.topk(keep - window, dim=-1).indices, T, window)
+
+
+def snapkv_pp_order(q: Tensor, k: Tensor, keep: int, window: int, kernel: int) -> Tensor:
+    """SnapKV++'s kept prompt tokens in the order the method evicts them at decode time.
+
+    Args:
+        q: (B, H, Tq, D), its last ``window`` rows the prompt's last queries; k: (B, H_kv, T, D);
+        keep: prompt tokens to keep (window < keep <= T).
+    Returns:
+        (B, H_kv, keep) int64: the top ``keep - window`` prefix tokens by ``group_votes``,
+        lowest vote first (``snapkv.eviction_order``: equal votes, earlier position first),
+        then the ``window`` observation tokens in position order. The cache stores them in
+        this order, so the slots a step reads are contiguous
+        (``snapkv.VoteEvictionSelector``).
+    """
+    T = k.shape[2]
+    L = T - window
+    prefix = eviction_order(group_votes(q, k, window, kernel))[..., L - (keep - window):]
+    win = torch.arange(L, T, device=prefix.device)
+    return torch.cat([prefix, win.expand(*prefix.shape[:-1], window)], dim=-1)
 
 
 def snapkv_pp_kernel(args: ModelArgs, prompt_len: int) -> int:
@@ -99,14 +146,14 @@ class SnapKVPPEviction(PromptEviction):
 
 @dataclass(frozen=True, kw_only=True)
 class SnapKVPPParams(SnapKVPPEviction, Params):
-    """SnapKV++ at budget t: the prompt budget t - m shared by the group."""
-
-    prompt_budget: int
+    """SnapKV++ at budget t: ``keep`` = min(T, t) prompt tokens per KV head at prefill, shared
+    by the group, then evicted as the answer grows (``snapkv.VoteEvictionSelector``);
+    ``evict`` (internal): the prompt is longer than the window, so the votes order it."""
 
 
 def snapkv_pp_evictor(params: SnapKVPPEviction):
-    """SnapKV++'s ``evict(q_obs, k) -> (idx, None)`` for ``params`` (keep, window,
-    kernel_size; ``evict`` False: None)."""
+    """SnapKV++'s ``evict(q_obs, k) -> (idx, None)`` as RocketKV's first stage uses it: the
+    ``keep`` kept tokens ascending (``snapkv_pp_select``; ``evict`` False: None)."""
     if not params.evict:
         return None
     keep, window, kernel = params.keep, params.window, params.kernel_size
@@ -117,22 +164,30 @@ def snapkv_pp_evictor(params: SnapKVPPEviction):
 class SnapKVPPMethod(CompressedMethod):
     name = "snapkv_pp"
     description = "SnapKV++: group-shared voting, adaptive max-pool kernel (RocketKV Alg. 1)"
-    budget_rule = ("prompt budget t - m shared by the group; window 32, max pooling, kernel 63, or"
-                   " 511 when the model reaches its context by RoPE scaling and T >= 3/8 of that "
-                   "context")
+    budget_rule = ("min(T, t) prompt tokens per KV head at prefill, shared by the group; beyond t "
+                   "cached tokens each new one evicts the lowest-voted, then the oldest; window "
+                   "32, max pooling, kernel 63, or 511 when the model reaches its context by RoPE "
+                   "scaling and T >= 3/8 of that context")
     options = (KERNEL_SIZE, WINDOW_OPTION)
     source = "RocketKV Sec. 3.3, Alg. 1, App. A.3"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
-        window, budget_p = prompt_budget(budget, new_tokens, options)
-        if budget_p <= window:
-            raise BudgetError(f"the prompt budget t - m = {budget_p} does not exceed "
-                              f"the observation window ({window})")
+    def derive(self, budget, prompt_len, args, options):
+        window = observation_window(budget, options)
+        if budget <= window:
+            raise BudgetError(f"the budget t = {budget} does not exceed the observation window "
+                              f"({window})")
         return SnapKVPPParams(
             budget=budget, compression_ratio=prompt_len / budget, window=window,
-            prompt_budget=budget_p,
             kernel_size=options.get("kernel_size") or snapkv_pp_kernel(args, prompt_len),
-            pooling="max", keep=min(prompt_len, budget_p), evict=prompt_len > budget_p)
+            pooling="max", keep=min(prompt_len, budget), evict=prompt_len > window)
 
     def evictor(self, params):
-        return snapkv_pp_evictor(params)
+        """``evict(q_obs, k) -> (idx, None)``: the kept tokens in eviction order
+        (``snapkv_pp_order``); None for a prompt no longer than the window."""
+        if not params.evict:
+            return None
+        keep, window, kernel = params.keep, params.window, params.kernel_size
+        return lambda q, k: (snapkv_pp_order(q, k, keep, window, kernel), None)
+
+    def selector(self, params):
+        return VoteEvictionSelector(params.budget, params.window)

@@ -5,15 +5,17 @@ q[r] . K[:, r] are softmaxed per query head with temperature sqrt(d * sum|q_r| /
 summed over the group; the k best tokens are attended exactly. Optional mean-value reallocation
 (``--sparq-reallocate``): alpha y + (1 - alpha) mean V, alpha the selected probability mass.
 
-Token budget t (RocketKV Sec. 3.5): k = t // 2 and r = floor(t d / C) clamped to [1, d] (C =
-prompt + new tokens, d = head_dim); traffic C r / (2 d) + k key+value pairs, within t whenever
-t d / C >= 1; below that r = 1 overshoots (reported as ``budget_overshoot``). K is also stored
+Token budget t (RocketKV Sec. 3.5): k = t // 2 and r = floor(t d / C) clamped to [1, d] (d =
+head_dim; C = the cache's length at the decode step rounded up to a multiple of 64,
+``decode_horizon``, never the number of tokens asked for, so r follows the answer as it
+grows: ``sparq_at``); traffic C r / (2 d) + k key+value pairs, within t whenever t d / C >= 1;
+below that r = 1 overshoots (reported as ``budget_overshoot``); dense while C <= t. K is also stored
 dim-major (storage 1.5x the full cache; Table 1 counts 2) unless ``--sparq-strided-keys``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,13 +24,22 @@ from torch import Tensor
 from rocketkv import kernels
 from rocketkv.cache import (
     CompressedKVCache,
+    Selector,
     attend_selected,
     gather_tokens,
     sector_bytes,
     strided_bytes,
     token_bytes,
 )
-from rocketkv.compression.registry import BudgetError, CompressedMethod, Option, Params, register
+from rocketkv.compression.registry import (
+    INTERNAL,
+    BudgetError,
+    CompressedMethod,
+    Option,
+    Params,
+    decode_horizon,
+    register,
+)
 from rocketkv.compression.selection import TopKSelector, query_dims, sparq_temperature, top_r_dims
 
 REALLOCATE = Option("sparq_reallocate", "sparq: mix in the mean value by the unselected "
@@ -180,7 +191,7 @@ class SparQSelector(TopKSelector):
 
     def ideal_bytes(self, cache: CompressedKVCache) -> int:
         # r of d key elements per slot, then k pairs (+ the mean value vector)
-        approx = cache.kv_bytes(cache.capacity) * self.r // (2 * cache.head_dim)
+        approx = cache.kv_bytes(self.span(cache)) * self.r // (2 * cache.head_dim)
         return approx + cache.kv_bytes(self.k) + self._mean_bytes()
 
     def params(self) -> dict[str, Any]:
@@ -197,27 +208,47 @@ class SparQParams(Params):
     r: int
     reallocate: bool
     dim_major: bool
+    dense: bool = field(metadata=INTERNAL)
+
+
+def sparq_at(params: SparQParams, length: int, head_dim: int) -> tuple[SparQParams, int]:
+    """SparQ's parameters for a decode step whose cache holds ``length`` tokens, and the
+    largest length they serve: dense up to t (the whole cache, at most t pairs); then
+    r = floor(t d / C) clamped to [1, d] for
+    C = ``decode_horizon(length)`` (r C <= t d: within budget while r >= 1), k = t // 2."""
+    t, d = params.budget, head_dim
+    if length <= t:
+        return params.replace(r=d, dense=True, traffic_tokens=float(t)), t
+    horizon = decode_horizon(length)
+    r = min(d, max(1, t * d // horizon))
+    return params.replace(r=r, dense=False,
+                          traffic_tokens=horizon * r / (2 * d) + params.k), horizon
 
 
 @register
 class SparQMethod(CompressedMethod):
     name = "sparq"
     description = "SparQ: top-r query dims approximate scores, top-k exact attention (t/2 + t/2)"
-    budget_rule = ("k = t // 2, r = floor(t d / (T + m)) clamped to [1, d]; traffic "
-                   "(T + m) r / (2 d) + k (r = 1 may overshoot: reported)")
+    budget_rule = ("C: the cache's length, rounded up to 64 tokens; k = t // 2, r = floor(t d / "
+                   "C) clamped to [1, d] as the cache grows; traffic C r / (2 d) + k (r = 1 "
+                   "may overshoot: reported); dense while C <= t")
     options = (REALLOCATE, STRIDED_KEYS)
     source = "SparQ (Ribar et al. 2024); RocketKV Sec. 3.5"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
+    def derive(self, budget, prompt_len, args, options):
         k = budget // 2
         if k < 1:
             raise BudgetError("k = t // 2 rounds to zero")
-        d, cap = args.head_dim, prompt_len + new_tokens
-        r = min(d, max(1, budget * d // cap))  # floor: r * C <= t * d, within budget when >= 1
-        return SparQParams(budget=budget, compression_ratio=prompt_len / budget, k=k, r=r,
-                           reallocate=bool(options.get("sparq_reallocate")),
-                           dim_major=not options.get("sparq_strided_keys"),
-                           traffic_tokens=cap * r / (2 * d) + k)
+        params = SparQParams(budget=budget, compression_ratio=prompt_len / budget, k=k,
+                             r=args.head_dim, reallocate=bool(options.get("sparq_reallocate")),
+                             dim_major=not options.get("sparq_strided_keys"), dense=False,
+                             traffic_tokens=0.0)
+        return sparq_at(params, prompt_len + 1, args.head_dim)[0]
+
+    def at_length(self, params, length, args):
+        return sparq_at(params, length, args.head_dim)
 
     def selector(self, params):
+        if params.dense:
+            return Selector()
         return SparQSelector(params.r, params.k, params.reallocate, params.dim_major)

@@ -236,7 +236,7 @@ class StreamingLLMMethod(Method):
     cache_classes = (SinkRecentCache,)
     source = "StreamingLLM (Xiao et al. 2024); RocketKV App. A.3"
 
-    def derive(self, budget, prompt_len, new_tokens, args, options):
+    def derive(self, budget, prompt_len, args, options):
         sink = STREAMING_SINK if options.get("sink_size") is None else options["sink_size"]
         if budget <= sink:
             raise BudgetError(f"no room for a recent window beside {sink} sink tokens")

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from rocketkv import kernels
+from rocketkv.cache.base import NEVER
 from rocketkv.engine import kernel_check
 from rocketkv.engine.measure import MemoryMeter, StepTimer, sync
 from rocketkv.engine.prefill import PrefilledPrompt, as_prompt, store_prefilled
@@ -91,12 +92,19 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
         if on_token is not None:
             on_token(out[:, :n])
     input_pos = torch.tensor([first_pos], dtype=torch.long, device=device)
+    caches = model.caches
+    retune_at = first_pos  # the first step checks every cache (it may have been rewound)
     t_warm = time.perf_counter()
     interrupted = False
     try:
         for step in range(new_tokens - 1):
             if check and step % stop_check_every == 0 and bool(done.all()):
                 break
+            if first_pos + step >= retune_at:  # parameters that follow the cache's length
+                changed = [c.retune_for(first_pos + step, force=step == 0) for c in caches]
+                retune_at = min((c.retune_at for c in caches), default=NEVER)
+                if any(changed) and hasattr(step_fn, "recapture"):
+                    step_fn.recapture()
             if step == warmup_steps and warmup_steps:
                 sync(device)
                 compile_s = time.perf_counter() - t_warm
@@ -164,9 +172,9 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         warmup_steps: decode steps left out of the figures when compiling (default 3: CUDA
             graph trees run a step, record the next, and replay from the third).
         reserve_tokens: extra cache room (tokens) for later turns of the conversation. The
-            caches hold prompt + max_new_tokens + reserve_tokens positions, and the budget's
-            ``max_new_tokens`` (m) is that whole later part: for SnapKV the prompt budget is
-            t - m, since every later token is read at every step.
+            caches hold prompt + max_new_tokens + reserve_tokens positions; the room changes
+            buffer sizes only, never a method's parameters (they follow the tokens in the
+            cache: ``compression.decode_horizon``).
         continue_conversation: ``prompt`` is the next turn of the conversation the previous
             call left in the model's caches (same method and budget; method arguments are
             ignored). The last token the previous call generated (not yet fed) goes first, then

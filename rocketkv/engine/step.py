@@ -121,6 +121,11 @@ class GraphStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.warm = False
 
+    def recapture(self) -> None:
+        """Capture the step again at the next call (a cache changed its tensors:
+        ``KVCache.retune_for``)."""
+        self.graph, self.warm = None, False
+
     def __call__(self, model: Transformer, tokens: Tensor, input_pos: Tensor,
                  **sampling) -> Tensor:
         if not self.warm:

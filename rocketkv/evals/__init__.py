@@ -10,6 +10,11 @@
 * ``provenance``: the commit, libraries, checkpoint hash and quantization of a result file.
 * ``probes``: what a compressed cache reads at each step and keeps after prefill.
 * ``fidelity``: the fidelity prompt set and passes against the full cache.
+* ``fidelity_run``: ``scripts/eval_accuracy.py``'s run over prompt lengths, its files, resuming.
+* ``duo_identify``: DuoAttention's retrieval-head identification (``scripts/duo_identify.py``).
 * ``reports``: tables, figures and result files.
 * ``bench``: what the speed and memory scripts share (the flag vocabulary: ``flags.py``).
+* ``sweep``, ``cpu_bench``, ``layer_step``, ``dense_bench``, ``profile``, ``compare_hf``,
+  ``memory_prediction``: the runs of ``scripts/bench.py``, ``bench_cpu.py``, ``bench_step.py``,
+  ``bench_dense.py``, ``profile_step.py``, ``compare_hf.py`` and ``predict_memory.py``.
 """

@@ -1,7 +1,8 @@
 """Fidelity of a compressed cache against the full cache on real text: the prompt set (windows
 of documents), the greedy and teacher-forced passes through each method's caches, and the
 numbers of every (method, budget). ``scripts/eval_accuracy.py`` runs it over prompt lengths and
-writes the tables; ``scripts/eval_quantized.py`` runs the same passes for quantized weights.
+writes the tables (``evals/fidelity_run.py``); ``scripts/eval_quantized.py`` runs the same
+passes for quantized weights.
 Definitions (``T`` = ``--context``, ``m`` = ``--max-new-tokens``, ``N`` =
 ``--num-prompts``, flags of ``scripts/eval_accuracy.py``):
 

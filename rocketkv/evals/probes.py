@@ -31,7 +31,11 @@ def selected_slots(selector: Selector, cache: CompressedKVCache, q: Tensor,
     """Slots (B, H_kv, 1 or G, S) bool the selector's ``attend`` reads for q (B, H, 1, D) given
     ``valid`` (S,): its ``select`` (every selector offers it), less unwritten picks (the
     attention masks them), and per query head where the cache keeps a ``head_mask``
-    (original SnapKV)."""
+    (original SnapKV); a selector that evicts as the answer grows says itself
+    (``attended``, SnapKV and SnapKV++)."""
+    attended = getattr(selector, "attended", None)
+    if attended is not None:  # decode-time eviction (SnapKV family): what each head reads
+        return attended(cache, valid.sum().reshape(1) - 1 + cache.slot_offset)
     B, Hkv, S = cache.batch_size, cache.n_kv_heads, cache.length
     idx = selector.select(cache, q, valid)
     sel = torch.zeros(B, Hkv, S, dtype=torch.bool, device=valid.device)
