@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from rocketkv import kernels
-from rocketkv.cache.base import NEVER
 from rocketkv.engine import kernel_check
 from rocketkv.engine.measure import MemoryMeter, StepTimer, sync
 from rocketkv.engine.prefill import PrefilledPrompt, as_prompt, store_prefilled
@@ -48,6 +47,7 @@ from rocketkv.engine.step import (  # noqa: F401 (re-exported: tests and scripts
     StepMode,
     compiled_decode,
     decode_one_token,
+    retune_caches,
     sample,
 )
 from rocketkv.kernels.fuse import fused_layers
@@ -101,9 +101,8 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
             if check and step % stop_check_every == 0 and bool(done.all()):
                 break
             if first_pos + step >= retune_at:  # parameters that follow the cache's length
-                changed = [c.retune_for(first_pos + step, force=step == 0) for c in caches]
-                retune_at = min((c.retune_at for c in caches), default=NEVER)
-                if any(changed) and hasattr(step_fn, "recapture"):
+                changed, retune_at = retune_caches(caches, first_pos + step, force=step == 0)
+                if changed and hasattr(step_fn, "recapture"):
                     step_fn.recapture()
             if step == warmup_steps and warmup_steps:
                 sync(device)

@@ -15,6 +15,7 @@ import enum
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from rocketkv import kernels
+from rocketkv.cache.base import NEVER
 from rocketkv.model import ConfigError, Transformer
 
 WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
@@ -100,6 +102,18 @@ class FallbackStep:
             kernels.switch_off(family, self.device, reason, by="compile")
         torch._dynamo.reset()
         return self.step(model, tokens, input_pos, *args, **kw)
+
+
+def retune_caches(caches: Sequence[nn.Module], input_pos: int, force: bool = False
+                  ) -> tuple[bool, int]:
+    """Ask each cache for the decode parameters of the step that writes ``input_pos``
+    (``KVCache.retune_for``: parameters that follow the cache's length; ``force`` at a call's
+    first step). Returns whether a cache changed its tensors (a captured step must be
+    recaptured) and the next position at which to ask (the least ``retune_at``)."""
+    changed = False
+    for c in caches:
+        changed |= c.retune_for(input_pos, force=force)
+    return changed, min((c.retune_at for c in caches), default=NEVER)
 
 
 class GraphStep:

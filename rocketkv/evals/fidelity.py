@@ -116,6 +116,7 @@ from rocketkv.engine.generate import generate
 from rocketkv.engine.measure import weight_bytes, weight_bytes_per_step
 from rocketkv.engine.prefill import PrefilledPrompt, prefill_once
 from rocketkv.engine.report import GenerateResult
+from rocketkv.engine.step import retune_caches
 from rocketkv.evals.harness import (
     DEV_SEED_OFFSET,
     configurations,
@@ -288,7 +289,10 @@ def teacher_forced_logprobs(model: Transformer, prompt: Sequence[int],
     if first_logits is None:
         first_logits = model.prefill(torch.tensor([list(prompt)], device=device))
     rows = [first_logits]
+    retune_at = T  # parameters that follow the caches' length, as the decode loop does
     for j, token in enumerate(continuation[:-1]):
+        if T + j >= retune_at:
+            _, retune_at = retune_caches(model.caches, T + j, force=j == 0)
         rows.append(model(torch.tensor([[token]], device=device),
                           torch.tensor([T + j], device=device)))
     return torch.cat(rows).float().log_softmax(dim=-1)
