@@ -296,3 +296,26 @@ def test_the_paraphrased_needle_is_a_benchmark_of_its_own(tmp_path, capsys):
     pooled = _cell(summary, bench="needle_paraphrase", length="pooled", method="full")
     assert (pooled["n"], pooled["score"]) == (3, pytest.approx(75.0))  # 1/2 and 1/1
     assert {x["bench"] for x in summary["comparisons"]} == {"needle", "needle_paraphrase"}
+
+
+def test_a_degenerate_cell_is_marked_and_claims_nothing(tmp_path, capsys):
+    """A row the harness marked degenerate (``Params.degenerate``: SnapKV keeping fewer prompt
+    tokens per query head than its window, DuoAttention without a retrieval head) shows so in
+    its cell; its comparison is listed with no claim and leaves the Holm family, so the other
+    comparisons are adjusted as if it were not there."""
+    items = [{"length": 100, "depth": i / 10, "seed": i, "answer": "1679215"} for i in range(10)]
+    why = "each query head keeps 4 prompt tokens beside its 32-token window"
+    res = _result([{"method": "full", "budget": None, "scores": [1.0] * 10},
+                   {"method": "rocketkv", "budget": 64, "scores": [1.0] * 10},
+                   {"method": "quest", "budget": 64, "scores": [0.0] * 10},
+                   {"method": "snapkv", "budget": 64, "scores": [0.0] * 10,
+                    "degenerate": why}], items=items)
+    text, summary = _run(tmp_path, res, capsys=capsys)
+    assert _line(text, 100, "snapkv").endswith("n=10 (degenerate) |")
+    assert f"snapkv degenerate at this budget ({why}): no claim" in text
+    assert _cell(summary, length=100, method="snapkv", budget=64)["degenerate"] == why
+    # quest: p = 2 / 2^10; Holm over quest and full only (x 2), not x 3
+    quest = next(x for x in summary["comparisons"] if x["b"] == "quest" and x["length"] == 100)
+    assert quest["p_holm"] == pytest.approx(2 * 2 / 2 ** 10)
+    snap = next(x for x in summary["comparisons"] if x["b"] == "snapkv" and x["length"] == 100)
+    assert snap["degenerate"] == why and snap["p_holm"] == snap["p"]

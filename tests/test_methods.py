@@ -505,3 +505,17 @@ def test_every_method_on_smollm2_with_a_long_prompt(smollm2_model, essay_questio
         assert r["kv_cache_bytes"] <= 1.01 * r["full_kv_bytes"] * (
             1 / c ** 0.5 + 2 / c ** 0.75)
 
+
+
+def test_degenerate_budgets_are_said_by_the_method():
+    """SnapKV below 2 G windows keeps fewer prompt tokens per query head than its window, and
+    DuoAttention at 640 or less (or with no head's share) retrieves with no head: each says
+    why in ``degenerate`` (reported, and marked in the accuracy tables); above, None."""
+    qwen = ModelArgs.from_name("qwen2.5-0.5b")  # G = 7, 24 layers x 2 KV heads
+    assert "keeps 4 prompt tokens beside its 32-token window" in \
+        derive("snapkv", 256, 4088, qwen, {}).degenerate
+    assert derive("snapkv", 448, 4088, qwen, {}).degenerate is None
+    assert "every head streams" in derive("duoattention", 640, 4088, qwen, {}).degenerate
+    assert derive("duoattention", 1024, 4088, qwen, {}).degenerate is None
+    assert derive("snapkv", 256, 30, qwen, {}).degenerate is None  # the prompt fits t // G
+    assert "degenerate" in derive("snapkv", 256, 4088, qwen, {}).to_dict()

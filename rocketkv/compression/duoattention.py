@@ -192,8 +192,12 @@ class DuoAttentionMethod(Method):
         n_ret = split["retrieval_heads"]
         traffic = None if n_ret is None else duo_traffic(n_ret, N, cap, split["sink"],
                                                          split["recent"])
+        degenerate = None
+        if n_ret == 0 and cap > budget:
+            degenerate = ("no retrieval head at this budget: every head streams "
+                          f"({split['sink']} sinks + {split['recent']} recent), StreamingLLM")
         return DuoAttentionParams(budget=budget, compression_ratio=prompt_len / budget,
-                                  traffic_tokens=traffic, **split)
+                                  traffic_tokens=traffic, degenerate=degenerate, **split)
 
     def validate(self, params, args, prompt_len, options):
         return self.with_retrieval_heads(params, args, decode_horizon(prompt_len + 1), options)

@@ -107,7 +107,8 @@ def positive(value: Any) -> str | None:
 
 INTERNAL = {"internal": True}  # ``field(metadata=INTERNAL)``: steers the build, not reported
 OPTIONAL = {"optional": True}  # ``field(default=None, metadata=OPTIONAL)``: reported once set
-_TAIL = ("traffic_tokens", "note", "budget_overshoot", "method", "skip_layers", "compressed")
+_TAIL = ("traffic_tokens", "note", "degenerate", "budget_overshoot", "method", "skip_layers",
+         "compressed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,20 +124,25 @@ class Params:
         traffic_tokens: KV pairs the method reads per step per layer per KV group,
             approximation traffic included, where it says (None: not reported).
         note: a remark for the reports (None: none).
+        degenerate: why the method is degenerate at this budget, by its own rule (SnapKV
+            keeping fewer prompt tokens per query head than its observation window;
+            DuoAttention without a retrieval head, which is StreamingLLM), or None: a result
+            at such a budget is marked so and no ranking uses it.
         method, skip_layers, compressed: set by ``plan`` (the run's method name,
             ``--skip-layers`` and True); None until then.
         budget_overshoot: traffic_tokens / t where that exceeds 1 (a property; None: within).
 
     A subclass field with ``metadata=INTERNAL`` steers the build and is not reported; one with
     ``metadata=OPTIONAL`` is reported once set (not None). Fields left None among
-    ``traffic_tokens``, ``note``, ``method``, ``skip_layers``, ``compressed`` are left out of
-    ``to_dict`` too.
+    ``traffic_tokens``, ``note``, ``degenerate``, ``method``, ``skip_layers``, ``compressed``
+    are left out of ``to_dict`` too.
     """
 
     budget: int
     compression_ratio: float
     traffic_tokens: float | None = None
     note: str | None = None
+    degenerate: str | None = None
     method: str | None = None
     skip_layers: int | None = None
     compressed: bool | None = None

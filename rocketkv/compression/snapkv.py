@@ -401,9 +401,13 @@ class SnapKVMethod(CompressedMethod):
         if per_head <= window:
             raise BudgetError(f"each query head's share t // G = {budget} // {G} = {per_head} "
                               f"does not exceed the observation window ({window})")
+        prefix = per_head - window  # prompt tokens each query head keeps beside the window
+        degenerate = None if prefix >= window or prompt_len <= per_head else (
+            f"each query head keeps {prefix} prompt tokens beside its {window}-token window "
+            f"(t // G = {budget} // {G}; at least {2 * window * G} keeps the window's worth)")
         return SnapKVParams(
             budget=budget, compression_ratio=prompt_len / budget, window=window,
-            per_head_keep=min(prompt_len, per_head),
+            degenerate=degenerate, per_head_keep=min(prompt_len, per_head),
             pooling=options.get("pooling") or "avg",
             kernel_size=options.get("kernel_size") or SNAPKV_KERNEL,
             keep=min(prompt_len, G * (per_head - window) + window),

@@ -71,7 +71,7 @@ from rocketkv.formats.checkpoint import (
     resolve_checkpoint,
 )
 from rocketkv.formats.tokenizer import Tokenizer, load_tokenizer
-from rocketkv.model import ConfigError, Transformer
+from rocketkv.model import ConfigError, ModelArgs, Transformer
 
 DEFAULT_METHODS = ("full", "exact_topk", "snapkv", "snapkv_pp", "quest", "sparq", "hybrid",
                    "rocketkv")
@@ -431,6 +431,21 @@ def open_partial(path: Path, spec: dict[str, Any], restart: bool = False,
     return kept, path.open("a"), fingerprint
 
 
+def degenerate(method: str, budget: int | None, margs: ModelArgs, items: Sequence[Item],
+               max_new_tokens: int, options: dict[str, Any] | None) -> str | None:
+    """Why ``method`` is degenerate at ``budget`` for these items (``Params.degenerate``,
+    planned for the longest prompt), or None."""
+    if budget is None or not items:
+        return None
+    try:
+        params = plan(method, margs, prompt_len=max(it.tokens for it in items),
+                      max_new_tokens=max_new_tokens, budget=budget,
+                      **options_for(method, options or {}))
+    except ConfigError:
+        return None  # the rows' errors say why
+    return None if params is None else params.degenerate
+
+
 def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                    configs: Sequence[tuple[str, Any]], max_new_tokens: int,
                    score: Callable[[str, Item], float], *, modes: Sequence[str] = ("standard",),
@@ -577,6 +592,10 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
         rows = []
         for method, budget in configs:
             row: dict[str, Any] = {"method": method, "budget": budget}
+            reason = None if model is None else degenerate(method, budget, model.args, items,
+                                                           max_new_tokens, options)
+            if reason:  # marked in the tables; no ranking uses the row
+                row["degenerate"] = reason
             errs = errors[mode][(method, budget)]
             if errs and len(errs) == len(finished):
                 row["error"] = next(iter(errs.values()))

@@ -125,6 +125,9 @@ class Collected:
         self.unit: dict[str, tuple[str, str, int]] = {}  # prompt -> (bench, task, length)
         self.binary: dict[str, bool] = {}
         self.budgets: set[int] = set()
+        # (bench, mode, method, budget) -> why the method is degenerate there (the row's
+        # ``degenerate``, ``Params.degenerate``): marked in the tables, no claim uses it
+        self.degenerate: dict[tuple, str] = {}
         self.files: list[dict[str, Any]] = []
         # prompts of unfinished batches that no file ran: prompt -> (bench, task, length)
         self.not_run: dict[str, tuple[str, str, int]] = {}
@@ -168,6 +171,8 @@ def collect(results: list[tuple[str, dict[str, Any]]]) -> Collected:
             if row.get("budget") is not None:
                 c.budgets.add(int(row["budget"]))
             cell = c.scores[(bench, mode, row["method"], row.get("budget"))]
+            if row.get("degenerate"):
+                c.degenerate[(bench, mode, row["method"], row.get("budget"))] = row["degenerate"]
             if "error" in row:  # rejected before any prompt ran
                 for k, (_, label) in zip(keys, per_item):
                     cell.setdefault(k, (None, None, label))
@@ -221,6 +226,10 @@ def cell_of(c: Collected, bench: str, mode: str, method: str, budget: int | None
     else:
         out["score_substring"] = None
     out.update(n_prompts=len(keys), commits=commits)
+    reason = c.degenerate.get((bench, mode, method, budget if METHODS[method].budgeted
+                               else None))
+    if reason:
+        out["degenerate"] = reason
     return out
 
 
@@ -245,6 +254,8 @@ def fmt_cell(cell: dict[str, Any] | None, mixed: bool) -> str:
         text += f" sub {100 * sub:.1f}"
     if mixed:
         text += " @" + "+".join(_short(x) for x in cell["commits"])
+    if cell.get("degenerate"):
+        text += " (degenerate)"
     return text
 
 
@@ -272,8 +283,12 @@ def comparisons(c: Collected, bench: str, mode: str, budget: int, keys: set[str]
         a, b = [ref[k][0] for k in common], [other[k][0] for k in common]
         res = paired_comparison(a, b, strata=None if strata is None
                                 else [strata(k) for k in common])
-        out.append({"a": REFERENCE, "b": m, "budget": budget,
-                    "b_budget": budget if METHODS[m].budgeted else None, "mode": mode, **res})
+        row = {"a": REFERENCE, "b": m, "budget": budget,
+               "b_budget": budget if METHODS[m].budgeted else None, "mode": mode, **res}
+        reason = c.degenerate.get((bench, mode, m, row["b_budget"]))
+        if reason:
+            row["degenerate"] = reason
+        out.append(row)
     return out
 
 
@@ -288,6 +303,8 @@ def fmt_comparison(r: dict[str, Any]) -> str:
             f"{100 * r['diff']:+.1f} points [{100 * r['ci_low']:+.1f}, {100 * r['ci_high']:+.1f}]"
             f", p = {r['p']:.3g}, Holm {r['p_holm']:.3g} ({r['test']}; {r['wins']} better, "
             f"{r['losses']} worse): ")
+    if r.get("degenerate"):
+        return head + f"{r['b']} degenerate at this budget ({r['degenerate']}): no claim"
     if r["p_holm"] < ALPHA:
         return head + f"{r['a']} {'higher' if r['diff'] > 0 else 'lower'}"
     if r["equivalent"]:
@@ -329,6 +346,8 @@ class Report:
             e.update(score=100 * cell["score"], ci_low=100 * cell["ci_low"],
                      ci_high=100 * cell["ci_high"], interval=cell["interval"],
                      score_substring=None if sub is None else 100 * sub)
+        if cell.get("degenerate"):
+            e["degenerate"] = cell["degenerate"]
         self.cells.append(e)
 
     def table(self, bench: str, task: str, length: Any, keys: set[str],
@@ -357,16 +376,19 @@ class Report:
     def claims(self, bench: str, length: Any, keys: set[str],
                strata: Callable[[str], Hashable] | None = None) -> None:
         """The comparisons of ``bench`` at ``length`` (or pooled), every mode and budget: one
-        family, whose p values are Holm-adjusted together (``stats.holm``)."""
+        family, whose p values are Holm-adjusted together (``stats.holm``); a comparison with
+        a method degenerate at its budget is listed but claims nothing and stays out of the
+        family (its ``p_holm`` is its own p)."""
         family = [(mode, b, comparisons(self.c, bench, mode, b, keys, strata))
                   for mode in self.modes for b in self.budgets]
-        adjusted = iter(holm([r["p"] for _, _, got in family for r in got]))
+        adjusted = iter(holm([r["p"] for _, _, got in family for r in got
+                              if not r.get("degenerate")]))
         for mode, b, got in family:
             if not got:
                 continue
             self.lines.append(f"{mode}, budget {b}:")
             for r in got:
-                r["p_holm"] = next(adjusted)
+                r["p_holm"] = r["p"] if r.get("degenerate") else next(adjusted)
                 self.lines.append(fmt_comparison(r))
                 self.comparisons.append({"bench": bench, "length": length, **r})
             self.lines.append("")
