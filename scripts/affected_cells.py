@@ -16,6 +16,7 @@ per file and row, how many prompts' answers the change can have moved.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -81,8 +82,13 @@ def changed(method: str, t: int, T: int, m: int, args: ModelArgs) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    args = ModelArgs.from_name("qwen2.5-0.5b")
-    for path in argv:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", help="needle.json / ruler.json result files")
+    p.add_argument("--config", default="qwen2.5-0.5b",
+                   help="the model's config name (default qwen2.5-0.5b; smollm2-135m)")
+    opts = p.parse_args(argv)
+    args = ModelArgs.from_name(opts.config)
+    for path in opts.results:
         d = json.load(open(path))
         items = d["items"]
         print(f"{path}: {len(items)} prompts")
