@@ -43,6 +43,10 @@ def build_parser() -> OneLineParser:
                    "checkpoint has one)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="activation dtype (default: generate.py's for the device)")
+    p.add_argument("--step", choices=("eager", "default"), default="eager",
+                   help="the decode step of both runs: eager (default: they differ only in "
+                   "what they ask for), or generate.py's default (on a CPU a run of 1,024 "
+                   "steps or more is compiled, whose arithmetic differs in the last bits)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON here")
     return p
 

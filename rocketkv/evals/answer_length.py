@@ -23,7 +23,8 @@ from rocketkv.model import ConfigError
 
 
 def compare(engine, prompt_ids: Sequence[int], configurations: Iterable[tuple[str, int | None,
-            dict[str, Any]]], short: int, long: int, *, on_row=None) -> list[dict[str, Any]]:
+            dict[str, Any]]], short: int, long: int, *, compile: bool | None = False,
+            on_row=None) -> list[dict[str, Any]]:
     """Answer ``prompt_ids`` with every (method, budget, options) of ``configurations`` at
     ``max_new_tokens`` ``short`` and ``long`` (greedy, the engine's stop tokens).
 
@@ -31,6 +32,10 @@ def compare(engine, prompt_ids: Sequence[int], configurations: Iterable[tuple[st
         engine: a ``rocketkv.Engine``.
         prompt_ids: the prompt's token ids (chat template applied by the caller where wanted).
         short, long: new tokens asked for (short < long).
+        compile: the decode step of both runs: False (default) eager, so the two differ only
+            in what they ask for; None the engine's default, which on a CPU compiles a run of
+            1,024 steps or more (``step.default_compile``), whose arithmetic differs from the
+            eager step's in the last bits (a near tie may then fall the other way).
         on_row: called with each row as it is made (progress, partial files).
     Returns:
         one dict per configuration: method, budget, options, the two answers' token ids
@@ -44,7 +49,7 @@ def compare(engine, prompt_ids: Sequence[int], configurations: Iterable[tuple[st
         for label, n in (("short", short), ("long", long)):
             t0 = time.perf_counter()
             r = engine.generate(list(prompt_ids), method=method, budget=budget,
-                                max_new_tokens=n, **options)
+                                max_new_tokens=n, compile=compile, **options)
             runs[label] = (list(r.tokens), time.perf_counter() - t0, r.metrics)
         a, b = runs["short"][0], runs["long"][0][:len(runs["short"][0])]
         diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
@@ -96,17 +101,25 @@ def run(args, argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    done: list[dict[str, Any]] = []
+
+    def save(complete: bool) -> None:
+        if args.json:
+            write_json(args.json, {"command": command_line("answer_length.py", argv),
+                                   **commit_fields(), "cpu": cpu_model(),
+                                   "load_average": load_average(),
+                                   "checkpoint": engine.checkpoint, "prompt_tokens": len(ids),
+                                   "step": args.step, "complete": complete, "rows": done})
+
     def show(row: dict[str, Any]) -> None:
         same = "same" if row["same"] else f"differ at token {row['first_difference']}"
         print(f"{row['method']:>13} {row['budget'] or '':>5}: {same} "
               f"({len(row['short_ids'])} and {len(row['long_ids'])} tokens; "
               f"{row['short_s']} s, {row['long_s']} s)", flush=True)
+        done.append(row)
+        save(False)  # a run cut short keeps its rows
 
     rows = compare(engine, ids, [(m, b, {}) for m, b in configs], args.short, args.long,
-                   on_row=show)
-    if args.json:
-        write_json(args.json, {"command": command_line("answer_length.py", argv),
-                              **commit_fields(), "cpu": cpu_model(),
-                              "load_average": load_average(), "checkpoint": engine.checkpoint,
-                              "prompt_tokens": len(ids), "rows": rows})
+                   compile=None if args.step == "default" else False, on_row=show)
+    save(True)
     return 0 if all(r["same"] for r in rows) else 1
