@@ -45,7 +45,13 @@ from rocketkv.compression.registry import every_option
 from rocketkv.engine import checks
 from rocketkv.engine import generate as _g
 from rocketkv.engine.device import default_dtype, resolve_device
-from rocketkv.engine.documents import CacheSnapshot, document_ids, prefill_summary, question_ids
+from rocketkv.engine.documents import (
+    CacheSnapshot,
+    document_ids,
+    prefill_summary,
+    question_agnostic_note,
+    question_ids,
+)
 from rocketkv.engine.measure import weights_label
 from rocketkv.engine.report import GenerateResult, TextStreamer
 from rocketkv.engine.step import default_compile
@@ -436,8 +442,11 @@ class Engine:
                 compresses the document before any question is known: what an evicting
                 method drops is dropped for every question (docs/generate.md).
             reserve_tokens: cache room after the document for one question and its answer
-                (question tokens + ``max_new_tokens`` - 1 at most); the run's new tokens for
-                the budget's parameters.
+                (question tokens + ``max_new_tokens`` - 1 at most); it sizes the buffers and
+                leaves the method's parameters as they are (they follow the cache).
+        Warns:
+            UserWarning: the budget covers the whole sequence; or the method evicted part of
+                the document before any question was seen (``question_agnostic_note``).
             chat, system: the document opens a user turn of the chat template (each question
                 ends it): None (default) when the checkpoint has a chat template of its own
                 (``Engine.chat``), True or False to decide.
@@ -460,6 +469,7 @@ class Engine:
         r = _g.generate(self.model, ids, method=method, budget=budget, max_new_tokens=0,
                         reserve_tokens=reserve_tokens, compile=_compile(self.model, compile, 0),
                         method_options=options)
+        _warn_uncompressed(question_agnostic_note(method, r.to_dict()))
         doc = Document(self, ids, r.to_dict(), chat=chat, system=system,
                        text=text if isinstance(text, str) else "", compile=compile)
         self._document = doc

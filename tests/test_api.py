@@ -145,6 +145,7 @@ QUESTIONS = ["Who was Lily?", "Where did she play? Tell me all about the park an
              "did there"]
 
 
+@pytest.mark.filterwarnings("ignore:.*before any question was seen")
 @pytest.mark.parametrize("method,budget", [("streamingllm", 140), ("h2o", 140),
                                            ("keydiff", 140), ("rocketkv", 140)])
 def test_each_answer_starts_from_the_document_as_the_method_left_it(stories_engine, method,
@@ -269,3 +270,17 @@ def test_engine_dtype_and_device(stories_dir):
         rocketkv.load(str(stories_dir), device="cpu", dtype="float8")
     e = rocketkv.load(str(stories_dir), device="cpu", dtype="bfloat16")
     assert e.model.tok_embeddings.weight.dtype == torch.bfloat16 and e.load_s > 0
+
+
+def test_a_document_evicted_before_its_question_says_so(stories_engine):
+    """A method that evicts part of the document at its prefill chose without the question:
+    ``prefill_document`` warns so (the accuracy grid's question-agnostic mode); one that kept
+    every token (full, or a selecting method such as Quest) does not."""
+    with pytest.warns(UserWarning, match="before any question was seen"):
+        stories_engine.prefill_document(DOC, method="rocketkv", budget=140, reserve_tokens=64)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stories_engine.prefill_document(DOC, method="full", reserve_tokens=64)
+        stories_engine.prefill_document(DOC, method="quest", budget=140, reserve_tokens=64)

@@ -51,6 +51,7 @@ from rocketkv.engine.documents import (
     CacheSnapshot,
     document_ids,
     prefill_summary,
+    question_agnostic_note,
     question_ids,
     read_questions,
     summary_line,
@@ -286,6 +287,9 @@ def _answer_questions(args: argparse.Namespace, checkpoint: str, margs,
     finally:
         if bar is not None:
             bar.close()
+    agnostic = question_agnostic_note(args.method, first.to_dict())
+    if agnostic is not None:
+        print(f"note: {agnostic}", file=sys.stderr)
     snapshot = CacheSnapshot(model.caches)
     stop_ids = () if args.ignore_eos else (tok.chat_stop_ids if chat else tok.stop_ids)
     records: list[dict[str, Any]] = []

@@ -162,6 +162,23 @@ class CacheSnapshot:
                     setattr(module, k, v)
 
 
+def question_agnostic_note(method: str, result: dict[str, Any]) -> str | None:
+    """The note for a document whose prefill (``result``: ``generate``'s report) evicted
+    prompt tokens before any question was seen, or None when every layer kept the whole
+    document: an evicting method (the SnapKV family, RocketKV's first stage, the fixed-size
+    caches) chose without the question, so what it dropped is gone for every question, where
+    one run with the question in the prompt keeps what that question needs (the
+    question-agnostic mode of the accuracy grid: docs/evaluation.md)."""
+    kept, doc = result.get("prompt_tokens_kept"), result.get("prompt_tokens")
+    if not kept or doc is None or kept["min"] >= doc:
+        return None
+    span = f"{kept['min']:g}" if kept["min"] == kept["max"] else \
+        f"{kept['min']:g}-{kept['max']:g}"
+    return (f"{method} kept {span} of the document's {doc} tokens "
+            "before any question was seen: what it dropped is gone for every question, and "
+            "an answer may be worse than one run with the question in the prompt")
+
+
 def read_questions(path: str) -> list[str]:
     """The questions of ``--questions FILE``: one a line (blank lines skipped), or JSON lines
     (objects with a ``"question"`` string); ``-`` reads stdin.
