@@ -23,8 +23,8 @@ import sys
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from rocketkv.compression import METHODS, decode_horizon, derive
-from rocketkv.compression.duoattention import duo_split
+from rocketkv.compression import METHODS, derive
+from rocketkv.compression.duoattention import duo_split, first_capacity
 from rocketkv.compression.hybrid import hybrid_split
 from rocketkv.model import ModelArgs
 
@@ -59,7 +59,7 @@ def changed(method: str, t: int, T: int, m: int, args: ModelArgs) -> bool:
     if method == "duoattention":  # retrieval heads from C = T + m before, T + 1 rounded now
         N = args.n_layers * args.n_kv_heads
         return duo_split(t, T + m, N)["retrieval_heads"] != \
-            duo_split(t, decode_horizon(T + 1), N)["retrieval_heads"]
+            duo_split(t, first_capacity(T), N)["retrieval_heads"]
     if method in ("snapkv", "snapkv_pp"):
         return T > t - m  # evicting under either rule: other prompt tokens kept
     if method not in RETUNED or t >= T + m:

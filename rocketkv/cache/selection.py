@@ -97,16 +97,10 @@ class Selector(nn.Module):
         chunk appended to the cache), leaving the state ``n`` ``update`` calls in order would.
         A selector that keeps per-slot state overrides both."""
 
-    def adopt(self, old: Selector, cache: CompressedKVCache, written: int) -> None:
-        """Take over from ``old``, the selector of ``cache`` until now, whose first
-        ``written`` slots hold tokens (parameters re-derived as the cache grew:
-        ``CompressedKVCache.retune_for``). A selector of the same kind and page size keeps
-        ``old``'s auxiliary buffers (they describe the same slots); any other allocates its own
-        and builds them from the written slots (``extend`` over slots 0 .. written - 1)."""
-        if type(old) is type(self) and old.page_size == self.page_size:
-            for name, buf in old.named_buffers(recurse=False):
-                self.register_buffer(name, buf, persistent=False)
-            return
+    def rebuild(self, cache: CompressedKVCache, written: int) -> None:
+        """Allocate this selector's buffers for ``cache`` and build them from its first
+        ``written`` slots (``extend`` over slots 0 .. written - 1): it takes over from a
+        selector of another kind or page size (``CompressedKVCache.retune_for``)."""
         self.allocate(cache)
         if written:
             self.extend(cache, 0, written)
@@ -202,10 +196,7 @@ class CompressedKVCache(KVCache):
         self.retune_at = NEVER  # the next decode position whose step may need other parameters
         self._params = dict(params or {})
         if retune is not None:
-            selector, holds, step_params = retune(self.kept + 1)
-            self.retune_at = self._position_after(holds)
-            self._report(step_params)
-            selector.horizon = holds if holds < NEVER else None
+            selector = self._derive(self.kept + 1)
         self.selector = selector
         page = page_size or selector.page_size
         length = -(-self.capacity // page) * page
@@ -248,14 +239,20 @@ class CompressedKVCache(KVCache):
         length = input_pos - (self.prompt_len - self.kept) + 1
         return self._tune(length, length - 1)  # the step's own token: the new selector's
 
-    def _tune(self, length: int, written: int) -> bool:
-        """Take the selector of a step whose cache holds ``length`` tokens, ``written`` of
-        them already in the cache; True when it differs from the current one."""
+    def _derive(self, length: int) -> Selector:
+        """The selector of a step whose cache holds ``length`` tokens (``retune``), its
+        ``horizon`` set; ``retune_at`` and the reported parameters follow it."""
         new, holds, step_params = self._retune(length)
         self.retune_at = self._position_after(holds)
         self._report(step_params)
-        old = self.selector
-        old.horizon = new.horizon = holds if holds < NEVER else None
+        new.horizon = holds if holds < NEVER else None
+        return new
+
+    def _tune(self, length: int, written: int) -> bool:
+        """Take the selector of a step whose cache holds ``length`` tokens, ``written`` of
+        them already in the cache; True when it differs from the current one."""
+        new, old = self._derive(length), self.selector
+        old.horizon = new.horizon
         if type(new) is type(old) and new.params() == old.params():
             return False
         if type(new) is type(old) and new.page_size == old.page_size:
@@ -266,7 +263,7 @@ class CompressedKVCache(KVCache):
                 if not name.startswith("_"):
                     setattr(old, name, value)
             return True
-        new.adopt(old, self, written)
+        new.rebuild(self, written)
         self.selector = new
         return True
 

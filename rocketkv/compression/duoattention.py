@@ -84,6 +84,12 @@ def duo_split(t: int, capacity: int, n_heads_total: int,
             "needs_pattern": threshold is not None or n_ret > 0}
 
 
+def first_capacity(prompt_len: int) -> int:
+    """C of the split: the cache's length when decoding starts (prompt + 1), rounded up by
+    ``decode_horizon``; the retrieval heads chosen for it hold for the whole answer."""
+    return decode_horizon(prompt_len + 1)
+
+
 def duo_traffic(n_ret: int, n_total: int, capacity: int, sink: int, recent: int) -> float:
     """Mean KV pairs read per step per KV head: retrieval heads read ``capacity``, streaming
     heads ``sink + recent``."""
@@ -187,7 +193,7 @@ class DuoAttentionMethod(Method):
 
     def derive(self, budget, prompt_len, args, options):
         N = args.n_layers * args.n_kv_heads
-        cap = decode_horizon(prompt_len + 1)  # the cache's length when decoding starts
+        cap = first_capacity(prompt_len)
         split = duo_split(budget, cap, N, options.get("duo_threshold"))
         n_ret = split["retrieval_heads"]
         traffic = None if n_ret is None else duo_traffic(n_ret, N, cap, split["sink"],
@@ -200,7 +206,7 @@ class DuoAttentionMethod(Method):
                                   traffic_tokens=traffic, degenerate=degenerate, **split)
 
     def validate(self, params, args, prompt_len, options):
-        return self.with_retrieval_heads(params, args, decode_horizon(prompt_len + 1), options)
+        return self.with_retrieval_heads(params, args, first_capacity(prompt_len), options)
 
     def shard_params(self, params, rank, world, args):
         """The retrieval heads were chosen over every KV head (the gates rank them all);

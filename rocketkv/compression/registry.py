@@ -339,7 +339,6 @@ class CompressedMethod(Method):
                     dtype: torch.dtype, device) -> KVCache:
         evict = self.evictor(params)
         evicting = isinstance(params, PromptEviction)
-        kept = min(prompt_len, params.keep) if evicting else prompt_len
         retune = None
         if type(self).at_length is not Method.at_length:
             def retune(length: int) -> tuple[Selector, int, dict[str, Any]]:
@@ -347,7 +346,8 @@ class CompressedMethod(Method):
                 return self.selector(step_params), holds, step_params.to_dict()
         return CompressedKVCache(
             layer, args, batch_size, dtype, device, prompt_len=prompt_len,
-            prompt_capacity=kept, max_new_tokens=max_new_tokens,
+            prompt_capacity=params.keep if evicting else prompt_len,
+            max_new_tokens=max_new_tokens,
             selector=None if retune else self.selector(params), evict=evict,
             per_head=self.per_head_mask and evict is not None,
             obs_window=params.window if evicting else 0, params=params.to_dict(),

@@ -588,14 +588,14 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                               "partial": None if partial is None else str(partial),
                               "fingerprint": None if partial is None else fingerprint,
                               "item_tags": item_tags}
+    reasons = {} if model is None else {  # per configuration, whatever the mode
+        (m, b): degenerate(m, b, model.args, items, max_new_tokens, options) for m, b in configs}
     for mode in modes:
         rows = []
         for method, budget in configs:
             row: dict[str, Any] = {"method": method, "budget": budget}
-            reason = None if model is None else degenerate(method, budget, model.args, items,
-                                                           max_new_tokens, options)
-            if reason:  # marked in the tables; no ranking uses the row
-                row["degenerate"] = reason
+            if reasons.get((method, budget)):  # marked in the tables; no ranking uses the row
+                row["degenerate"] = reasons[(method, budget)]
             errs = errors[mode][(method, budget)]
             if errs and len(errs) == len(finished):
                 row["error"] = next(iter(errs.values()))
