@@ -19,17 +19,22 @@ decoded. A budget that covers the whole sequence means no compression: a ``UserW
 so. ``generate.generate`` stays the low-level call (token ids in, a
 ``report.GenerateResult`` dataclass out).
 
-``Engine.prefill_document`` prefills (and compresses) a document once; each
-``Document.ask(question)`` then feeds the question after it (``generate(...,
-continue_conversation=True)``), answers, and the next question starts again from the document as
-the method left it: the conversation's position is set back (``generate.rewind_conversation``)
-and whatever the method's caches changed past the document (H2O's scores and evictions, the
-StreamingLLM ring, page summaries, recorded queries) is restored from a snapshot taken after the
-document's prefill.
+``Engine.prefill_document`` prefills a document once; each ``Document.ask(question)`` then
+prefills the question after it and answers. Question-aware (the default when the budget
+compresses), the document's whole K/V is kept and the method's caches are built per question
+from document + question (``prefill.extend_prefilled``, ``generate(prefilled=...)``): the answer
+is the single run's. Question-agnostic, the method compresses the document once and the
+question attends to what it kept (``generate(..., continue_conversation=True)``); the next
+question starts again from the document as the method left it: the conversation's position is
+set back (``generate.rewind_conversation``) and whatever the method's caches changed past the
+document (H2O's scores and evictions, the StreamingLLM ring, page summaries, recorded queries)
+is restored from a snapshot taken after the document's prefill.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import numbers
 import re
@@ -41,6 +46,7 @@ from typing import Any
 
 import torch
 
+from rocketkv.compression import METHODS
 from rocketkv.compression.registry import every_option
 from rocketkv.engine import checks
 from rocketkv.engine import generate as _g
@@ -53,8 +59,17 @@ from rocketkv.engine.documents import (
     question_ids,
 )
 from rocketkv.engine.measure import weights_label
+from rocketkv.engine.prefill import (
+    OBSERVATION_WINDOW,
+    PrefilledPrompt,
+    extend_prefilled,
+    prefill_once,
+)
+from rocketkv.engine.prefix_cache import PrefixCache
 from rocketkv.engine.report import GenerateResult, TextStreamer
-from rocketkv.engine.step import default_compile
+from rocketkv.engine.request import CacheRequest
+from rocketkv.engine.session import release_caches
+from rocketkv.engine.step import Sampling, StepConfig, default_compile
 from rocketkv.formats.tokenizer import Tokenizer
 from rocketkv.model import ConfigError, Transformer
 
@@ -97,15 +112,30 @@ def python_words(message: str) -> str:
                    for i, part in enumerate(parts))
 
 
+_WORDS = contextvars.ContextVar("rocketkv_api_words", default="python")
+
+
+@contextlib.contextmanager
+def command_line_words():
+    """Within it, the API's errors keep the command line's words (``--max-new-tokens``):
+    ``generate.py`` runs on ``Engine`` and speaks to a shell user."""
+    token = _WORDS.set("command line")
+    try:
+        yield
+    finally:
+        _WORDS.reset(token)
+
+
 def _in_python_words(fn: Callable) -> Callable:
     """``fn`` with its ``ConfigError`` reworded by ``python_words`` (the same exception, its
-    traceback kept)."""
+    traceback kept), outside ``command_line_words``."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except ConfigError as e:
-            e.args = (python_words(str(e)),)
+            if _WORDS.get() == "python":
+                e.args = (python_words(str(e)),)
             raise
     return call
 
@@ -218,7 +248,7 @@ class Result:
 @_in_python_words
 def load(checkpoint: str | None = None, *, device: str | torch.device | None = None,
          dtype: torch.dtype | str | None = None, tokenizer: str | None = None,
-         gguf_weights: str | None = None) -> Engine:
+         gguf_weights: str | None = None, prefix_cache_mib: int | None = None) -> Engine:
     """Load a model and its tokenizer, as ``generate.py --checkpoint`` does.
 
     Args:
@@ -234,11 +264,21 @@ def load(checkpoint: str | None = None, *, device: str | torch.device | None = N
             activations, CPU only) (``generate.py --gguf-weights``, ``gguf_quantized``);
             default ``"quantized"`` on the CPU, ``"float"`` on CUDA
             (``checkpoint.default_gguf_weights``).
+        prefix_cache_mib: keep prompts uncompressed between runs, up to this many MiB
+            (``prefix_cache.PrefixCache``): a run whose prompt starts with a kept one (a
+            conversation's next turn, another question after the same document) prefills only
+            the rest, and answers as a run prefilled from scratch does. Each run then records
+            its prompt's whole K/V before the method's caches are built from it (up to twice
+            the KV memory during the prefill). Default None: none kept.
     Raises:
         ConfigError: what ``generate.py`` reports for the same checkpoint, device or
             tokenizer (a missing file, an unsupported architecture, no CUDA, weights that do
             not fit in free memory), naming the parameters.
     """
+    prefix_cache_mib = _int("prefix_cache_mib", prefix_cache_mib, minimum=0, optional=True,
+                            what="an int >= 0")
+    if prefix_cache_mib is not None and prefix_cache_mib < 0:
+        raise _refuse("prefix_cache_mib", "an int >= 0", prefix_cache_mib)
     device = resolve_device(None if device is None else str(device))
     dtype = default_dtype(dtype, device)
     t0 = time.perf_counter()
@@ -247,7 +287,9 @@ def load(checkpoint: str | None = None, *, device: str | torch.device | None = N
     # the weights; each run checks its own KV
     model = checks.load_weights(ckpt, margs, device, dtype, gguf_weights=gguf_weights)
     return Engine(model, tok, checkpoint=str(checkpoint or ckpt),
-                  load_s=time.perf_counter() - t0)
+                  load_s=time.perf_counter() - t0,
+                  prefix_cache=PrefixCache(prefix_cache_mib * 2**20) if prefix_cache_mib
+                  else None)
 
 
 def _compile(model: Transformer, compile: bool | None, decode_steps: int) -> bool | None:
@@ -261,15 +303,18 @@ class Engine:
     with ``Engine(model, tokenizer)``.
 
     One engine drives one set of caches: a ``generate`` or ``prefill_document`` call replaces
-    what the previous one left, so only the latest ``Document`` answers (an older one raises
-    ``ConfigError``). A ``generate.generate`` call on ``engine.model`` itself is noticed when
+    what the previous one left, so only the latest question-agnostic ``Document`` answers (an
+    older one raises ``ConfigError``; a question-aware one holds its own K/V and answers
+    any time). A ``generate.generate`` call on ``engine.model`` itself is noticed when
     it rebuilt the caches (other shapes), not when it reused them.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, *,
-                 checkpoint: str | None = None, load_s: float | None = None):
+                 checkpoint: str | None = None, load_s: float | None = None,
+                 prefix_cache: PrefixCache | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.checkpoint, self.load_s = checkpoint, load_s
+        self.prefix_cache = prefix_cache
         self._document: Document | None = None  # the document the caches hold now
 
     def __repr__(self) -> str:
@@ -313,14 +358,7 @@ class Engine:
                 without chat, no chat template, a malformed message list.
         """
         if isinstance(prompt, str):
-            chat = checks.chat_mode(chat, self.tokenizer)
-            if system is not None and not chat:
-                raise ConfigError("--system needs --chat (it is a message of the chat "
-                                  "template)")
-            if not prompt.strip():
-                raise ConfigError("--prompt-text is empty")
-            tok = self._tok()
-            return tok.encode_chat(prompt, system=system) if chat else tok.encode(prompt)
+            return checks.encode_prompt(self.tokenizer, prompt, chat, system)
         prompt = list(prompt)
         if not prompt:
             raise ConfigError("the prompt is empty")
@@ -395,22 +433,68 @@ class Engine:
         budget = _int("budget", budget, optional=True)
         max_new_tokens, temperature, top_k, top_p, seed = _sampling(
             max_new_tokens, temperature, top_k, top_p, seed)
-        options = _options(method_options)
-        checks.check_request(method, budget, options, max_new_tokens=max_new_tokens,
-                      temperature=temperature, top_k=top_k, top_p=top_p)
+        cache, sampling = checks.check_request(
+            method, budget, _options(method_options), max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         ids = self.encode(prompt, chat=chat, system=system)
-        _, note = checks.check_fit(method, self.model.args, len(ids), max_new_tokens, budget,
-                                  options)
-        stop = self.stop_ids if stop_ids is None else tuple(stop_ids)
-        on_token, streamer = self._streaming(on_token, on_text, stop)
-        _warn_uncompressed(note)
+        run = checks.plan_run(self.model.args, ids, cache, sampling,
+                              max_new_tokens=max_new_tokens,
+                              stop_ids=self.stop_ids if stop_ids is None else tuple(stop_ids),
+                              compile=compile, device=self.model.device)
+        _warn_uncompressed(run.note)
+        return self.run(run, on_token=on_token, on_text=on_text)
+
+    @_in_python_words
+    def run(self, run: checks.Run, *, on_token: Callable[[torch.Tensor], Any] | None = None,
+            on_text: Callable[[str], Any] | None = None,
+            on_prefill_layer: Callable[[int], Any] | None = None) -> Result:
+        """Run ``run`` (``checks.plan_run``: settings checked and the method planned before
+        the weights loaded, as ``generate.py`` does) on this engine's model: ``generate``'s
+        work once its arguments are checked and encoded; ``on_prefill_layer`` is called with
+        i after prefill layer i. The caches are replaced (an older ``Document`` stops
+        answering).
+
+        With a ``prefix_cache`` (a ``prefix_cache.PrefixCache``; not for batches, nor for a
+        method whose caches prefill their own way), the prompt's longest kept prefix is not
+        prefilled again: the rest is prefilled against its K/V, the whole prompt is kept for
+        later runs and the method's caches are built from it (the answer is the one a run
+        prefilled from scratch gives); ``metrics["prefix_tokens_reused"]`` counts the tokens
+        not prefilled again and ``metrics["prefill_s"]`` is the rest's prefill plus the
+        caches' build.
+
+        Raises:
+            ConfigError: the run was planned for another model's config.
+        """
+        prompt = run.ids if run.batch_size == 1 else [run.ids] * run.batch_size
+        on_token, streamer = self._streaming(on_token, on_text, run.stop_ids)
         self._document = None
-        r = _g.generate(self.model, ids, method=method, budget=budget,
-                        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, stop_ids=stop,
-                        compile=_compile(self.model, compile, max_new_tokens),
-                        method_options=options, on_token=on_token)
-        return self._result(r, stop, streamer)
+        method = METHODS[run.plan.request.method]
+        if self.prefix_cache is None or run.batch_size != 1 or not method.shared_prefill:
+            r = _g.generate(self.model, prompt, run.plan, max_new_tokens=run.max_new_tokens,
+                            stop_ids=run.stop_ids, sampling=run.sampling, step=run.step,
+                            on_token=on_token, on_prefill_layer=on_prefill_layer)
+            return self._result(r, run.stop_ids, streamer)
+        # the longest kept prefix extended by the rest, recorded whole, then the caches built
+        window = max(OBSERVATION_WINDOW, run.plan.request.options.get("window") or 0)
+        sums = method.needs_attention_sums
+        kept = self.prefix_cache.longest(run.ids, obs_window=window, attention_sums=sums)
+        if kept is None:
+            pre = prefill_once(self.model, run.ids, obs_window=window, attention_sums=sums,
+                               on_layer=on_prefill_layer)
+            reused, prefill_s = 0, pre.prefill_s
+        else:
+            reused = kept.tokens.shape[1]
+            pre = extend_prefilled(self.model, kept, run.ids[reused:])
+            prefill_s = pre.prefill_s - kept.prefill_s
+        self.prefix_cache.add(pre)
+        try:
+            r = _g.generate(self.model, prompt, run.plan, max_new_tokens=run.max_new_tokens,
+                            stop_ids=run.stop_ids, sampling=run.sampling, step=run.step,
+                            prefilled=pre, on_token=on_token)
+        finally:
+            pre.memos = [{} for _ in pre.k]  # kept for its K/V, not this run's scores
+        return self._result(r, run.stop_ids, streamer, prefill_s=prefill_s + r.prefill_s,
+                            prefix_tokens_reused=reused)
 
     def _result(self, r: GenerateResult, stop: Sequence[int], streamer: TextStreamer | None,
                 **extra: Any) -> Result:
@@ -432,46 +516,103 @@ class Engine:
     def prefill_document(self, text: str | Sequence[int], *, method: str = "full",
                          budget: int | None = None, reserve_tokens: int = 1024,
                          chat: bool | None = None, system: str | None = None,
-                         compile: bool | None = None, **method_options) -> Document:
-        """Prefill (and compress) a document once, for any number of ``Document.ask`` calls.
+                         compile: bool | None = None, question_aware: bool | None = None,
+                         **method_options) -> Document:
+        """Prefill a document once, for any number of ``Document.ask`` calls.
 
         Args:
             text: the document (trailing white space dropped), or its token ids
                 (``documents.document_ids``).
-            method, budget, method_options: the cache, as for ``generate``. The method
-                compresses the document before any question is known: what an evicting
-                method drops is dropped for every question (docs/generate.md).
-            reserve_tokens: cache room after the document for one question and its answer
-                (question tokens + ``max_new_tokens`` - 1 at most); it sizes the buffers and
-                leaves the method's parameters as they are (they follow the cache).
-        Warns:
-            UserWarning: the budget covers the whole sequence; or the method evicted part of
-                the document before any question was seen (``question_agnostic_note``).
+            method, budget, method_options: the cache, as for ``generate``.
+            question_aware: True: the document's whole K/V is kept (its bytes are
+                ``Document.held_bytes``) and each question builds the method's caches from it
+                with the question in the prompt (``prefill.extend_prefilled``, then
+                ``generate(prefilled=...)``: the question is prefilled, the document is not),
+                so an answer is the one a single run of document + question gives. False
+                (question-agnostic): the method compresses the document once, before any
+                question is known; each question attends to what it kept (less memory and
+                time per question; what an evicting method dropped is gone for every
+                question). None (default): question-aware when the budget compresses and the
+                method's caches can be built from a shared prefill (all but KeyDiff, whose
+                blocks prefill their own way), else question-agnostic.
+            reserve_tokens: room after the document for one question and its answer
+                (question tokens + ``max_new_tokens`` - 1 at most); question-agnostic, it
+                sizes the cache's buffers (the method's parameters follow the tokens in the
+                cache).
             chat, system: the document opens a user turn of the chat template (each question
                 ends it): None (default) when the checkpoint has a chat template of its own
                 (``Engine.chat``), True or False to decide.
+        Warns:
+            UserWarning: the budget covers the whole sequence; or, question-agnostic, the
+                method evicted part of the document before any question was seen
+                (``question_agnostic_note``).
         Returns:
             a ``Document``.
         Raises:
             ConfigError: as ``generate``; the document and the reserve do not fit the
-                context.
+                context; ``question_aware=True`` for a method that cannot rebuild its caches
+                from a shared prefill.
         """
         budget = _int("budget", budget, optional=True)
         reserve_tokens = _int("reserve_tokens", reserve_tokens)
-        options = _options(method_options)
-        checks.check_request(method, budget, options, max_new_tokens=1)
+        cache, _ = checks.check_request(method, budget, _options(method_options),
+                                        max_new_tokens=1, reserve_tokens=reserve_tokens)
         chat = checks.chat_mode(chat, self.tokenizer)
         ids = document_ids(self._tok(), text, chat, system) if isinstance(text, str) \
             else self.encode(text)
-        _warn_uncompressed(checks.check_document(method, self.model.args, len(ids),
-                                                reserve_tokens, budget, options))
+        run = checks.plan_document(self.model.args, ids, cache, compile=compile,
+                                   device=self.model.device)
+        _warn_uncompressed(run.note)
+        doc = self.open_document(run, chat=chat, system=system,
+                                 text=text if isinstance(text, str) else "", compile=compile,
+                                 question_aware=question_aware)
+        _warn_uncompressed(doc.note)
+        return doc
+
+    @_in_python_words
+    def open_document(self, run: checks.Run, *, chat: bool, system: str | None = None,
+                      text: str = "", compile: bool | None = None,
+                      question_aware: bool | None = None,
+                      on_prefill_layer: Callable[[int], Any] | None = None) -> Document:
+        """``prefill_document``'s work once checked and planned (``checks.plan_document``):
+        the document's prefill and its ``Document``. Question-aware (``question_aware``, as
+        ``prefill_document`` decides it), the whole K/V is recorded (``prefill.prefill_once``)
+        and the engine's caches are released; question-agnostic, the method's caches hold
+        the compressed document and ``Document.note`` says when it evicted part of it before
+        any question (``question_agnostic_note``). ``chat``, ``system`` and ``text`` are how
+        its questions are encoded (``documents.question_ids``); ``compile`` the answers'
+        step (``generate``'s default when None).
+
+        Raises:
+            ConfigError: ``question_aware=True`` for a method whose caches prefill their own
+                way (KeyDiff).
+        """
+        request = run.plan.request
+        method = METHODS[request.method]
+        if question_aware and not method.shared_prefill:
+            raise ConfigError(f"{request.method} prefills the prompt in blocks of its own and "
+                              "cannot rebuild its cache per question: pass "
+                              "question_aware=False (the document compressed once)")
+        if question_aware is None:
+            question_aware = run.plan.params is not None and method.shared_prefill
         self._document = None
-        r = _g.generate(self.model, ids, method=method, budget=budget, max_new_tokens=0,
-                        reserve_tokens=reserve_tokens, compile=_compile(self.model, compile, 0),
-                        method_options=options)
-        _warn_uncompressed(question_agnostic_note(method, r.to_dict()))
-        doc = Document(self, ids, r.to_dict(), chat=chat, system=system,
-                       text=text if isinstance(text, str) else "", compile=compile)
+        if question_aware:
+            release_caches(self.model)
+            window = max(OBSERVATION_WINDOW, request.options.get("window") or 0)
+            pre = prefill_once(self.model, run.ids, obs_window=window,
+                               attention_sums=method.needs_attention_sums,
+                               on_layer=on_prefill_layer)
+            metrics = {"method": request.method, "budget": request.budget,
+                       "question_aware": True, "prompt_tokens": len(run.ids),
+                       "prefill_s": pre.prefill_s, "document_kv_bytes": pre.nbytes(),
+                       "conversation": {"room": self.model.args.max_seq_len - len(run.ids)}}
+            doc = Document(self, run.ids, metrics, chat=chat, system=system, text=text,
+                           compile=compile, prefilled=pre,
+                           request=request.replace(reserve_tokens=0))  # caches per answer
+        else:
+            r = self.run(run, on_prefill_layer=on_prefill_layer)
+            doc = Document(self, run.ids, r.metrics, chat=chat, system=system, text=text,
+                           compile=compile)
         self._document = doc
         return doc
 
@@ -487,26 +628,46 @@ class Document:
             record, ``to_dict()``; no tokens generated): ``prompt_tokens_kept``,
             ``kv_cache_bytes``, ``method_params``...
         room: positions after the document for a question and its answer.
-        snapshot_bytes: bytes of the cache state copied to rewind to the document.
+        question_aware: whether each answer rebuilds the method's caches from the
+            document's whole K/V with its question in the prompt (``prefill_document``).
+        held_bytes: bytes the document holds between questions: question-aware, its whole
+            K/V (``PrefilledPrompt.nbytes``); question-agnostic, the method's caches and the
+            snapshot.
+        snapshot_bytes: bytes of the cache state copied to rewind to the document
+            (question-agnostic; 0 otherwise).
+        note: what the method evicted from the document before any question was seen
+            (``question_agnostic_note``), or None.
         chat: whether the document and its questions are a user turn of the chat template.
         answers: the ``metrics`` of each answer so far.
     """
 
     def __init__(self, engine: Engine, ids: list[int], metrics: dict[str, Any], *, chat: bool,
-                 system: str | None, text: str, compile: bool | None):
+                 system: str | None, text: str, compile: bool | None,
+                 prefilled: PrefilledPrompt | None = None, request: CacheRequest | None = None):
         self.engine, self.ids, self.metrics = engine, ids, metrics
         self.prefill_s = metrics["prefill_s"]
         self.method, self.budget = metrics["method"], metrics["budget"]
         self.chat = chat
         self._system, self._text, self._compile = system, text, compile
         self.room = metrics["conversation"]["room"]
-        self._snapshot = CacheSnapshot(engine.model.caches)
-        self.snapshot_bytes = self._snapshot.bytes()
+        self.question_aware = prefilled is not None
+        self._prefilled, self._request = prefilled, request
+        if self.question_aware:
+            self.note = None
+            self._snapshot = None
+            self.snapshot_bytes = 0
+            self.held_bytes = prefilled.nbytes()
+        else:
+            self.note = question_agnostic_note(self.method, metrics)
+            self._snapshot = CacheSnapshot(engine.model.caches)
+            self.snapshot_bytes = self._snapshot.bytes()
+            self.held_bytes = metrics["kv_cache_bytes"] + self.snapshot_bytes
         self.answers: list[dict[str, Any]] = []
 
     def __repr__(self) -> str:
         return (f"Document(tokens={len(self.ids)}, method={self.method!r}, "
                 f"budget={self.budget!r}, chat={self.chat}, "
+                f"question_aware={self.question_aware}, "
                 f"questions_asked={len(self.answers)})")
 
     @_in_python_words
@@ -524,46 +685,74 @@ class Document:
             seed: int | None = 0, stop_ids: Sequence[int] | None = None,
             on_token: Callable[[torch.Tensor], Any] | None = None,
             on_text: Callable[[str], Any] | None = None) -> Result:
-        """Answer ``question`` from the document's cache as the method left it after the
-        document's prefill (earlier questions and answers rewound away: the position, and
-        the method's state from a snapshot). The question's tokens are prefilled after the
-        document's (``generate(..., continue_conversation=True)``); with ``full`` the answer
-        is the one a separate run of document + question gives.
+        """Answer ``question`` about the document. The question's tokens are prefilled after
+        the document's, which are not prefilled again.
+
+        Question-aware (``question_aware``): the question is prefilled against the document's
+        whole K/V (``prefill.extend_prefilled``) and the method's caches are built from
+        document + question (``generate(prefilled=...)``), with the question in the method's
+        observation window: the answer is the one a single run of document + question gives.
+        Question-agnostic: the question attends to the cache as the method left it after the
+        document's prefill (earlier questions and answers rewound away: the position, and the
+        method's state from a snapshot; ``generate(..., continue_conversation=True)``); with
+        ``full`` that is the single run's answer too.
 
         Args: as ``Engine.generate``'s (the method and budget are the document's; ``on_text``
             streams the answer's text).
         Returns:
-            a ``Result`` whose ``metrics["prefill_s"]`` is the question's own prefill and
-            ``metrics["document_prefill_s"]`` the document's, paid once.
+            a ``Result`` whose ``metrics["prefill_s"]`` is the question's own prefill (and,
+            question-aware, the caches' build) and ``metrics["document_prefill_s"]`` the
+            document's, paid once.
         Raises:
             ConfigError: a bad sampling setting; a question and ``max_new_tokens`` that do
-                not fit the document's ``reserve_tokens``; the engine's caches were replaced
-                by a later ``generate`` or ``prefill_document`` call.
+                not fit the document's room (the reserve; question-aware, the context);
+                question-agnostic, the engine's caches were replaced by a later ``generate``
+                or ``prefill_document`` call; question-aware, a budget too small for document
+                + question.
         """
         engine = self.engine
         max_new_tokens, temperature, top_k, top_p, seed = _sampling(
             max_new_tokens, temperature, top_k, top_p, seed)
-        checks.check_request(self.method, self.budget, {}, max_new_tokens=max_new_tokens,
-                      temperature=temperature, top_k=top_k, top_p=top_p)
-        if engine._document is not self:
+        if max_new_tokens <= 0:
+            raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+        sampling = Sampling(temperature, top_k, top_p, seed)
+        if engine._document is not self and not self.question_aware:
             raise ConfigError("this document's cache was replaced by a later generate() or "
                               "prefill_document() call: prefill it again")
         ids = self.question_ids(question)
         if len(ids) + max_new_tokens - 1 > self.room:
+            where = ("the room the model's context leaves after the document"
+                     if self.question_aware else "the document's reserve")
             raise ConfigError(f"the question ({len(ids)} tokens) and max_new_tokens "
-                              f"{max_new_tokens} exceed the document's reserve "
-                              f"({self.room} tokens): pass a larger reserve_tokens to "
-                              "prefill_document")
+                              f"{max_new_tokens} exceed {where} ({self.room} tokens)"
+                              + ("" if self.question_aware else
+                                 ": pass a larger reserve_tokens to prefill_document"))
         stop = engine.stop_ids if stop_ids is None else tuple(stop_ids)
         on_token, streamer = engine._streaming(on_token, on_text, stop)
-        _g.rewind_conversation(engine.model, len(self.ids), self._snapshot)
-        r = _g.generate(engine.model, ids, continue_conversation=True,
-                        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, stop_ids=stop,
-                        compile=_compile(engine.model, self._compile, max_new_tokens),
-                        on_token=on_token)
-        result = engine._result(r, stop, streamer,
+        step = StepConfig(compile=_compile(engine.model, self._compile, max_new_tokens))
+        extra: dict[str, Any] = {}
+        if self.question_aware:
+            model = engine.model
+            if engine._document is not self:
+                engine._document = None  # the engine's caches are rebuilt for this answer
+            pre = extend_prefilled(model, self._prefilled, ids)  # the question's prefill
+            plan = self._request.plan(model.args, prompt_len=len(self.ids) + len(ids),
+                                      max_new_tokens=max_new_tokens)
+            r = _g.generate(model, self.ids + ids, plan, max_new_tokens=max_new_tokens,
+                            stop_ids=stop, sampling=sampling, step=step, prefilled=pre,
+                            on_token=on_token)
+            # the question's prefill, then the caches built from document + question
+            extra = {"prefill_s": pre.prefill_s - self.prefill_s + r.prefill_s,
+                     "question_aware": True}
+            del pre
+        else:
+            _g.rewind_conversation(engine.model, len(self.ids), self._snapshot)
+            r = _g.generate(engine.model, ids, continue_conversation=True,
+                            max_new_tokens=max_new_tokens, stop_ids=stop, sampling=sampling,
+                            step=step, on_token=on_token)
+        result = engine._result(r, stop, streamer, **extra,
                                 question=question if isinstance(question, str) else None,
+                                question_tokens=len(ids),
                                 document_tokens=len(self.ids), document_prefill_s=self.prefill_s)
         self.answers.append(result.metrics)
         return result

@@ -36,7 +36,7 @@ import torch
 
 from rocketkv.cli.common import OneLineParser, rows_exit_status
 from rocketkv.compression import METHODS, given_options, needs_attention_sums, options_for
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, generate
 from rocketkv.engine.prefill import prefill_once
 from rocketkv.evals.harness import (
     add_common_args,
@@ -106,8 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 opts = options_for(method, options)
                 try:
-                    generate(model, ids, method=method, budget=budget, max_new_tokens=0,
-                             method_options=opts, prefilled=pre)
+                    generate(model, ids, CacheRequest(method, budget, options=opts),
+                             max_new_tokens=0, prefilled=pre)
                     masks = [kept_positions(c, pre, i, T) for i, c in enumerate(model.caches)]
                 except ConfigError as e:
                     errors[(method, budget)] = str(e)

@@ -78,6 +78,22 @@ def stories_model(stories_dir):
     return load_model(str(stories_dir), "cpu", torch.float32)
 
 
+@pytest.fixture
+def prefill_starts(monkeypatch) -> list:
+    """Every ``Transformer.prefill`` of the test as (start, tokens): what was prefilled."""
+    from rocketkv.model import Transformer
+
+    starts: list = []
+    prefill = Transformer.prefill
+
+    def spy(self, tokens, start=0, on_layer=None):
+        starts.append((start, tokens.shape[1]))
+        return prefill(self, tokens, start, on_layer)
+
+    monkeypatch.setattr(Transformer, "prefill", spy)
+    return starts
+
+
 @pytest.fixture(scope="session")
 def smollm2_model():
     """SmolLM2-135M-Instruct loaded by our GGUF loader, float32 on CPU."""

@@ -10,7 +10,7 @@ from conftest import SMOLLM2_GGUF, shared_file
 
 from rocketkv.cache import CompressedKVCache
 from rocketkv.compression import METHODS, build_caches, decode_horizon, derive
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.model import ModelArgs
 
 RETUNED = ["quest", "sparq", "hybrid", "rocketkv"]  # parameters that follow the cache's length
@@ -38,9 +38,10 @@ def test_the_first_64_tokens_do_not_depend_on_the_room_for_5000(method, smollm2_
     ``scripts/answer_length.py`` runs the 5,000-token answers themselves."""
     ids, stop = readme_ids
     budget = 256 if METHODS[method].budgeted else None
-    kw = dict(method=method, budget=budget, max_new_tokens=64, stop_ids=stop)
-    short = generate(smollm2_model, ids, **kw)
-    roomy = generate(smollm2_model, ids, reserve_tokens=5000 - 64, **kw)
+    cache = CacheRequest(method, budget)
+    short = generate(smollm2_model, ids, cache, max_new_tokens=64, stop_ids=stop)
+    roomy = generate(smollm2_model, ids, cache.replace(reserve_tokens=5000 - 64),
+                     max_new_tokens=64, stop_ids=stop)
     assert roomy.token_ids == short.token_ids
     assert len(short.token_ids[0]) > 8  # an answer, not a stop at once
 
@@ -147,12 +148,13 @@ def test_a_compiled_step_follows_the_parameters_without_a_compile_each(method):
 
     model = Transformer(args)
     prompt = torch.randint(0, args.vocab_size, (1, 30))
-    kw = dict(method=method, budget=48, max_new_tokens=400)
-    eager = generate(model, prompt, **kw)
+    cache = CacheRequest(method, 48)
+    eager = generate(model, prompt, cache, max_new_tokens=400)
     r_seen = {c.selector.params().get("r") for c in model.caches}
     torch._dynamo.reset()
     counter = CompileCounter()
-    compiled = generate(model, prompt, compile=True, compile_backend=counter, **kw)
+    compiled = generate(model, prompt, cache, max_new_tokens=400,
+                        step=StepConfig(compile=True, backend=counter))
     assert compiled["token_ids"] == eager["token_ids"]
     base = derive(method, 48, 30, args, {})
     first_sparse = METHODS[method].at_length(base, 49, args)[0].r

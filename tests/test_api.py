@@ -16,7 +16,7 @@ from rocketkv.engine import checks as run_steps
 from rocketkv.engine import generate as g
 from rocketkv.engine.documents import document_ids, question_ids
 from rocketkv.formats.tokenizer import load_tokenizer
-from rocketkv.model import ConfigError, Transformer
+from rocketkv.model import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,15 +150,15 @@ QUESTIONS = ["Who was Lily?", "Where did she play? Tell me all about the park an
                                            ("keydiff", 140), ("rocketkv", 140)])
 def test_each_answer_starts_from_the_document_as_the_method_left_it(stories_engine, method,
                                                                     budget):
-    """The second question after the first gets the answer it gets first thing after a fresh
-    prefill of the document: the first question and answer are rewound away, the method's
-    state (a ring, heavy-hitter scores, evictions) included."""
+    """Question-agnostic: the second question after the first gets the answer it gets first
+    thing after a fresh prefill of the document: the first question and answer are rewound
+    away, the method's state (a ring, heavy-hitter scores, evictions) included."""
     doc = stories_engine.prefill_document(DOC, method=method, budget=budget,
-                                          reserve_tokens=64)
+                                          reserve_tokens=64, question_aware=False)
     doc.ask(QUESTIONS[0], max_new_tokens=12, stop_ids=())
     second = doc.ask(QUESTIONS[1], max_new_tokens=12, stop_ids=())
     fresh = stories_engine.prefill_document(DOC, method=method, budget=budget,
-                                            reserve_tokens=64)
+                                            reserve_tokens=64, question_aware=False)
     assert fresh.ask(QUESTIONS[1], max_new_tokens=12, stop_ids=()).tokens == second.tokens
     assert second.metrics["document_prefill_s"] == doc.prefill_s
     with pytest.raises(ConfigError, match="replaced by a later"):
@@ -180,7 +180,7 @@ def stories_4k(stories_dir, tmp_path_factory):
 
 
 def test_questions_cli_answers_each_as_a_separate_run_with_one_prefill(stories_4k, tmp_path,
-                                                                       monkeypatch, capsys):
+                                                                       prefill_starts, capsys):
     essay = sorted(shared_file(Path(ESSAYS)).glob("*.txt"))[0].read_text()
     text = essay[:essay.index(". ", 5200) + 1]  # about 3000 tokens of tok512
     (tmp_path / "doc.txt").write_text(text + "\n")
@@ -188,14 +188,7 @@ def test_questions_cli_answers_each_as_a_separate_run_with_one_prefill(stories_4
                  "What happened next?"]
     (tmp_path / "q.txt").write_text(f"{questions[0]}\n\n{json.dumps({'question': questions[1]})}"
                                     f"\n{questions[2]}\n")
-    starts = []
-    prefill = Transformer.prefill
-
-    def spy(self, tokens, start=0, on_layer=None):
-        starts.append((start, tokens.shape[1]))
-        return prefill(self, tokens, start, on_layer)
-
-    monkeypatch.setattr(Transformer, "prefill", spy)
+    starts = prefill_starts
     out = tmp_path / "q.json"
     rc = generate_cli.main(["--checkpoint", str(stories_4k), "--prompt", str(tmp_path / "doc.txt"),
                  "--questions", str(tmp_path / "q.txt"), "--max-new-tokens", "8",
@@ -273,14 +266,18 @@ def test_engine_dtype_and_device(stories_dir):
 
 
 def test_a_document_evicted_before_its_question_says_so(stories_engine):
-    """A method that evicts part of the document at its prefill chose without the question:
-    ``prefill_document`` warns so (the accuracy grid's question-agnostic mode); one that kept
-    every token (full, or a selecting method such as Quest) does not."""
+    """Question-agnostic, a method that evicts part of the document at its prefill chose
+    without the question: ``prefill_document`` warns so (the accuracy grid's
+    question-agnostic mode); one that kept every token (full, or a selecting method such as
+    Quest) does not, nor does a question-aware document (the default)."""
     with pytest.warns(UserWarning, match="before any question was seen"):
-        stories_engine.prefill_document(DOC, method="rocketkv", budget=140, reserve_tokens=64)
+        stories_engine.prefill_document(DOC, method="rocketkv", budget=140, reserve_tokens=64,
+                                        question_aware=False)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stories_engine.prefill_document(DOC, method="full", reserve_tokens=64)
-        stories_engine.prefill_document(DOC, method="quest", budget=140, reserve_tokens=64)
+        stories_engine.prefill_document(DOC, method="quest", budget=140, reserve_tokens=64,
+                                        question_aware=False)
+        stories_engine.prefill_document(DOC, method="rocketkv", budget=140, reserve_tokens=64)

@@ -142,7 +142,7 @@ def test_reprs_are_readable(stories_engine, stories_dir):
     doc = stories_engine.prefill_document(PROMPT * 3, method="streamingllm", budget=12,
                                           reserve_tokens=16)
     assert repr(doc) == (f"Document(tokens={len(doc.ids)}, method='streamingllm', budget=12, "
-                         "chat=False, questions_asked=0)")
+                         "chat=False, question_aware=True, questions_asked=0)")
     doc.ask("Who?", max_new_tokens=2)
     assert repr(doc).endswith("questions_asked=1)")
 

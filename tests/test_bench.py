@@ -134,11 +134,11 @@ def test_one_compile_regime_per_sweep(tmp_path, monkeypatch):
     counter = CompileCounter()
     real, asked = bench.generate, []
 
-    def fake(*a, **kw):
-        asked.append(kw["compile_dynamic"])
-        if kw["compile_dynamic"]:
-            kw["compile"] = False
-        return real(*a, compile_backend=counter, **kw)
+    def fake(*a, step, **kw):
+        asked.append(step.compile_dynamic)
+        if step.compile_dynamic:
+            step = step.replace(compile=False)
+        return real(*a, step=step.replace(backend=counter), **kw)
 
     monkeypatch.setattr(bench, "generate", fake)
     for regime, graphs in (("static", 2), ("dynamic", 0)):

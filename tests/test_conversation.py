@@ -6,7 +6,7 @@ from test_kv_cache import slow_attention
 
 from rocketkv.cache import CompressedKVCache, Selector
 from rocketkv.compression import build_caches
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, generate
 from rocketkv.engine.prefill import extend_prefilled, prefill_once
 from rocketkv.model import ConfigError, ModelArgs
 
@@ -19,7 +19,7 @@ def ids(n, seed):
 
 def test_full_conversation_equals_one_prefill_of_the_whole(stories_model):
     doc, question = ids(200, 0), ids(30, 1)
-    generate(stories_model, doc, max_new_tokens=0, reserve_tokens=60)
+    generate(stories_model, doc, CacheRequest(reserve_tokens=60), max_new_tokens=0)
     turn = generate(stories_model, question, continue_conversation=True, max_new_tokens=16)
     whole = generate(stories_model, doc + question, max_new_tokens=16)
     assert turn["token_ids"] == whole["token_ids"]
@@ -28,7 +28,7 @@ def test_full_conversation_equals_one_prefill_of_the_whole(stories_model):
 
 def test_continuation_feeds_the_pending_generated_token_first(stories_model):
     doc, question = ids(150, 2), ids(20, 3)
-    first = generate(stories_model, doc, max_new_tokens=6, reserve_tokens=40)
+    first = generate(stories_model, doc, CacheRequest(reserve_tokens=40), max_new_tokens=6)
     answer = first["token_ids"][0]
     turn = generate(stories_model, question, continue_conversation=True, max_new_tokens=12)
     whole = generate(stories_model, doc + answer + question, max_new_tokens=12)
@@ -42,11 +42,11 @@ def test_continuation_errors(stories_model):
     prefill_once(stories_model, ids(50, 5))  # drops any conversation
     with pytest.raises(ConfigError, match="no conversation"):
         generate(stories_model, ids(5, 6), continue_conversation=True)
-    generate(stories_model, ids(50, 5), max_new_tokens=0, reserve_tokens=10)
+    generate(stories_model, ids(50, 5), CacheRequest(reserve_tokens=10), max_new_tokens=0)
     with pytest.raises(ConfigError, match="room"):
         generate(stories_model, ids(11, 6), continue_conversation=True)
     with pytest.raises(ConfigError, match="reserve_tokens"):
-        generate(stories_model, ids(50, 5), max_new_tokens=10, reserve_tokens=500)
+        generate(stories_model, ids(50, 5), CacheRequest(reserve_tokens=500), max_new_tokens=10)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -54,14 +54,13 @@ def test_shared_prefill_gives_the_same_run(stories_model, method):
     prompt = ids(300, 7)
     pre = prefill_once(stories_model, prompt)
     opts = {"page_size": 8} if method == "quest" else {}
-    a = generate(stories_model, prompt, method=method, budget=96, max_new_tokens=10,
-                 method_options=opts)
-    b = generate(stories_model, prompt, method=method, budget=96, max_new_tokens=10,
-                 method_options=opts, prefilled=pre)
+    a = generate(stories_model, prompt, CacheRequest(method, 96, options=opts), max_new_tokens=10)
+    b = generate(stories_model, prompt, CacheRequest(method, 96, options=opts), max_new_tokens=10,
+                 prefilled=pre)
     assert a["token_ids"] == b["token_ids"] and b["prefill_shared"]
     assert a["prompt_tokens_kept"] == b["prompt_tokens_kept"]
     with pytest.raises(ConfigError, match="another prompt"):
-        generate(stories_model, prompt[1:], method=method, budget=96, prefilled=pre)
+        generate(stories_model, prompt[1:], CacheRequest(method, 96), prefilled=pre)
 
 
 ARGS = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=16)
@@ -130,8 +129,7 @@ def test_extending_a_recorded_prefill_equals_prefilling_the_whole(stories_model)
     assert torch.allclose(ext.logits, whole.logits, atol=1e-4)
     for a, b in zip(ext.k + ext.v + ext.q_obs, whole.k + whole.v + whole.q_obs):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4)
-    a = generate(stories_model, doc + question, method="snapkv_pp", budget=64,
-                 max_new_tokens=8, prefilled=ext)
-    b = generate(stories_model, doc + question, method="snapkv_pp", budget=64,
-                 max_new_tokens=8)
+    a = generate(stories_model, doc + question, CacheRequest("snapkv_pp", 64), max_new_tokens=8,
+                 prefilled=ext)
+    b = generate(stories_model, doc + question, CacheRequest("snapkv_pp", 64), max_new_tokens=8)
     assert a["token_ids"] == b["token_ids"]

@@ -25,7 +25,7 @@ from rocketkv.cache import CompressedKVCache, FullKVCache
 from rocketkv.compression import METHODS, build_caches, smallest_budget
 from rocketkv.compression.hybrid import HybridSelector
 from rocketkv.compression.sparq import SparQSelector
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.formats.checkpoint import random_model
 from rocketkv.kernels import tuning
 from rocketkv.kernels.fuse import fuse, kernel_weight
@@ -403,8 +403,7 @@ def test_generate_reports_which_kernels_ran(few_programs):
     for mode, dense in (("off", True), ("force", True), ("force", False)):
         kernels.set_mode(mode)
         kernels.set_dense(dense)
-        runs[mode, dense] = generate(model, prompt, method="rocketkv", budget=40,
-                                     max_new_tokens=4)
+        runs[mode, dense] = generate(model, prompt, CacheRequest("rocketkv", 40), max_new_tokens=4)
     flags = {key: (r["fused_kernels"], r["dense_kernels"]) for key, r in runs.items()}
     assert flags == {("off", True): (False, False), ("force", True): (True, True),
                      ("force", False): (True, False)}
@@ -645,8 +644,8 @@ def test_cuda_compiled_decode_with_every_kernel_equals_the_pytorch_path(method, 
     for mode in ("auto", "off"):
         kernels.set_mode(mode)
         torch._dynamo.reset()
-        runs[mode] = generate(model, prompt, method=method, budget=budget, max_new_tokens=12,
-                              compile=True)
+        runs[mode] = generate(model, prompt, CacheRequest(method, budget), max_new_tokens=12,
+                              step=StepConfig(compile=True))
     assert runs["auto"]["dense_kernels"] and not runs["off"]["fused_kernels"]
     assert runs["auto"]["token_ids"] == runs["off"]["token_ids"]
 

@@ -14,7 +14,7 @@ import rocketkv.evals.fidelity_run as ea
 from rocketkv.compression import build_caches
 from rocketkv.compression.selection import TopKSelector
 from rocketkv.data import RULER_ESSAYS, TINYSTORIES_TEXTS
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, generate
 from rocketkv.engine.prefill import prefill_once
 from rocketkv.evals.fidelity import (
     STORY_SEPARATOR,
@@ -237,7 +237,7 @@ def test_shared_prefill_equals_the_per_config_path(stories_model, prompts, resul
         row = rows[(method, budget)] if method == "rocketkv" else rows2[(method, budget)]
     prefix, top1, nlls, kls = [], [], [], []
     for p, ref in zip(prompts, result["reference_continuations"]):
-        greedy = generate(model, p.prompt, method=method, budget=budget,
+        greedy = generate(model, p.prompt, CacheRequest(method, budget),
                           max_new_tokens=M)["token_ids"][0]
         prefix.append(matching_prefix(greedy, ref))
         attach_caches(model, method, budget, T, M)

@@ -22,7 +22,7 @@ from rocketkv.compression.duoattention import (
 )
 from rocketkv.compression.h2o import H2OCache
 from rocketkv.compression.streamingllm import SinkRecentCache
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.engine.prefill import prefill_once
 from rocketkv.model import ConfigError, ModelArgs, Transformer
 
@@ -289,12 +289,12 @@ def test_h2o_append_attends_to_kept_and_chunk_then_evicts_by_the_same_rule():
 
 def test_h2o_shared_prefill_equals_its_own_prefill(stories_model):
     prompt = torch.randint(1, 500, (2, 120), generator=torch.Generator().manual_seed(0))
-    own = generate(stories_model, prompt, method="h2o", budget=48, max_new_tokens=12)
+    own = generate(stories_model, prompt, CacheRequest("h2o", 48), max_new_tokens=12)
     with pytest.raises(ConfigError, match="attention_sums=True"):
-        generate(stories_model, prompt, method="h2o", budget=48, max_new_tokens=12,
+        generate(stories_model, prompt, CacheRequest("h2o", 48), max_new_tokens=12,
                  prefilled=prefill_once(stories_model, prompt))
     pre = prefill_once(stories_model, prompt, attention_sums=True)
-    shared = generate(stories_model, prompt, method="h2o", budget=48, max_new_tokens=12,
+    shared = generate(stories_model, prompt, CacheRequest("h2o", 48), max_new_tokens=12,
                       prefilled=pre)
     assert shared["token_ids"] == own["token_ids"]
     a = stories_model.args
@@ -424,13 +424,13 @@ def test_mixed_head_layers_compile_once_and_equal_eager(tmp_path):
     # (768: the 751 tokens of the first decode step rounded up to 64)
     pattern = write_tsv(tmp_path / "p.tsv", [[0.9, 0.8], [0.1, 0.7], [0.2, 0.3]])
     prompt = torch.randint(0, args.vocab_size, (1, 750))
-    kw = dict(method="duoattention", budget=704, max_new_tokens=10,
-              method_options={"duo_patterns": str(pattern)})
-    eager = generate(model, prompt, **kw)
+    cache = CacheRequest("duoattention", 704, {"duo_patterns": str(pattern)})
+    eager = generate(model, prompt, cache, max_new_tokens=10)
     assert [(c.n_retrieval, c.n_streaming) for c in model.caches] == [(2, 0), (1, 1), (0, 2)]
     torch._dynamo.reset()
     counter = CompileCounter()
-    compiled = generate(model, prompt, compile=True, compile_backend=counter, **kw)
+    compiled = generate(model, prompt, cache, max_new_tokens=10,
+                        step=StepConfig(compile=True, backend=counter))
     assert counter.frame_count == 1  # fullgraph: a graph break would raise
     assert compiled["token_ids"] == eager["token_ids"]
 
@@ -465,8 +465,8 @@ def test_smollm2_runs_each_method_at_budgets_128_to_1024(smollm2_model):
     for method in ("streamingllm", "h2o", "duoattention"):
         for budget in (128, 256, 512, 1024):
             opts = {"duo_patterns": str(SMOLLM2_PATTERN)} if method == "duoattention" else {}
-            r = generate(smollm2_model, ids, method=method, budget=budget, max_new_tokens=m,
-                         prefilled=pre, method_options=opts)
+            r = generate(smollm2_model, ids, CacheRequest(method, budget, options=opts),
+                         max_new_tokens=m, prefilled=pre)
             out = r["token_ids"][0]
             assert len(out) == m and out[0] == full[0][0]
             aux = 12 * a.n_layers * a.n_kv_heads * budget if method == "h2o" else 0

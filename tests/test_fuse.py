@@ -15,7 +15,7 @@ from torch import Tensor
 from rocketkv import kernels
 from rocketkv import model as llama
 from rocketkv.compression import build_caches
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, generate
 from rocketkv.kernels import fuse as fusing
 from rocketkv.kernels.fuse import FusedTransformer, FusedTransformerBlock, fuse, refusals
 from rocketkv.model import FeedForward, ModelArgs, Transformer, TransformerBlock
@@ -112,12 +112,12 @@ def test_generate_fuses_a_stock_model_and_says_so(forced, capsys):
     model, runs = random_model(), {}
     for mode in ("off", "force"):
         kernels.set_mode(mode)
-        runs[mode] = generate(model, list(range(3, 15)), method="full", max_new_tokens=3)
+        runs[mode] = generate(model, list(range(3, 15)), CacheRequest("full"), max_new_tokens=3)
     assert type(model) is FusedTransformer and runs["force"]["dense_kernels"]
     assert runs["force"]["token_ids"] == runs["off"]["token_ids"]
     assert "note:" not in capsys.readouterr().err
     kernels.set_mode("force")
-    edited = generate(random_model(edit_mlp=True), list(range(3, 15)), method="full",
+    edited = generate(random_model(edit_mlp=True), list(range(3, 15)), CacheRequest("full"),
                       max_new_tokens=3)
     assert edited["fused_kernels"] and not edited["dense_kernels"]
 

@@ -14,7 +14,7 @@ from conftest import ROOT, SHARED, sigint_default
 from rocketkv.cli import generate as generate_cli
 from rocketkv.compression import build_caches
 from rocketkv.engine import checks as run_steps
-from rocketkv.engine.generate import generate, sample
+from rocketkv.engine.generate import CacheRequest, Sampling, StepConfig, generate, sample
 from rocketkv.engine.measure import percentile
 from rocketkv.engine.report import GenerateResult
 from rocketkv.formats.checkpoint import random_model
@@ -88,8 +88,8 @@ def test_decode_step_compiles_once_without_graph_breaks(stories_model):
     stories_model.prefill = lambda tokens, **kw: prefills.append(1) or real_prefill(tokens, **kw)
     try:
         for _ in range(2):
-            r = generate(stories_model, [1, 403, 407, 261], max_new_tokens=24, compile=True,
-                         compile_backend=counter)
+            r = generate(stories_model, [1, 403, 407, 261], max_new_tokens=24,
+                         step=StepConfig(compile=True, backend=counter))
             assert r["token_ids"] == eager["token_ids"]
     finally:
         del stories_model.prefill
@@ -108,10 +108,10 @@ def test_batch_rows_decode_like_single_sequences(stories_model):
 
 
 def test_sampling_is_seeded(stories_model):
-    kw = dict(max_new_tokens=30, temperature=1.0, top_k=50, top_p=0.9)
-    a = generate(stories_model, [1, 403], seed=3, **kw)
-    b = generate(stories_model, [1, 403], seed=3, **kw)
-    c = generate(stories_model, [1, 403], seed=4, **kw)
+    def draw(seed):
+        return generate(stories_model, [1, 403], max_new_tokens=30,
+                        sampling=Sampling(1.0, top_k=50, top_p=0.9, seed=seed))
+    a, b, c = draw(3), draw(3), draw(4)
     assert a["token_ids"] == b["token_ids"] != c["token_ids"]
 
 
@@ -143,12 +143,12 @@ def test_stop_checks_every_n_steps_equal_checking_every_step(stories_model):
         assert each["stop_reason"] == "eos"
         for every in (4, 7):
             r = generate(stories_model, prompts, max_new_tokens=60, stop_ids=stop,
-                         stop_check_every=every)
+                         step=StepConfig(stop_check_every=every))
             assert r["token_ids"] == each["token_ids"]
             assert r["stop_reason"] == each["stop_reason"]
             assert r["conversation"] == each["conversation"]
     with pytest.raises(ConfigError, match="stop_check_every"):
-        generate(stories_model, [1, 403], stop_check_every=0)
+        generate(stories_model, [1, 403], step=StepConfig(stop_check_every=0))
 
 
 def test_decoding_reads_nothing_back_without_stop_tokens(stories_model):
@@ -241,9 +241,10 @@ def test_cli_end_to_end_json(stories_dir, tmp_path):
     assert r["peak_memory_bytes"]["total"] >= max(r["peak_memory_bytes"]["prefill"],
                                                   r["peak_memory_bytes"]["decode"]) > 0
     assert r["kv_bytes_per_step"] == r["kv_cache_bytes"] > 0
-    # the record: generate's result (its fields in order), then the keys the CLI adds
+    # the record: generate's result (its fields in order), then the keys the API's Result
+    # adds (the CLI runs on rocketkv.Engine), then the provenance
     names = [f.name for f in dataclasses.fields(GenerateResult)]
-    assert list(r) == names + ["world_size", "text", "checkpoint", "model", "load_s",
+    assert list(r) == names + ["text", "checkpoint", "model", "load_s", "world_size",
                                "interrupted", "provenance"]
 
 
@@ -504,10 +505,10 @@ def test_compiled_step_is_reused_across_contexts_and_budgets():
     for context in (96, 160, 224, 288, 352, 416):
         prompt = torch.randint(3, 500, (context,), generator=gen).tolist()
         for method, budget in configs:
-            r = generate(stories_model, prompt, method=method, budget=budget, max_new_tokens=6,
-                         compile=True, compile_backend=counter)
+            r = generate(stories_model, prompt, CacheRequest(method, budget), max_new_tokens=6,
+                         step=StepConfig(compile=True, backend=counter))
             if context == 416:  # the reused graphs decode exactly as the eager step does
-                eager = generate(stories_model, prompt, method=method, budget=budget,
+                eager = generate(stories_model, prompt, CacheRequest(method, budget),
                                  max_new_tokens=6)
                 assert r["token_ids"] == eager["token_ids"]
         frames.append(counter.frame_count)
@@ -529,7 +530,7 @@ def test_the_result_is_a_dataclass_whose_fields_are_the_json_keys_in_order(stori
     field left None to be filled later); reading by key (the dict it was) agrees with the
     attributes, and nothing can be written into it."""
 
-    r = generate(stories_model, [1, 2, 3, 4], max_new_tokens=3, compile=False)
+    r = generate(stories_model, [1, 2, 3, 4], max_new_tokens=3)
     assert isinstance(r, GenerateResult) and dataclasses.is_dataclass(r)
     names = [f.name for f in dataclasses.fields(GenerateResult)]
     record = r.to_dict()
@@ -681,7 +682,7 @@ def test_prefill_reports_each_layer_and_the_cli_bar_shows_only_on_a_terminal(sto
     from rocketkv.engine import report as g
 
     seen = []
-    generate(stories_model, list(range(1, 40)), max_new_tokens=2, reserve_tokens=8,
+    generate(stories_model, list(range(1, 40)), CacheRequest(reserve_tokens=8), max_new_tokens=2,
              on_prefill_layer=seen.append)
     assert seen == list(range(stories_model.args.n_layers))
     seen.clear()  # a continuation's chunk is prefilled layer by layer too
@@ -723,8 +724,8 @@ def test_cuda_graph_of_the_eager_step_gives_the_eager_tokens(method, budget):
     # faster than cuBLAS, so on an untuned GPU this test asserted a default that was not
     previous = kernels.set_dense(True)
     try:
-        runs = [generate(model, prompt, method=method, budget=budget, max_new_tokens=12,
-                         compile=False, cuda_graphs=g) for g in (False, True)]
+        runs = [generate(model, prompt, CacheRequest(method, budget), max_new_tokens=12,
+                         step=StepConfig(compile=False, cuda_graphs=g)) for g in (False, True)]
     finally:
         kernels.set_dense(previous)
     assert runs[0]["token_ids"] == runs[1]["token_ids"]

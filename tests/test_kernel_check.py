@@ -61,8 +61,8 @@ def tiny_model():
 def pytorch_tokens(model, method, budget):
     previous = kernels.set_mode("off")
     try:
-        return g.generate(model, PROMPT, method=method, budget=budget, max_new_tokens=4,
-                          compile=False)["token_ids"]
+        r = g.generate(model, PROMPT, g.CacheRequest(method, budget), max_new_tokens=4)
+        return r["token_ids"]
     finally:
         kernels.set_mode(previous)
 
@@ -95,8 +95,7 @@ def test_a_faulty_kernel_falls_back_to_the_pytorch_path(method, budget, fn, fami
     want = pytorch_tokens(model, method, budget)
     kernels.set_dense(family == "dense")
     inject(monkeypatch, fn, fault)
-    r = g.generate(model, PROMPT, method=method, budget=budget, max_new_tokens=4,
-                   compile=False)
+    r = g.generate(model, PROMPT, g.CacheRequest(method, budget), max_new_tokens=4)
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1, err
@@ -113,7 +112,7 @@ def test_a_faulty_kernel_falls_back_to_the_pytorch_path(method, budget, fn, fami
 
 def test_a_family_that_passes_stays_on():
     """Without a fault the self-check passes and the report says the kernels ran."""
-    r = g.generate(tiny_model(), PROMPT, method="full", max_new_tokens=2, compile=False)
+    r = g.generate(tiny_model(), PROMPT, g.CacheRequest("full"), max_new_tokens=2)
     assert r["kernels"] == {"sparse": "unused", "write": "unused", "prefix": "fused",
                             "dense": "pytorch (off)"}
 
@@ -122,7 +121,7 @@ def test_strict_mode_makes_a_fault_an_error(monkeypatch):
     kernels.set_strict(True)
     inject(monkeypatch, "prefix_attention", "wrong")
     with pytest.raises(kernels.KernelCheckError, match="max relative error"):
-        g.generate(tiny_model(), PROMPT, method="full", max_new_tokens=2, compile=False)
+        g.generate(tiny_model(), PROMPT, g.CacheRequest("full"), max_new_tokens=2)
 
 
 @pytest.fixture
@@ -218,9 +217,8 @@ def test_the_families_of_every_method_are_found_without_error():
     previous = kernels.set_mode("off")  # the caches alone: nothing is checked or launched
     try:
         for name, method in METHODS.items():
-            g.generate(model, [t % ARGS.vocab_size for t in range(1, 200)], method=name,
-                       budget=128 if method.budgeted else None, max_new_tokens=1,
-                       compile=False)
+            g.generate(model, [t % ARGS.vocab_size for t in range(1, 200)],
+                       g.CacheRequest(name, 128 if method.budgeted else None), max_new_tokens=1)
             found = check.families(model)
             assert found["prefix"] == [None], name
             selectors = [c.selector for c in model.caches

@@ -20,7 +20,7 @@ from rocketkv.compression.omnikv import (
     default_filter_layers,
     layer_roles,
 )
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.engine.prefill import prefill_once
 from rocketkv.model import ConfigError, ModelArgs, Transformer
 
@@ -288,10 +288,9 @@ def test_omnikv_offload_equals_in_memory_and_k_covering_the_sequence_equals_full
     T, m = 120, 12
     prompt = torch.randint(0, 60, (2, T), generator=torch.Generator().manual_seed(4))
     opts = {"filter_layers": [1, 3]}
-    mem = generate(model, prompt, method="omnikv", budget=24, max_new_tokens=m,
-                   method_options=opts)
-    off = generate(model, prompt, method="omnikv", budget=24, max_new_tokens=m,
-                   method_options={**opts, "offload": True})
+    mem = generate(model, prompt, CacheRequest("omnikv", 24, options=opts), max_new_tokens=m)
+    off = generate(model, prompt, CacheRequest("omnikv", 24, options={**opts, "offload": True}),
+                   max_new_tokens=m)
     assert off["token_ids"] == mem["token_ids"]
     caches = model.caches
     assert caches[5].offload and caches[5].allocated_bytes() == 0
@@ -300,8 +299,8 @@ def test_omnikv_offload_equals_in_memory_and_k_covering_the_sequence_equals_full
     assert off["offload_bytes_per_step"] == 2 * 2 * 2 * 23 * 16 * 4
     assert mem["kv_host_bytes"] == mem["offload_bytes_per_step"] == 0
     with pytest.raises(ConfigError, match="--no-compile"):
-        generate(model, prompt, method="omnikv", budget=24, max_new_tokens=m, compile=True,
-                 method_options={**opts, "offload": True})
+        generate(model, prompt, CacheRequest("omnikv", 24, options={**opts, "offload": True}),
+                 max_new_tokens=m, step=StepConfig(compile=True))
     # k >= every earlier token: sparse layers read everything, as the full cache does
     full = generate(model, prompt, max_new_tokens=m)
     for offload in (False, True):
@@ -346,8 +345,8 @@ def test_smollm2_runs_keydiff_and_omnikv_at_128_to_1024(smollm2_model):
     full = generate(smollm2_model, ids, max_new_tokens=m, prefilled=pre)
     for budget in (128, 1024):
         for method in ("keydiff", "omnikv"):
-            r = generate(smollm2_model, ids, method=method, budget=budget,
-                         max_new_tokens=m, prefilled=pre)
+            r = generate(smollm2_model, ids, CacheRequest(method, budget), max_new_tokens=m,
+                         prefilled=pre)
             assert len(r["token_ids"][0]) == m and r["method_params"]["compressed"]
             assert r["prefill_shared"] == (method == "omnikv")
             if method == "keydiff":  # a step reads t pairs per layer and KV head
@@ -367,9 +366,8 @@ def test_omnikv_offload_on_cuda_equals_in_memory():
     model = random_model().cuda()
     prompt = torch.randint(0, 60, (2, 120), generator=torch.Generator().manual_seed(4)).cuda()
     opts = {"filter_layers": [1, 3]}
-    mem = generate(model, prompt, method="omnikv", budget=24, max_new_tokens=12,
-                   method_options=opts)
-    off = generate(model, prompt, method="omnikv", budget=24, max_new_tokens=12,
-                   method_options={**opts, "offload": True})
+    mem = generate(model, prompt, CacheRequest("omnikv", 24, options=opts), max_new_tokens=12)
+    off = generate(model, prompt, CacheRequest("omnikv", 24, options={**opts, "offload": True}),
+                   max_new_tokens=12)
     assert off["token_ids"] == mem["token_ids"]
     assert model.caches[5].k_bank.is_pinned() and model.caches[5].k_bank.device.type == "cpu"

@@ -28,7 +28,7 @@ from rocketkv.compression.registry import (
     options_table,
     render_docs,
 )
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.formats.tokenizer import load_tokenizer
 from rocketkv.model import CONFIGS, ConfigError, ModelArgs
 
@@ -325,7 +325,7 @@ def story_prompt(stories_dir):
 def test_budget_covering_the_sequence_equals_full(stories_model, story_prompt, method):
     m = 16
     full = generate(stories_model, story_prompt, max_new_tokens=m)
-    r = generate(stories_model, story_prompt, method=method, budget=len(story_prompt) + m,
+    r = generate(stories_model, story_prompt, CacheRequest(method, len(story_prompt) + m),
                  max_new_tokens=m)
     assert r["token_ids"] == full["token_ids"]
     assert r["method_params"]["compressed"] is False
@@ -340,11 +340,10 @@ def test_real_checkpoint_runs_every_method_at_64_128_256(stories_model, story_pr
         t_min = smallest_budget(method, T, stories_model.args, {}, T + m)
         if budget < t_min:
             with pytest.raises(ConfigError, match=f"smallest valid budget here is {t_min}"):
-                generate(stories_model, story_prompt, method=method, budget=budget,
+                generate(stories_model, story_prompt, CacheRequest(method, budget),
                          max_new_tokens=m)
             continue
-        r = generate(stories_model, story_prompt, method=method, budget=budget,
-                     max_new_tokens=m)
+        r = generate(stories_model, story_prompt, CacheRequest(method, budget), max_new_tokens=m)
         assert len(r["token_ids"][0]) == m
         assert r["method_params"]["budget"] == budget and r["method_params"]["compressed"]
         assert 0 < r["kv_bytes_per_step"] < full["kv_bytes_per_step"] or method == "exact_topk"
@@ -361,10 +360,10 @@ def test_decode_step_compiles_once_per_method(stories_model, story_prompt, metho
 
     torch._dynamo.reset()
     counter = CompileCounter()
-    eager = generate(stories_model, story_prompt[:300], method=method, budget=128,
+    eager = generate(stories_model, story_prompt[:300], CacheRequest(method, 128),
                      max_new_tokens=12)
-    r = generate(stories_model, story_prompt[:300], method=method, budget=128,
-                 max_new_tokens=12, compile=True, compile_backend=counter)
+    r = generate(stories_model, story_prompt[:300], CacheRequest(method, 128), max_new_tokens=12,
+                 step=StepConfig(compile=True, backend=counter))
     assert counter.frame_count == 1  # fullgraph: a graph break would raise
     assert r["token_ids"] == eager["token_ids"]
 
@@ -428,7 +427,7 @@ def test_prompt_shorter_than_the_budget_has_nothing_to_evict(stories_model, meth
     prompt = [1, 403, 407, 261, 378, 13, 300, 301, 302, 303] * 4  # 40 tokens
     m = 40
     try:
-        r = generate(stories_model, prompt, method=method, budget=60, max_new_tokens=m)
+        r = generate(stories_model, prompt, CacheRequest(method, 60), max_new_tokens=m)
     except ConfigError as e:  # a method whose minimum exceeds 60 says so
         assert "smallest valid budget" in str(e)
         return
@@ -436,7 +435,7 @@ def test_prompt_shorter_than_the_budget_has_nothing_to_evict(stories_model, meth
     assert p["compressed"] and p["prompt_tokens_kept"] == len(prompt)
     assert len(r["token_ids"][0]) == m
     # a second call on the same shapes reuses and resets the caches
-    assert generate(stories_model, prompt, method=method, budget=60,
+    assert generate(stories_model, prompt, CacheRequest(method, 60),
                     max_new_tokens=m)["token_ids"] == r["token_ids"]
 
 
@@ -470,7 +469,7 @@ def test_every_method_on_smollm2_with_a_long_prompt(smollm2_model, essay_questio
                                                         full_first_token, method):
     ids, tok = essay_question
     budget = None if method in ("full", "gptfast_dense") else 256
-    r = generate(smollm2_model, ids, method=method, budget=budget, max_new_tokens=8,
+    r = generate(smollm2_model, ids, CacheRequest(method, budget), max_new_tokens=8,
                  stop_ids=tok.chat_stop_ids)
     out = r["token_ids"][0]
     assert 1 <= len(out) <= 8 and all(0 <= t < smollm2_model.args.vocab_size for t in out)

@@ -15,7 +15,7 @@ from conftest import ESSAYS, ROOT, SMOLLM2_GGUF, shared_file, sigint_default
 
 from rocketkv import kernels, quantized
 from rocketkv.compression import METHODS
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.engine.measure import weight_bytes, weight_bytes_per_step
 from rocketkv.formats.checkpoint import check_int8_activations, load_model, random_model
 from rocketkv.model import ConfigError, ModelArgs
@@ -283,15 +283,15 @@ def test_every_kv_method_runs_on_a_quantized_model(tiny_quantized, mode):
     model = tiny_quantized[mode]
     prompt = _prompt(300)
     m = 8
-    full = generate(model, prompt, method="full", max_new_tokens=m)["token_ids"]
+    full = generate(model, prompt, CacheRequest("full"), max_new_tokens=m)["token_ids"]
     for method in METHODS:
         if not METHODS[method].budgeted:
-            r = generate(model, prompt, method=method, max_new_tokens=m)
+            r = generate(model, prompt, CacheRequest(method), max_new_tokens=m)
             assert r["token_ids"] == full, method
             continue
-        covering = generate(model, prompt, method=method, budget=300 + m, max_new_tokens=m)
+        covering = generate(model, prompt, CacheRequest(method, 300 + m), max_new_tokens=m)
         assert covering["token_ids"] == full, method
-        r = generate(model, prompt, method=method, budget=96, max_new_tokens=m)
+        r = generate(model, prompt, CacheRequest(method, 96), max_new_tokens=m)
         assert len(r["token_ids"][0]) == m, method
         if r["method_params"].get("sparse_layers") == 0:  # omnikv: too few layers to have any
             assert r["kv_bytes_per_step"] >= covering["kv_bytes_per_step"]
@@ -347,8 +347,9 @@ def test_int8_activations_decode_compiles_and_equals_eager():
     assert use_int8_activations(model) == 4 * TINY.n_layers + 1  # the layers and the classifier
     assert model.quantization["activations"] == "int8"
     prompt = _prompt(120, seed=3)
-    eager = generate(model, prompt, method="full", max_new_tokens=5)
-    compiled = generate(model, prompt, method="full", max_new_tokens=5, compile=True)
+    eager = generate(model, prompt, CacheRequest("full"), max_new_tokens=5)
+    compiled = generate(model, prompt, CacheRequest("full"), max_new_tokens=5,
+                        step=StepConfig(compile=True))
     assert compiled["compiled"] and compiled["token_ids"] == eager["token_ids"]
 
 
@@ -362,9 +363,9 @@ def test_int8_activations_run_on_the_cpu_only():
 def test_quantized_decode_compiles_and_equals_eager(tiny_quantized):
     model = tiny_quantized["int4"]
     prompt = _prompt(200, seed=1)
-    eager = generate(model, prompt, method="rocketkv", budget=64, max_new_tokens=6)
-    compiled = generate(model, prompt, method="rocketkv", budget=64, max_new_tokens=6,
-                        compile=True)
+    eager = generate(model, prompt, CacheRequest("rocketkv", 64), max_new_tokens=6)
+    compiled = generate(model, prompt, CacheRequest("rocketkv", 64), max_new_tokens=6,
+                        step=StepConfig(compile=True))
     assert compiled["compiled"] and compiled["token_ids"] == eager["token_ids"]
 
 
@@ -397,8 +398,8 @@ def test_cli_checkpoint_loads_as_the_in_memory_quantization(tmp_path, capsys):
     assert loaded.output.weight is not loaded.tok_embeddings.weight  # tie broken
     ref = quantize_model(load_model("random:stories260K", "cpu", torch.float32), "int8")
     prompt = _prompt(100)
-    a = generate(loaded, prompt, method="full", max_new_tokens=8)
-    b = generate(ref, prompt, method="full", max_new_tokens=8)
+    a = generate(loaded, prompt, CacheRequest("full"), max_new_tokens=8)
+    b = generate(ref, prompt, CacheRequest("full"), max_new_tokens=8)
     assert a["token_ids"] == b["token_ids"]
     assert a["weight_bytes_per_step"] == b["weight_bytes_per_step"]
     r = _run("generate.py", "--checkpoint", str(out), "--random-prompt", "40",
@@ -623,8 +624,8 @@ def test_int4_checkpoint_round_trip_with_each_classifier_storage(tmp_path):
             isinstance(loaded.output, torch.nn.Linear)
         ref = quantize_model(random_model(TINY, "cpu", torch.float32), "int4", 32, classifier)
         assert loaded.quantization == ref.quantization
-        a = generate(loaded, prompt, method="full", max_new_tokens=6)
-        b = generate(ref, prompt, method="full", max_new_tokens=6)
+        a = generate(loaded, prompt, CacheRequest("full"), max_new_tokens=6)
+        b = generate(ref, prompt, CacheRequest("full"), max_new_tokens=6)
         assert a["token_ids"] == b["token_ids"] and a["weights"] == b["weights"]
 
 

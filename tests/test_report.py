@@ -10,7 +10,7 @@ import torch
 
 from rocketkv.cli import generate as generate_cli
 from rocketkv.engine import report
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, generate
 from rocketkv.engine.report import format_report
 
 PROMPT = "Once upon a time"
@@ -20,8 +20,7 @@ PROMPT = "Once upon a time"
 def rocket(stories_model):
     """A rocketkv run on stories260K: a 300-token prompt, budget 64."""
     ids = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    return generate(stories_model, ids, method="rocketkv", budget=64, max_new_tokens=2,
-                    compile=False)
+    return generate(stories_model, ids, CacheRequest("rocketkv", 64), max_new_tokens=2)
 
 
 def significant_digits(number: str) -> int:

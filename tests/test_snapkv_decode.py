@@ -9,7 +9,7 @@ import torch
 
 from rocketkv.compression import build_caches
 from rocketkv.compression import snapkv as snapkv_module
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.model import ModelArgs, Transformer
 
 
@@ -186,9 +186,9 @@ def test_the_answer_does_not_depend_on_max_new_tokens(stories_model, method, T):
     rule evicts within them (t = 64: from the first step when T = 100, from the 15th when
     T = 50), where the paper's P = t - m would refuse m = 400."""
     prompt = torch.randint(3, 500, (T,), generator=torch.Generator().manual_seed(T)).tolist()
-    kw = dict(method=method, budget=64, method_options={"window": 16})
-    short = generate(stories_model, prompt, max_new_tokens=16, **kw)
-    long = generate(stories_model, prompt, max_new_tokens=400, **kw)
+    cache = CacheRequest(method, 64, {"window": 16})
+    short = generate(stories_model, prompt, cache, max_new_tokens=16)
+    long = generate(stories_model, prompt, cache, max_new_tokens=400)
     assert len(long["token_ids"][0]) == 400
     assert short["token_ids"][0] == long["token_ids"][0][:16]
     assert short["method_params"]["capacity"] < long["method_params"]["capacity"]
@@ -223,12 +223,13 @@ def test_the_evicting_step_compiles_once_and_equals_eager(method):
 
     model = tiny_model(1)
     prompt = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(2)).tolist()
-    kw = dict(method=method, budget=48, max_new_tokens=10, method_options={"window": 8})
-    eager = generate(model, prompt, **kw)
+    cache = CacheRequest(method, 48, {"window": 8})
+    eager = generate(model, prompt, cache, max_new_tokens=10)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")  # traced through AOTAutograd too
     try:
-        compiled = generate(model, prompt, compile=True, compile_backend=counter, **kw)
+        compiled = generate(model, prompt, cache, max_new_tokens=10,
+                            step=StepConfig(compile=True, backend=counter))
     finally:
         torch._dynamo.reset()
     assert counter.frame_count == 1  # fullgraph: a graph break or a host sync would raise

@@ -5,7 +5,7 @@ import torch
 
 import rocketkv.evals.bench
 from rocketkv.engine import step
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.engine.step import (
     CPU_COMPILE_MIN_STEPS,
     REGIMES,
@@ -56,7 +56,7 @@ def test_the_eager_mode_runs_uncompiled():
     model = random_model(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
                                    intermediate_size=16, vocab_size=64, max_seq_len=64),
                          "cpu", torch.float32)
-    r = generate(model, [1, 2, 3], max_new_tokens=4, **StepMode.EAGER.options)
+    r = generate(model, [1, 2, 3], max_new_tokens=4, step=StepConfig.of(StepMode.EAGER))
     assert r["compiled"] is False and r["cuda_graphs"] is False and r["compile_s"] is None
 
 
@@ -96,9 +96,10 @@ def test_the_cpu_compiled_step_compiles_a_layer_once_and_decodes_as_eager(storie
     dynamo_utils.counters.clear()
     prompt = torch.randint(1, 512, (200,), generator=torch.Generator().manual_seed(3)).tolist()
     for method, budget in (("full", None), ("rocketkv", 48)):
-        kw = {"method": method, "budget": budget, "max_new_tokens": 8}
-        eager = generate(stories_model, prompt, **kw)
-        compiled = generate(stories_model, prompt, compile=True, **kw)
+        cache = CacheRequest(method, budget)
+        eager = generate(stories_model, prompt, cache, max_new_tokens=8)
+        compiled = generate(stories_model, prompt, cache, max_new_tokens=8,
+                            step=StepConfig(compile=True))
         assert compiled["token_ids"] == eager["token_ids"], method
         assert compiled["compiled"] and compiled["compile_s"] > 0
         assert eager["compiled"] is False
@@ -142,11 +143,12 @@ def test_a_kernel_that_fails_to_compile_costs_a_warning(capsys):
     from rocketkv import kernels
 
     model = tiny_model()
-    ref = generate(model, [1, 2, 3], max_new_tokens=6, compile=False)["token_ids"]
+    ref = generate(model, [1, 2, 3], max_new_tokens=6)["token_ids"]
     backend = failing_backend(1)
     torch._dynamo.reset()
     try:
-        r = generate(model, [1, 2, 3], max_new_tokens=6, compile=True, compile_backend=backend)
+        r = generate(model, [1, 2, 3], max_new_tokens=6,
+                     step=StepConfig(compile=True, backend=backend))
         err = capsys.readouterr().err
         assert r["token_ids"] == ref and backend.calls == 2
         assert "warning: a fused kernel failed to compile in the decode step (Triton " \
@@ -179,8 +181,8 @@ def test_other_compile_failures_are_raised(error, fails):
     torch._dynamo.reset()
     try:
         with pytest.raises(Exception, match="InductorError"):
-            generate(tiny_model(), [1, 2, 3], max_new_tokens=6, compile=True,
-                     compile_backend=backend)
+            generate(tiny_model(), [1, 2, 3], max_new_tokens=6,
+                     step=StepConfig(compile=True, backend=backend))
     finally:
         kernels.reset_failures()
         torch._dynamo.reset()

@@ -13,7 +13,7 @@ import torch
 
 from rocketkv import tp
 from rocketkv.compression import METHODS
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, generate
 from rocketkv.formats.checkpoint import load_model
 from rocketkv.formats.tokenizer import load_tokenizer
 from rocketkv.model import ConfigError
@@ -34,8 +34,8 @@ def main(ckpt: str, out: str) -> int:
     for name, m in METHODS.items():
         try:
             budget = BUDGETS.get(name, BUDGET) if m.budgeted else None
-            r = generate(model, [ids], method=name, budget=budget,
-                         max_new_tokens=NEW_TOKENS, method_options=OPTIONS.get(name))
+            r = generate(model, [ids], CacheRequest(name, budget, options=OPTIONS.get(name)),
+                         max_new_tokens=NEW_TOKENS)
             results[name] = {"tokens": r["token_ids"][0], "kv_bytes": r["kv_cache_bytes"],
                              "kv_read": r["kv_bytes_per_step"], "compressed":
                              r["kv_cache_bytes"] < r["full_kv_bytes"]}

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rocketkv import kernels, tp
+from rocketkv.api import Engine, command_line_words
 from rocketkv.cli.common import (
     apply_kernels_option,
     check_json_path,
@@ -39,24 +40,22 @@ from rocketkv.compression import given_options
 from rocketkv.engine.checks import (
     NO_TOKENIZER,
     chat_mode,
-    check_document,
-    check_fit,
     check_request,
+    encode_prompt,
     load_weights,
     open_checkpoint,
-    result_text,
+    plan_document,
+    plan_run,
 )
 from rocketkv.engine.device import default_dtype
 from rocketkv.engine.documents import (
-    CacheSnapshot,
     document_ids,
+    document_line,
     prefill_summary,
-    question_agnostic_note,
     question_ids,
     read_questions,
     summary_line,
 )
-from rocketkv.engine.generate import generate
 from rocketkv.engine.provenance import provenance
 from rocketkv.engine.report import (
     TextStreamer,
@@ -64,8 +63,8 @@ from rocketkv.engine.report import (
     format_report,
     prefill_bar,
 )
-from rocketkv.engine.session import rewind_conversation
-from rocketkv.engine.step import StepMode, default_compile
+from rocketkv.engine.request import CacheRequest
+from rocketkv.engine.step import Sampling, StepMode
 from rocketkv.formats.checkpoint import (
     default_checkpoint,
 )
@@ -96,7 +95,8 @@ def main(argv: Sequence[str] | None = None, args: argparse.Namespace | None = No
     except ValueError:  # not the main thread: leave SIGTERM alone
         previous = None
     try:
-        code = _main(args)
+        with command_line_words():  # the library's errors in this command's words
+            code = _main(args)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -119,11 +119,14 @@ def _main(args: argparse.Namespace) -> int:
     rank, world = tp.rank(), 1  # world 1 until torchrun's process group is joined
     try:
         check_positive(args, "batch_size", "random_prompt", "threads")
+        if args.question_agnostic and args.questions is None:
+            raise ConfigError("--question-agnostic applies to --questions")
         if args.threads:
             torch.set_num_threads(args.threads)
         options = given_options(args)
-        check_request(args.method, args.budget, options, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        cache, sampling = check_request(
+            args.method, args.budget, options, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         if args.temperature == 0 and (args.top_k or args.top_p is not None) and rank == 0:
             print("note: --top-k and --top-p shape sampling; at --temperature 0 (greedy, the "
                   "default) they change nothing", file=sys.stderr)
@@ -152,50 +155,44 @@ def _main(args: argparse.Namespace) -> int:
         chat = text is not None and chat_mode(args.chat, tok)
         if args.system is not None and not chat:
             raise ConfigError("--system needs --chat (it is a message of the chat template)")
-        if args.questions is not None:  # one document, many questions: rocketkv.py
+        if args.questions is not None:  # one document, many questions (api.Document)
             if world > 1:
                 raise ConfigError("--questions runs in one process, not under torchrun")
-            compile = default_compile(args.compile, device, args.max_new_tokens)
             return _answer_questions(args, checkpoint, margs, tok, text, chat, device,
-                                     dtype, options, compile, t_load)
+                                     dtype, cache, sampling, t_load)
         if text is not None:
-            ids = tok.encode_chat(text, system=args.system) if chat else tok.encode(text)
+            ids = encode_prompt(tok, text, chat, args.system)
         else:
             gen = torch.Generator().manual_seed(args.seed)
             ids = torch.randint(0, margs.vocab_size, (args.random_prompt,),
                                 generator=gen).tolist()
         tp.check_world(margs, world)
-        # every method setting is checked here, before the weights load
-        room, note = check_fit(args.method, margs, len(ids), args.max_new_tokens, args.budget,
-                              options)
-        if note is not None and rank == 0:
-            print(f"note: {note}", file=sys.stderr)
-        # the decode steps the context leaves room for (CPU's default compiles long runs only)
-        compile = default_compile(args.compile, device, min(args.max_new_tokens, room))
+        stop_ids = () if (tok is None or args.ignore_eos) else (
+            tok.chat_stop_ids if chat else tok.stop_ids)
+        # every method setting is checked and the method planned here, before the weights load
+        run = plan_run(margs, ids, cache, sampling, max_new_tokens=args.max_new_tokens,
+                       stop_ids=stop_ids, compile=args.compile, device=device,
+                       batch_size=args.batch_size, cuda_graphs=args.cuda_graphs)
+        if run.note is not None and rank == 0:
+            print(f"note: {run.note}", file=sys.stderr)
         model = load_weights(checkpoint, margs, device, dtype, gguf_weights=args.gguf_weights,
                              batch_size=args.batch_size, seq_len=len(ids) + args.max_new_tokens,
                              shard=(rank, world), local_args=tp.local_args(margs, world))
         load_s = time.perf_counter() - t_load
         if rank == 0:  # now, not after the prefill: a long prefill would hide a finished load
             print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
-        prompt = torch.tensor([ids] * args.batch_size)
-        if room < args.max_new_tokens:
+        room = margs.max_seq_len - len(ids)
+        if room < args.max_new_tokens and rank == 0:
             print(f"note: --max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the "
-                  f"model's context ({model.args.max_seq_len}) leaves after the {len(ids)}-token "
+                  f"model's context ({margs.max_seq_len}) leaves after the {len(ids)}-token "
                   "prompt; generation stops at the context end", file=sys.stderr)
-        stop_ids = () if (tok is None or args.ignore_eos) else (
-            tok.chat_stop_ids if chat else tok.stop_ids)
+        engine = Engine(model, tok, checkpoint=args.checkpoint, load_s=load_s)
         streamer = TextStreamer(tok, stop_ids) if (
             tok is not None and args.batch_size == 1 and args.stream and rank == 0) else None
         bar = prefill_bar(model.args.n_layers, len(ids), args.no_progress or rank != 0)
         try:
-            res = generate(model, prompt, method=args.method, budget=args.budget,
-                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                           stop_ids=stop_ids, compile=compile, method_options=options,
-                           cuda_graphs=args.cuda_graphs,
-                           on_token=streamer,
-                           on_prefill_layer=None if bar is None else bar_step(bar))
+            res = engine.run(run, on_token=streamer,
+                             on_prefill_layer=None if bar is None else bar_step(bar))
         finally:
             if bar is not None:
                 bar.close()
@@ -220,7 +217,7 @@ def _main(args: argparse.Namespace) -> int:
     except Exception as e:  # a Triton compile error is no RuntimeError
         return _kernel_fault(e)
 
-    result = {**res.to_dict(), "world_size": world}  # the JSON record: the CLI's keys added
+    result = {**res.metrics, "world_size": world}  # the JSON record (``api.Result.metrics``)
     if world > 1:  # every rank's share (a collective: all ranks take part); rank 0 reports
         shares = tp.gather({k: result[k] for k in ("kv_cache_bytes", "kv_bytes_per_step",
                                                    "weight_bytes", "peak_memory_bytes")})
@@ -230,10 +227,6 @@ def _main(args: argparse.Namespace) -> int:
         tp.shutdown()
         if rank != 0:
             return 0
-    result["text"] = result_text(tok, result["token_ids"], stop_ids)
-    result["checkpoint"] = args.checkpoint
-    result["model"] = model.args.name
-    result["load_s"] = load_s
     interrupted = result["stop_reason"] == "interrupted"
     result["interrupted"] = interrupted
     if streamer is not None:
@@ -256,76 +249,75 @@ def _main(args: argparse.Namespace) -> int:
 
 def _answer_questions(args: argparse.Namespace, checkpoint: str, margs,
                       tok: Tokenizer | None, text: str | None, chat: bool,
-                      device: torch.device,
-                      dtype: torch.dtype, options: dict[str, Any], compile: bool | None,
-                      t_load: float) -> int:
-    """``--questions``: the document prefilled once, then per question its answer block on
-    stdout (``==> question i: ... <==``) and a line on stderr, each answered from the
-    document's cache rewound (``rewind_conversation``); the prefill paid once on stderr and
-    in ``--json`` (``document``, one record per question in ``questions``). Everything is
-    checked before the weights load."""
+                      device: torch.device, dtype: torch.dtype, cache: CacheRequest,
+                      sampling: Sampling, t_load: float) -> int:
+    """``--questions``: the document prefilled once (``api.Engine.open_document``), then per
+    question its answer block on stdout (``==> question i: ... <==``) and a line on stderr,
+    each answered from the document's cache rewound (``api.Document.ask``); the prefill paid
+    once on stderr and in ``--json`` (``document``, one record per question in
+    ``questions``). Everything is checked and planned before the weights load."""
     if text is None:
         raise ConfigError("--questions needs a text document (--prompt or --prompt-text)")
     if args.batch_size != 1:
         raise ConfigError("--questions answers one sequence: --batch-size must be 1")
     questions = read_questions(args.questions)
-    doc = document_ids(tok, text, chat, args.system)
+    doc_ids = document_ids(tok, text, chat, args.system)
     asks = [question_ids(tok, q, chat, text, args.system) for q in questions]
-    reserve = min(max(map(len, asks)) + args.max_new_tokens - 1, margs.max_seq_len - len(doc))
-    note = check_document(args.method, margs, len(doc), reserve, args.budget, options)
-    if note is not None:
-        print(f"note: {note}", file=sys.stderr)
+    reserve = min(max(map(len, asks)) + args.max_new_tokens - 1,
+                  margs.max_seq_len - len(doc_ids))
+    run = plan_document(margs, doc_ids, cache.replace(reserve_tokens=reserve),
+                        compile=args.compile, device=device)
+    if run.note is not None:
+        print(f"note: {run.note}", file=sys.stderr)
     model = load_weights(checkpoint, margs, device, dtype, gguf_weights=args.gguf_weights,
-                         seq_len=len(doc) + reserve)
+                         seq_len=len(doc_ids) + reserve)
     load_s = time.perf_counter() - t_load
     print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
-    bar = prefill_bar(model.args.n_layers, len(doc), args.no_progress)
+    engine = Engine(model, tok, checkpoint=args.checkpoint, load_s=load_s)
+    bar = prefill_bar(model.args.n_layers, len(doc_ids), args.no_progress)
     try:
-        first = generate(model, doc, method=args.method, budget=args.budget, max_new_tokens=0,
-                         reserve_tokens=reserve, compile=compile, method_options=options,
-                         on_prefill_layer=None if bar is None else bar_step(bar))
+        doc = engine.open_document(run, chat=chat, system=args.system, text=text,
+                                   compile=args.compile,
+                                   question_aware=False if args.question_agnostic else None,
+                                   on_prefill_layer=None if bar is None else bar_step(bar))
     finally:
         if bar is not None:
             bar.close()
-    agnostic = question_agnostic_note(args.method, first.to_dict())
-    if agnostic is not None:
-        print(f"note: {agnostic}", file=sys.stderr)
-    snapshot = CacheSnapshot(model.caches)
+    print(document_line(doc.method, doc.question_aware, len(doc.ids), doc.held_bytes),
+          file=sys.stderr)
+    if doc.note is not None:
+        print(f"note: {doc.note}", file=sys.stderr)
     stop_ids = () if args.ignore_eos else (tok.chat_stop_ids if chat else tok.stop_ids)
     records: list[dict[str, Any]] = []
     for i, (question, ids) in enumerate(zip(questions, asks), 1):
         write_stdout(f"==> question {i}: {question} <==\n")
         streamer = TextStreamer(tok, stop_ids) if args.stream else None
-        rewind_conversation(model, len(doc), snapshot)
-        r = generate(model, ids, continue_conversation=True,
-                     max_new_tokens=min(args.max_new_tokens, reserve - len(ids) + 1),
-                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                     seed=args.seed, stop_ids=stop_ids, compile=compile, on_token=streamer)
-        r = {**r.to_dict(), "question": question,
-             "text": result_text(tok, r["token_ids"], stop_ids),
-             "document_prefill_s": first.prefill_s}
+        r = doc.ask(ids, max_new_tokens=min(args.max_new_tokens, reserve - len(ids) + 1),
+                    temperature=sampling.temperature, top_k=sampling.top_k,
+                    top_p=sampling.top_p, seed=sampling.seed, stop_ids=stop_ids,
+                    on_token=streamer)
+        record = {**r.metrics, "question": question}
         if streamer is not None:
-            streamer.finish(r["text"][0])
+            streamer.finish(r.text)
         else:
-            write_stdout(r["text"][0] + "\n")
-        records.append(r)
-        print(f"question {i}: {r['prompt_tokens']} tokens prefilled in "
-              f"{r['prefill_s'] * 1e3:.1f} ms, {r['new_tokens']} generated ({r['stop_reason']})",
-              file=sys.stderr)
-        if r["stop_reason"] == "interrupted":
+            write_stdout(r.text + "\n")
+        records.append(record)
+        print(f"question {i}: {record['question_tokens']} tokens prefilled in "
+              f"{record['prefill_s'] * 1e3:.1f} ms, {record['new_tokens']} generated "
+              f"({record['stop_reason']})", file=sys.stderr)
+        if record["stop_reason"] == "interrupted":
             break
-    summary = prefill_summary(len(doc), first.prefill_s, records)
+    summary = prefill_summary(len(doc_ids), doc.prefill_s, records)
     print(summary_line(summary), file=sys.stderr)
     if args.json:
         try:
             write_json(args.json, {"checkpoint": args.checkpoint, "model": model.args.name,
-                                   "load_s": load_s, "document": first.to_dict(), **summary,
+                                   "load_s": load_s, "document": doc.metrics, **summary,
                                    "questions": records, "provenance": provenance()})
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
     return 130 if records[-1]["stop_reason"] == "interrupted" else 0
-
 
 
 def entry(args: argparse.Namespace | None = None) -> None:

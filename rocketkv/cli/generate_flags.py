@@ -86,8 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "A host sync per token: --no-stream for timing runs")
     p.add_argument("--questions", metavar="FILE",
                    help="questions about the --prompt document, one a line (or JSON lines "
-                        "with a \"question\" key): the document is prefilled once and each "
-                        "question answered from its cache, rewound after each answer")
+                        "with a \"question\" key): the document is prefilled once; each "
+                        "question is prefilled after it and the method's cache built with the "
+                        "question in the prompt, so each answer is a single run's (the "
+                        "document's whole K/V is kept: question-aware)")
+    p.add_argument("--question-agnostic", action="store_true",
+                   help="with --questions: compress the document once, before any question "
+                        "(less memory and time per question; what an evicting method drops "
+                        "is gone for every question)")
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     p.add_argument("--no-progress", action="store_true",
                    help="no prefill progress bar (shown on stderr when it is a terminal and "

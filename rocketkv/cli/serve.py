@@ -39,11 +39,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --max-new-tokens must be positive, got {args.max_new_tokens}",
               file=sys.stderr)
         return 2
+    if args.prefix_cache_mib is not None and args.prefix_cache_mib < 0:
+        print(f"error: --prefix-cache-mib must not be negative, got {args.prefix_cache_mib}",
+              file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         engine = load(args.checkpoint, device=args.device, dtype=args.dtype,
-                      tokenizer=args.tokenizer, gguf_weights=args.gguf_weights)
+                      tokenizer=args.tokenizer, gguf_weights=args.gguf_weights,
+                      prefix_cache_mib=args.prefix_cache_mib)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

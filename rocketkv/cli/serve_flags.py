@@ -56,4 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a GGUF's weights as float or kept quantized (default quantized on the "
                         "CPU, float on CUDA; docs/quantization.md)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--prefix-cache-mib", type=int, metavar="MIB",
+                   help="keep prompts uncompressed between requests, up to MIB MiB: a request "
+                        "whose prompt starts with a kept one (a conversation's next turn, "
+                        "another question about the same document) prefills only the rest and "
+                        "answers as a fresh run does (default: none kept)")
     return p

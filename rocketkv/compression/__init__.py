@@ -25,6 +25,7 @@ from rocketkv.compression.registry import (
     check_method,
     check_methods,
     check_options,
+    check_setting,
     decode_horizon,
     derive,
     given_options,
@@ -33,6 +34,7 @@ from rocketkv.compression.registry import (
     needs_attention_sums,
     options_for,
     plan,
+    plan_checked,
     smallest_budget,
 )
 from rocketkv.compression import full  # noqa: F401
@@ -51,6 +53,7 @@ from rocketkv.compression import keydiff  # noqa: F401
 from rocketkv.compression import omnikv  # noqa: F401
 
 __all__ = ["METHODS", "BudgetError", "Method", "Option", "add_method_options", "build_caches",
-           "check_budget", "check_method", "check_methods", "check_options", "decode_horizon",
+           "check_budget", "check_method", "check_methods", "check_options", "check_setting",
+           "decode_horizon",
            "derive", "given_options", "help_epilog", "methods_table", "needs_attention_sums",
-           "options_for", "plan", "smallest_budget"]
+           "options_for", "plan", "plan_checked", "smallest_budget"]

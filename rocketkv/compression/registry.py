@@ -498,6 +498,19 @@ def check_budget(method: str, budget: int | None) -> None:
         raise ConfigError(f"method {method} needs --budget (tokens per decode step)")
 
 
+def check_setting(method: str, budget: int | None, options: Mapping[str, Any]) -> None:
+    """Every check of a method setting that needs neither the model nor the prompt: the
+    method's name, its budget and its options (``check_method``, ``check_budget``,
+    ``check_options``).
+
+    Raises:
+        ConfigError: in the command line's words (``--budget must be ...``).
+    """
+    check_method(method)
+    check_budget(method, budget)
+    check_options(method, options)
+
+
 def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
          budget: int | None, **options) -> Params | None:
     """Every check of a run of ``method`` that needs no weights and no memory: the parameters
@@ -510,11 +523,22 @@ def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
             unbudgeted method or too small (naming the smallest valid one); a bad option or
             an option the method does not read; what ``Method.validate`` rejects.
     """
-    check_method(method)
+    check_setting(method, budget, options)
+    return plan_checked(method, args, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                        budget=budget, options=options)
+
+
+def plan_checked(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
+                 budget: int | None, options: Mapping[str, Any]) -> Params | None:
+    """``plan`` for a setting ``check_setting`` has passed already (a ``CacheRequest``'s): the
+    checks that need the model and the prompt, and the parameters.
+
+    Raises:
+        ConfigError: a budget too small for the prompt (naming the smallest valid one),
+            ``--skip-layers`` outside the model, what ``Method.validate`` rejects.
+    """
     m = METHODS[method]
     T, new = prompt_len, max_new_tokens
-    check_budget(method, budget)
-    check_options(method, options)
     options = {k: v for k, v in options.items() if v is not None and v is not False}
     if not m.budgeted:
         return None
@@ -536,9 +560,13 @@ def plan(method: str, args: ModelArgs, *, prompt_len: int, max_new_tokens: int,
     return m.validate(params, args, T, options)
 
 
+UNPLANNED = object()  # ``build_caches(planned=...)``: no plan given, plan here
+
+
 def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: int,
                  max_new_tokens: int, budget: int | None, dtype: torch.dtype, device,
-                 shard: tuple[int, int] = (0, 1), **options) -> list[KVCache]:
+                 shard: tuple[int, int] = (0, 1), planned: Any = UNPLANNED,
+                 **options) -> list[KVCache]:
     """One cache per layer for ``method`` (after the checks of ``plan``).
 
     Args:
@@ -550,11 +578,15 @@ def build_caches(method: str, args: ModelArgs, *, batch_size: int, prompt_len: i
         budget: token budget (KV pairs read per decode step per layer per KV group), or None
             for an unbudgeted method.
         options: method options (``Option.name`` -> value; None or False: unset).
+        planned: what ``plan`` returned for these settings (a run planned before its weights
+            loaded: ``engine.request.CachePlan``), so the method is not planned again;
+            default: planned here.
     Raises:
         ConfigError: see ``plan``.
     """
     T, new = prompt_len, max_new_tokens
-    params = plan(method, args, prompt_len=T, max_new_tokens=new, budget=budget, **options)
+    params = plan(method, args, prompt_len=T, max_new_tokens=new, budget=budget, **options) \
+        if planned is UNPLANNED else planned
     options = {k: v for k, v in options.items() if v is not None and v is not False}
     m = METHODS[method]
     rank, world = shard

@@ -1,20 +1,23 @@
 """The steps of a run before its prefill, shared by ``generate.py``'s command line and the
 Python API (``rocketkv/api.py``), so both take them in one order and refuse bad input with the
 same words before the slow work: the checkpoint opened without its weights
-(``open_checkpoint``), the settings checked (``check_request``), the prompt's fit and the
-method's plan (``check_fit``, ``check_document``), then the weights loaded (``load_weights``).
+(``open_checkpoint``), the settings checked and typed (``check_request``), the prompt encoded
+(``encode_prompt``), its fit and the method's plan, made once (``plan_run``,
+``plan_document``: a ``Run``), then the weights loaded (``load_weights``); ``api.Engine.run``
+runs it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rocketkv.compression import METHODS, check_budget, check_method, check_options, plan
 from rocketkv.engine.measure import check_memory
+from rocketkv.engine.request import CachePlan, CacheRequest
+from rocketkv.engine.step import Sampling, StepConfig, default_compile
 from rocketkv.formats.checkpoint import (
     RANDOM_PREFIX,
     checkpoint_args,
@@ -34,67 +37,113 @@ NO_TOKENIZER = ("a text prompt needs a tokenizer: the checkpoint has none ("
 
 def check_request(method: str, budget: int | None, options: dict[str, Any], *,
                   max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                  top_p: float | None = None) -> None:
-    """Every check of a run's settings that needs neither the prompt nor the model: sampling,
-    the method's name, budget and options (``compression.check_method``, ``check_budget``,
-    ``check_options``: the same functions ``compression.plan`` calls).
+                  top_p: float | None = None, seed: int | None = None,
+                  reserve_tokens: int = 0) -> tuple[CacheRequest, Sampling]:
+    """Every check of a run's settings that needs neither the prompt nor the model, in one
+    order: ``max_new_tokens``, sampling (``Sampling``), the method's name, budget and options
+    (``CacheRequest``); the typed settings.
 
     Raises:
         ConfigError: the CLI's wording (``--max-new-tokens must be positive, got 0``).
     """
-    for flag, value in (("max-new-tokens", max_new_tokens), ("top-k", top_k)):
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{flag} must be positive, got {value}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ConfigError(f"--top-p must lie in (0, 1], got {top_p}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ConfigError(f"--temperature must be a finite number >= 0, got {temperature}")
-    check_method(method)
-    check_budget(method, budget)
-    check_options(method, options)
+    if max_new_tokens <= 0:
+        raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    sampling = Sampling(temperature, top_k, top_p, seed)
+    return CacheRequest(method, budget, options, reserve_tokens), sampling
 
 
-def check_fit(method: str, margs: ModelArgs, prompt_len: int, max_new_tokens: int,
-              budget: int | None, options: dict[str, Any]) -> tuple[int, str | None]:
-    """The room (tokens) the model's context leaves after a ``prompt_len``-token prompt, after
-    checking the method's setting for this run (``compression.plan`` with the new tokens that
-    fit): everything that needs the prompt's length but no weights; and the note of a run
-    ``plan`` leaves uncompressed (a budgeted method whose budget covers the whole sequence),
-    or None. The CLI prints the note as ``note: ...``, the API warns with it.
+@dataclass(frozen=True)
+class Run:
+    """One run checked and planned before the weights load (``plan_run``, ``plan_document``):
+    what ``api.Engine.run`` executes, for the command line and the Python API alike.
+
+    Attributes:
+        ids: the prompt's token ids (one sequence; ``batch_size`` copies run).
+        plan: the KV cache planned for it (``request.CachePlan``: the method is not planned
+            again when the caches are built).
+        sampling: ``step.Sampling``.
+        max_new_tokens: generated tokens at most (0: a document's prefill only).
+        stop_ids: the tokens that end a sequence.
+        compile, cuda_graphs: the decode step (``step.StepConfig``; ``compile`` after
+            ``step.default_compile``).
+        batch_size: copies of the prompt decoded together.
+    """
+
+    ids: list[int]
+    plan: CachePlan
+    sampling: Sampling = Sampling()
+    max_new_tokens: int = 256
+    stop_ids: tuple[int, ...] = ()
+    compile: bool | None = False
+    cuda_graphs: bool = False
+    batch_size: int = 1
+
+    @property
+    def note(self) -> str | None:
+        """``no compression: ...`` (``CachePlan.note``) or None."""
+        return self.plan.note
+
+    @property
+    def step(self) -> StepConfig:
+        return StepConfig(compile=self.compile, cuda_graphs=self.cuda_graphs)
+
+
+def plan_run(args: ModelArgs, ids: Sequence[int], cache: CacheRequest, sampling: Sampling, *,
+             max_new_tokens: int, stop_ids: Sequence[int], compile: bool | None,
+             device: torch.device, batch_size: int = 1, cuda_graphs: bool = False) -> Run:
+    """The run of ``ids`` on a model of config ``args``: the method planned once for the
+    prompt and the new tokens that fit (``CacheRequest.plan``: everything that needs the
+    prompt's length but no weights), the step's default (``step.default_compile`` for the
+    decode steps the context leaves room for).
 
     Raises:
-        ConfigError: no room left, or what ``plan`` rejects (a budget too small...).
+        ConfigError: no room left in the context, or what the plan rejects (a budget too
+            small...).
     """
-    room = margs.max_seq_len - prompt_len
-    if room <= 0:
-        raise ConfigError(f"the prompt ({prompt_len} tokens) leaves no room in the model's "
-                          f"context ({margs.max_seq_len} tokens)")
-    new = min(max_new_tokens, room)
-    params = plan(method, margs, prompt_len=prompt_len, max_new_tokens=new, budget=budget,
-                  **options)
-    if params is not None or not METHODS[method].budgeted:
-        return room, None
-    return room, (f"no compression: the budget ({budget}) covers all {prompt_len + new} tokens "
-                  f"(prompt {prompt_len} + up to {new} new); {method} runs with the full cache")
+    plan = cache.plan(args, prompt_len=len(ids), max_new_tokens=max_new_tokens)
+    compile = default_compile(compile, device, plan.new_tokens - cache.reserve_tokens)
+    return Run(list(ids), plan, sampling, max_new_tokens, tuple(stop_ids), compile,
+               cuda_graphs, batch_size)
 
 
-def check_document(method: str, margs: ModelArgs, doc_tokens: int, reserve_tokens: int,
-                   budget: int | None, options: dict[str, Any]) -> str | None:
-    """``check_fit`` for a document (``--questions``, ``rocketkv.Document``): the document plus
-    ``reserve_tokens`` for a question and its answer fit the context, the method's setting for
-    a ``doc_tokens`` prompt with ``reserve_tokens`` new tokens is valid; ``check_fit``'s note.
+def plan_document(args: ModelArgs, ids: Sequence[int], cache: CacheRequest, *,
+                  compile: bool | None, device: torch.device) -> Run:
+    """``plan_run`` for a document (``--questions``, ``rocketkv.Document``): its prefill only,
+    with ``cache.reserve_tokens`` of room after it for a question and its answer.
 
     Raises:
-        ConfigError: naming the sizes; what ``plan`` rejects.
+        ConfigError: no reserve, or the document and the reserve exceed the context (naming
+            the sizes); what the plan rejects.
     """
-    if reserve_tokens <= 0:
-        raise ConfigError(f"reserve_tokens must be positive, got {reserve_tokens}")
-    room, note = check_fit(method, margs, doc_tokens, reserve_tokens, budget, options)
-    if reserve_tokens > room:
-        raise ConfigError(f"the document ({doc_tokens} tokens) and the room for a question "
-                          f"and its answer ({reserve_tokens} tokens) exceed the model's "
-                          f"context ({margs.max_seq_len} tokens)")
-    return note
+    reserve = cache.reserve_tokens
+    if reserve <= 0:
+        raise ConfigError(f"reserve_tokens must be positive, got {reserve}")
+    cache.room(args, len(ids))
+    if len(ids) + reserve > args.max_seq_len:
+        raise ConfigError(f"the document ({len(ids)} tokens) and the room for a question "
+                          f"and its answer ({reserve} tokens) exceed the model's "
+                          f"context ({args.max_seq_len} tokens)")
+    plan = cache.plan(args, prompt_len=len(ids), max_new_tokens=0)
+    return Run(list(ids), plan, Sampling(), 0, (), default_compile(compile, device, 0))
+
+
+def encode_prompt(tok: Tokenizer | None, text: str, chat: bool | None,
+                  system: str | None = None) -> list[int]:
+    """The ids of a text prompt: a user turn of the chat template (after ``system``) when
+    ``chat`` (None: when the tokenizer has a template of its own, ``chat_mode``), else plain
+    text.
+
+    Raises:
+        ConfigError: ``system`` without chat; an empty prompt; no tokenizer.
+    """
+    chat = chat_mode(chat, tok)
+    if system is not None and not chat:
+        raise ConfigError("--system needs --chat (it is a message of the chat template)")
+    if not text.strip():
+        raise ConfigError("--prompt-text is empty")
+    if tok is None:
+        raise ConfigError(NO_TOKENIZER)
+    return tok.encode_chat(text, system=system) if chat else tok.encode(text)
 
 
 def checkpoint_tokenizer(checkpoint: str, margs: ModelArgs, tokenizer: str | None = None

@@ -211,6 +211,17 @@ def read_questions(path: str) -> list[str]:
     return questions
 
 
+def document_line(method: str, question_aware: bool, tokens: int, held_bytes: int) -> str:
+    """The report's line on how a document answers its questions (``api.Document``)."""
+    if question_aware:
+        return (f"document {tokens} tokens, question-aware: its whole K/V kept "
+                f"({held_bytes / 2**20:.1f} MiB); each question builds {method}'s cache with "
+                "the question in the prompt")
+    return (f"document {tokens} tokens, question-agnostic: {method}'s cache of the document "
+            f"kept ({held_bytes / 2**20:.1f} MiB with its snapshot); each question attends to "
+            "what it kept")
+
+
 def prefill_summary(doc_tokens: int, doc_prefill_s: float,
                     records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """What one prefill of the document saved over a separate run per question (each of

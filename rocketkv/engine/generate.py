@@ -30,6 +30,7 @@ from rocketkv.engine.report import (  # noqa: F401 (SPREAD_WARN, format_report: 
     format_report,
     result_record,
 )
+from rocketkv.engine.request import CachePlan, CacheRequest
 from rocketkv.engine.session import (  # noqa: F401 (release_caches, rewind_conversation: re-exported)
     CacheSpec,
     Conversation,
@@ -44,6 +45,7 @@ from rocketkv.engine.step import (  # noqa: F401 (re-exported: tests and scripts
     WARMUP_STEPS,
     GraphStep,
     Sampling,
+    StepConfig,
     StepMode,
     compiled_decode,
     decode_one_token,
@@ -134,64 +136,48 @@ def _run(model: Transformer, prefill_fn, B: int, first_pos: int, new_tokens: int
             "pending": out[:, n - 1:n] if n else None, "position": first_pos + max(n - 1, 0)}
 
 
-def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]], *,
-             method: str = "full", budget: int | None = None, max_new_tokens: int = 256,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, stop_ids: Sequence[int] = (), compile: bool | None = False,
-             compile_backend: Any = None, method_options: dict[str, Any] | None = None,
-             warmup_steps: int = WARMUP_STEPS, reserve_tokens: int = 0,
-             continue_conversation: bool = False,
+def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]],
+             cache: CacheRequest | CachePlan | None = None, *, max_new_tokens: int = 256,
+             stop_ids: Sequence[int] = (), sampling: Sampling | None = None,
+             step: StepConfig | None = None, continue_conversation: bool = False,
              prefilled: PrefilledPrompt | None = None, on_token=None,
-             stop_check_every: int = 1, compile_dynamic: bool | None = None,
-             on_prefill_layer=None, cuda_graphs: bool = False) -> GenerateResult:
+             on_prefill_layer=None) -> GenerateResult:
     """Prefill ``prompt``, then decode until a stop token, ``max_new_tokens`` or the context end.
+
+        generate(model, ids, CacheRequest("rocketkv", 256), max_new_tokens=64)
+        generate(model, ids, max_new_tokens=64, sampling=Sampling(0.7, top_p=0.9, seed=0),
+                 step=StepConfig(compile=None))
 
     Args:
         model: a loaded ``Transformer``.
         prompt: token ids, (T,) or (B, T) (B sequences of equal length).
-        method, budget, method_options: the KV cache (``compression.METHODS``); budget in tokens.
+        cache: the KV cache (``request.CacheRequest``: method, budget, options, room reserved
+            for later turns; default the full cache), or a request already planned for this
+            prompt and ``max_new_tokens`` (``CacheRequest.plan``: the method is not planned
+            again). Not given with ``continue_conversation``.
         max_new_tokens: generated tokens at most (the prefill's token included); 0 prefills
             only (the prompt is cached for a later ``continue_conversation`` call).
-        temperature, top_k, top_p: sampling (temperature 0 is greedy); ``seed`` seeds it.
         stop_ids: a sequence stops after emitting one of these; the run stops when all have.
-        compile: compile the decode step (CUDA graphs on GPU); None: compile when every
-            cache of the method can (``KVCache.compilable``). The first ``warmup_steps``
-            decode steps compile it (or find it compiled) and capture the graphs: their time is
+        sampling: ``step.Sampling`` (temperature, top_k, top_p, seed; default greedy).
+        step: how the decode step runs (``step.StepConfig``: eager by default, compiled, a
+            CUDA graph; warm-up steps; how often stops are read back). The warm-up steps
+            compile the step (or find it compiled) and capture graphs: their time is
             ``compile_s`` and they are left out of every latency and decode-memory figure.
             Prefill runs once.
-        compile_backend: a ``torch.compile`` backend (tests use a counting backend).
-        cuda_graphs: instead of compiling, capture the eager step in a CUDA graph
-            (``GraphStep``; CUDA only, ``compile`` is then ignored); its first 2 steps are
-            the warm-up.
-        compile_dynamic: None or False (default): the first compile has static shapes and a
-            later call with other sizes recompiles once with them symbolic (``DYNAMO_CONFIG``);
-            True: symbolic from the first call; the compiled step is shared per setting.
-            ``compile``, ``cuda_graphs`` and ``compile_dynamic`` name one ``step.StepMode``
-            (``StepMode.options`` gives them for a mode).
-        warmup_steps: decode steps left out of the figures when compiling (default 3: CUDA
-            graph trees run a step, record the next, and replay from the third).
-        reserve_tokens: extra cache room (tokens) for later turns of the conversation. The
-            caches hold prompt + max_new_tokens + reserve_tokens positions; the room changes
-            buffer sizes only, never a method's parameters (they follow the tokens in the
-            cache: ``compression.decode_horizon``).
         continue_conversation: ``prompt`` is the next turn of the conversation the previous
-            call left in the model's caches (same method and budget; method arguments are
-            ignored). The last token the previous call generated (not yet fed) goes first, then
-            the prompt; the chunk attends to the cache as the method left it (``KVCache.append``:
-            an evicting method's earlier prompt stays compressed), then decoding goes on.
-            With ``method="full"`` this equals one prefill of the whole conversation.
-        on_prefill_layer: called with i after prefill layer i (progress; not called when
-            the caches are built from ``prefilled``).
+            call left in the model's caches. The last token the previous call generated (not
+            yet fed) goes first, then the prompt; the chunk attends to the cache as the method
+            left it (``KVCache.append``: an evicting method's earlier prompt stays
+            compressed), then decoding goes on. With the full cache this equals one prefill of
+            the whole conversation.
+        prefilled: the prompt's ``prefill_once`` result: the caches are built from its K/V
+            instead of running the prefill again (``prompt`` must be its tokens).
         on_token: called after every generated token with the tokens so far, (B, n) int64 on
             the model's device (a host sync per step: for streaming output, not for timing).
             Ctrl-C (KeyboardInterrupt) during decoding ends the run early: the result holds
             what was generated, ``stop_reason`` ``"interrupted"``.
-        prefilled: the prompt's ``prefill_once`` result: the caches are built from its K/V
-            instead of running the prefill again (``prompt`` must be its tokens).
-        stop_check_every: with ``stop_ids``, read whether every sequence has stopped every N
-            decode steps (a host sync each time) instead of every step; the result is the
-            same, the steps run past the stop are dropped. Without ``stop_ids`` nothing is
-            read back during decoding.
+        on_prefill_layer: called with i after prefill layer i (progress; not called when
+            the caches are built from ``prefilled``).
     Returns:
         a ``report.GenerateResult`` dataclass, read as attributes (``result.tokens_per_s``;
         ``result.to_dict()`` is the ``--json`` record; ``result["key"]`` still reads it, for
@@ -203,50 +189,49 @@ def generate(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Seque
         ``kernels.report``, after the first-use self-check ``kernel_check.ensure``).
     Raises:
         ConfigError: empty prompt, prompt that leaves no room in the model's context, bad
-            ``max_new_tokens`` or ``reserve_tokens``, unknown method or invalid budget, nothing
-            to continue or a turn that does not fit the reserved room, a ``prefilled`` result
-            of another prompt.
+            ``max_new_tokens``, a budget too small for the prompt, a plan made for another
+            prompt or length, nothing to continue or a turn that does not fit the reserved
+            room, a cache given to a continuation, a ``prefilled`` result of another prompt, a
+            compiled step for caches that cannot be compiled. (A bad method, budget, option or
+            sampling setting is refused when its ``CacheRequest`` or ``Sampling`` is made.)
         kernels.KernelCheckError: a kernel family failed its self-check with
             ``kernels.set_strict(True)`` (``--kernels on``), or left a sticky CUDA error.
     """
     device = model.device
     prompt = as_prompt(model, prompt)
+    sampling = Sampling() if sampling is None else sampling
+    step = StepConfig() if step is None else step
     if max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must not be negative, got {max_new_tokens}")
-    if reserve_tokens < 0:
-        raise ConfigError(f"reserve_tokens must not be negative, got {reserve_tokens}")
-    if stop_check_every < 1:
-        raise ConfigError(f"stop_check_every must be at least 1, got {stop_check_every}")
     meter = MemoryMeter(device)
     meter.reset()
     if continue_conversation:
         if prefilled is not None:
             raise ConfigError("prefilled applies to the first turn, not to a continuation")
+        if cache is not None:
+            raise ConfigError("a continuation runs on the conversation's caches: pass no "
+                              "cache")
         turn = _next_turn(model, prompt, max_new_tokens, on_prefill_layer)
     else:
-        spec = CacheSpec(method=method, budget=budget, batch_size=prompt.shape[0],
-                         prompt_len=prompt.shape[1], new_tokens=reserve_tokens,
-                         dtype=model.dtype, device=device, options=dict(method_options or {}))
-        turn = _first_turn(model, prompt, spec, max_new_tokens, prefilled, meter,
+        turn = _first_turn(model, prompt, cache, max_new_tokens, prefilled, meter,
                            on_prefill_layer)
     peak_setup = meter.peak()
-    sampling = Sampling(temperature, top_k, top_p)
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     compilable = all(c.compilable for c in model.caches)
-    mode = StepMode.of(compilable if compile is None else compile, cuda_graphs, compile_dynamic)
+    mode = step.mode(compilable)
     if mode is not StepMode.EAGER and not compilable:
         raise ConfigError("this method's decode step synchronizes with the host and runs "
                           "eagerly: use --no-compile")
     ran = kernel_check.ensure(model)  # first use: a failing family falls back to PyTorch
     fused = kernels.in_use(device)  # imports the kernels now, outside the graph being traced
     dense = kernels.dense_in_use(device)
-    step_fn, warmup_steps = mode.step(device, compile_backend, warmup_steps)
-    if seed is not None:
-        torch.manual_seed(seed)
+    step_fn, warmup_steps = mode.step(device, step.backend, step.warmup_steps)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
     first_pos = turn.start + turn.chunk.shape[1]
     run = _run(model, turn.prefill_fn, prompt.shape[0], first_pos, turn.new_tokens, step_fn,
                sampling, stop, meter, warmup_steps=warmup_steps, on_token=on_token,
-               stop_check_every=stop_check_every)
+               stop_check_every=step.stop_check_every)
     spec = turn.state.spec
     end = spec.positions  # positions the caches hold
     turn.state.conversation = Conversation(batch_size=prompt.shape[0], pending=run["pending"],
@@ -282,19 +267,30 @@ class _Turn:
     shared: bool = False  # the caches are built from a shared prefill (``prefilled``)
 
 
-def _first_turn(model: Transformer, prompt: Tensor, spec: CacheSpec, max_new_tokens: int,
-                prefilled: PrefilledPrompt | None, meter: MemoryMeter, on_layer=None) -> _Turn:
-    """The caches of ``spec`` for ``prompt`` (``spec.new_tokens`` holds the reserve, to
-    which the new tokens are added), prefilled by the model or from ``prefilled``."""
-    T, context = prompt.shape[1], model.args.max_seq_len
-    reserve = spec.new_tokens
+def _first_turn(model: Transformer, prompt: Tensor, cache: CacheRequest | CachePlan | None,
+                max_new_tokens: int, prefilled: PrefilledPrompt | None, meter: MemoryMeter,
+                on_layer=None) -> _Turn:
+    """The caches ``cache`` asks for, for ``prompt`` and up to ``max_new_tokens`` (as many as
+    the context leaves room for) plus the request's reserve, planned here unless ``cache`` is
+    a plan for them; prefilled by the model or from ``prefilled``."""
+    B, T = prompt.shape
     if prefilled is not None and not torch.equal(prefilled.tokens, prompt):
         raise ConfigError("prefilled holds another prompt than the one given")
-    new_tokens = min(max_new_tokens, context - T)  # prompt + generated fit the context
-    if T + new_tokens + reserve > context:
-        raise ConfigError(f"prompt {T} + new tokens {new_tokens} + reserve_tokens "
-                          f"{reserve} exceed the model's context ({context} tokens)")
-    state = prepare_caches(model, spec.replace(new_tokens=new_tokens + reserve), meter)
+    shard = getattr(model, "tp", None)  # the method's parameters are the whole model's
+    args = shard["args"] if shard else model.args
+    if isinstance(cache, CachePlan):
+        plan = cache
+        request = plan.request
+        new_tokens = min(max_new_tokens, request.room(args, T))
+        plan.check_run(args, T, new_tokens + request.reserve_tokens)
+    else:
+        request = CacheRequest() if cache is None else cache
+        plan = request.plan(args, prompt_len=T, max_new_tokens=max_new_tokens)
+        new_tokens = plan.new_tokens - request.reserve_tokens
+    spec = CacheSpec(method=request.method, budget=request.budget, batch_size=B, prompt_len=T,
+                     new_tokens=plan.new_tokens, dtype=model.dtype, device=model.device,
+                     options=dict(request.options), params=plan.params)
+    state = prepare_caches(model, spec, meter)
     if prefilled is not None and not all(c.shared_prefill for c in model.caches):
         prefilled = None  # the method prefills its own way (KeyDiff's blocks)
     if prefilled is not None:

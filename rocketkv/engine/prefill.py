@@ -20,6 +20,8 @@ from rocketkv.cache import KVCache, attention_and_column_sums, causal_attention
 from rocketkv.engine.measure import sync
 from rocketkv.model import ConfigError, ModelArgs, Transformer
 
+OBSERVATION_WINDOW = 64  # queries a shared prefill records by default (the methods' windows)
+
 
 class PromptRecorder(KVCache):
     """Prefill-only cache that keeps one layer's whole-prompt K/V and its last ``obs_window``
@@ -125,21 +127,28 @@ class PrefilledPrompt:
     v: list[Tensor]
     q_obs: list[Tensor]
     prefill_s: float
-    obs_window: int = 64
+    obs_window: int = OBSERVATION_WINDOW
     attention_sums: list[Tensor] | None = None
     memos: list[dict] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.memos = [{} for _ in self.k]
 
+    def nbytes(self) -> int:
+        """Bytes the recording holds: every layer's K/V, recorded queries and attention
+        sums (the memos left out)."""
+        parts = [*self.k, *self.v, *self.q_obs, *(self.attention_sums or [])]
+        return sum(t.numel() * t.element_size() for t in parts)
+
 
 def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[Sequence[int]],
-                 obs_window: int = 64, attention_sums: bool = False) -> PrefilledPrompt:
+                 obs_window: int = OBSERVATION_WINDOW, attention_sums: bool = False,
+                 on_layer=None) -> PrefilledPrompt:
     """Prefill ``prompt`` ((T,) or (B, T) ids) recording every layer's K/V and last
     ``obs_window`` queries (at least the largest observation window of the methods to build),
     and with ``attention_sums`` the column sums of the prompt's attention (for methods whose
     caches say ``needs_attention_sums``, e.g. H2O; on the CPU one more flash-attention pass
-    over the prompt).
+    over the prompt). ``on_layer`` is called with i after layer i (progress).
 
     Raises:
         ConfigError: an empty prompt or one that fills the model's context.
@@ -154,7 +163,7 @@ def prefill_once(model: Transformer, prompt: Tensor | Sequence[int] | Sequence[S
     model.setup_caches(recorders, T)
     sync(device)
     t0 = time.perf_counter()
-    logits = model.prefill(prompt)
+    logits = model.prefill(prompt, on_layer=on_layer)
     sync(device)
     prefill_s = time.perf_counter() - t0
     for layer in model.layers:

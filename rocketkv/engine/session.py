@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rocketkv.compression import build_caches
+from rocketkv.compression.registry import UNPLANNED
 from rocketkv.engine.documents import CacheSnapshot
 from rocketkv.engine.measure import MemoryMeter
 from rocketkv.kernels.fuse import fuse
@@ -36,6 +37,10 @@ class CacheSpec:
             it (generated tokens and the reserve for later turns).
         dtype, device: of the caches.
         options: the method's options (``Option.name`` -> value).
+        params: the method's parameters planned for this spec before the weights loaded
+            (``request.CachePlan.params``: the caches are built from them, the method is not
+            planned again), or ``UNPLANNED`` (planned when the caches are built). Not
+            compared: equal specs plan to equal parameters.
     """
 
     method: str
@@ -46,6 +51,7 @@ class CacheSpec:
     dtype: torch.dtype
     device: torch.device
     options: dict[str, Any] = field(default_factory=dict, hash=False)
+    params: Any = field(default=UNPLANNED, compare=False, hash=False, repr=False)
 
     @property
     def positions(self) -> int:
@@ -156,7 +162,7 @@ def prepare_caches(model: Transformer, spec: CacheSpec,
                           max_new_tokens=spec.new_tokens, budget=spec.budget,
                           dtype=spec.dtype, device=spec.device,
                           shard=(shard["rank"], shard["world_size"]) if shard else (0, 1),
-                          **spec.options)
+                          planned=spec.params, **spec.options)
     model.setup_caches(caches, spec.positions)
     state = Session(spec, [weakref.ref(c) for c in caches])
     setattr(model, ATTRIBUTE, state)

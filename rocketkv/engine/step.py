@@ -11,7 +11,9 @@ compiles once per run. Compilation and graph capture happen in the first decode 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 import os
 import shutil
 import sys
@@ -32,14 +34,85 @@ WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from 
 @dataclass(frozen=True)
 class Sampling:
     """How a run draws its next tokens (``sample``): ``temperature`` (0: greedy), ``top_k``
-    and ``top_p`` (None: off). ``kwargs()`` passes them to ``sample`` and the decode step."""
+    and ``top_p`` (None: off), ``seed`` (None: torch's generator as it stands). ``kwargs()``
+    passes the first three to ``sample`` and the decode step.
+
+    Raises:
+        ConfigError: when made: a negative or infinite temperature, ``top_k`` not positive,
+            ``top_p`` outside (0, 1] (in the command line's words: ``--top-k must be ...``).
+    """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.top_k is not None and self.top_k <= 0:
+            raise ConfigError(f"--top-k must be positive, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must lie in (0, 1], got {self.top_p}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"--temperature must be a finite number >= 0, got "
+                              f"{self.temperature}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
     def kwargs(self) -> dict[str, float | int | None]:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How ``generate``'s decode loop runs its steps.
+
+    Attributes:
+        compile: compile the decode step (CUDA graphs on GPU); None: compiled when every cache
+            of the method can be (``KVCache.compilable``), else eager. Default False (eager).
+        cuda_graphs: instead of compiling, capture the eager step in a CUDA graph
+            (``GraphStep``; CUDA only; ``compile`` is then ignored); its first 2 steps are the
+            warm-up.
+        compile_dynamic: None or False: the first compile has static shapes and a later call
+            with other sizes recompiles once with them symbolic (``DYNAMO_CONFIG``); True:
+            symbolic from the first call.
+        backend: a ``torch.compile`` backend (tests use a counting backend); None: inductor.
+        warmup_steps: decode steps that compile the step and capture graphs, timed apart as
+            ``compile_s`` and left out of every latency and decode-memory figure.
+        stop_check_every: with stop tokens, read whether every sequence has stopped every N
+            decode steps (a host sync each time); the result is the same, the steps run past
+            the stop are dropped.
+    Raises:
+        ConfigError: when made: ``warmup_steps`` negative, ``stop_check_every`` below 1.
+    """
+
+    compile: bool | None = False
+    cuda_graphs: bool = False
+    compile_dynamic: bool | None = None
+    backend: Any = None
+    warmup_steps: int = WARMUP_STEPS
+    stop_check_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must not be negative, got {self.warmup_steps}")
+        if self.stop_check_every < 1:
+            raise ConfigError(f"stop_check_every must be at least 1, got "
+                              f"{self.stop_check_every}")
+
+    @classmethod
+    def of(cls, mode: StepMode, **changes: Any) -> StepConfig:
+        """The config that runs ``mode`` (``StepMode.options``), with ``changes``."""
+        return cls(**{**mode.options, **changes})
+
+    def replace(self, **changes: Any) -> StepConfig:
+        return dataclasses.replace(self, **changes)
+
+    def mode(self, compilable: bool) -> StepMode:
+        """The step mode for caches that can (``compilable``) or cannot be compiled."""
+        return StepMode.of(compilable if self.compile is None else self.compile,
+                           self.cuda_graphs, self.compile_dynamic)
 
 
 def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -293,8 +366,8 @@ class StepMode(str, enum.Enum):
 
     @property
     def options(self) -> dict[str, Any]:
-        """``generate``'s keyword arguments for this mode (``compile=None``: compiled where
-        the method's caches can be)."""
+        """``StepConfig``'s settings for this mode (``compile=None``: compiled where the
+        method's caches can be; ``StepConfig.of``)."""
         return {"compile": None if self in (StepMode.STATIC, StepMode.DYNAMIC) else False,
                 "cuda_graphs": self is StepMode.GRAPHS,
                 "compile_dynamic": True if self is StepMode.DYNAMIC else None}

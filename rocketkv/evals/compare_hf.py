@@ -65,7 +65,7 @@ from rocketkv.cli.common import (
     write_json,
 )
 from rocketkv.compression import METHODS, check_methods
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.engine.measure import device_name, percentile, sync
 from rocketkv.engine.provenance import commit_fields, cpu_model, load_average
 from rocketkv.evals.bench import results_dir
@@ -136,9 +136,8 @@ def ours_generate(model: Transformer, ids: Sequence[int], method: str, budget: i
                   steps: int, warmup: int, compile: bool) -> dict[str, Any]:
     """``generate.generate`` ignoring EOS for ``warmup + steps`` decode steps; the warm-up
     steps' times are left out of ``decode_ms``."""
-    r = generate(model, list(ids), method=method, budget=budget,
-                 max_new_tokens=warmup + steps + 1, stop_ids=(), compile=compile,
-                 warmup_steps=warmup)
+    r = generate(model, list(ids), CacheRequest(method, budget), max_new_tokens=warmup + steps + 1,
+                 stop_ids=(), step=StepConfig(compile=compile, warmup_steps=warmup))
     ms = r["decode_ms"] if compile else r["decode_ms"][warmup:]
     return {"prefill_s": r["prefill_s"], "decode_ms": ms, "tokens": r["token_ids"][0],
             "method_params": r["method_params"], "kv_cache_bytes": r["kv_cache_bytes"],

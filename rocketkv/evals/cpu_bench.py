@@ -26,7 +26,7 @@ from rocketkv.cli.common import (
     write_json,
 )
 from rocketkv.compression import METHODS, needs_attention_sums
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.engine.measure import percentile
 from rocketkv.engine.prefill import PrefilledPrompt, prefill_once
 from rocketkv.engine.provenance import cpu_model, load_average, provenance
@@ -159,8 +159,9 @@ def ours_run(model, ids: list[int], method: str, budget: int | None, steps: int,
     no stop tokens): the figures of a row. With ``prefilled`` (``shared_prefill``) the caches
     are built from it: no prefill figure, ``build_s`` the seconds the build took (the method's
     prompt compression), unless the method prefills its own way (``prefill_shared`` False)."""
-    r = generate(model, ids, method=method, budget=budget, max_new_tokens=warmup + steps + 1,
-                 stop_ids=(), compile=compile, warmup_steps=warmup, prefilled=prefilled)
+    r = generate(model, ids, CacheRequest(method, budget), max_new_tokens=warmup + steps + 1,
+                 stop_ids=(), step=StepConfig(compile=compile, warmup_steps=warmup),
+                 prefilled=prefilled)
     ms = r["decode_ms"] if r["compiled"] else r["decode_ms"][warmup:]
     context = len(ids) if len(ids) > 1 and not r["prefill_shared"] else 0
     return {

@@ -43,10 +43,11 @@ Numbers, per (T, method, budget), each over the N prompts of that T:
   (``reference_continuations``); the number of leading tokens of the method's continuation equal
   to the full cache's, averaged over prompts (0..m).
 * ``teacher_forced_top1``: the full cache's greedy continuation g_0..g_{m-1} is forced through
-  the method's caches (built by ``generate(max_new_tokens=0, reserve_tokens=m, prefilled=pre)``;
-  decode steps feed g_0..g_{m-2} at positions T..T+m-2); the fraction of the N*m predictions
-  (the prefill logits, then each decode step's) whose argmax equals the next full-cache token
-  g_j. The first prediction comes from the shared prefill, so it always agrees.
+  the method's caches (built by ``generate(CacheRequest(..., reserve_tokens=m),
+  max_new_tokens=0, prefilled=pre)``; decode steps feed g_0..g_{m-2} at positions
+  T..T+m-2); the fraction of the N*m predictions (the prefill logits, then each decode
+  step's) whose argmax equals the next full-cache token g_j. The first prediction comes from
+  the shared prefill, so it always agrees.
 * ``perplexity``: the m real continuation tokens c_0..c_{m-1} of the same text are forced the
   same way (decode steps feed c_0..c_{m-2} at positions T..T+m-2); NLL_j = -log
   softmax(logits_j)[c_j] (float32) with logits_0 from prefill and logits_j from the decode step
@@ -112,7 +113,7 @@ from torch import Tensor
 from rocketkv.cache import KVCache
 from rocketkv.compression import METHODS, build_caches, needs_attention_sums
 from rocketkv.data import ESSAYS
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, generate
 from rocketkv.engine.measure import weight_bytes, weight_bytes_per_step
 from rocketkv.engine.prefill import PrefilledPrompt, prefill_once
 from rocketkv.engine.report import GenerateResult
@@ -266,10 +267,11 @@ def attach_caches(model: Transformer, method: str, budget: int | None, T: int,
 def build_from_prefill(model: Transformer, pre: PrefilledPrompt, method: str,
                        budget: int | None, m: int) -> GenerateResult:
     """Caches of ``method`` at ``budget`` built from ``pre`` (room for m new tokens), left in
-    ``model``: ``generate(max_new_tokens=0, reserve_tokens=m, prefilled=pre)``, whose report
-    it returns. Raises ConfigError for a budget the method rejects."""
-    return generate(model, pre.tokens, method=method, budget=budget, max_new_tokens=0,
-                    reserve_tokens=m, prefilled=pre)
+    ``model``: ``generate(CacheRequest(..., reserve_tokens=m), max_new_tokens=0,
+    prefilled=pre)``, whose report it returns. Raises ConfigError for a budget the method
+    rejects."""
+    return generate(model, pre.tokens, CacheRequest(method, budget, reserve_tokens=m),
+                    max_new_tokens=0, prefilled=pre)
 
 
 @torch.no_grad()
@@ -305,7 +307,7 @@ def greedy_continuation(model: Transformer, method: str, budget: int | None,
     decode steps; no stop token) with fresh caches of ``method``, built from ``prefilled``
     when given; its ``token_ids[0]`` is the continuation."""
     return generate(model, prefilled.tokens if prefilled is not None else list(prompt),
-                    method=method, budget=budget, max_new_tokens=m, prefilled=prefilled)
+                    CacheRequest(method, budget), max_new_tokens=m, prefilled=prefilled)
 
 
 def cache_bytes(caches: Sequence[KVCache]) -> tuple[int, int]:

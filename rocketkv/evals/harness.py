@@ -60,7 +60,7 @@ from rocketkv.compression import (
 )
 from rocketkv.data import ROOT
 from rocketkv.engine.device import default_dtype
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, generate
 from rocketkv.engine.prefill import extend_prefilled, prefill_once
 from rocketkv.engine.provenance import checkpoint_sha256, commit_fields, cpu_has_native_bf16
 from rocketkv.flags import DTYPE_NAMES, add_device_option, add_time_limit_option
@@ -244,15 +244,15 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
             opts = options_for(method, options)  # each method gets the options it takes
             try:
                 if qa:
-                    generate(model, prompt, method=method, budget=budget, max_new_tokens=0,
-                             reserve_tokens=question.shape[1] + max_new_tokens,
-                             method_options=opts, prefilled=pre)
+                    generate(model, prompt,
+                             CacheRequest(method, budget, opts,
+                                          question.shape[1] + max_new_tokens),
+                             max_new_tokens=0, prefilled=pre)
                     r = generate(model, question, continue_conversation=True,
                                  max_new_tokens=max_new_tokens, stop_ids=stop)
                 else:
-                    r = generate(model, prompt, method=method, budget=budget,
-                                 max_new_tokens=max_new_tokens, stop_ids=stop,
-                                 method_options=opts, prefilled=pre)
+                    r = generate(model, prompt, CacheRequest(method, budget, options=opts),
+                                 max_new_tokens=max_new_tokens, stop_ids=stop, prefilled=pre)
                 out[mode][(method, budget)] = _texts(tok, r["token_ids"], set(stop))
             except ConfigError as e:
                 out[mode][(method, budget)] = str(e)

@@ -37,7 +37,7 @@ from rocketkv.cli.common import (
     write_json,
 )
 from rocketkv.compression import check_methods, options_for
-from rocketkv.engine.generate import generate
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate
 from rocketkv.engine.measure import device_name
 from rocketkv.engine.provenance import commit_fields
 from rocketkv.evals.bench import REGIMES, resolve_run
@@ -81,9 +81,10 @@ def profile_one(model, method: str, budget, context: int, steps: int, args, devi
             else:
                 prof.stop()
 
-    r = generate(model, prompt, method=method, budget=budget,
-                 max_new_tokens=warm + steps + 2, compile=args.compile and not graphs,
-                 cuda_graphs=graphs, method_options=options_for(method, args), on_token=window)
+    r = generate(model, prompt, CacheRequest(method, budget, options=options_for(method, args)),
+                 max_new_tokens=warm + steps + 2,
+                 step=StepConfig(compile=args.compile and not graphs, cuda_graphs=graphs),
+                 on_token=window)
     kernels = {}
     for e in prof.key_averages():
         us = _device_us(e, cuda)

@@ -22,7 +22,7 @@ from rocketkv.cli.common import (
     write_json,
 )
 from rocketkv.compression import METHODS, check_methods, options_for
-from rocketkv.engine.generate import generate, release_caches
+from rocketkv.engine.generate import CacheRequest, StepConfig, generate, release_caches
 from rocketkv.engine.measure import check_memory, check_run_memory, device_name, spread_warning
 from rocketkv.engine.provenance import commit_fields
 from rocketkv.engine.step import StepMode
@@ -79,8 +79,8 @@ def run_one(model, batch: int, context: int, method: str, budget, args, bandwidt
         mode = StepMode(args.compile_regime) if args.compile else StepMode.EAGER
         if mode is StepMode.STATIC:
             torch._dynamo.reset()  # this row compiles its own static-shape graph
-        r = generate(model, prompt, method=method, budget=budget,
-                     max_new_tokens=args.max_new_tokens, method_options=opts, **mode.options)
+        r = generate(model, prompt, CacheRequest(method, budget, opts),
+                     max_new_tokens=args.max_new_tokens, step=StepConfig.of(mode))
         if best is None or r["decode_ms_median"] < best["decode_ms_median"]:
             best = r
     step_bytes = best["weight_bytes_per_step"] + best["kv_bytes_per_step"]

@@ -121,6 +121,12 @@ class _Metrics:
                                   "requests waiting for the engine", registry=r)
         self.running = Gauge("rocketkv_running", "requests being generated (0 or 1)",
                              registry=r)
+        self.prefix_reused = Counter("rocketkv_prefix_tokens_reused",
+                                     "prompt tokens not prefilled again: a kept prompt's "
+                                     "(--prefix-cache-mib)", ["method"], registry=r)
+        self.prefix_bytes = Gauge("rocketkv_prefix_cache_bytes",
+                                  "bytes of the prompts kept uncompressed between requests",
+                                  registry=r)
 
 
 # ---- requests
@@ -279,6 +285,9 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
         metrics.latency.labels(method).observe(time.perf_counter() - t0)
         metrics.prompt_tokens.labels(method).inc(result.metrics["prompt_tokens"])
         metrics.generated_tokens.labels(method).inc(len(result.tokens))
+        metrics.prefix_reused.labels(method).inc(result.metrics.get("prefix_tokens_reused", 0))
+        if engine.prefix_cache is not None:
+            metrics.prefix_bytes.set(engine.prefix_cache.nbytes())
         return result
 
     def _usage(result: Result) -> dict[str, int]:
