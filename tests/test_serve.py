@@ -223,3 +223,99 @@ def test_requests_at_once_wait_their_turn(server, engine):
     for t in threads:
         t.join(timeout=60)
     assert not errors and answers == [expected] * 3
+
+
+def test_a_full_queue_is_refused_with_503(engine, monkeypatch):
+    """With ``max_queue=1``: one request running (held by a gate), one waiting, the third is
+    refused at once with 503 and Retry-After; once the gate opens, the two answer in full."""
+    gate, started = threading.Event(), threading.Event()
+    real = engine.generate
+
+    def held(*a, **kw):
+        started.set()
+        assert gate.wait(60)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine, "generate", held)
+    app = create_app(engine, ServeDefaults(max_new_tokens=4), max_queue=1)
+    body = {"messages": QUESTION, "max_tokens": 4, "temperature": 0}
+    with TestClient(app) as client:
+        answers = []
+
+        def ask():
+            answers.append(client.post("/v1/chat/completions", json=body))
+
+        first = threading.Thread(target=ask)
+        first.start()
+        assert started.wait(60)  # running in the worker
+        second = threading.Thread(target=ask)
+        second.start()
+        deadline = time.monotonic() + 30
+        while client.get("/health").json()["queue_length"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        refused = client.post("/v1/chat/completions", json=body)
+        gate.set()
+        first.join(60)
+        second.join(60)
+        metrics = client.get("/metrics").text
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    error = refused.json()["error"]
+    assert error["type"] == "server_error" and "1 requests are waiting" in error["message"]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert "rocketkv_refused_total 1.0" in metrics
+    with pytest.raises(rocketkv.ConfigError, match="--max-queue must not be negative"):
+        create_app(engine, max_queue=-1)
+
+
+def test_a_client_that_goes_away_frees_its_place(engine, monkeypatch):
+    """A request whose client disconnects while it waits is skipped, not generated: the next
+    one runs right after the one that held the engine."""
+    gate, started = threading.Event(), threading.Event()
+    real, calls = engine.generate, []
+
+    def held(*a, **kw):
+        calls.append(kw.get("max_new_tokens"))
+        started.set()
+        assert gate.wait(60)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine, "generate", held)
+    config = uvicorn.Config(create_app(engine, ServeDefaults(max_new_tokens=4)),
+                            host="127.0.0.1", port=0, log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}/v1"
+    try:
+        results = []
+
+        def ask(max_tokens, timeout):
+            body = {"messages": QUESTION, "max_tokens": max_tokens, "temperature": 0}
+            try:
+                with httpx.Client(trust_env=False, timeout=timeout) as http:
+                    results.append(http.post(f"{url}/chat/completions", json=body).status_code)
+            except httpx.TimeoutException:
+                results.append("gone")
+
+        first = threading.Thread(target=ask, args=(4, 60))
+        first.start()
+        assert started.wait(60)
+        ask(5, 0.5)  # waits behind the first, gives up after half a second
+        time.sleep(4 * 0.25)  # the server notices within a poll or two
+        gate.set()
+        first.join(60)
+        ask(6, 60)
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            metrics = http.get(f"{url[:-3]}/metrics").text
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+    assert results == ["gone", 200, 200]
+    assert calls == [4, 6]  # the request that went away was never generated
+    assert "rocketkv_abandoned_total 1.0" in metrics
+    assert "rocketkv_queue_length 0.0" in metrics  # its place given back

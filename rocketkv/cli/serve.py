@@ -39,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --max-new-tokens must be positive, got {args.max_new_tokens}",
               file=sys.stderr)
         return 2
+    if args.max_queue is not None and args.max_queue < 0:
+        print(f"error: --max-queue must not be negative, got {args.max_queue}",
+              file=sys.stderr)
+        return 2
     if args.prefix_cache_mib is not None and args.prefix_cache_mib < 0:
         print(f"error: --prefix-cache-mib must not be negative, got {args.prefix_cache_mib}",
               file=sys.stderr)
@@ -52,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, defaults_of(args), model_name=args.model_name)
+    app = create_app(engine, defaults_of(args), model_name=args.model_name,
+                     max_queue=args.max_queue)
     print(f"serving {app.state.model} ({engine!r}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, workers=1)

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a GGUF's weights as float or kept quantized (default quantized on the "
                         "CPU, float on CUDA; docs/quantization.md)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--max-queue", type=int, metavar="N",
+                   help="refuse a request with HTTP 503 (Retry-After: 1) when N requests are "
+                        "waiting already (default: no limit)")
     p.add_argument("--prefix-cache-mib", type=int, metavar="MIB",
                    help="keep prompts uncompressed between requests, up to MIB MiB: a request "
                         "whose prompt starts with a kept one (a conversation's next turn, "

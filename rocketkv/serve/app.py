@@ -60,6 +60,7 @@ __all__ = ["ServeDefaults", "create_app", "model_id"]
 
 OPTION_NAMES = tuple(row[0] for row in METHOD_OPTIONS)
 ROLES = {"system", "user", "assistant", "developer", "tool"}
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 FINISH = {"eos": "stop", "max_new_tokens": "length", "context_length": "length",
           "reserve": "length", "interrupted": "stop"}
 
@@ -81,6 +82,10 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class Busy(Exception):
+    """The queue is full (``create_app(max_queue=...)``): HTTP 503 with ``Retry-After``."""
 
 
 class _Cancelled(Exception):
@@ -121,6 +126,10 @@ class _Metrics:
                                   "requests waiting for the engine", registry=r)
         self.running = Gauge("rocketkv_running", "requests being generated (0 or 1)",
                              registry=r)
+        self.abandoned = Counter("rocketkv_abandoned", "requests whose client went away "
+                                 "before they started: skipped", registry=r)
+        self.refused = Counter("rocketkv_refused", "requests refused with 503: the queue was "
+                               "full (--max-queue)", registry=r)
         self.prefix_reused = Counter("rocketkv_prefix_tokens_reused",
                                      "prompt tokens not prefilled again: a kept prompt's "
                                      "(--prefix-cache-mib)", ["method"], registry=r)
@@ -232,11 +241,46 @@ def _max_tokens_field(data: dict[str, Any], chat: bool) -> str:
 # ---- the app
 
 
+class _CountRequests:
+    """ASGI middleware: every ``/v1/`` response counted by path, KV method and status
+    (``rocketkv_requests``). Plain ASGI, not ``BaseHTTPMiddleware``, which hides a client's
+    disconnect from ``Request.is_disconnected``."""
+
+    def __init__(self, app: Any, metrics: _Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def sent(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            method = (scope.get("state") or {}).get("kv_method") or ""
+            self.metrics.requests.labels(scope["path"], method, str(status["code"])).inc()
+
+
 def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
-               model_name: str | None = None) -> FastAPI:
+               model_name: str | None = None, max_queue: int | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` (see the module's docstring); ``defaults``: the
     settings of a request that sets none. Requests run one at a time on one worker thread
-    (no batching yet); run the app with one uvicorn worker process (``serve.py``)."""
+    (no batching yet); run the app with one uvicorn worker process (``serve.py``).
+    ``max_queue``: a completion request that finds this many requests waiting is refused at
+    once with HTTP 503 and ``Retry-After: 1`` (``rocketkv_refused`` counts them); None: no
+    limit.
+
+    Raises:
+        ConfigError: ``max_queue`` negative.
+    """
+    if max_queue is not None and max_queue < 0:
+        raise ConfigError(f"--max-queue must not be negative, got {max_queue}")
     defaults = defaults or ServeDefaults()
     model = model_name or model_id(engine)
     metrics = _Metrics()
@@ -255,8 +299,16 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
     app.state.metrics = metrics
 
     def _queued(fn: Callable[[], Result]) -> Callable[[], Result]:
-        """``fn`` counted in the queue until the worker starts it, then as running."""
+        """``fn`` counted in the queue until the worker starts it, then as running.
+
+        Raises:
+            Busy: ``max_queue`` requests are waiting already.
+        """
         with lock:
+            if max_queue is not None and state["waiting"] >= max_queue:
+                metrics.refused.inc()
+                raise Busy(f"the server is busy: {state['waiting']} requests are waiting "
+                           f"(--max-queue {max_queue}); try again later")
             state["waiting"] += 1
             metrics.queue_length.set(state["waiting"])
 
@@ -278,6 +330,9 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
             if cancelled is not None and cancelled.is_set():
                 raise _Cancelled
 
+        if cancelled is not None and cancelled.is_set():  # gone while it waited: skipped
+            metrics.abandoned.inc()
+            raise _Cancelled
         t0 = time.perf_counter()
         result = engine.generate(prompt, chat=chat, on_text=on_text, on_token=on_token,
                                  **kwargs)
@@ -289,6 +344,23 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
         if engine.prefix_cache is not None:
             metrics.prefix_bytes.set(engine.prefix_cache.nbytes())
         return result
+
+    async def _unless_disconnected(request: Request, waitable: Any,
+                                   cancelled: threading.Event) -> Any:
+        """``waitable``'s result; meanwhile the client's connection is checked every
+        ``DISCONNECT_POLL_S``: once it is gone ``cancelled`` is set (the worker skips the
+        request or stops at its next token: the job itself is left to run, so the queue's
+        count stays right) and ``_Cancelled`` is raised."""
+        task = asyncio.ensure_future(waitable)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                cancelled.set()
+                if not isinstance(waitable, asyncio.Future):  # an events.get(): not the job
+                    task.cancel()
+                raise _Cancelled
 
     def _usage(result: Result) -> dict[str, int]:
         prompt_tokens = int(result.metrics["prompt_tokens"])
@@ -304,6 +376,17 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
     async def bad_request(_request: Request, e: BadRequest) -> JSONResponse:
         return _error(400, str(e), param=e.param)
 
+    @app.exception_handler(_Cancelled)
+    async def gone(_request: Request, _e: _Cancelled) -> JSONResponse:
+        # the client closed the connection: nobody reads this (nginx's 499 in the metrics)
+        return _error(499, "the client closed the request", kind="client_closed_request")
+
+    @app.exception_handler(Busy)
+    async def busy(_request: Request, e: Busy) -> JSONResponse:
+        response = _error(503, str(e), kind="server_error")
+        response.headers["Retry-After"] = "1"
+        return response
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
         return _error(400, str(e).splitlines()[0])
@@ -313,13 +396,7 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
         return _error(500, str(e).splitlines()[0] if str(e) else type(e).__name__,
                       kind="server_error")
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            method = getattr(request.state, "kv_method", "") or ""
-            metrics.requests.labels(request.url.path, method, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountRequests, metrics=metrics)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -350,10 +427,15 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
         text_chat = None if chat else False  # a completion's prompt is plain text
         loop = asyncio.get_running_loop()
 
+        cancelled = threading.Event()  # set when the client goes away: the worker skips the
+        # request if it has not started, or stops at the next token
+
         if not stream:
+            future = loop.run_in_executor(worker, _queued(
+                lambda: _generate(prompt, kwargs, chat=text_chat, cancelled=cancelled)))
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no warning
             try:
-                result = await loop.run_in_executor(
-                    worker, _queued(lambda: _generate(prompt, kwargs, chat=text_chat)))
+                result = await _unless_disconnected(request, future, cancelled)
             except ConfigError as e:
                 raise _config_error(e, data, chat) from None
             finish = FINISH.get(result.stop_reason, "stop")
@@ -370,7 +452,6 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
         # streamed: the worker's events through an asyncio queue; the response starts once
         # the first event shows that the settings passed the engine's checks
         events: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
 
         def put(event: tuple) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
@@ -388,7 +469,7 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
 
         future = loop.run_in_executor(worker, _queued(job))
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no warning
-        first = await events.get()
+        first = await _unless_disconnected(request, events.get(), cancelled)
         if first[0] == "error":
             if isinstance(first[1], ConfigError):
                 raise _config_error(first[1], data, chat)
