@@ -1,6 +1,7 @@
 """The OpenAI-compatible server (``rocketkv/serve/app.py``): in process through FastAPI's
 TestClient, and through the ``openai`` client against a real uvicorn server on 127.0.0.1."""
 
+import contextlib
 import json
 import threading
 import time
@@ -141,12 +142,11 @@ def test_models_health_and_metrics(client):
     assert "rocketkv_queue_length 0.0" in text and "rocketkv_running 0.0" in text
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    """A uvicorn server on 127.0.0.1 (a free port the system picks) in a thread; its base URL.
-    Stopped at the end."""
-    config = uvicorn.Config(create_app(engine, ServeDefaults(max_new_tokens=MAX)),
-                            host="127.0.0.1", port=0, log_level="warning")
+@contextlib.contextmanager
+def serving(app):
+    """``app`` under uvicorn on 127.0.0.1 (a free port the system picks) in a thread; its base
+    URL. Stopped at the end."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -155,10 +155,18 @@ def server(engine):
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
     port = srv.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}/v1"
-    srv.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serving(create_app(engine, ServeDefaults(max_new_tokens=MAX))) as url:
+        yield url
 
 
 @pytest.fixture
@@ -281,17 +289,7 @@ def test_a_client_that_goes_away_frees_its_place(engine, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(engine, "generate", held)
-    config = uvicorn.Config(create_app(engine, ServeDefaults(max_new_tokens=4)),
-                            host="127.0.0.1", port=0, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}/v1"
-    try:
+    with serving(create_app(engine, ServeDefaults(max_new_tokens=4))) as url:
         results = []
 
         def ask(max_tokens, timeout):
@@ -312,9 +310,6 @@ def test_a_client_that_goes_away_frees_its_place(engine, monkeypatch):
         ask(6, 60)
         with httpx.Client(trust_env=False, timeout=10) as http:
             metrics = http.get(f"{url[:-3]}/metrics").text
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
     assert results == ["gone", 200, 200]
     assert calls == [4, 6]  # the request that went away was never generated
     assert "rocketkv_abandoned_total 1.0" in metrics
