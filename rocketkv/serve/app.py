@@ -6,7 +6,11 @@ Endpoints: ``GET /v1/models`` (the one model), ``POST /v1/chat/completions`` and
 
 No continuous batching yet: the engine drives one set of caches, so requests run one at a
 time on one worker thread, in the order they came; the others wait in its queue (the
-``rocketkv_queue_length`` gauge counts them).
+``rocketkv_queue_length`` gauge counts them; ``create_app(max_queue=N)`` refuses a request that
+finds N waiting with HTTP 503). A request whose client goes away while it waits is skipped; a
+running one stops at its next token. With the engine's ``prefix_cache``
+(``serve.py --prefix-cache-mib``), a request whose prompt starts with a kept one prefills only
+the rest.
 
 A request's fields as the OpenAI API defines them: ``messages`` (chat) or ``prompt``
 (completions: plain text, no chat template), ``max_tokens`` (chat also
