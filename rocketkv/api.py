@@ -451,8 +451,8 @@ class Engine:
         """Run ``run`` (``checks.plan_run``: settings checked and the method planned before
         the weights loaded, as ``generate.py`` does) on this engine's model: ``generate``'s
         work once its arguments are checked and encoded; ``on_prefill_layer`` is called with
-        i after prefill layer i. The caches are replaced (an older ``Document`` stops
-        answering).
+        i after prefill layer i. The caches are replaced (an older question-agnostic
+        ``Document`` stops answering).
 
         With a ``prefix_cache`` (a ``prefix_cache.PrefixCache``; not for batches, nor for a
         method whose caches prefill their own way), the prompt's longest kept prefix is not
