@@ -129,7 +129,9 @@ def test_errors_have_the_cli_checks_in_python_words_before_any_prefill(
     def prefill(*a, **kw):
         raise AssertionError("prefilled before the error")
 
-    monkeypatch.setattr(stories_engine.model, "prefill", prefill)
+    # on the instance's dict: undone, it leaves no instance attribute that would hide a
+    # later test's patch of Transformer.prefill (conftest's prefill_starts)
+    monkeypatch.setitem(stories_engine.model.__dict__, "prefill", prefill)
     with pytest.raises(ConfigError) as e:
         stories_engine.generate("Once upon a time", **kwargs)
     assert message in str(e.value)

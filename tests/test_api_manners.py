@@ -38,7 +38,9 @@ def no_prefill(stories_engine, monkeypatch):
     def prefill(*a, **kw):
         raise AssertionError("prefilled before the error")
 
-    monkeypatch.setattr(stories_engine.model, "prefill", prefill)
+    # on the instance's dict: undone, it leaves no instance attribute that would hide a
+    # later test's patch of Transformer.prefill (conftest's prefill_starts)
+    monkeypatch.setitem(stories_engine.model.__dict__, "prefill", prefill)
     return stories_engine
 
 

@@ -7,8 +7,8 @@ import torch
 
 import rocketkv
 from rocketkv.cli import generate as generate_cli
-from rocketkv.compression import METHODS
-from rocketkv.engine import checks
+from rocketkv.compression import registry
+from rocketkv.engine import checks, request
 from rocketkv.engine.generate import CacheRequest, Sampling, StepConfig, generate
 from rocketkv.formats.tokenizer import load_tokenizer
 from rocketkv.model import ConfigError
@@ -77,20 +77,22 @@ def test_a_continuation_takes_no_cache(stories_model):
 
 @pytest.fixture
 def derive_calls(monkeypatch):
-    """How many times rocketkv's parameters are derived (each plan derives them once)."""
-    method = METHODS["rocketkv"]
-    real, calls = method.derive, []
+    """How many times a method is planned (``compression.plan_checked``, which every plan
+    runs: ``CacheRequest.plan`` and ``compression.plan``, hence ``build_caches`` unplanned).
+    Re-deriving as the cache grows (``Method.at_length``) is decoding, not planning."""
+    real, calls = registry.plan_checked, []
 
     def counting(*a, **kw):
-        calls.append(1)
+        calls.append(kw.get("prompt_len"))
         return real(*a, **kw)
 
-    monkeypatch.setattr(method, "derive", counting)
+    monkeypatch.setattr(registry, "plan_checked", counting)
+    monkeypatch.setattr(request, "plan_checked", counting)
     return calls
 
 
 def test_the_command_line_plans_the_method_once(stories_dir, derive_calls, capsys):
-    """Checked and planned before the load, built from that plan: one derivation (two
+    """Checked and planned before the load, the caches built from that plan: one plan (two
     before the command line ran on ``Engine.run``: ``check_fit`` and ``build_caches``)."""
     assert generate_cli.main(["--checkpoint", str(stories_dir), "--random-prompt", "300",
                               "--method", "rocketkv", "--budget", "64", "--max-new-tokens", "4",
@@ -106,9 +108,14 @@ def test_the_api_plans_the_method_once(stories_model, stories_dir, derive_calls)
     assert r.metrics["method"] == "rocketkv" and len(derive_calls) == 1
     derive_calls.clear()
     doc = engine.prefill_document(ids, method="rocketkv", budget=64, reserve_tokens=16)
-    assert len(derive_calls) == 1
+    assert derive_calls == [300]
+    doc.ask([261, 378], max_new_tokens=4)  # question-aware: its run, planned once
+    assert derive_calls == [300, 302]
+    derive_calls.clear()
+    doc = engine.prefill_document(ids, method="rocketkv", budget=64, reserve_tokens=16,
+                                  question_aware=False)
     doc.ask([261, 378], max_new_tokens=4)
-    assert len(derive_calls) == 1  # the answer runs on the document's caches
+    assert derive_calls == [300]  # question-agnostic: the answer runs on the document's caches
 
 
 def test_the_command_line_and_the_api_run_one_flow(stories_model, stories_dir, monkeypatch,
