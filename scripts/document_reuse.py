@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
-from rocketkv.flags import DTYPE_NAMES, OneLineParser
+from rocketkv.flags import DTYPE_NAMES, GGUF_WEIGHTS, OneLineParser
 
 
 def build_parser() -> OneLineParser:
@@ -34,6 +34,8 @@ def build_parser() -> OneLineParser:
                    help="token budgets of the budgeted methods (default 256)")
     p.add_argument("--max-new-tokens", type=int, default=32,
                    help="generated tokens at most per answer (default 32)")
+    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default=None,
+                   help="a GGUF's weights as float or kept quantized (default: generate.py's)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="activation dtype (default: generate.py's for the device)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -29,6 +29,7 @@ import torch
 
 from rocketkv import api
 from rocketkv.cli.common import check_json_path, write_json
+from rocketkv.engine.measure import weights_label
 from rocketkv.engine.provenance import load_average, provenance
 from rocketkv.evals.answer_length import readme_prompt
 from rocketkv.evals.harness import configurations, parse_method_specs
@@ -138,7 +139,7 @@ def run(args, argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"{args.questions} holds no question")
         if args.threads:
             torch.set_num_threads(args.threads)
-        engine = api.load(args.checkpoint, dtype=args.dtype)
+        engine = api.load(args.checkpoint, dtype=args.dtype, gguf_weights=args.gguf_weights)
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -159,6 +160,7 @@ def run(args, argv: Sequence[str] | None = None) -> int:
     record = {"questions": questions, "max_new_tokens": args.max_new_tokens, "rows": rows,
               "load_average": {"before": load_before, "after": load_average()},
               "threads": torch.get_num_threads(),
+              "weights": weights_label(engine.model),
               "provenance": provenance(engine.checkpoint)}
     if args.json:
         write_json(args.json, record)
