@@ -22,8 +22,10 @@ so. ``generate.generate`` stays the low-level call (token ids in, a
 ``Engine.prefill_document`` prefills a document once; each ``Document.ask(question)`` then
 prefills the question after it and answers. Question-aware (the default when the budget
 compresses), the document's whole K/V is kept and the method's caches are built per question
-from document + question (``prefill.extend_prefilled``, ``generate(prefilled=...)``): the answer
-is the single run's. Question-agnostic, the method compresses the document once and the
+from document + question (``prefill.extend_prefilled``, ``generate(prefilled=...)``): the
+computation of a single run, the question prefilled as its own chunk (the same answer with
+float weights; quantized matmuls round a short chunk differently, so an answer can part at a
+near tie). Question-agnostic, the method compresses the document once and the
 question attends to what it kept (``generate(..., continue_conversation=True)``); the next
 question starts again from the document as the method left it: the conversation's position is
 set back (``generate.rewind_conversation``) and whatever the method's caches changed past the
@@ -267,7 +269,8 @@ def load(checkpoint: str | None = None, *, device: str | torch.device | None = N
         prefix_cache_mib: keep prompts uncompressed between runs, up to this many MiB
             (``prefix_cache.PrefixCache``): a run whose prompt starts with a kept one (a
             conversation's next turn, another question after the same document) prefills only
-            the rest, and answers as a run prefilled from scratch does. Each run then records
+            the rest, and computes what a run prefilled from scratch does (the rest prefilled as
+            its own chunk: see ``prefix_cache``). Each run then records
             its prompt's whole K/V before the method's caches are built from it (up to twice
             the KV memory during the prefill). Default None: none kept.
     Raises:
@@ -457,10 +460,10 @@ class Engine:
         With a ``prefix_cache`` (a ``prefix_cache.PrefixCache``; not for batches, nor for a
         method whose caches prefill their own way), the prompt's longest kept prefix is not
         prefilled again: the rest is prefilled against its K/V, the whole prompt is kept for
-        later runs and the method's caches are built from it (the answer is the one a run
-        prefilled from scratch gives); ``metrics["prefix_tokens_reused"]`` counts the tokens
-        not prefilled again and ``metrics["prefill_s"]`` is the rest's prefill plus the
-        caches' build.
+        later runs and the method's caches are built from it (a run prefilled from scratch,
+        the rest as its own chunk: see ``prefix_cache``); ``metrics["prefix_tokens_reused"]``
+        counts the tokens not prefilled again and ``metrics["prefill_s"]`` is the rest's
+        prefill plus the caches' build.
 
         Raises:
             ConfigError: the run was planned for another model's config.
@@ -528,7 +531,10 @@ class Engine:
                 ``Document.held_bytes``) and each question builds the method's caches from it
                 with the question in the prompt (``prefill.extend_prefilled``, then
                 ``generate(prefilled=...)``: the question is prefilled, the document is not),
-                so an answer is the one a single run of document + question gives. False
+                the computation of a single run of document + question, the question
+                prefilled as its own chunk (the same answer with float weights; quantized
+                matmuls round a short chunk differently, so an answer can part at a near
+                tie). False
                 (question-agnostic): the method compresses the document once, before any
                 question is known; each question attends to what it kept (less memory and
                 time per question; what an evicting method dropped is gone for every
@@ -691,11 +697,12 @@ class Document:
         Question-aware (``question_aware``): the question is prefilled against the document's
         whole K/V (``prefill.extend_prefilled``) and the method's caches are built from
         document + question (``generate(prefilled=...)``), with the question in the method's
-        observation window: the answer is the one a single run of document + question gives.
-        Question-agnostic: the question attends to the cache as the method left it after the
-        document's prefill (earlier questions and answers rewound away: the position, and the
-        method's state from a snapshot; ``generate(..., continue_conversation=True)``); with
-        ``full`` that is the single run's answer too.
+        observation window: the computation of a single run of document + question, the
+        question prefilled as its own chunk (the same answer with float weights; see
+        ``prefill_document``). Question-agnostic: the question attends to the cache as the
+        method left it after the document's prefill (earlier questions and answers rewound
+        away: the position, and the method's state from a snapshot; ``generate(...,
+        continue_conversation=True)``); with ``full`` that is a single run's computation too.
 
         Args: as ``Engine.generate``'s (the method and budget are the document's; ``on_text``
             streams the answer's text).

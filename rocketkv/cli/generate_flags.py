@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="questions about the --prompt document, one a line (or JSON lines "
                         "with a \"question\" key): the document is prefilled once; each "
                         "question is prefilled after it and the method's cache built with the "
-                        "question in the prompt, so each answer is a single run's (the "
+                        "question in the prompt, as a single run computes it (the "
                         "document's whole K/V is kept: question-aware)")
     p.add_argument("--question-agnostic", action="store_true",
                    help="with --questions: compress the document once, before any question "

@@ -63,5 +63,5 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep prompts uncompressed between requests, up to MIB MiB: a request "
                         "whose prompt starts with a kept one (a conversation's next turn, "
                         "another question about the same document) prefills only the rest and "
-                        "answers as a fresh run does (default: none kept)")
+                        "computes what a fresh run does (default: none kept)")
     return p

@@ -6,9 +6,13 @@ What is kept is a prompt's whole K/V as one shared prefill records it (``prefill
 every layer's keys and values, the last queries, and the attention sums when a method needs
 them). A run extends the longest kept prefix of its prompt by the rest
 (``prefill.extend_prefilled``: the new tokens attend exactly to the kept K/V) and builds its
-method's caches from the whole (``generate(prefilled=...)``), so its answer is the one a run
-prefilled from scratch gives, whatever the method compresses: the compression is applied per
-run, with the run's own question in the observation window. Methods whose caches prefill their
+method's caches from the whole (``generate(prefilled=...)``): the computation of a run
+prefilled from scratch, whatever the method compresses (the compression is applied per run,
+with the run's own question in the observation window), except that the rest is prefilled as
+its own chunk. With float weights the answer is the same token for token (tested); quantized
+matmuls (torch's int4 CPU kernel) round a chunk of a few rows differently from the same rows
+inside a long prompt, so an answer can part where the next token is a near tie
+(``results/serve/``). Methods whose caches prefill their
 own way (KeyDiff's blocks, ``Method.shared_prefill`` False) cannot use it.
 
 Least recently used prompts are dropped once the kept bytes pass ``max_bytes``.
