@@ -599,6 +599,7 @@ class Engine:
             raise ConfigError(f"{request.method} prefills the prompt in blocks of its own and "
                               "cannot rebuild its cache per question: pass "
                               "question_aware=False (the document compressed once)")
+        cannot = run.plan.params is not None and not method.shared_prefill
         if question_aware is None:
             question_aware = run.plan.params is not None and method.shared_prefill
         self._document = None
@@ -619,6 +620,9 @@ class Engine:
             r = self.run(run, on_prefill_layer=on_prefill_layer)
             doc = Document(self, run.ids, r.metrics, chat=chat, system=system, text=text,
                            compile=compile)
+            if cannot and doc.note is not None:  # say why it is not question-aware
+                doc.note = (f"{doc.note} ({request.method} prefills in blocks of its own and "
+                            "cannot rebuild its cache per question: question-agnostic)")
         self._document = doc
         return doc
 

@@ -75,10 +75,11 @@ def test_the_default_follows_the_method(engine):
     prefill; KeyDiff (its own blocks) and an uncompressed run stay question-agnostic, and
     asking KeyDiff for it is refused before any prefill."""
     assert not engine.prefill_document(DOC, reserve_tokens=64).question_aware
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with pytest.warns(UserWarning, match="keydiff prefills in blocks of its own"):
         assert not engine.prefill_document(DOC, method="keydiff", budget=64,
                                            reserve_tokens=64).question_aware
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         assert not engine.prefill_document(DOC, method="rocketkv", budget=4000,
                                            reserve_tokens=64).question_aware
     assert not METHODS["keydiff"].shared_prefill
