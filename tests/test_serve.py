@@ -314,3 +314,56 @@ def test_a_client_that_goes_away_frees_its_place(engine, monkeypatch):
     assert calls == [4, 6]  # the request that went away was never generated
     assert "rocketkv_abandoned_total 1.0" in metrics
     assert "rocketkv_queue_length 0.0" in metrics  # its place given back
+
+
+def test_sigterm_finishes_the_running_request_then_exits(stories_dir):
+    """``serve.py`` under SIGTERM (what a job scheduler or ``docker stop`` sends): the request
+    being generated is answered in full, then the process exits (uvicorn's graceful
+    shutdown)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    with socket.socket() as s:  # a free port for the server
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--checkpoint",
+                             str(stories_dir), "--device", "cpu", "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # up once /health answers
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        answer = {}
+
+        def ask():
+            body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+                    "stop": None}
+            with httpx.Client(trust_env=False, timeout=120) as http:
+                answer["r"] = http.post(f"{url}/v1/completions", json=body)
+
+        thread = threading.Thread(target=ask)
+        thread.start()
+        while "rocketkv_running 1.0" not in httpx.get(f"{url}/metrics", timeout=5,
+                                                       trust_env=False).text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        thread.join(120)
+        # uvicorn drains, then raises the signal again: the status says SIGTERM ended it
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    r = answer["r"]
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] > 100  # answered in full, not cut off
