@@ -107,3 +107,26 @@ def test_load_and_serve_refuse_a_negative_size(stories_dir, capsys):
         rocketkv.load(str(stories_dir), device="cpu", prefix_cache_mib=-1)
     assert serve_cli.main(["--checkpoint", str(stories_dir), "--prefix-cache-mib", "-5"]) == 2
     assert "--prefix-cache-mib must not be negative" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method,budget", [("rocketkv", 64), ("snapkv_pp", 64), ("h2o", 64)])
+def test_another_question_after_the_same_document_reuses_the_document(stories_model, tok,
+                                                                      prefill_starts, method,
+                                                                      budget):
+    """Prompts that share a document and part at the question: the second prefills the last
+    64 shared tokens (its observation window's queries must be its own) and its question;
+    H2O, whose attention sums cover every later query, prefills it whole. Answers as fresh."""
+    fresh = rocketkv.Engine(stories_model, tok)
+    kept = rocketkv.Engine(stories_model, tok, prefix_cache=PrefixCache(2**30))
+    doc = _ids(300, 4)
+    kw = dict(method=method, budget=budget, max_new_tokens=10, stop_ids=())
+    kept.generate(doc + _ids(12, 5), **kw)
+    second = doc + _ids(20, 6)
+    prefill_starts.clear()
+    r = kept.generate(second, **kw)
+    starts = list(prefill_starts)
+    assert r.tokens == fresh.generate(second, **kw).tokens
+    if method == "h2o":
+        assert starts == [(0, 320)] and r.metrics["prefix_tokens_reused"] == 0
+    else:
+        assert starts == [(236, 84)] and r.metrics["prefix_tokens_reused"] == 236

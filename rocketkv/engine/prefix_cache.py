@@ -1,6 +1,7 @@
-"""Prompts kept uncompressed between runs, so a run whose prompt starts with a kept one prefills
-only the rest (``PrefixCache``): a conversation's next turn, or another question after the same
-document, by token prefix match.
+"""Prompts kept uncompressed between runs, so a run whose prompt starts like a kept one prefills
+only the rest (``PrefixCache``): a conversation's next turn (the kept prompt whole), or another
+question after the same document (the shared start, less the last ``obs_window`` tokens before
+the prompts part, which are prefilled again with the rest: ``PrefixCache.longest``).
 
 What is kept is a prompt's whole K/V as one shared prefill records it (``prefill.PrefilledPrompt``:
 every layer's keys and values, the last queries, and the attention sums when a method needs
@@ -40,6 +41,20 @@ class PrefixStats:
     evicted: int = 0
 
 
+MIN_REUSE = 32  # tokens: a shorter shared start is prefilled again rather than copied
+
+
+def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading positions where ``a`` and ``b`` agree (tokens two prompts share;
+    ``evals.metrics`` counts agreeing answers with it)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class PrefixCache:
     """Recorded prompts by their token ids, at most ``max_bytes`` in all (least recently used
     dropped first; a prompt larger than the limit is not kept).
@@ -69,24 +84,44 @@ class PrefixCache:
 
     def longest(self, ids: Sequence[int], *, obs_window: int = OBSERVATION_WINDOW,
                 attention_sums: bool = False) -> PrefilledPrompt | None:
-        """The longest kept prompt that is a proper prefix of ``ids`` (at least one token
-        left to prefill) and recorded what the run needs (at least ``obs_window`` queries,
-        the attention sums when asked), or None; counted in ``stats``."""
+        """The longest reusable start of ``ids`` among the kept prompts, as a recording to
+        extend by the rest (``prefill.extend_prefilled``), or None; counted in ``stats``.
+
+        A kept prompt that is a proper prefix of ``ids`` is reused whole. A kept prompt that
+        shares only a start with ``ids`` (another question after the same document) is
+        reused up to the recording's observation window (at least ``obs_window`` tokens)
+        before they part: the keys and values of a prefix are the same whatever follows
+        (causal attention), but its last queries and any attention sums are not, so those
+        tokens are prefilled again with the rest (the recorded queries then all come from the
+        new chunk), and a run that needs
+        attention sums (H2O) reuses whole prompts only. At least ``MIN_REUSE`` tokens, and
+        one token left to prefill."""
         ids = tuple(ids)
-        best = None
+        best: tuple[int, tuple[int, ...], PrefilledPrompt] | None = None
         for key, pre in self._kept.items():
-            if (len(key) < len(ids) and (best is None or len(key) > len(best[0]))
-                    and pre.obs_window >= obs_window
-                    and (pre.attention_sums is not None or not attention_sums)
-                    and ids[:len(key)] == key):
-                best = (key, pre)
+            if pre.obs_window < obs_window or (attention_sums and pre.attention_sums is None):
+                continue
+            common = matching_prefix(key, ids)
+            if common == len(key) < len(ids):
+                usable = common  # the whole kept prompt
+            elif attention_sums:
+                continue  # sums cover later queries too: a part of them is no prefix's
+            else:
+                usable = min(common, len(ids) - 1) - pre.obs_window  # every query fresh
+            if usable >= MIN_REUSE and (best is None or usable > best[0]):
+                best = (usable, key, pre)
         if best is None:
             self.stats.misses += 1
             return None
-        self._kept.move_to_end(best[0])
+        usable, key, pre = best
+        self._kept.move_to_end(key)
         self.stats.hits += 1
-        self.stats.tokens_reused += len(best[0])
-        return best[1]
+        self.stats.tokens_reused += usable
+        if usable == len(key):
+            return pre
+        return PrefilledPrompt(  # a view of the kept K/V: extending it copies, never writes
+            pre.tokens[:, :usable], pre.logits, [k[:, :, :usable] for k in pre.k],
+            [v[:, :, :usable] for v in pre.v], pre.q_obs, 0.0, pre.obs_window, None)
 
     def add(self, pre: PrefilledPrompt) -> bool:
         """Keep ``pre`` (one sequence) by its tokens, dropping the least recently used prompts

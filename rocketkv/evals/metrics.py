@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from rocketkv.engine.prefix_cache import matching_prefix  # noqa: F401 (re-exported)
+
 _WORD = re.compile(r"[a-z0-9]+")
 
 
@@ -62,16 +64,6 @@ def string_match_part(prediction: str, outputs: Sequence[str]) -> float:
         ValueError: ``outputs`` is empty.
     """
     return float(any(_found(prediction, outputs)))
-
-
-def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading positions where ``a`` and ``b`` agree."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def top1_matches(logprobs: Tensor, targets: Sequence[int]) -> int:
