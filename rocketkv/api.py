@@ -62,7 +62,6 @@ from rocketkv.engine.documents import (
 )
 from rocketkv.engine.measure import weights_label
 from rocketkv.engine.prefill import (
-    OBSERVATION_WINDOW,
     PrefilledPrompt,
     extend_prefilled,
     prefill_once,
@@ -478,8 +477,7 @@ class Engine:
                             on_token=on_token, on_prefill_layer=on_prefill_layer)
             return self._result(r, run.stop_ids, streamer)
         # the longest kept prefix extended by the rest, recorded whole, then the caches built
-        window = max(OBSERVATION_WINDOW, run.plan.request.options.get("window") or 0)
-        sums = method.needs_attention_sums
+        window, sums = run.plan.request.recording
         kept = self.prefix_cache.longest(run.ids, obs_window=window, attention_sums=sums)
         if kept is None:
             pre = prefill_once(self.model, run.ids, obs_window=window, attention_sums=sums,
@@ -605,9 +603,8 @@ class Engine:
         self._document = None
         if question_aware:
             release_caches(self.model)
-            window = max(OBSERVATION_WINDOW, request.options.get("window") or 0)
-            pre = prefill_once(self.model, run.ids, obs_window=window,
-                               attention_sums=method.needs_attention_sums,
+            window, sums = request.recording
+            pre = prefill_once(self.model, run.ids, obs_window=window, attention_sums=sums,
                                on_layer=on_prefill_layer)
             metrics = {"method": request.method, "budget": request.budget,
                        "question_aware": True, "prompt_tokens": len(run.ids),

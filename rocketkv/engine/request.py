@@ -22,6 +22,7 @@ from typing import Any
 
 from rocketkv.compression import METHODS, check_setting, plan_checked
 from rocketkv.compression.registry import Params
+from rocketkv.engine.prefill import OBSERVATION_WINDOW
 from rocketkv.model import ConfigError, ModelArgs
 
 
@@ -64,6 +65,15 @@ class CacheRequest:
 
     def replace(self, **changes: Any) -> CacheRequest:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def recording(self) -> tuple[int, bool]:
+        """What a shared prefill (``prefill.prefill_once``) must record to build this
+        request's caches: the queries of the last ``obs_window`` tokens (at least
+        ``OBSERVATION_WINDOW``, at least the method's ``window`` option) and whether the
+        attention sums (``Method.needs_attention_sums``: H2O)."""
+        return (max(OBSERVATION_WINDOW, self.options.get("window") or 0),
+                METHODS[self.method].needs_attention_sums)
 
     def room(self, args: ModelArgs, prompt_len: int) -> int:
         """Tokens the model's context leaves after a ``prompt_len``-token prompt.

@@ -61,7 +61,7 @@ from rocketkv.compression import (
 from rocketkv.data import ROOT
 from rocketkv.engine.device import default_dtype
 from rocketkv.engine.generate import CacheRequest, generate
-from rocketkv.engine.prefill import extend_prefilled, prefill_once
+from rocketkv.engine.prefill import OBSERVATION_WINDOW, extend_prefilled, prefill_once
 from rocketkv.engine.provenance import checkpoint_sha256, commit_fields, cpu_has_native_bf16
 from rocketkv.flags import DTYPE_NAMES, add_device_option, add_time_limit_option
 from rocketkv.formats.checkpoint import (
@@ -232,7 +232,8 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     model.prefill_chunk_size = max(model.prefill_chunk_size, doc.shape[1] + question.shape[1])
     pre_doc = None  # no shared prefill where no method uses one (KeyDiff alone)
     if any(METHODS[m].shared_prefill for m, _ in configs):
-        pre_doc = prefill_once(model, doc, obs_window=max(64, options.get("window") or 0),
+        pre_doc = prefill_once(model, doc, obs_window=max(OBSERVATION_WINDOW,
+                                                             options.get("window") or 0),
                                attention_sums=needs_attention_sums(m for m, _ in configs))
     out: dict[str, dict[tuple[str, Any], Any]] = {}
     for mode in modes:
