@@ -1,11 +1,11 @@
 """Serve a model over an OpenAI-compatible HTTP API.
 
     python serve.py --checkpoint model.gguf [--host 127.0.0.1] [--port 8000]
-                    [--method rocketkv --budget 256] [--max-new-tokens 256]
+                    [--method rocketkv --budget 256] [--max-new-tokens 256] [--max-batch 8]
 
 The same command as ``rocketkv serve`` (installed); ``--help`` lists every flag. The command
-line is ``rocketkv/cli/serve.py``, the app ``rocketkv/serve/app.py``. One request at a
-time (no continuous batching yet).
+line is ``rocketkv/cli/serve.py``, the app ``rocketkv/serve/app.py``. Up to ``--max-batch``
+requests decode together (continuous batching).
 """
 
 

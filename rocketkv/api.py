@@ -43,6 +43,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ from rocketkv.compression import METHODS
 from rocketkv.compression.registry import every_option
 from rocketkv.engine import checks
 from rocketkv.engine import generate as _g
+from rocketkv.engine.batch import PREFILL_LAYERS, Batcher
 from rocketkv.engine.device import default_dtype, resolve_device
 from rocketkv.engine.documents import (
     CacheSnapshot,
@@ -318,6 +320,7 @@ class Engine:
         self.checkpoint, self.load_s = checkpoint, load_s
         self.prefix_cache = prefix_cache
         self._document: Document | None = None  # the document the caches hold now
+        self._batcher: Batcher | None = None  # ``start_batching``
 
     def __repr__(self) -> str:
         dtype = str(self.model.dtype).removeprefix("torch.")
@@ -432,6 +435,20 @@ class Engine:
                 does not read, a prompt that does not fit the context, a budget too small for
                 it.
         """
+        run = self._plan(prompt, method=method, budget=budget, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         chat=chat, system=system, stop_ids=stop_ids, compile=compile,
+                         **method_options)
+        return self.run(run, on_token=on_token, on_text=on_text)
+
+    def _plan(self, prompt: str | Sequence[dict[str, Any]] | Sequence[int], *,
+              method: str = "full", budget: int | None = None, max_new_tokens: int = 256,
+              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+              seed: int | None = 0, chat: bool | None = None, system: str | None = None,
+              stop_ids: Sequence[int] | None = None, compile: bool | None = None,
+              **method_options) -> checks.Run:
+        """``generate``'s arguments checked, the prompt encoded and the run planned
+        (``checks.plan_run``); a budget that compresses nothing warned about."""
         budget = _int("budget", budget, optional=True)
         max_new_tokens, temperature, top_k, top_p, seed = _sampling(
             max_new_tokens, temperature, top_k, top_p, seed)
@@ -444,7 +461,7 @@ class Engine:
                               stop_ids=self.stop_ids if stop_ids is None else tuple(stop_ids),
                               compile=compile, device=self.model.device)
         _warn_uncompressed(run.note)
-        return self.run(run, on_token=on_token, on_text=on_text)
+        return run
 
     @_in_python_words
     def run(self, run: checks.Run, *, on_token: Callable[[torch.Tensor], Any] | None = None,
@@ -467,6 +484,7 @@ class Engine:
         Raises:
             ConfigError: the run was planned for another model's config.
         """
+        self._not_batching()
         prompt = run.ids if run.batch_size == 1 else [run.ids] * run.batch_size
         on_token, streamer = self._streaming(on_token, on_text, run.stop_ids)
         self._document = None
@@ -476,18 +494,7 @@ class Engine:
                             stop_ids=run.stop_ids, sampling=run.sampling, step=run.step,
                             on_token=on_token, on_prefill_layer=on_prefill_layer)
             return self._result(r, run.stop_ids, streamer)
-        # the longest kept prefix extended by the rest, recorded whole, then the caches built
-        window, sums = run.plan.request.recording
-        kept = self.prefix_cache.longest(run.ids, obs_window=window, attention_sums=sums)
-        if kept is None:
-            pre = prefill_once(self.model, run.ids, obs_window=window, attention_sums=sums,
-                               on_layer=on_prefill_layer)
-            reused, prefill_s = 0, pre.prefill_s
-        else:
-            reused = kept.tokens.shape[1]
-            pre = extend_prefilled(self.model, kept, run.ids[reused:])
-            prefill_s = pre.prefill_s - kept.prefill_s
-        self.prefix_cache.add(pre)
+        pre, reused, prefill_s = self._kept_prefill(run, on_prefill_layer)
         try:
             r = _g.generate(self.model, prompt, run.plan, max_new_tokens=run.max_new_tokens,
                             stop_ids=run.stop_ids, sampling=run.sampling, step=run.step,
@@ -496,6 +503,136 @@ class Engine:
             pre.memos = [{} for _ in pre.k]  # kept for its K/V, not this run's scores
         return self._result(r, run.stop_ids, streamer, prefill_s=prefill_s + r.prefill_s,
                             prefix_tokens_reused=reused)
+
+    def _not_batching(self) -> None:
+        """Refuse a run of its own while the batcher drives the model (its thread)."""
+        if self._batcher is not None:
+            raise ConfigError("this engine is batching (start_batching): use submit, or "
+                              "close_batching first")
+
+    def _kept_prefill(self, run: checks.Run, on_layer: Callable[[int], Any] | None = None
+                      ) -> tuple[PrefilledPrompt, int, float]:
+        """The prompt of ``run`` recorded whole through the prefix cache: its longest kept
+        prefix extended by the rest (or a prefill from scratch), kept for later runs. Returns
+        the recording, the tokens reused and the seconds this prefill took."""
+        window, sums = run.plan.request.recording
+        kept = self.prefix_cache.longest(run.ids, obs_window=window, attention_sums=sums)
+        if kept is None:
+            pre = prefill_once(self.model, run.ids, obs_window=window, attention_sums=sums,
+                               on_layer=on_layer)
+            reused, prefill_s = 0, pre.prefill_s
+        else:
+            reused = kept.tokens.shape[1]
+            pre = extend_prefilled(self.model, kept, run.ids[reused:])
+            prefill_s = pre.prefill_s - kept.prefill_s
+        self.prefix_cache.add(pre)
+        return pre, reused, prefill_s
+
+    # ---- many prompts decoded together (continuous batching)
+
+    def start_batching(self, max_batch: int = 8, prefill_layers: int = PREFILL_LAYERS
+                       ) -> Batcher:
+        """Decode the requests given to ``submit`` together from now on: a ``batch.Batcher``
+        (a thread of its own) over this engine's model, up to ``max_batch`` requests per
+        decode step, a new prompt's prefill ``prefill_layers`` layers at a time between steps
+        (``batch.BatchDecoder``). Returns the batcher (``close_batching`` stops it).
+
+        Raises:
+            ConfigError: batching started already, ``max_batch`` not positive, a model under
+                tensor parallelism.
+        """
+        if self._batcher is not None:
+            raise ConfigError("batching has started already")
+        self._batcher = Batcher(self.model, max_batch=max_batch, prefill_layers=prefill_layers)
+        return self._batcher
+
+    def close_batching(self, wait: bool = True) -> None:
+        """Stop the batcher: queued requests are cancelled; with ``wait``, return once the
+        running ones have finished."""
+        if self._batcher is not None:
+            self._batcher.close(wait)
+            self._batcher = None
+
+    @_in_python_words
+    def submit(self, prompt: str | Sequence[dict[str, Any]] | Sequence[int], *,
+               method: str = "full", budget: int | None = None, max_new_tokens: int = 256,
+               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = 0, chat: bool | None = None, system: str | None = None,
+               stop_ids: Sequence[int] | None = None,
+               on_token: Callable[[torch.Tensor], Any] | None = None,
+               on_text: Callable[[str], Any] | None = None, **method_options) -> Future:
+        """``generate``'s request, decoded with the others submitted (continuous batching,
+        ``start_batching``; started with its defaults on first use): returns at once a
+        ``concurrent.futures.Future`` whose result is the ``Result`` (``future.result()``
+        waits), or the exception that ended the request (one ``on_token`` raised, for one).
+        ``future.cancel()`` withdraws a request not yet admitted. The arguments are
+        ``generate``'s (without ``compile``: the batched step runs eagerly) and are checked
+        here, before anything is queued.
+
+        Each request keeps caches of its own: any mix of methods, budgets and prompt lengths
+        decodes together. A greedy answer equals ``generate``'s when the model's matrix
+        products are batch-invariant (``batch``'s docstring); a sampled one draws from a
+        generator of its own, seeded with ``seed``. With a ``prefix_cache``, a prompt's kept
+        prefix is reused as in ``run``.
+
+        Raises:
+            ConfigError: as ``generate``, before anything is queued.
+        """
+        run = self._plan(prompt, method=method, budget=budget, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         chat=chat, system=system, stop_ids=stop_ids, compile=False,
+                         **method_options)
+        return self.submit_run(run, on_token=on_token, on_text=on_text)
+
+    def submit_run(self, run: checks.Run, *,
+                   on_token: Callable[[torch.Tensor], Any] | None = None,
+                   on_text: Callable[[str], Any] | None = None) -> Future:
+        """``submit`` for a run already checked and planned (``checks.plan_run``)."""
+        if self._batcher is None:
+            self.start_batching()
+        on_token, streamer = self._streaming(on_token, on_text, run.stop_ids)
+        self._document = None  # the batch replaces the model's own caches
+        shared = (self.prefix_cache is not None
+                  and METHODS[run.plan.request.method].shared_prefill)
+        extra: dict[str, Any] = {}
+
+        def prepare(on_layer: Callable[[int], Any]) -> PrefilledPrompt | None:
+            if not shared:
+                return None
+            pre, extra["prefix_tokens_reused"], extra["prefill_s"] = \
+                self._kept_prefill(run, on_layer)
+            extra["pre"] = pre
+            return pre
+
+        def finish(r: GenerateResult) -> Result:
+            pre = extra.pop("pre", None)
+            if pre is not None:
+                pre.memos = [{} for _ in pre.k]
+                extra["prefill_s"] += r.prefill_s
+            return self._result(r, run.stop_ids, streamer, **extra)
+
+        return self._batcher.submit(run, on_token=on_token, prepare=prepare, finish=finish)
+
+    @_in_python_words
+    def generate_batch(self, prompts: Sequence[str | Sequence[dict[str, Any]] | Sequence[int]],
+                       **kwargs: Any) -> list[Result]:
+        """``generate`` for each of ``prompts``, decoded together (``submit``, then every
+        result waited for); ``kwargs`` are ``submit``'s, the same for every prompt.
+
+            engine.generate_batch(["What is RoPE?", "Name three fruits."], max_new_tokens=64)
+
+        Raises:
+            ConfigError: a prompt or setting ``generate`` refuses (before any is queued).
+        """
+        if isinstance(prompts, str):
+            raise ConfigError("prompts is a list of prompts (one string is one prompt: "
+                              "use generate)")
+        if "compile" in kwargs or "on_token" in kwargs or "on_text" in kwargs:
+            raise ConfigError("generate_batch takes generate's settings but compile, on_token "
+                              "and on_text (use submit for a request's own callbacks)")
+        runs = [self._plan(p, **kwargs) for p in prompts]  # every prompt checked first
+        futures = [self.submit_run(run) for run in runs]
+        return [f.result() for f in futures]
 
     def _result(self, r: GenerateResult, stop: Sequence[int], streamer: TextStreamer | None,
                 **extra: Any) -> Result:
@@ -591,6 +728,7 @@ class Engine:
             ConfigError: ``question_aware=True`` for a method whose caches prefill their own
                 way (KeyDiff).
         """
+        self._not_batching()
         request = run.plan.request
         method = METHODS[request.method]
         if question_aware and not method.shared_prefill:

@@ -14,8 +14,9 @@ token and the inter-token latencies; per run, requests lost, answers equal to th
 run, aggregate completion tokens/s, TTFT and inter-token latency p50/p99 (nearest rank).
 ``load-test.json`` (settings, records, summaries, the ratio of aggregate tokens/s to one
 client's, provenance, load average before and after, the command) and ``load-test.md`` (a
-table) go into ``--out``. The server runs requests one at a time (no batching yet), so the
-aggregate tokens/s is about one client's.
+table) go into ``--out``. The server started here decodes up to ``--max-batch`` requests
+together (continuous batching; 1: one at a time, and the aggregate tokens/s is about one
+client's).
 
 Exit status 0 when no request was lost and every answer equals its single run, 1 otherwise, 2 on
 bad input (one ``error:`` line, before the model loads).
@@ -56,6 +57,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--seed", type=int, default=0, help="the plan's shuffle (0)")
     p.add_argument("--out", default="results/serve", metavar="DIR",
                    help="folder of load-test.json and load-test.md (results/serve)")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N",
+                   help="requests the server started here decodes together (8; 1: one at a "
+                   "time); not used with --url")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads of the served engine (default: torch's)")
     return p

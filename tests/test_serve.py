@@ -211,8 +211,8 @@ def test_the_openai_client_sees_a_400(api):
 
 
 def test_requests_at_once_wait_their_turn(server, engine):
-    """Three chat requests sent together run one at a time (no batching yet): each is answered
-    in full, with the greedy answer a request alone gets."""
+    """Three chat requests sent together to a server without batching (``max_batch`` 1) run
+    one at a time: each is answered in full, with the greedy answer a request alone gets."""
     expected = engine.generate(QUESTION, max_new_tokens=MAX, temperature=0).text
     answers, errors = [], []
 
@@ -367,3 +367,77 @@ def test_sigterm_finishes_the_running_request_then_exits(stories_dir):
     r = answer["r"]
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] > 100  # answered in full, not cut off
+
+
+BATCHED = [{}, {"method": "rocketkv", "budget": 64}, {"method": "snapkv_pp", "budget": 64},
+           {"method": "streamingllm", "budget": 32}]  # the server's default: full
+
+
+def test_batched_requests_decode_together_and_answer_as_alone(engine):
+    """``max_batch=4``: four requests with four KV caches sent at once share decode steps, and
+    each (whole or streamed) is the greedy answer ``Engine.generate`` gives it alone."""
+    messages = [{"role": "user", "content": LONG}]
+    expected = [engine.generate(messages, max_new_tokens=MAX, temperature=0, **fields)
+                for fields in BATCHED]
+    app = create_app(engine, ServeDefaults(max_new_tokens=MAX), max_batch=4)
+    batcher = app.state.batcher
+    with serving(app) as url:
+        answers, errors = {}, []
+
+        def ask(i: int, stream: bool) -> None:
+            http = httpx.Client(trust_env=False, timeout=120)
+            try:
+                with openai.OpenAI(base_url=url, api_key="unused", max_retries=0,
+                                   http_client=http) as api:
+                    fields = dict(model="m", messages=messages, max_tokens=MAX, temperature=0,
+                                  extra_body=BATCHED[i])
+                    if stream:
+                        chunks = api.chat.completions.create(stream=True, **fields)
+                        answers[i] = "".join(c.choices[0].delta.content or ""
+                                             for c in chunks if c.choices)
+                    else:
+                        answers[i] = api.chat.completions.create(**fields).choices[0] \
+                            .message.content
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=ask, args=(i, i % 2 == 1)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors
+    assert [answers[i] for i in range(4)] == [r.text for r in expected]
+    assert batcher.decoder.steps < batcher.decoder.step_tokens  # steps were shared
+    assert engine._batcher is None  # stopped with the server: generate works again
+    assert engine.generate(QUESTION, max_new_tokens=2, temperature=0).tokens
+
+
+def test_a_batched_stream_whose_client_goes_away_leaves_the_batch(engine, monkeypatch):
+    """A streamed request whose client closes the connection after a few chunks ends at its
+    next token (its future holds the cancellation), and the batch serves the next one."""
+    from rocketkv.serve.app import _Cancelled
+
+    futures, submit_run = [], engine.submit_run
+
+    def spy(*a, **kw):
+        futures.append(submit_run(*a, **kw))
+        return futures[-1]
+
+    monkeypatch.setattr(engine, "submit_run", spy)
+    app = create_app(engine, ServeDefaults(max_new_tokens=MAX), max_batch=2)
+    batcher = app.state.batcher
+    with serving(app) as url:
+        body = {"messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.Client(trust_env=False, timeout=60) as http:
+            with http.stream("POST", f"{url}/chat/completions", json=body) as r:
+                for n, _line in enumerate(r.iter_lines()):
+                    if n >= 4:
+                        break  # the client goes away after a few tokens
+        assert isinstance(futures[0].exception(timeout=30), _Cancelled)
+        assert batcher.running == 0
+        with httpx.Client(trust_env=False, timeout=60) as http:
+            r = http.post(f"{url}/chat/completions", json={**body, "stream": False,
+                                                            "max_tokens": 4})
+    assert r.status_code == 200 and futures[1].result().tokens

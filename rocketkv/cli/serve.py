@@ -1,10 +1,10 @@
 """Serve a model over an OpenAI-compatible HTTP API (``rocketkv/serve/app.py``).
 
     python serve.py --checkpoint model.gguf [--host 127.0.0.1] [--port 8000]
-                    [--method rocketkv --budget 256] [--max-new-tokens 256]
+                    [--method rocketkv --budget 256] [--max-new-tokens 256] [--max-batch 8]
 
-The same command as ``rocketkv serve`` (installed). One uvicorn worker, one ``Engine``: requests
-run one at a time, the others wait in a queue (no continuous batching yet).
+The same command as ``rocketkv serve`` (installed). One uvicorn worker, one ``Engine``: up to
+``--max-batch`` requests decode together (continuous batching), the others wait in a queue.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --max-queue must not be negative, got {args.max_queue}",
               file=sys.stderr)
         return 2
+    if args.max_batch < 1:
+        print(f"error: --max-batch must be positive, got {args.max_batch}", file=sys.stderr)
+        return 2
     if args.prefix_cache_mib is not None and args.prefix_cache_mib < 0:
         print(f"error: --prefix-cache-mib must not be negative, got {args.prefix_cache_mib}",
               file=sys.stderr)
@@ -57,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = create_app(engine, defaults_of(args), model_name=args.model_name,
-                     max_queue=args.max_queue)
+                     max_queue=args.max_queue, max_batch=args.max_batch)
     print(f"serving {app.state.model} ({engine!r}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, workers=1)

@@ -16,8 +16,8 @@ from rocketkv.flags import (
 )
 
 DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-               "/v1/completions, /v1/models, /health, /metrics). One request runs at a time; "
-               "the others wait in a queue.")
+               "/v1/completions, /v1/models, /health, /metrics). Up to --max-batch requests "
+               "decode together (continuous batching); the others wait in a queue.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a GGUF's weights as float or kept quantized (default quantized on the "
                         "CPU, float on CUDA; docs/quantization.md)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N",
+                   help="requests decoded together at most, each with its own method, budget "
+                        "and cache (continuous batching; default 8); 1: one request at a time, "
+                        "its decode step compiled when the answer is long enough to repay it")
     p.add_argument("--max-queue", type=int, metavar="N",
                    help="refuse a request with HTTP 503 (Retry-After: 1) when N requests are "
                         "waiting already (default: no limit)")

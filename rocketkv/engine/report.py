@@ -103,6 +103,8 @@ class GenerateResult(Mapping):
     fused_kernels: bool  # the sparse kernels ran
     dense_kernels: bool  # the dense kernels ran in at least one layer
     kernels: dict[str, str]  # family -> "fused" or "pytorch (why)" (``kernels.report``)
+    batch_sizes: list[int] | None = None  # continuous batching (``batch.BatchDecoder``): the
+    # requests each of its decode steps carried; None: a run of its own
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON record (``--json``): a new dict, the fields in order (the values are the
@@ -128,12 +130,15 @@ def result_record(model: Transformer, spec: CacheSpec, prompt: Tensor,
                   run: dict[str, Any], *, stop_ids: Sequence[int], max_new_tokens: int,
                   limit_reason: str, conversation: dict[str, int], shared: bool,
                   peak_setup: int, memory_kind: str, mode: StepMode, fused: bool, dense: bool,
-                  kernels: dict[str, str]) -> GenerateResult:
+                  kernels: dict[str, str], caches: list | None = None,
+                  batch_sizes: list[int] | None = None) -> GenerateResult:
     """``generate``'s result (see its Returns) from ``_run``'s: tokens cut at each sequence's
     stop token, the stop reason, latency, memory (``peak_setup``: the caches' allocation,
     counted in the total) and the bytes the caches and weights hold and move; then how the
     run went: its ``conversation`` {start, position, room}, whether the caches came from a
-    ``shared`` prefill, the step ``mode`` and the kernels that ran (``kernels.report``)."""
+    ``shared`` prefill, the step ``mode`` and the kernels that ran (``kernels.report``).
+    ``caches``: the run's caches when the model holds none (a batched request's; default
+    ``model.caches``); ``batch_sizes``: a batched request's step sizes."""
     B, T = prompt.shape
     device, dtype = model.device, model.dtype
     end = spec.positions
@@ -157,7 +162,7 @@ def result_record(model: Transformer, spec: CacheSpec, prompt: Tensor,
 
     decode_ms = run["decode_ms"]
     median = percentile(decode_ms, 50)
-    caches = model.caches
+    caches = model.caches if caches is None else caches
     kv_cache_bytes = sum(c.allocated_bytes() for c in caches)
     kv_per_step = sum(c.bytes_read_per_step() for c in caches)
     kv_ideal = sum(c.ideal_bytes_per_step() for c in caches)
@@ -213,6 +218,7 @@ def result_record(model: Transformer, spec: CacheSpec, prompt: Tensor,
         fused_kernels=fused,
         dense_kernels=dense,
         kernels=kernels,  # family -> "fused" or "pytorch (why)" (kernels.report)
+        batch_sizes=batch_sizes,
     )
 
 

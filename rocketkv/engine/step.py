@@ -116,10 +116,11 @@ class StepConfig:
 
 
 def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
-           top_p: float | None = None) -> Tensor:
+           top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
     """Next tokens (B, 1) int64 from logits (B, vocab); greedy when ``temperature == 0``.
 
-    Sampling draws with the exponential trick (argmax of p / Exp(1)), so no host sync.
+    Sampling draws with the exponential trick (argmax of p / Exp(1)), so no host sync;
+    ``generator``: the draws' source (None: torch's default generator).
     """
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
@@ -134,7 +135,7 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(1)
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / noise).argmax(dim=-1, keepdim=True)
 
 

@@ -10,8 +10,10 @@ answers equal to their single run (greedy, so any difference is a bug: a request
 not depend on what else the server was doing), aggregate completion tokens per second over the
 run's wall time, TTFT and inter-token latency percentiles.
 
-The server runs requests one at a time (no batching yet), so N clients queue behind each other:
-the aggregate tokens/s stays about one client's and the TTFT grows with the queue.
+The server decodes up to ``--max-batch`` requests together (continuous batching): N clients'
+requests share each decode step, so the aggregate tokens/s grows with N until the batch's step
+time does; with ``--max-batch 1`` they queue behind each other and the aggregate stays about
+one client's.
 
 ``scripts/load_test.py`` runs it (``run``) and writes ``load-test.json`` and ``load-test.md``.
 """
@@ -169,9 +171,9 @@ def plan_requests(prompts: Sequence[Messages], configs: Sequence[tuple[str, int 
 # ---- the server
 
 
-def start_server(engine, defaults=None) -> tuple[str, Callable[[], None]]:
-    """Serve ``engine`` (``create_app(engine, defaults)``) with uvicorn in a daemon thread on
-    127.0.0.1, on a free port the system picks, log level warning.
+def start_server(engine, defaults=None, max_batch: int = 1) -> tuple[str, Callable[[], None]]:
+    """Serve ``engine`` (``create_app(engine, defaults, max_batch=max_batch)``) with uvicorn in
+    a daemon thread on 127.0.0.1, on a free port the system picks, log level warning.
 
     Returns:
         (the base URL, ``http://127.0.0.1:PORT/v1``; a function that stops the server and
@@ -180,8 +182,8 @@ def start_server(engine, defaults=None) -> tuple[str, Callable[[], None]]:
         RuntimeError: the server did not start within 30 s (``START_TIMEOUT_S``), or its
             thread ended first (a port that cannot be bound).
     """
-    config = uvicorn.Config(create_app(engine, defaults), host="127.0.0.1", port=0,
-                            log_level="warning")
+    config = uvicorn.Config(create_app(engine, defaults, max_batch=max_batch),
+                            host="127.0.0.1", port=0, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="rocketkv-load-test-server", daemon=True)
     thread.start()
@@ -250,6 +252,26 @@ def warm_up(base_url: str, spec: RequestSpec, *, model: str = "rocketkv",
     except Exception as e:  # noqa: BLE001 (said in the report; the run goes on)
         error = _error_line(e)
     return {"seconds": round(time.perf_counter() - t, 3), "error": error}
+
+
+DECODE_COUNTERS = ("rocketkv_decode_steps", "rocketkv_decode_tokens", "rocketkv_decode_seconds")
+
+
+def decode_counters(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
+    """The server's decode-step counters (``/metrics``: steps, the tokens they made, their
+    seconds), or None when it has none (another server) or does not answer."""
+    root = base_url.removesuffix("/").removesuffix("/v1")
+    try:
+        with httpx.Client(trust_env=False, timeout=timeout_s) as http:
+            text = http.get(f"{root}/metrics").text
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in DECODE_COUNTERS:
+            values[name.removeprefix("rocketkv_decode_")] = float(value)
+    return values if len(values) == len(DECODE_COUNTERS) else None
 
 
 def _extra_body(method: str, budget: int | None) -> dict[str, Any]:
@@ -437,8 +459,10 @@ def _ms(value: float | None) -> float | None:
 
 def summarize(records: Sequence[dict[str, Any]],
               references: dict[tuple[int, str, int | None, int], dict[str, Any]],
-              wall_s: float) -> dict[str, Any]:
-    """A run's numbers from its ``run_load`` records and the ``single_runs`` references.
+              wall_s: float, decode: tuple[dict[str, float], dict[str, float]] | None = None
+              ) -> dict[str, Any]:
+    """A run's numbers from its ``run_load`` records and the ``single_runs`` references;
+    ``decode``: the server's ``decode_counters`` before and after the run.
 
     Percentiles are nearest-rank (``percentile``): p50 and p99 of the TTFTs of the answered
     requests and of all their inter-token latencies, in milliseconds (None when there are
@@ -452,7 +476,10 @@ def summarize(records: Sequence[dict[str, Any]],
         or whose single run is missing or failed: client, index, prompt_id, config, text,
         reference), "completion_tokens" (of the ok requests), "wall_s", "tokens_per_s"
         (completion tokens / wall_s), "ttft_ms_p50", "ttft_ms_p99", "inter_token_ms_p50",
-        "inter_token_ms_p99", "per_config" ({METHOD[@BUDGET]: {"requests", "ok", "same"}})}.
+        "inter_token_ms_p99", "per_config" ({METHOD[@BUDGET]: {"requests", "ok", "same"}}),
+        "decode_steps", "decode_tokens", "decode_s", "decode_tokens_per_s" (the decode steps'
+        tokens over their seconds: the server's decode throughput, prefill left out),
+        "mean_batch" (decode tokens per step); these None without ``decode``}.
     """
     ok = [r for r in records if r["ok"]]
     mismatches = []
@@ -485,7 +512,21 @@ def summarize(records: Sequence[dict[str, Any]],
             "tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else None,
             "ttft_ms_p50": _ms(percentile(ttft, 50)), "ttft_ms_p99": _ms(percentile(ttft, 99)),
             "inter_token_ms_p50": _ms(percentile(itl, 50)),
-            "inter_token_ms_p99": _ms(percentile(itl, 99)), "per_config": per_config}
+            "inter_token_ms_p99": _ms(percentile(itl, 99)), "per_config": per_config,
+            **_decode_figures(decode)}
+
+
+def _decode_figures(decode: tuple[dict[str, float], dict[str, float]] | None
+                    ) -> dict[str, Any]:
+    if decode is None or decode[0] is None or decode[1] is None:
+        return {"decode_steps": None, "decode_tokens": None, "decode_s": None,
+                "decode_tokens_per_s": None, "mean_batch": None}
+    d = {k: decode[1][k] - decode[0][k] for k in decode[0]}
+    return {"decode_steps": int(d["steps"]), "decode_tokens": int(d["tokens"]),
+            "decode_s": round(d["seconds"], 3),
+            "decode_tokens_per_s": round(d["tokens"] / d["seconds"], 3) if d["seconds"] > 0
+            else None,
+            "mean_batch": round(d["tokens"] / d["steps"], 3) if d["steps"] else None}
 
 
 # ---- the script
@@ -547,7 +588,7 @@ def _base_url(url: str) -> str:
 
 
 def _table(summaries: dict[str, dict[str, Any]], ratio: float | None,
-           settings: dict[str, Any]) -> str:
+           settings: dict[str, Any], decode_ratio: float | None = None) -> str:
     def cell(v: Any) -> str:
         return "–" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -556,19 +597,27 @@ def _table(summaries: dict[str, dict[str, Any]], ratio: float | None,
     lines = [f"# Load test: {settings['model']}", "",
              f"{settings['clients']} clients x {settings['requests']} streamed chat requests, "
              f"configs {', '.join(settings['configs'])}, {settings['max_new_tokens']} new "
-             f"tokens at most, temperature 0; prompts of {tokens} tokens. "
-             "Requests run one at a time on the server (no batching yet).", "",
+             f"tokens at most, temperature 0; prompts of {tokens} tokens. " + (
+                 "Requests run one at a time on the server." if settings.get("max_batch") == 1
+                 else f"The server decodes up to {settings.get('max_batch')} requests "
+                 "together (continuous batching)."), "",
              "| run | requests | ok | lost | same as single run | completion tokens | "
-             "wall s | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "wall s | tokens/s | decode tokens/s | mean batch | TTFT p50 ms | TTFT p99 ms | "
+             "ITL p50 ms | ITL p99 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in summaries.items():
         lines.append("| " + " | ".join(cell(v) for v in (
             name, s["requests"], s["ok"], s["lost"], s["same_as_single"],
-            s["completion_tokens"], s["wall_s"], s["tokens_per_s"], s["ttft_ms_p50"],
+            s["completion_tokens"], s["wall_s"], s["tokens_per_s"],
+            s.get("decode_tokens_per_s"), s.get("mean_batch"), s["ttft_ms_p50"],
             s["ttft_ms_p99"], s["inter_token_ms_p50"], s["inter_token_ms_p99"])) + " |")
     caveat = ("." if settings["same_prompt_mix"] else " (the single client sent another mix "
               "of prompts: --requests is not a multiple of --prompts).")
-    lines += ["", f"Aggregate tokens/s over the single client's: {cell(ratio)}{caveat}", ""]
+    lines += ["", f"Aggregate tokens/s over the single client's: {cell(ratio)}{caveat}",
+              "", "tokens/s: completion tokens over the run's wall time (prefill included); "
+              "decode tokens/s: the tokens the server's decode steps made over the seconds "
+              "they took (its /metrics before and after the run; prefill left out). Decode "
+              f"tokens/s over the single client's: {cell(decode_ratio)}.", ""]
     return "\n".join(lines)
 
 
@@ -587,7 +636,8 @@ def run(args, argv: Sequence[str] | None = None) -> int:
     t_start = time.perf_counter()
     load_before = load_average()
     try:
-        check_positive(args, "clients", "requests", "max_new_tokens", "prompts", "threads")
+        check_positive(args, "clients", "requests", "max_new_tokens", "prompts", "threads",
+                       "max_batch")
         if args.time_limit is None or args.time_limit <= 0:
             raise ConfigError(f"--time-limit must be positive, got {args.time_limit}")
         configs = parse_configs(args.configs)
@@ -622,7 +672,8 @@ def run(args, argv: Sequence[str] | None = None) -> int:
             model = server_model(url)
             prompts = essay_prompts(args.prompts, chars_per_4)
         if engine is not None:
-            url, stop = start_server(engine, ServeDefaults(max_new_tokens=args.max_new_tokens))
+            url, stop = start_server(engine, ServeDefaults(max_new_tokens=args.max_new_tokens),
+                                     max_batch=args.max_batch)
     except (ConfigError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
@@ -643,9 +694,11 @@ def run(args, argv: Sequence[str] | None = None) -> int:
         for name, plan in plans.items():
             print(f"{name}: {sum(map(len, plan))} requests...", flush=True)
             t = time.perf_counter()
+            before = decode_counters(url)
             records = run_load(url, plan, left(), model=model)
             ends = [r["t_end_s"] for r in records if r["t_end_s"] is not None]
-            runs[name] = (records, max(ends) if ends else time.perf_counter() - t)
+            runs[name] = (records, max(ends) if ends else time.perf_counter() - t,
+                          (before, decode_counters(url)))
         print("single runs...", flush=True)
         references = single_runs(url, [s for p in plans.values() for s in p],
                                  timeout_s=max(left(), 0.001), model=model)
@@ -653,11 +706,14 @@ def run(args, argv: Sequence[str] | None = None) -> int:
         if stop is not None:
             stop()
 
-    summaries = {name: summarize(records, references, wall)
-                 for name, (records, wall) in runs.items()}
+    summaries = {name: summarize(records, references, wall, decode)
+                 for name, (records, wall, decode) in runs.items()}
     one, many = summaries.values()
     ratio = (round(many["tokens_per_s"] / one["tokens_per_s"], 3)
              if one["tokens_per_s"] and many["tokens_per_s"] is not None else None)
+    decode_ratio = (round(many["decode_tokens_per_s"] / one["decode_tokens_per_s"], 3)
+                    if one["decode_tokens_per_s"] and many["decode_tokens_per_s"] is not None
+                    else None)
     if engine is not None:  # the prompts as the server counts them (chat template included)
         prompt_tokens: Any = [len(engine.encode(p)) for p in prompts]
     else:
@@ -668,24 +724,27 @@ def run(args, argv: Sequence[str] | None = None) -> int:
                 "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
                 "prompt_tokens": prompt_tokens,
                 "same_prompt_mix": same_mix, "time_limit_s": args.time_limit,
-                "seed": args.seed, "threads": args.threads}
+                "seed": args.seed, "threads": args.threads,
+                "max_batch": args.max_batch if args.url is None else None}
     report = {"command": command_line("load_test.py", argv), "settings": settings,
               "warm_up": warm, "summaries": summaries, "tokens_per_s_ratio": ratio,
+              "decode_tokens_per_s_ratio": decode_ratio,
               "load_average": {"before": load_before, "after": load_average()},
               "provenance": provenance(None if engine is None else engine.checkpoint,
                                        None if argv is None
                                        else ["scripts/load_test.py", *argv]),
               "references": list(references.values()),
-              "records": {name: records for name, (records, _) in runs.items()}}
+              "records": {name: records for name, (records, _, _) in runs.items()}}
     for name, s in summaries.items():
         print(f"{name}: {s['ok']}/{s['requests']} ok, {s['lost']} lost, "
               f"{s['same_as_single']} same as single run, {s['tokens_per_s']} tokens/s, "
               f"TTFT p50 {s['ttft_ms_p50']} ms, p99 {s['ttft_ms_p99']} ms, ITL p50 "
               f"{s['inter_token_ms_p50']} ms, p99 {s['inter_token_ms_p99']} ms", flush=True)
-    print(f"aggregate tokens/s over the single client's: {ratio}", flush=True)
+    print(f"aggregate tokens/s over the single client's: {ratio}; decode tokens/s: "
+          f"{decode_ratio}", flush=True)
     try:
         write_json(out / "load-test.json", report)
-        (out / "load-test.md").write_text(_table(summaries, ratio, settings))
+        (out / "load-test.md").write_text(_table(summaries, ratio, settings, decode_ratio))
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -4,13 +4,16 @@ Endpoints: ``GET /v1/models`` (the one model), ``POST /v1/chat/completions`` and
 /v1/completions`` (whole, or streamed as server-sent events with ``"stream": true``),
 ``GET /health`` and ``GET /metrics`` (Prometheus text).
 
-No continuous batching yet: the engine drives one set of caches, so requests run one at a
-time on one worker thread, in the order they came; the others wait in its queue (the
-``rocketkv_queue_length`` gauge counts them; ``create_app(max_queue=N)`` refuses a request that
-finds N waiting with HTTP 503). A request whose client goes away while it waits is skipped; a
-running one stops at its next token. With the engine's ``prefix_cache``
-(``serve.py --prefix-cache-mib``), a request whose prompt starts with a kept one prefills only
-the rest.
+With ``create_app(max_batch=N)`` (``serve.py --max-batch``, default 8) up to N requests decode
+together (continuous batching, ``engine.batch``): each keeps its own method, budget and caches,
+joins the batch when its prefill is done (a new prompt's prefill runs a few layers at a time
+between decode steps, so running requests keep decoding) and leaves it when it ends. With
+``max_batch`` 1 requests run one at a time on one worker thread, in the order they came. Either
+way the others wait in a queue (the ``rocketkv_queue_length`` gauge counts them;
+``create_app(max_queue=N)`` refuses a request that finds N waiting with HTTP 503). A request
+whose client goes away while it waits is skipped; a running one stops at its next token. With
+the engine's ``prefix_cache`` (``serve.py --prefix-cache-mib``), a request whose prompt starts
+with a kept one prefills only the rest.
 
 A request's fields as the OpenAI API defines them: ``messages`` (chat) or ``prompt``
 (completions: plain text, no chat template), ``max_tokens`` (chat also
@@ -128,8 +131,8 @@ class _Metrics:
                                  ["method"], registry=r)
         self.queue_length = Gauge("rocketkv_queue_length",
                                   "requests waiting for the engine", registry=r)
-        self.running = Gauge("rocketkv_running", "requests being generated (0 or 1)",
-                             registry=r)
+        self.running = Gauge("rocketkv_running", "requests being generated (one at a time "
+                             "without --max-batch)", registry=r)
         self.abandoned = Counter("rocketkv_abandoned", "requests whose client went away "
                                  "before they started: skipped", registry=r)
         self.refused = Counter("rocketkv_refused", "requests refused with 503: the queue was "
@@ -137,6 +140,14 @@ class _Metrics:
         self.prefix_reused = Counter("rocketkv_prefix_tokens_reused",
                                      "prompt tokens not prefilled again: a kept prompt's "
                                      "(--prefix-cache-mib)", ["method"], registry=r)
+        # decode steps (not prefill): their tokens over their seconds is the server's decode
+        # throughput, which batching multiplies (a load test reads them before and after)
+        self.decode_steps = Gauge("rocketkv_decode_steps", "decode steps run (a batched step "
+                                  "counts once)", registry=r)
+        self.decode_tokens = Gauge("rocketkv_decode_tokens", "tokens the decode steps made "
+                                   "(a batched step makes one per request)", registry=r)
+        self.decode_seconds = Gauge("rocketkv_decode_seconds", "seconds the decode steps "
+                                    "took", registry=r)
         self.prefix_bytes = Gauge("rocketkv_prefix_cache_bytes",
                                   "bytes of the prompts kept uncompressed between requests",
                                   registry=r)
@@ -272,19 +283,24 @@ class _CountRequests:
 
 
 def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
-               model_name: str | None = None, max_queue: int | None = None) -> FastAPI:
+               model_name: str | None = None, max_queue: int | None = None,
+               max_batch: int = 1) -> FastAPI:
     """A FastAPI app serving ``engine`` (see the module's docstring); ``defaults``: the
-    settings of a request that sets none. Requests run one at a time on one worker thread
-    (no batching yet); run the app with one uvicorn worker process (``serve.py``).
-    ``max_queue``: a completion request that finds this many requests waiting is refused at
-    once with HTTP 503 and ``Retry-After: 1`` (``rocketkv_refused`` counts them); None: no
-    limit.
+    settings of a request that sets none. ``max_batch`` 1: requests run one at a time on one
+    worker thread (each as ``Engine.generate`` runs it, compiled when that pays); above 1: up
+    to ``max_batch`` requests decode together (continuous batching, ``Engine.submit``; the
+    app starts the engine's batcher and stops it at shutdown, after the running requests).
+    Run the app with one uvicorn worker process (``serve.py``). ``max_queue``: a completion
+    request that finds this many requests waiting is refused at once with HTTP 503 and
+    ``Retry-After: 1`` (``rocketkv_refused`` counts them); None: no limit.
 
     Raises:
-        ConfigError: ``max_queue`` negative.
+        ConfigError: ``max_queue`` negative, ``max_batch`` not positive.
     """
     if max_queue is not None and max_queue < 0:
         raise ConfigError(f"--max-queue must not be negative, got {max_queue}")
+    if max_batch < 1:
+        raise ConfigError(f"--max-batch must be positive, got {max_batch}")
     defaults = defaults or ServeDefaults()
     model = model_name or model_id(engine)
     metrics = _Metrics()
@@ -292,14 +308,30 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
     state = {"waiting": 0}
     lock = threading.Lock()
 
+    batched = max_batch > 1
+    if batched:
+        batcher = engine.start_batching(max_batch)
+        metrics.queue_length.set_function(lambda: batcher.waiting)
+        metrics.running.set_function(lambda: batcher.running)
+        metrics.decode_steps.set_function(lambda: batcher.decoder.steps)
+        metrics.decode_tokens.set_function(lambda: batcher.decoder.step_tokens)
+        metrics.decode_seconds.set_function(lambda: batcher.decoder.step_s)
+
+    def waiting() -> int:
+        return batcher.waiting if batched else state["waiting"]
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
         worker.shutdown(wait=False, cancel_futures=True)
+        if batched:  # uvicorn has answered the open requests by now
+            await asyncio.get_running_loop().run_in_executor(None, engine.close_batching)
 
-    app = FastAPI(title="rocketkv", description="OpenAI-compatible API (one request at "
-                  "a time)", lifespan=lifespan)
+    app = FastAPI(title="rocketkv", description="OpenAI-compatible API"
+                  + (f" (up to {max_batch} requests decoded together)" if batched
+                     else " (one request at a time)"), lifespan=lifespan)
     app.state.engine, app.state.defaults, app.state.model = engine, defaults, model
+    app.state.batcher = batcher if batched else None
     app.state.metrics = metrics
 
     def _queued(fn: Callable[[], Result]) -> Callable[[], Result]:
@@ -340,14 +372,48 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
         t0 = time.perf_counter()
         result = engine.generate(prompt, chat=chat, on_text=on_text, on_token=on_token,
                                  **kwargs)
-        method = kwargs["method"]
-        metrics.latency.labels(method).observe(time.perf_counter() - t0)
+        _count(kwargs["method"], result, time.perf_counter() - t0)
+        steps = len(result.metrics["decode_ms"])  # batch 1: a token per step
+        metrics.decode_steps.inc(steps)
+        metrics.decode_tokens.inc(steps * result.metrics["batch_size"])
+        metrics.decode_seconds.inc(sum(result.metrics["decode_ms"]) / 1e3)
+        return result
+
+    def _count(method: str, result: Result, seconds: float) -> None:
+        metrics.latency.labels(method).observe(seconds)
         metrics.prompt_tokens.labels(method).inc(result.metrics["prompt_tokens"])
         metrics.generated_tokens.labels(method).inc(len(result.tokens))
         metrics.prefix_reused.labels(method).inc(result.metrics.get("prefix_tokens_reused", 0))
         if engine.prefix_cache is not None:
             metrics.prefix_bytes.set(engine.prefix_cache.nbytes())
-        return result
+
+    def _submit(prompt: Any, kwargs: dict[str, Any], *, chat: bool | None,
+                on_text: Callable[[str], Any] | None = None,
+                cancelled: threading.Event | None = None) -> asyncio.Future:
+        """The request given to the engine's batcher (``Engine.submit``): an asyncio future
+        of its ``Result``.
+
+        Raises:
+            Busy: ``max_queue`` requests are waiting already.
+            ConfigError: the engine refused the settings (nothing queued).
+        """
+        def on_token(_tokens: Any) -> None:
+            if cancelled is not None and cancelled.is_set():
+                raise _Cancelled
+
+        if max_queue is not None and batcher.waiting >= max_queue:
+            metrics.refused.inc()
+            raise Busy(f"the server is busy: {batcher.waiting} requests are waiting "
+                       f"(--max-queue {max_queue}); try again later")
+        done = engine.submit(prompt, chat=chat, on_text=on_text, on_token=on_token, **kwargs)
+
+        def counted(f: Any) -> None:
+            if not f.cancelled() and f.exception() is None:
+                r = f.result()
+                _count(kwargs["method"], r, r.metrics["prefill_s"]
+                       + sum(r.metrics["decode_ms"]) / 1e3)
+        done.add_done_callback(counted)
+        return asyncio.wrap_future(done)
 
     async def _unless_disconnected(request: Request, waitable: Any,
                                    cancelled: threading.Event) -> Any:
@@ -364,6 +430,8 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
                 cancelled.set()
                 if not isinstance(waitable, asyncio.Future):  # an events.get(): not the job
                     task.cancel()
+                elif batched and waitable.cancel():  # withdrawn before the batch took it
+                    metrics.abandoned.inc()
                 raise _Cancelled
 
     def _usage(result: Result) -> dict[str, int]:
@@ -404,7 +472,7 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model, "queue_length": state["waiting"]}
+        return {"status": "ok", "model": model, "queue_length": waiting()}
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -435,10 +503,14 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
         # request if it has not started, or stops at the next token
 
         if not stream:
-            future = loop.run_in_executor(worker, _queued(
-                lambda: _generate(prompt, kwargs, chat=text_chat, cancelled=cancelled)))
-            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no warning
             try:
+                if batched:
+                    future = _submit(prompt, kwargs, chat=text_chat, cancelled=cancelled)
+                else:
+                    future = loop.run_in_executor(worker, _queued(
+                        lambda: _generate(prompt, kwargs, chat=text_chat,
+                                          cancelled=cancelled)))
+                future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no warning
                 result = await _unless_disconnected(request, future, cancelled)
             except ConfigError as e:
                 raise _config_error(e, data, chat) from None
@@ -471,7 +543,22 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
             put(("done", result))
             return result
 
-        future = loop.run_in_executor(worker, _queued(job))
+        if batched:
+            try:
+                future = _submit(prompt, kwargs, chat=text_chat,
+                                 on_text=lambda piece: put(("text", piece)),
+                                 cancelled=cancelled)
+            except ConfigError as e:
+                raise _config_error(e, data, chat) from None
+
+            def ended(f: asyncio.Future) -> None:
+                if f.cancelled():
+                    return
+                e = f.exception()
+                events.put_nowait(("error", e) if e is not None else ("done", f.result()))
+            future.add_done_callback(ended)
+        else:
+            future = loop.run_in_executor(worker, _queued(job))
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no warning
         first = await _unless_disconnected(request, events.get(), cancelled)
         if first[0] == "error":
