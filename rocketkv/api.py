@@ -530,20 +530,23 @@ class Engine:
 
     # ---- many prompts decoded together (continuous batching)
 
-    def start_batching(self, max_batch: int = 8, prefill_layers: int = PREFILL_LAYERS
-                       ) -> Batcher:
+    def start_batching(self, max_batch: int = 8, prefill_layers: int = PREFILL_LAYERS,
+                       max_kv_bytes: int | None = None) -> Batcher:
         """Decode the requests given to ``submit`` together from now on: a ``batch.Batcher``
         (a thread of its own) over this engine's model, up to ``max_batch`` requests per
         decode step, a new prompt's prefill ``prefill_layers`` layers at a time between steps
-        (``batch.BatchDecoder``). Returns the batcher (``close_batching`` stops it).
+        (``batch.BatchDecoder``), the running requests' KV caches within ``max_kv_bytes``
+        bytes together (a request waits until it fits; None: no limit). Returns the batcher
+        (``close_batching`` stops it).
 
         Raises:
-            ConfigError: batching started already, ``max_batch`` not positive, a model under
-                tensor parallelism.
+            ConfigError: batching started already, ``max_batch`` or ``max_kv_bytes`` not
+                positive, a model under tensor parallelism.
         """
         if self._batcher is not None:
             raise ConfigError("batching has started already")
-        self._batcher = Batcher(self.model, max_batch=max_batch, prefill_layers=prefill_layers)
+        self._batcher = Batcher(self.model, max_batch=max_batch, prefill_layers=prefill_layers,
+                                max_kv_bytes=max_kv_bytes)
         return self._batcher
 
     def close_batching(self, wait: bool = True) -> None:
@@ -576,7 +579,9 @@ class Engine:
         prefix is reused as in ``run``.
 
         Raises:
-            ConfigError: as ``generate``, before anything is queued.
+            ConfigError: as ``generate``, before anything is queued;
+                ``batch.KVCapacityError`` (a ``ConfigError``) when the request's KV cache
+                alone exceeds the batcher's ``max_kv_bytes``.
         """
         run = self._plan(prompt, method=method, budget=budget, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,

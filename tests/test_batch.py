@@ -11,7 +11,7 @@ import torch
 import rocketkv
 from rocketkv.compression import METHODS
 from rocketkv.engine import checks
-from rocketkv.engine.batch import BatchDecoder, Batcher
+from rocketkv.engine.batch import BatchDecoder, Batcher, KVCapacityError, kv_bytes
 from rocketkv.engine.generate import generate
 from rocketkv.engine.request import CacheRequest
 from rocketkv.engine.step import Sampling
@@ -192,3 +192,38 @@ def test_engine_generate_batch_is_generate_per_prompt(smollm2_model):
     assert [r.tokens for r in batched] == [r.tokens for r in alone]
     assert [r.text for r in batched] == [r.text for r in alone]
     assert engine.generate(prompts[0], **settings).tokens == alone[0].tokens  # closed: alone again
+
+
+def test_kv_bytes_sizes_the_caches_before_they_exist(stories_model):
+    model = stories_model
+    runs = _runs(model, CONFIGS)
+    dec = BatchDecoder(model, max_batch=len(runs))
+    for run in runs:
+        predicted = kv_bytes(model, run)
+        slot = dec.admit(run)
+        assert slot.kv_bytes == predicted > 0, run.plan.request.method
+    assert dec.kv_bytes_held() == sum(kv_bytes(model, r) for r in runs)
+
+
+def test_requests_wait_until_their_kv_fits_and_one_too_large_is_refused(stories_model):
+    """A limit that holds the largest request but no two: they run one after another, in
+    order, each as alone; a request larger than the limit is refused when submitted."""
+    model = stories_model
+    runs = _runs(model, CONFIGS[:3])
+    expected = [_alone(model, r) for r in runs]
+    sizes = sorted(kv_bytes(model, r) for r in runs)
+    limit = sizes[0] + sizes[1] - 1  # no two fit together
+    assert sizes[2] <= limit  # each fits alone
+    batcher = Batcher(model, max_batch=3, max_kv_bytes=limit)
+    try:
+        futures = [batcher.submit(r) for r in runs]
+        results = [f.result(60) for f in futures]
+        big = _runs(model, [("full", None, {})], new=200)[0]
+        with pytest.raises(KVCapacityError, match="MiB, more than"):
+            batcher.submit(big)
+    finally:
+        batcher.close()
+    assert [r.token_ids[0] for r in results] == expected
+    assert all(max(r.batch_sizes) == 1 for r in results)  # never two at once
+    with pytest.raises(ConfigError, match="--max-kv-mib must be positive"):
+        Batcher(model, max_kv_bytes=0)

@@ -441,3 +441,17 @@ def test_a_batched_stream_whose_client_goes_away_leaves_the_batch(engine, monkey
             r = http.post(f"{url}/chat/completions", json={**body, "stream": False,
                                                             "max_tokens": 4})
     assert r.status_code == 200 and futures[1].result().tokens
+
+
+def test_a_request_whose_kv_cache_cannot_fit_gets_503(engine):
+    """``max_kv_mib``: a request whose cache alone exceeds it is refused at once with 503 and
+    a message naming the sizes; a smaller one is answered."""
+    app = create_app(engine, ServeDefaults(max_new_tokens=MAX), max_batch=2, max_kv_mib=8)
+    with TestClient(app) as client:
+        big = chat(client, max_tokens=2000)
+        small = chat(client, max_tokens=4, method="rocketkv", budget=64)
+    assert big.status_code == 503
+    assert "MiB, more than the 8.0 MiB" in big.json()["error"]["message"]
+    assert small.status_code == 200
+    with pytest.raises(rocketkv.ConfigError, match="applies to batching"):
+        create_app(engine, max_kv_mib=1)

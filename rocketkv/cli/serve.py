@@ -46,6 +46,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         print(f"error: --max-batch must be positive, got {args.max_batch}", file=sys.stderr)
         return 2
+    if args.max_kv_mib is not None and (args.max_kv_mib <= 0 or args.max_batch == 1):
+        print("error: --max-kv-mib must be positive, got " f"{args.max_kv_mib:g}"
+              if args.max_kv_mib <= 0 else
+              "error: --max-kv-mib applies to batching (--max-batch above 1)", file=sys.stderr)
+        return 2
     if args.prefix_cache_mib is not None and args.prefix_cache_mib < 0:
         print(f"error: --prefix-cache-mib must not be negative, got {args.prefix_cache_mib}",
               file=sys.stderr)
@@ -60,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = create_app(engine, defaults_of(args), model_name=args.model_name,
-                     max_queue=args.max_queue, max_batch=args.max_batch)
+                     max_queue=args.max_queue, max_batch=args.max_batch,
+                     max_kv_mib=args.max_kv_mib)
     print(f"serving {app.state.model} ({engine!r}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, workers=1)

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoded together at most, each with its own method, budget "
                         "and cache (continuous batching; default 8); 1: one request at a time, "
                         "its decode step compiled when the answer is long enough to repay it")
+    p.add_argument("--max-kv-mib", type=float, metavar="MIB",
+                   help="with batching, the MiB of KV cache the running requests may hold "
+                        "together: a request waits until its cache fits (sized from its method, "
+                        "budget, prompt and max_tokens); one that cannot fit alone gets HTTP "
+                        "503 (default: no limit)")
     p.add_argument("--max-queue", type=int, metavar="N",
                    help="refuse a request with HTTP 503 (Retry-After: 1) when N requests are "
                         "waiting already (default: no limit)")

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rocketkv.compression import build_caches
 from rocketkv.engine.checks import Run
 from rocketkv.engine.measure import MemoryMeter
 from rocketkv.engine.prefill import PrefilledPrompt, store_prefilled
@@ -47,6 +48,24 @@ from rocketkv.engine.step import StepMode, retune_caches, sample
 from rocketkv.model import ConfigError, Transformer
 
 PREFILL_LAYERS = 4  # prefill layers of a new prompt between two decode steps of the batch
+
+
+class KVCapacityError(ConfigError):
+    """A request whose KV cache alone exceeds the batch's ``max_kv_bytes``: it could never be
+    admitted (the server answers 503)."""
+
+
+def kv_bytes(model: Transformer, run: Run) -> int:
+    """Bytes the KV caches of ``run`` will hold (device and host: ``allocated_bytes`` plus
+    ``host_bytes`` over its layers), from caches built on the meta device with its plan
+    (nothing allocated). The prefill's transient K/V is not counted."""
+    plan = run.plan
+    request = plan.request
+    caches = build_caches(request.method, model.args, batch_size=run.batch_size,
+                          prompt_len=len(run.ids), max_new_tokens=plan.new_tokens,
+                          budget=request.budget, dtype=model.dtype, device="meta",
+                          planned=plan.params, **dict(request.options))
+    return sum(c.allocated_bytes() + c.host_bytes() for c in caches)
 
 
 @dataclass(eq=False)
@@ -65,6 +84,7 @@ class BatchSlot:
     spec: CacheSpec
     caches: list
     new_tokens: int  # tokens it may generate (the run's, within the context)
+    kv_bytes: int  # what its caches hold (``kv_bytes``), device and host
     limit_reason: str
     on_token: Callable[[Tensor], Any] | None
     on_done: Callable[[BatchSlot], Any] | None
@@ -125,6 +145,10 @@ class BatchDecoder:
         """Requests that may still be admitted."""
         return self.max_batch - len(self.running)
 
+    def kv_bytes_held(self) -> int:
+        """Bytes the running requests' caches hold."""
+        return sum(s.kv_bytes for s in self.running)
+
     @torch.no_grad()
     def admit(self, run: Run, *, on_token: Callable[[Tensor], Any] | None = None,
               on_done: Callable[[BatchSlot], Any] | None = None,
@@ -173,6 +197,7 @@ class BatchDecoder:
             else:
                 generator.seed()
         slot = BatchSlot(run=run, spec=spec, caches=caches, new_tokens=new_tokens,
+                         kv_bytes=sum(c.allocated_bytes() + c.host_bytes() for c in caches),
                          limit_reason="context_length", on_token=on_token, on_done=on_done,
                          generator=generator, shared=prefilled is not None)
         t0 = time.perf_counter()
@@ -330,6 +355,7 @@ class _Job:
     on_token: Callable[[Tensor], Any] | None
     prepare: Callable[[Callable[[int], Any]], PrefilledPrompt | None] | None
     finish: Callable[[GenerateResult], Any] | None
+    kv_bytes: int
 
 
 class Batcher:
@@ -338,12 +364,22 @@ class Batcher:
     has room (in the order they came) and steps the batch while any runs. The server's
     engine thread (``serve.app``, ``--max-batch``).
 
+    Admission by KV bytes (``max_kv_bytes``): each request's caches are sized when it is
+    submitted (``kv_bytes``: its method, budget, prompt and answer length); the request at the
+    head of the queue is admitted when the running requests' caches and its own fit, else it
+    and those behind it wait (first come, first served: a large request is not passed over
+    forever). One that could not fit even alone is refused at once (``KVCapacityError``).
+
     Args:
         model, max_batch, prefill_layers: the ``BatchDecoder``'s.
+        max_kv_bytes: bytes the running requests' caches may hold together; None: no limit.
     """
 
     def __init__(self, model: Transformer, *, max_batch: int = 8,
-                 prefill_layers: int = PREFILL_LAYERS):
+                 prefill_layers: int = PREFILL_LAYERS, max_kv_bytes: int | None = None):
+        if max_kv_bytes is not None and max_kv_bytes <= 0:
+            raise ConfigError(f"--max-kv-mib must be positive, got {max_kv_bytes / 2**20:g}")
+        self.max_kv_bytes = max_kv_bytes
         self.decoder = BatchDecoder(model, max_batch=max_batch, prefill_layers=prefill_layers)
         self._queue: deque[_Job] = deque()
         self._wake = threading.Condition()
@@ -372,13 +408,20 @@ class Batcher:
         ``on_layer(i)`` after layer i (the batch decodes between layers).
 
         Raises:
+            KVCapacityError: its caches alone exceed ``max_kv_bytes``.
             ConfigError: the batcher is closed.
         """
+        need = kv_bytes(self.decoder.model, run)
+        if self.max_kv_bytes is not None and need > self.max_kv_bytes:
+            raise KVCapacityError(
+                f"this request's KV cache needs {need / 2**20:.1f} MiB, more than the "
+                f"{self.max_kv_bytes / 2**20:.1f} MiB the server holds for all requests "
+                "(--max-kv-mib): a smaller budget, prompt or max_tokens fits")
         future: Future = Future()
         with self._wake:
             if self._closed:
                 raise ConfigError("the engine is shutting down")
-            self._queue.append(_Job(run, future, on_token, prepare, finish))
+            self._queue.append(_Job(run, future, on_token, prepare, finish, need))
             self._wake.notify()
         return future
 
@@ -402,7 +445,16 @@ class Batcher:
                 if self._closed and not dec.running:
                     return
                 jobs = []
+                held = dec.kv_bytes_held()
                 while self._queue and len(jobs) < dec.room():
+                    if self._queue[0].future.cancelled():
+                        self._queue.popleft()
+                        continue
+                    need = self._queue[0].kv_bytes
+                    if self.max_kv_bytes is not None and held + need > self.max_kv_bytes \
+                            and (dec.running or jobs):
+                        break  # waits for running requests to leave
+                    held += need
                     jobs.append(self._queue.popleft())
             for job in jobs:
                 if job.future.set_running_or_notify_cancel():

@@ -60,6 +60,7 @@ from prometheus_client import (
 )
 
 from rocketkv.api import Engine, Result
+from rocketkv.engine.batch import KVCapacityError
 from rocketkv.method_tables import METHOD_OPTIONS
 from rocketkv.model import ConfigError
 
@@ -148,6 +149,8 @@ class _Metrics:
                                    "(a batched step makes one per request)", registry=r)
         self.decode_seconds = Gauge("rocketkv_decode_seconds", "seconds the decode steps "
                                     "took", registry=r)
+        self.kv_bytes = Gauge("rocketkv_kv_bytes_held", "bytes the running requests' KV "
+                              "caches hold (with --max-batch above 1)", registry=r)
         self.prefix_bytes = Gauge("rocketkv_prefix_cache_bytes",
                                   "bytes of the prompts kept uncompressed between requests",
                                   registry=r)
@@ -284,23 +287,30 @@ class _CountRequests:
 
 def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
                model_name: str | None = None, max_queue: int | None = None,
-               max_batch: int = 1) -> FastAPI:
+               max_batch: int = 1, max_kv_mib: float | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` (see the module's docstring); ``defaults``: the
     settings of a request that sets none. ``max_batch`` 1: requests run one at a time on one
     worker thread (each as ``Engine.generate`` runs it, compiled when that pays); above 1: up
     to ``max_batch`` requests decode together (continuous batching, ``Engine.submit``; the
     app starts the engine's batcher and stops it at shutdown, after the running requests).
+    ``max_kv_mib``: with batching, the MiB the running requests' KV caches may hold together (a
+    request waits until it fits; one that could not fit alone gets HTTP 503 at once).
     Run the app with one uvicorn worker process (``serve.py``). ``max_queue``: a completion
     request that finds this many requests waiting is refused at once with HTTP 503 and
     ``Retry-After: 1`` (``rocketkv_refused`` counts them); None: no limit.
 
     Raises:
-        ConfigError: ``max_queue`` negative, ``max_batch`` not positive.
+        ConfigError: ``max_queue`` negative, ``max_batch`` not positive, ``max_kv_mib`` not
+            positive or given without batching.
     """
     if max_queue is not None and max_queue < 0:
         raise ConfigError(f"--max-queue must not be negative, got {max_queue}")
     if max_batch < 1:
         raise ConfigError(f"--max-batch must be positive, got {max_batch}")
+    if max_kv_mib is not None and (max_kv_mib <= 0 or max_batch == 1):
+        raise ConfigError(f"--max-kv-mib must be positive, got {max_kv_mib:g}"
+                          if max_kv_mib <= 0 else
+                          "--max-kv-mib applies to batching (--max-batch above 1)")
     defaults = defaults or ServeDefaults()
     model = model_name or model_id(engine)
     metrics = _Metrics()
@@ -310,12 +320,14 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
 
     batched = max_batch > 1
     if batched:
-        batcher = engine.start_batching(max_batch)
+        batcher = engine.start_batching(
+            max_batch, max_kv_bytes=None if max_kv_mib is None else int(max_kv_mib * 2**20))
         metrics.queue_length.set_function(lambda: batcher.waiting)
         metrics.running.set_function(lambda: batcher.running)
         metrics.decode_steps.set_function(lambda: batcher.decoder.steps)
         metrics.decode_tokens.set_function(lambda: batcher.decoder.step_tokens)
         metrics.decode_seconds.set_function(lambda: batcher.decoder.step_s)
+        metrics.kv_bytes.set_function(lambda: batcher.decoder.kv_bytes_held())
 
     def waiting() -> int:
         return batcher.waiting if batched else state["waiting"]
@@ -453,6 +465,10 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
         # the client closed the connection: nobody reads this (nginx's 499 in the metrics)
         return _error(499, "the client closed the request", kind="client_closed_request")
 
+    @app.exception_handler(KVCapacityError)
+    async def too_large(_request: Request, e: KVCapacityError) -> JSONResponse:
+        return _error(503, str(e), kind="server_error")
+
     @app.exception_handler(Busy)
     async def busy(_request: Request, e: Busy) -> JSONResponse:
         response = _error(503, str(e), kind="server_error")
@@ -512,6 +528,8 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
                                           cancelled=cancelled)))
                 future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no warning
                 result = await _unless_disconnected(request, future, cancelled)
+            except KVCapacityError:
+                raise
             except ConfigError as e:
                 raise _config_error(e, data, chat) from None
             finish = FINISH.get(result.stop_reason, "stop")
@@ -548,6 +566,8 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
                 future = _submit(prompt, kwargs, chat=text_chat,
                                  on_text=lambda piece: put(("text", piece)),
                                  cancelled=cancelled)
+            except KVCapacityError:
+                raise
             except ConfigError as e:
                 raise _config_error(e, data, chat) from None
 
