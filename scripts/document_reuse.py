@@ -9,6 +9,22 @@ Without ``--document`` the document is the README's (3000 tokens of essays with 
 fact) and the questions its question and three more (``--questions FILE``: one a line). Exit
 status 0 when every question-aware answer equals its single run, 1 otherwise, 2 on bad input
 (one ``error:`` line, before the model loads).
+
+Needle mode: does question-aware reuse (the document prefilled once, the question asked after
+it) find the needle on every prompt where a single run of document + question does?
+
+    python scripts/document_reuse.py --checkpoint Qwen2.5-Coder-0.5B-Instruct.gguf \\
+        --needle-prompts 20 --context 4096 --methods full rocketkv --budgets 256 \\
+        --max-new-tokens 16 --json needle-reuse.json --md needle-reuse.md
+
+``--needle-prompts N`` answers the first N prompts of ``scripts/eval_needle.py``'s grid at one
+context length (``--context``, tokens of the whole prompt; ``--depths`` depths from 0 to 1,
+ceil(N / depths) needles, seed 0, the eval split, the essays' haystack) both ways and scores
+them as eval_needle does; the table gives per method and budget the prompts each way found,
+those the single run found and reuse missed, the answers equal token for token and each way's
+prefill seconds. Exit status 0 when for every configuration reuse misses at most one prompt
+the single run found, 1 otherwise (or when a configuration fails), 2 on bad input (one
+``error:`` line; ``--needle-prompts`` with ``--document`` or ``--questions`` included).
 """
 
 from __future__ import annotations
@@ -34,6 +50,13 @@ def build_parser() -> OneLineParser:
                    help="token budgets of the budgeted methods (default 256)")
     p.add_argument("--max-new-tokens", type=int, default=32,
                    help="generated tokens at most per answer (default 32)")
+    p.add_argument("--needle-prompts", type=int, default=None, metavar="N",
+                   help="needle mode: N needle prompts, each answered by a single run and by "
+                        "question-aware reuse (default: the README document's questions)")
+    p.add_argument("--context", type=int, default=4096, metavar="TOKENS",
+                   help="needle mode: tokens per prompt (default 4096)")
+    p.add_argument("--depths", type=int, default=10,
+                   help="needle mode: needle depths from 0 to 1 (default 10)")
     p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default=None,
                    help="a GGUF's weights as float or kept quantized (default: generate.py's)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,

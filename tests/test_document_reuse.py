@@ -1,9 +1,10 @@
 """``scripts/document_reuse.py``: question-aware reuse answers as single runs do; the table and
-the files; bad input before the model loads."""
+the files; the needle mode's counts; bad input before the model loads."""
 
 import json
 
 import pytest
+from conftest import ESSAYS, SMOLLM2_GGUF, shared_file
 
 import rocketkv
 from rocketkv.evals import document_reuse
@@ -53,6 +54,11 @@ def test_the_script_writes_its_files(stories_dir, tmp_path, capsys):
     (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
     (["--methods", "nope"], "nope"),
     (["--json", "/proc/x/r.json"], "/proc/x"),
+    (["--needle-prompts", "0"], "--needle-prompts must be positive"),
+    (["--needle-prompts", "2", "--context", "0"], "--context must be positive"),
+    (["--needle-prompts", "2", "--depths", "0"], "--depths must be at least 1"),
+    (["--needle-prompts", "2", "--document", "doc.txt"], "--document or --questions"),
+    (["--needle-prompts", "2", "--questions", "q.txt"], "--document or --questions"),
 ])
 def test_bad_input_is_one_line_before_the_load(argv, message, monkeypatch, capsys):
     def no_load(*a, **kw):
@@ -62,3 +68,33 @@ def test_bad_input_is_one_line_before_the_load(argv, message, monkeypatch, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_needle_mode_full_reuse_answers_as_the_single_runs(tmp_path, capsys):
+    """Full attention, float weights: question-aware reuse computes the single run's answer
+    (the question prefilled as its own chunk), so it finds the needle wherever the single run
+    does, token for token."""
+    shared_file(ESSAYS)
+    rc = main(["--checkpoint", str(shared_file(SMOLLM2_GGUF)), "--gguf-weights", "float",
+               "--needle-prompts", "2", "--context", "512", "--depths", "3", "--methods",
+               "full", "--max-new-tokens", "6", "--json", str(tmp_path / "n.json"),
+               "--md", str(tmp_path / "n.md")])
+    r = json.loads((tmp_path / "n.json").read_text())
+    assert r["mode"] == "needle" and r["context"] == 512 and r["needle_prompts"] == 2
+    assert r["depths"] == [0.0, 0.5, 1.0] and r["weights"] == "float"
+    assert r["provenance"]["commit"] and "--needle-prompts" in r["command"]
+    (row,) = r["rows"]
+    assert (row["method"], row["budget"], row["n"]) == ("full", None, 2)
+    assert [p["depth"] for p in row["prompts"]] == [0.0, 0.5]
+    assert all(p["length"] == 512 and p["answer"].isdigit() for p in row["prompts"])
+    single = sum(p["single_score"] for p in row["prompts"])
+    reuse = sum(p["reuse_score"] for p in row["prompts"])
+    assert (row["found_single"], row["found_reuse"]) == (single, reuse)
+    assert 0 <= row["found_by_single_not_reuse"] <= row["found_single"] <= row["n"]
+    assert row["found_reuse"] <= row["n"]
+    assert row["same_tokens"] == 2 and row["found_by_single_not_reuse"] == 0
+    assert all(p["single_text"] == p["reuse_text"] for p in row["prompts"])
+    assert row["within_one"] and rc == 0
+    assert row["prefill_s"]["single"] > 0 and row["prefill_s"]["reuse"] > 0
+    md = (tmp_path / "n.md").read_text()
+    assert "| full | - | 2 |" in md and "2 of 2 |" in md and md in capsys.readouterr().out
