@@ -28,9 +28,17 @@ The package's layers, lowest first; a module imports only from its own layer or 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 __version__ = "0.2.0"
+
+# OpenMP threads that sleep when idle instead of spinning: on a machine other processes load,
+# torch's default spin slows the CPU decode step and prefill (measured:
+# results/cpu/wait-policy.md). Read once, when torch's OpenMP runtime starts, so it is set
+# before torch is imported. A value of the user's own (OMP_WAIT_POLICY, GOMP_SPINCOUNT) wins.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 _API = ("ConfigError", "Document", "Engine", "Result", "load")
 __all__ = [*_API, "__version__"]
