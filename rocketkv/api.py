@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import numbers
 import re
@@ -69,10 +70,12 @@ from rocketkv.engine.prefill import (
     prefill_once,
 )
 from rocketkv.engine.prefix_cache import PrefixCache
+from rocketkv.engine.provenance import cpu_fields
 from rocketkv.engine.report import GenerateResult, TextStreamer
 from rocketkv.engine.request import CacheRequest
 from rocketkv.engine.session import release_caches
-from rocketkv.engine.step import Sampling, StepConfig, default_compile
+from rocketkv.engine.step import Sampling, StepConfig, cpp_compiler_found, default_compile
+from rocketkv.engine.step_ledger import StepLedger, step_key
 from rocketkv.formats.tokenizer import Tokenizer
 from rocketkv.model import ConfigError, Transformer
 
@@ -485,6 +488,7 @@ class Engine:
             ConfigError: the run was planned for another model's config.
         """
         self._not_batching()
+        run = self.resolve_compile(run)
         prompt = run.ids if run.batch_size == 1 else [run.ids] * run.batch_size
         on_token, streamer = self._streaming(on_token, on_text, run.stop_ids)
         self._document = None
@@ -493,6 +497,7 @@ class Engine:
             r = _g.generate(self.model, prompt, run.plan, max_new_tokens=run.max_new_tokens,
                             stop_ids=run.stop_ids, sampling=run.sampling, step=run.step,
                             on_token=on_token, on_prefill_layer=on_prefill_layer)
+            self._learn(run, r)
             return self._result(r, run.stop_ids, streamer)
         pre, reused, prefill_s = self._kept_prefill(run, on_prefill_layer)
         try:
@@ -501,8 +506,46 @@ class Engine:
                             prefilled=pre, on_token=on_token)
         finally:
             pre.memos = [{} for _ in pre.k]  # kept for its K/V, not this run's scores
+        self._learn(run, r)
         return self._result(r, run.stop_ids, streamer, prefill_s=prefill_s + r.prefill_s,
                             prefix_tokens_reused=reused)
+
+    # ---- the CPU step's compile, learned per machine (``engine.step_ledger``)
+
+    def step_key(self, run: checks.Run) -> str:
+        """The step shape of ``run`` on this engine (``step_ledger.step_key``)."""
+        request = run.plan.request
+        return step_key({"model": self.model.args.to_dict(), "weights": weights_label(self.model),
+                         "dtype": str(self.model.dtype), "method": request.method,
+                         "budget": request.budget, "options": dict(request.options),
+                         "prompt": len(run.ids), "new": run.plan.new_tokens,
+                         "batch": run.batch_size, "torch": torch.__version__,
+                         "cpu": cpu_fields()})
+
+    def resolve_compile(self, run: checks.Run) -> checks.Run:
+        """``run`` with the CPU step compiled where this machine measured that it pays: the
+        caller chose no ``compile``, the default said eager (a short run), and the ledger
+        (``step_ledger.StepLedger.worth_compiling``) has this step shape's cached compile,
+        compiled and eager step times, with the run's decode steps repaying the compile.
+        Otherwise ``run`` as it is."""
+        if (not run.compile_default or run.compile is not False
+                or self.model.device.type != "cpu" or not cpp_compiler_found()):
+            return run  # (compile None: a method whose caches cannot be compiled runs eager)
+        steps = run.plan.new_tokens - run.plan.request.reserve_tokens
+        if StepLedger().worth_compiling(self.step_key(run), steps):
+            return dataclasses.replace(run, compile=None)
+        return run
+
+    def _learn(self, run: checks.Run, r: GenerateResult) -> None:
+        """Record a CPU run's compile and step time in the ledger (eager or compiled)."""
+        if self.model.device.type != "cpu" or r.cuda_graphs:
+            return
+        request = run.plan.request
+        StepLedger().record(
+            self.step_key(run), compiled=r.compiled, compile_s=r.compile_s,
+            step_ms=r.decode_ms_median,
+            label=f"{self.model.args.name} {request.method} {request.budget} "
+                  f"{len(run.ids)}+{run.plan.new_tokens} x{run.batch_size}")
 
     def _not_batching(self) -> None:
         """Refuse a run of its own while the batcher drives the model (its thread)."""

@@ -1,5 +1,7 @@
+import getpass
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,18 @@ def _one_thread_again():
     yield
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def _own_step_ledger(tmp_path_factory, monkeypatch):
+    """Each test its own ``$ROCKETKV_CACHE_DIR`` (the CPU step ledger, ``engine.step_ledger``),
+    so what one test's runs record never turns another's default step into a compiled one."""
+    monkeypatch.setenv("ROCKETKV_CACHE_DIR", str(tmp_path_factory.mktemp("rocketkv-cache")))
+
+
+# Inductor's compiled code stays where torch keeps it by default (shared by the suite's
+# processes and runs), not under each test's ROCKETKV_CACHE_DIR
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
 SHARED = DATA  # ../shared/data, or $ROCKETKV_DATA (rocketkv/data.py)
 STORIES_BIN = SHARED / "models" / "stories260K.bin"

@@ -65,6 +65,7 @@ from rocketkv.engine.report import (
 )
 from rocketkv.engine.request import CacheRequest
 from rocketkv.engine.step import Sampling, StepMode
+from rocketkv.engine.step_ledger import StepLedger, compile_note
 from rocketkv.formats.checkpoint import (
     default_checkpoint,
 )
@@ -190,6 +191,10 @@ def _main(args: argparse.Namespace) -> int:
         streamer = TextStreamer(tok, stop_ids) if (
             tok is not None and args.batch_size == 1 and args.stream and rank == 0) else None
         bar = prefill_bar(model.args.n_layers, len(ids), args.no_progress or rank != 0)
+        run = engine.resolve_compile(run)
+        if rank == 0 and device.type == "cpu" and run.compile is not False:
+            print(compile_note(StepLedger().get(engine.step_key(run))), file=sys.stderr,
+                  flush=True)
         try:
             res = engine.run(run, on_token=streamer,
                              on_prefill_layer=None if bar is None else bar_step(bar))

@@ -67,6 +67,8 @@ class Run:
         compile, cuda_graphs: the decode step (``step.StepConfig``; ``compile`` after
             ``step.default_compile``).
         batch_size: copies of the prompt decoded together.
+        compile_default: ``compile`` is the default's (the caller chose none), so a measured
+            cached compile that pays may turn it on (``api.Engine.resolve_compile``).
     """
 
     ids: list[int]
@@ -77,6 +79,7 @@ class Run:
     compile: bool | None = False
     cuda_graphs: bool = False
     batch_size: int = 1
+    compile_default: bool = False
 
     @property
     def note(self) -> str | None:
@@ -101,9 +104,9 @@ def plan_run(args: ModelArgs, ids: Sequence[int], cache: CacheRequest, sampling:
             small...).
     """
     plan = cache.plan(args, prompt_len=len(ids), max_new_tokens=max_new_tokens)
-    compile = default_compile(compile, device, plan.new_tokens - cache.reserve_tokens)
-    return Run(list(ids), plan, sampling, max_new_tokens, tuple(stop_ids), compile,
-               cuda_graphs, batch_size)
+    return Run(list(ids), plan, sampling, max_new_tokens, tuple(stop_ids),
+               default_compile(compile, device, plan.new_tokens - cache.reserve_tokens),
+               cuda_graphs, batch_size, compile_default=compile is None)
 
 
 def plan_document(args: ModelArgs, ids: Sequence[int], cache: CacheRequest, *,

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from rocketkv import kernels
 from rocketkv.cache.base import NEVER
+from rocketkv.engine.step_ledger import persistent_inductor_cache
 from rocketkv.model import ConfigError, Transformer
 
 WARMUP_STEPS = 3  # decode steps that compile and capture graphs, excluded from the figures
@@ -296,6 +297,7 @@ def compiled_decode(device: torch.device, backend: Any = None, dynamic: bool | N
     graph), the whole step is one graph."""
     key = (device.type, backend, dynamic)
     if key not in _compiled:
+        persistent_inductor_cache()
         _configure_dynamo()
         kw: dict[str, Any] = {"fullgraph": True, "dynamic": dynamic}
         if backend is not None:
