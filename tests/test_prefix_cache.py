@@ -130,3 +130,29 @@ def test_another_question_after_the_same_document_reuses_the_document(stories_mo
         assert starts == [(0, 320)] and r.metrics["prefix_tokens_reused"] == 0
     else:
         assert starts == [(236, 84)] and r.metrics["prefix_tokens_reused"] == 236
+
+
+def test_batched_requests_reuse_kept_prompts_and_answer_as_fresh(stories_model, tok,
+                                                                 prefill_starts):
+    """Through the batcher (``Engine.submit``): a conversation's second turn, submitted while
+    another request decodes, prefills only what is new, and both answers are a fresh
+    engine's."""
+    fresh = rocketkv.Engine(stories_model, tok)
+    kept = rocketkv.Engine(stories_model, tok, prefix_cache=PrefixCache(2**30))
+    turn1, other = _ids(300, 7), _ids(200, 8)
+    kw = dict(method="rocketkv", budget=64, max_new_tokens=10, stop_ids=())
+    try:
+        first = kept.submit(turn1, **kw).result(60)
+        turn2 = turn1 + first.tokens + _ids(15, 9)
+        prefill_starts.clear()
+        running = kept.submit(other, **{**kw, "max_new_tokens": 40})
+        second = kept.submit(turn2, **kw).result(60)
+        running = running.result(60)
+    finally:
+        kept.close_batching()
+    starts = list(prefill_starts)  # the batched ones: the other request's, then turn 2's rest
+    assert first.tokens == fresh.generate(turn1, **kw).tokens
+    assert second.tokens == fresh.generate(turn2, **kw).tokens
+    assert running.tokens == fresh.generate(other, **{**kw, "max_new_tokens": 40}).tokens
+    assert second.metrics["prefix_tokens_reused"] == 300
+    assert starts == [(0, 200), (300, 25)]
