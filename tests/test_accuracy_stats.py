@@ -3,6 +3,7 @@ garbled and guessing answers of issue 48, the hashed prompt seeds and the paraph
 No model: fast."""
 
 import hashlib
+import json
 import math
 import re
 
@@ -270,6 +271,286 @@ def test_list_guessing_costs_precision():
     # fwe: made-up consonant-vowel words; other words are filler
     assert score_task("fwe", " the words are bafegi, dobuka and kimopa",
                       ["bafegi", "dobuka", "kimopa"]) == 1.0
+
+
+# The cut-value and per-key rules (score_answer's capped and keys), and rescore.py
+
+CUT = ":\n\n1. 9471328\n2. 4784516\n3. 5409226\n4. 9471328\n5. 4784516\n6. 54092"
+CUT_WANT = ["4784516", "5409226", "9471328", "3569943"]
+
+
+def test_a_value_cut_by_the_cap_is_neither_right_nor_wrong():
+    from rocketkv.evals.scoring import cut_candidate, score_answer
+
+    # the audit's answer: "54092" is 5409226 cut by the cap; as a candidate it costs precision
+    old = score_answer(CUT, CUT_WANT, "number")
+    assert old == list_f1(CUT, CUT_WANT, "number") == pytest.approx(0.75)  # P 3/4, R 3/4
+    assert score_answer(CUT, CUT_WANT, "number", capped=False) == old
+    new = score_answer(CUT, CUT_WANT, "number", capped=True)
+    assert new == pytest.approx(2 * 1 * 0.75 / 1.75) and new > old  # P 3/3, R still 3/4
+    assert cut_candidate(CUT, "number", expected=CUT_WANT) == "54092"
+    # a value with anything after it is complete: kept, capped or not
+    for tail in ("6. 1234567.", "6. 1234567\n", "6. 1234567 "):
+        done = CUT.rsplit("6. ", 1)[0] + tail
+        assert score_answer(done, CUT_WANT, "number", capped=True) == pytest.approx(0.75)
+        assert cut_candidate(done, "number", expected=CUT_WANT) is None
+    full = CUT.rsplit("6. ", 1)[0] + "6. 3569943."
+    assert score_answer(full, CUT_WANT, "number", capped=True) == 1.0
+    # a cut number no expected value starts with is wrong whatever followed: kept
+    wrong = CUT.rsplit("6. ", 1)[0] + "6. 88888"
+    assert score_answer(wrong, CUT_WANT, "number", capped=True) == pytest.approx(0.75)
+    assert cut_candidate(wrong, "number", expected=CUT_WANT) is None
+    assert cut_candidate(wrong, "number") == "88888"  # without expected: any last number
+    # a list whose only candidate is cut: no hit, F1 0 (not None)
+    assert score_answer(" 47845", CUT_WANT, "number", capped=True) == 0.0
+
+
+def test_a_one_value_answer_cut_before_its_first_value_ends_has_no_verdict():
+    from rocketkv.evals.scoring import score_answer
+
+    assert score_answer(" 79755", ["7975559"], "number", capped=True) is None
+    assert score_answer(" 79755", ["7975559"], "number") == 0.0  # the old rule
+    # the right value with nothing after it may be cut too ("79755591..."): no verdict
+    assert score_answer(" 7975559", ["7975559"], "number", capped=True) is None
+    assert score_answer(" 7975559.", ["7975559"], "number", capped=True) == 1.0
+    # the first complete value decides
+    assert score_answer(" 1234567 or 79755", ["7975559"], "number", capped=True) == 0.0
+    assert score_answer(" 7975559 or 12345", ["7975559"], "number", capped=True) == 1.0
+    assert score_answer(" 7975559, 12", ["7975559"], "number", capped=True) == 1.0
+    # a runaway repetition is no prefix of the value: wrong, cut or not
+    assert score_answer(" 79755555555555555555555", ["7975559"], "number",
+                        capped=True) == 0.0
+    uuid = "0f3a9c1e-2b4d-4e8f-9a7b-1c2d3e4f5a6b"
+    assert score_answer(f": {uuid}", [uuid], "uuid", capped=True) is None
+    assert score_task("niah_single_uuid", f": {uuid}", [uuid], capped=True) is None
+    assert score_task("niah_single_uuid", f": {uuid}.", [uuid], capped=True) == 1.0
+
+
+KEYS = ["broom-nugget", "sequoia-anchor", "button-cable", "jigsaw-bamboo"]
+VALS = ["4784516", "5409226", "9471328", "3569943"]
+
+
+def _keyed(pairs):
+    return "\n".join(f"{i}. {k}: {v}" for i, (k, v) in enumerate(pairs, 1))
+
+
+def test_multiquery_counts_a_value_only_under_its_own_key():
+    from rocketkv.evals.scoring import score_answer
+
+    def f1(text, **kw):
+        return score_answer(text, VALS, "number", keys=KEYS, **kw)
+
+    right = _keyed(zip(KEYS, VALS))
+    assert f1(right) == 1.0
+    swapped = _keyed(zip(KEYS, [VALS[1], VALS[0], VALS[2], VALS[3]]))
+    assert score_answer(swapped, VALS, "number") == 1.0  # the old rule: any key will do
+    assert f1(swapped) == pytest.approx(0.5)  # 2 hits of 4 pairs stated, of 4 keys
+    assert f1(swapped) < f1(right)
+    # a value under the wrong key is no hit (the old rule: a hit)
+    assert f1(f"{KEYS[0]}: {VALS[1]}") == 0.0
+    assert score_answer(f"{KEYS[0]}: {VALS[1]}", VALS, "number") == pytest.approx(0.4)
+    # keys ignore case; each value goes to the key mentioned last before it
+    assert f1(f"The numbers for {KEYS[0].upper()} are {VALS[0]} and for {KEYS[3]} "
+              f"{VALS[3]}.") == pytest.approx(2 * 1 * 0.5 / 1.5)
+    # a value before any key belongs to none: no hit, one more pair stated
+    assert f1(f"{VALS[0]}, then {KEYS[1]}: {VALS[1]}") == pytest.approx(1 / 3)
+    # a key only inside another word is no mention
+    assert f1(f"x{KEYS[0]}: {VALS[0]}") == f1(VALS[0]) == pytest.approx(0.4)
+
+
+def test_multiquery_without_keys_is_scored_as_a_list():
+    from rocketkv.evals.scoring import score_answer
+
+    def f1(text, **kw):
+        return score_answer(text, VALS, "number", keys=KEYS, **kw)
+
+    assert f1(":\n\n1. 4784516\n2. 5409226\n3. 9471328\n4. 3569943") == 1.0
+    # no key named: nothing ties a value to a key, so the distinct values score as a list
+    assert f1("1. 4784516\n2. 4784516\n3. 5409226\n4. 9471328") == pytest.approx(6 / 7)
+    # in another order than asked: still the values asked for
+    assert f1("1. 5409226\n2. 4784516\n3. 9471328\n4. 3569943") == 1.0
+    # a value asked for by no key costs precision
+    assert f1("4784516 5409226 9471328 3569943 1111111") == pytest.approx(8 / 9)
+    # the keys named only after the values: no value is under a key, a list again
+    assert f1("4784516 5409226 9471328 3569943 are the numbers for " + ", ".join(KEYS)) == 1.0
+    # capped: the cut last value is dropped before the assignment
+    cut = "1. 4784516\n2. 5409226\n3. 9471328\n4. 35699"
+    assert f1(cut) == pytest.approx(0.75)
+    assert f1(cut, capped=True) == pytest.approx(6 / 7)
+    assert f1("no numbers") == 0.0
+
+
+def test_bad_keys_are_refused():
+    from rocketkv.evals.scoring import score_answer
+
+    for keys in (KEYS[:3], ["a-b", "A-B", "c-d", "e-f"], ["a-b", "", "c-d", "e-f"], "a-b"):
+        with pytest.raises(ValueError):
+            score_answer("1234567", VALS, "number", keys=keys)
+    with pytest.raises(ValueError):
+        score_answer("1234567", [], "number", capped=True)
+
+
+def test_the_old_scores_stand_without_the_new_arguments():
+    """score_answer and score_task without capped or keys: exactly first_value_pass and
+    list_f1, floats, never None."""
+    from rocketkv.evals.scoring import score_answer
+
+    cases = [(" 167921525", ["1679215"]), (" 1679215.", ["1679215"]), (" 79755", ["7975559"]),
+             (CUT, CUT_WANT), (_keyed(zip(KEYS, reversed(VALS))), VALS), ("", VALS)]
+    for text, want in cases:
+        ref = (first_value_pass(text, want[0], "number") if len(want) == 1
+               else list_f1(text, want, "number"))
+        got = score_answer(text, want, "number")
+        assert got == ref and isinstance(got, float)
+        task = "niah_single_essay" if len(want) == 1 else "niah_multiquery"
+        assert score_task(task, text, want) == ref
+
+
+def test_score_task_takes_multiquerys_keys_from_its_facts():
+    from rocketkv.evals.ruler import asked_keys
+
+    facts = [*KEYS, *VALS]  # build_items: the keys, then their values (the outputs)
+    assert asked_keys("niah_multiquery", facts, VALS) == KEYS
+    assert asked_keys("niah_multivalue", facts, VALS) is None
+    swapped = _keyed(zip(KEYS, [VALS[1], VALS[0], VALS[2], VALS[3]]))
+    assert score_task("niah_multiquery", swapped, VALS) == 1.0
+    assert score_task("niah_multiquery", swapped, VALS, facts=facts) == pytest.approx(0.5)
+    # other tasks ignore facts
+    assert score_task("niah_multivalue", swapped, VALS, facts=facts) == 1.0
+    # capped reaches score_answer; the audit's answer names no key: scored as a list
+    assert score_task("niah_multivalue", CUT, CUT_WANT, capped=True) == pytest.approx(6 / 7)
+    assert score_task("niah_multiquery", CUT, CUT_WANT, capped=True,
+                      facts=[*KEYS, *CUT_WANT]) == pytest.approx(6 / 7)
+    with pytest.raises(ValueError):
+        score_task("niah_multiquery", swapped, VALS, facts=[*VALS, *KEYS])
+
+
+def test_task_rows_leave_none_scores_out():
+    from types import SimpleNamespace
+
+    from rocketkv.evals.ruler import task_rows
+
+    items = [SimpleNamespace(meta={"task": t}) for t in ("vt", "vt", "cwe")]
+    (row,) = task_rows([{"scores": [1.0, None, 0.5]}], items, ["vt", "cwe"])
+    assert row["per_task"] == {"vt": 1.0, "cwe": 0.5} and row["score"] == 0.75
+
+
+class _FakeTokenizer:
+    """One token a whitespace-separated piece: what rescore needs of a tokenizer."""
+
+    def encode(self, text, bos=True):
+        return ([0] if bos else []) + [1] * len(text.split())
+
+
+def _ruler_json(path):
+    items = [
+        {"task": "niah_single_essay", "outputs": ["7975559"], "facts": ["a-b", "7975559"],
+         "max_new_tokens": 4},
+        {"task": "niah_single_essay", "outputs": ["1234567"], "facts": ["c-d", "1234567"],
+         "max_new_tokens": 4},
+        {"task": "niah_multiquery", "outputs": VALS, "facts": [*KEYS, *VALS],
+         "max_new_tokens": 8},
+    ]
+    answers = [" 79755",  # 1 token of 4: not capped, a wrong number (0)
+               " the answer is 12345",  # 4 tokens: capped, the only value cut: None
+               "1. 5409226 2. 4784516 3. 9471328 4. 35699"]  # 8: capped, last value cut
+    old = [0.0, 0.0, 0.75]
+    res = {"task": "ruler", "mode": "standard", "tasks": ["niah_single_essay",
+                                                          "niah_multiquery"],
+           "items": items,
+           "rows": [{"method": "full", "budget": None, "score": (0.0 + 0.75) / 2,
+                     "scores": old, "answers": answers,
+                     "per_task": {"niah_single_essay": 0.0, "niah_multiquery": 0.75}},
+                    {"method": "quest", "budget": 16, "error": "budget too small"}]}
+    path.write_text(json.dumps(res))
+    return res
+
+
+def test_rescore_a_small_ruler_file(tmp_path):
+    from rocketkv.evals.rescore import is_capped, markdown, rescore_files
+
+    path = tmp_path / "ruler.json"
+    _ruler_json(path)
+    before = path.read_bytes()
+    tok = _FakeTokenizer()
+    count = lambda text: len(tok.encode(text, bos=False))  # noqa: E731
+    assert is_capped(" a b c", 4, count) and not is_capped(" a b", 4, count)
+    report = rescore_files([path], count)
+    assert path.read_bytes() == before  # the input is not written
+    (f,) = report["files"]
+    full, quest = f["rows"]
+    assert quest == {"method": "quest", "budget": 16, "error": "budget too small"}
+    assert full["capped_items"] == [1, 2] and full["capped"] == 2 and full["cut"] == 2
+    assert full["none"] == 1 and full["scores_new"][:2] == [0.0, None]
+    # multiquery: no key named, so a list: the cut 35699 dropped, 3 hits of 3 stated, R 3/4
+    assert full["scores_new"][2] == pytest.approx(6 / 7)
+    assert full["per_task"]["niah_single_essay"] == {"old": 0.0, "new": 0.0, "capped": 1,
+                                                     "cut": 1, "none": 1}
+    assert full["per_task"]["niah_multiquery"]["new"] == pytest.approx(6 / 7)
+    assert full["score_old"] == full["score_old_rules"] == pytest.approx(0.375)
+    assert full["score_new"] == pytest.approx(3 / 7)  # (essay 0 + multiquery 6/7) / 2
+    assert full["delta"] == pytest.approx(3 / 7 - 0.375)
+    assert full["score_cut_only"] == pytest.approx((0 + 6 / 7) / 2)  # set F1, 35699 dropped
+    assert full["score_keys_only"] == pytest.approx((0 + 0.75) / 2)  # a list: 3 of 4, P 3/4
+    assert report["summary"]["cells"] == 1 and report["summary"]["old_rules_differ"] == 0
+    md = markdown(report)
+    assert "| full | - | 37.5 | 42.9 | +5.4 |" in md and "| quest | 16 | n/a: budget" in md
+
+
+def test_rescore_script_output_and_bad_input(tmp_path, monkeypatch, capsys):
+    import rocketkv.formats.tokenizer as tokenizer
+    from scripts.rescore_ruler import main
+
+    path = tmp_path / "ruler.json"
+    _ruler_json(path)
+    tok_file = tmp_path / "tok.gguf"
+    tok_file.write_text("not read: load_tokenizer is replaced")
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda p: _FakeTokenizer())
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    assert main([str(path), "--tokenizer", str(tok_file), "--json", str(out_json),
+                 "--md", str(out_md)]) == 0
+    data = json.loads(out_json.read_text())
+    assert data["files"][0]["rows"][0]["score_new"] == pytest.approx(3 / 7)
+    assert out_md.read_text().startswith("# RULER answers rescored")
+    capsys.readouterr()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"items": [{"task": "vt"}], "rows": []}))
+    unknown = tmp_path / "unknown.json"
+    res = json.loads(path.read_text())
+    res["items"][0]["task"] = "nope"
+    unknown.write_text(json.dumps(res))
+    for argv in ([str(tmp_path / "missing.json"), "--tokenizer", str(tok_file)],
+                 [str(bad), "--tokenizer", str(tok_file)],
+                 [str(partial), "--tokenizer", str(tok_file)],
+                 [str(unknown), "--tokenizer", str(tok_file)],
+                 [str(path), "--tokenizer", str(tmp_path / "no-tokenizer")],
+                 [str(path), "--tokenizer", str(tok_file), "--json", str(path)],
+                 [str(path), "--tokenizer", str(tok_file), "--md", str(tmp_path / "no/r.md")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+
+
+def test_rescore_script_help_before_torch(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = ROOT / "scripts" / "rescore_ruler.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for argv, rc in ((["--help"], 0), (["x.json"], 2), ([str(tmp_path / "missing.json"),
+                                                         "--tokenizer", "t"], 2)):
+        p = subprocess.run([sys.executable, "-X", "importtime", str(script), *argv],
+                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        log = [x for x in p.stderr.splitlines() if x.startswith("import time:")]
+        err = [x for x in p.stderr.splitlines() if not x.startswith("import time:")]
+        assert p.returncode == rc, p.stderr[-2000:]
+        assert not [x for x in log if x.split("|")[-1].strip() == "torch"], argv
+        assert (not err) if rc == 0 else (len(err) == 1 and err[0].startswith("error: "))
 
 
 # --------------------------------------------------------------------------------------------

@@ -63,12 +63,17 @@ Scoring (``score_task``, ``evals.scoring``): pass/fail on the first value the an
 for the one-answer tasks (``PASS_FAIL_TASKS``: niah_single_*, niah_multikey), F1 of the
 distinct values stated against the expected set for the others (multivalue, multiquery, vt,
 cwe, fwe); values are whole numbers, UUIDs, names and words on boundaries, so "167921525" is
-not 1679215 and listing guesses costs precision. RULER's own ``string_match_all``
-(``evals.metrics``: the fraction of the expected outputs that occur in the prediction as
-substrings, ignoring case) is kept as the ``substring`` column for comparison;
-``string_match_part`` is 1.0 when any of them occurs. Expected words of cwe are chosen so that
-no pool word contains another and none occurs in the task's question or answer prefix; fwe's
-words all have the same length.
+not 1679215 and listing guesses costs precision. Given ``capped`` (the answer stopped at its
+token cap), a last value ending at the very end of the answer may be cut and is neither
+right nor wrong (unless it is a number no expected value starts with; a one-answer task
+left with no complete value scores None, left out of the means); given the item's
+``facts``, niah_multiquery counts a value only under its own key (``evals.scoring``'s module
+docstring has both rules). ``rocketkv.evals.rescore`` rescores stored answers with both.
+RULER's own ``string_match_all`` (``evals.metrics``: the fraction of the expected outputs
+that occur in the prediction as substrings, ignoring case) is kept as the ``substring``
+column for comparison; ``string_match_part`` is 1.0 when any of them occurs. Expected words
+of cwe are chosen so that no pool word contains another and none occurs in the task's
+question or answer prefix; fwe's words all have the same length.
 
 Determinism: everything is drawn from ``random.Random(f"{task}:{seed}")`` (string seeds hash
 with SHA-512, not Python's per-process hash), so the same arguments (and the same
@@ -122,6 +127,17 @@ CWE_MAX_FREQ = 30
 FWE_ALPHA = 2.0
 FWE_TOP = 3
 _FWE_ZETA = math.pi ** 2 / 6  # zeta(FWE_ALPHA): the Zipf normaliser for FWE_ALPHA = 2
+# Answer caps in tokens. In the Qwen2.5-Coder-0.5B RULER runs at 4K-32K
+# (results/accuracy/qwen2.5-coder-0.5b-rerun, Qwen's tokenizer), 317 of 395 niah_multivalue and
+# 351 of 395 niah_multiquery answers reached their cap of 64 (189 and 194 ending in a digit: a
+# number cut mid-way); 31 and 51 of the capped ones were still listing right values when the
+# cap cut them before the fourth (an answer that glosses each value, "1. 3310752: Lisp is ...",
+# takes 20+ tokens a value, a keyed line "1. broom-nugget: 4784516" 17); complete answers
+# stating all four took up to 55. 128 would hold four keyed values; the caps stay 64 while every
+# published cell was made at 64 (a cell at another cap would not compare), and stored answers
+# are rescored with the cut rule instead (``evals.rescore``). vt (48), cwe (96) and fwe (40):
+# complete answers took at most 30, about 26 and 17 tokens; their capped answers are loops.
+# Each item asks for its task's cap (build_items: meta["max_new_tokens"]).
 MAX_NEW_TOKENS = {"niah_single_noise": 24, "niah_single_essay": 24, "niah_single_uuid": 48,
                   "niah_multikey": 24, "niah_multivalue": 64, "niah_multiquery": 64, "vt": 48,
                   "cwe": 96, "fwe": 40}
@@ -718,25 +734,60 @@ PASS_FAIL_TASKS: tuple[str, ...] = ("niah_single_noise", "niah_single_essay",
                                     "niah_single_uuid", "niah_multikey")
 
 
-def score_task(task: str, prediction: str, outputs: Sequence[str]) -> float:
+def asked_keys(task: str, facts: Sequence[str], outputs: Sequence[str]) -> list[str] | None:
+    """The keys of a ``niah_multiquery`` item in the order its question asks them, ``keys[i]``
+    owning ``outputs[i]``: its ``facts`` are the 4 keys then their 4 values (``_niah``:
+    ``Sample.facts`` = keys + values, the question asks the keys in that order and ``outputs``
+    are the values). None for every other task.
+
+    Raises:
+        ValueError: ``facts`` is not the keys followed by ``outputs``.
+    """
+    if task != "niah_multiquery":
+        return None
+    n = len(outputs)
+    if len(facts) != 2 * n or list(facts[n:]) != list(outputs):
+        raise ValueError(f"niah_multiquery facts must be its {n} keys then its {n} values "
+                         f"(the outputs), got {list(facts)} for outputs {list(outputs)}")
+    return list(facts[:n])
+
+
+def score_task(task: str, prediction: str, outputs: Sequence[str], *, capped: bool = False,
+               facts: Sequence[str] | None = None) -> float | None:
     """The boundary-aware score of an answer to ``task`` (``evals.scoring.score_answer``):
     pass/fail on the first value stated for ``PASS_FAIL_TASKS`` (one expected value), F1 over
     the distinct values stated for the others. Candidates by task (``TASK_KINDS``): numbers of
     4+ digits for the niah number tasks, UUIDs, vt's upper-case 5-letter names, cwe's pool
     words, fwe's consonant-vowel words.
 
+    Args:
+        task, prediction, outputs: the task, the answer and the expected values.
+        capped: the answer stopped at its ``max_new_tokens``, not at a stop token: a last
+            value ending at the very end of the answer is dropped as possibly cut, neither
+            right nor wrong (a number only when some expected value starts with it).
+        facts: the item's ``facts`` (``Sample.facts``, the item's ``meta["facts"]``); for
+            ``niah_multiquery`` they give the asked keys (``asked_keys``) and a value then
+            counts only under its own key. Without them (the default) multiquery is scored as
+            a plain list, as before.
+
+    Returns:
+        A score in [0, 1], or None when ``capped`` left a one-answer task no complete value.
+
     Raises:
-        ValueError: unknown task or no outputs.
+        ValueError: unknown task, no outputs, or multiquery ``facts`` that are not its keys
+            then its outputs.
     """
     if task not in TASK_KINDS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     kind, vocab = TASK_KINDS[task]
-    return score_answer(prediction, outputs, kind, vocab)
+    keys = None if facts is None else asked_keys(task, facts, outputs)
+    return score_answer(prediction, outputs, kind, vocab, capped=capped, keys=keys)
 
 
 def task_rows(rows: Sequence[dict[str, Any]], items: Sequence[Item],
               tasks: Sequence[str]) -> list[dict[str, Any]]:
-    """Per row: ``per_task`` {task: mean score over its items that ran, None if none ran} and
+    """Per row: ``per_task`` {task: mean score over its items that ran and got a score (None
+    scores, unfinished items or a cut answer with no verdict, are left out), None if none} and
     ``score`` = the mean over tasks, None unless every task ran (an average over fewer tasks
     would not compare with the other rows); the same from ``scores_substring`` as
     ``per_task_substring`` and ``score_substring`` when the row has them."""
