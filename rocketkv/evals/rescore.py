@@ -41,7 +41,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from rocketkv.engine.provenance import provenance
 from rocketkv.errors import ConfigError
+from rocketkv.evals.ruler import TASK_KINDS, TASKS, asked_keys, score_task, task_rows
+from rocketkv.evals.scoring import cut_candidate
+from rocketkv.formats.tokenizer import load_tokenizer
 
 CountTokens = Callable[[str], int]
 
@@ -112,8 +116,6 @@ def check_tasks(res: dict[str, Any], path: str | Path) -> None:
     Raises:
         ConfigError: an unknown task, or multiquery facts that are not its keys then values.
     """
-    from rocketkv.evals.ruler import TASKS, asked_keys
-
     for i, it in enumerate(res["items"]):
         if it["task"] not in TASKS:
             raise ConfigError(f"{path}: item {i} has an unknown task {it['task']!r}")
@@ -134,8 +136,6 @@ def _tasks(res: dict[str, Any]) -> list[str]:
 def _aggregate(scores: Sequence[float | None], items: Sequence[Any],
                tasks: Sequence[str]) -> tuple[float | None, dict[str, float | None]]:
     """(score, per_task) as ``ruler.task_rows`` gives them for one row of ``scores``."""
-    from rocketkv.evals.ruler import task_rows
-
     (row,) = task_rows([{"scores": list(scores)}], items, tasks)
     return row["score"], row["per_task"]
 
@@ -152,9 +152,6 @@ def rescore_result(res: dict[str, Any], count_tokens: CountTokens) -> dict[str, 
         "scores_new" (per item), "capped_items" (their indices)] or {"method", "budget",
         "error"} for a row the file records as failed}.
     """
-    from rocketkv.evals.ruler import TASK_KINDS, score_task
-    from rocketkv.evals.scoring import cut_candidate
-
     items = res["items"]
     tasks = _tasks(res)
     metas = [SimpleNamespace(meta={"task": it["task"]}) for it in items]
@@ -336,8 +333,6 @@ def run(args: Any) -> int:
         if not Path(args.tokenizer).exists():
             raise ConfigError(f"--tokenizer {args.tokenizer}: no such file or directory")
         results = _read_all(args.files)
-        from rocketkv.formats.tokenizer import load_tokenizer
-
         tok = load_tokenizer(args.tokenizer)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -346,9 +341,11 @@ def run(args: Any) -> int:
     def count(text: str) -> int:
         return len(tok.encode(text, bos=False))
 
+    argv = ["scripts/rescore_ruler.py", *sys.argv[1:]]
     report = {"tokenizer": str(args.tokenizer),
               "capped_rule": "re-tokenized answer (bos=False) >= max_new_tokens - 1 tokens",
-              **_rescore_all(results, count)}
+              **_rescore_all(results, count),
+              "provenance": provenance(None, argv)}
     md = markdown(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
