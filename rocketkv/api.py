@@ -205,11 +205,12 @@ def _sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
             _int("seed", seed, minimum=None, optional=True, what="an int"))
 
 
-def _warn_uncompressed(note: str | None) -> None:
-    """The budget covers the whole sequence: say so to the caller of ``generate`` or
-    ``prefill_document`` (``warnings``' ``stacklevel``: through ``_in_python_words``)."""
+def _warn_uncompressed(note: str | None, depth: int = 0) -> None:
+    """The budget covers the whole sequence: say so to the caller of ``generate``,
+    ``submit``, ``generate_batch`` or ``prefill_document`` (``warnings``' ``stacklevel``:
+    through ``_in_python_words``, and ``depth`` more frames of the engine's own)."""
     if note is not None:
-        warnings.warn(note, UserWarning, stacklevel=4)
+        warnings.warn(note, UserWarning, stacklevel=4 + depth)
 
 
 # ---- results
@@ -463,7 +464,7 @@ class Engine:
                               max_new_tokens=max_new_tokens,
                               stop_ids=self.stop_ids if stop_ids is None else tuple(stop_ids),
                               compile=compile, device=self.model.device)
-        _warn_uncompressed(run.note)
+        _warn_uncompressed(run.note, depth=1)  # called by generate, submit, generate_batch
         return run
 
     @_in_python_words
@@ -678,7 +679,9 @@ class Engine:
         if "compile" in kwargs or "on_token" in kwargs or "on_text" in kwargs:
             raise ConfigError("generate_batch takes generate's settings but compile, on_token "
                               "and on_text (use submit for a request's own callbacks)")
-        runs = [self._plan(p, **kwargs) for p in prompts]  # every prompt checked first
+        runs = []
+        for p in prompts:  # every prompt checked first (a loop: the warnings' frame)
+            runs.append(self._plan(p, **kwargs))
         futures = [self.submit_run(run) for run in runs]
         return [f.result() for f in futures]
 

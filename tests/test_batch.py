@@ -227,3 +227,20 @@ def test_requests_wait_until_their_kv_fits_and_one_too_large_is_refused(stories_
     assert all(max(r.batch_sizes) == 1 for r in results)  # never two at once
     with pytest.raises(ConfigError, match="--max-kv-mib must be positive"):
         Batcher(model, max_kv_bytes=0)
+
+
+def test_a_budget_covering_the_sequence_warns_the_caller_of_submit_and_generate_batch(
+        stories_model):
+    engine = rocketkv.Engine(stories_model)
+    ids = list(range(3, 40))
+    try:
+        for call in (lambda: engine.submit(ids, method="rocketkv", budget=100000,
+                                           max_new_tokens=4).result(60),
+                     lambda: engine.generate_batch([ids, ids], method="rocketkv",
+                                                   budget=100000, max_new_tokens=4)):
+            with pytest.warns(UserWarning, match="no compression") as caught:
+                call()
+            assert {w.filename for w in caught if "no compression" in str(w.message)} \
+                == {__file__}  # points at the caller's line
+    finally:
+        engine.close_batching()
