@@ -205,6 +205,9 @@ def _sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any,
             _int("seed", seed, minimum=None, optional=True, what="an int"))
 
 
+_cpu_fields = functools.cache(cpu_fields)  # /proc/cpuinfo read once a process (step keys)
+
+
 def _warn_uncompressed(note: str | None, depth: int = 0) -> None:
     """The budget covers the whole sequence: say so to the caller of ``generate``,
     ``submit``, ``generate_batch`` or ``prefill_document`` (``warnings``' ``stacklevel``:
@@ -521,7 +524,7 @@ class Engine:
                          "budget": request.budget, "options": dict(request.options),
                          "prompt": len(run.ids), "new": run.plan.new_tokens,
                          "batch": run.batch_size, "torch": torch.__version__,
-                         "cpu": cpu_fields()})
+                         "cpu": _cpu_fields()})
 
     def resolve_compile(self, run: checks.Run) -> checks.Run:
         """``run`` with the CPU step compiled where this machine measured that it pays: the

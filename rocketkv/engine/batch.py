@@ -40,6 +40,7 @@ from torch import Tensor
 
 from rocketkv.compression import build_caches
 from rocketkv.engine.checks import Run
+from rocketkv.engine.generate import cache_spec
 from rocketkv.engine.measure import MemoryMeter
 from rocketkv.engine.prefill import PrefilledPrompt, store_prefilled
 from rocketkv.engine.report import GenerateResult, result_record
@@ -177,13 +178,7 @@ class BatchDecoder:
         model, device = self.model, self.model.device
         prompt = torch.tensor([run.ids], dtype=torch.long, device=device)
         T = prompt.shape[1]
-        plan = run.plan
-        request = plan.request
-        new_tokens = min(run.max_new_tokens, request.room(model.args, T))
-        plan.check_run(model.args, T, new_tokens + request.reserve_tokens)
-        spec = CacheSpec(method=request.method, budget=request.budget, batch_size=1,
-                         prompt_len=T, new_tokens=plan.new_tokens, dtype=model.dtype,
-                         device=device, options=dict(request.options), params=plan.params)
+        spec, new_tokens = cache_spec(model, run.plan, 1, T, run.max_new_tokens)
         release_caches(model)  # another request's caches may not be reused for this one
         prepare_caches(model, spec)
         caches = model.caches

@@ -267,15 +267,17 @@ class _Turn:
     shared: bool = False  # the caches are built from a shared prefill (``prefilled``)
 
 
-def _first_turn(model: Transformer, prompt: Tensor, cache: CacheRequest | CachePlan | None,
-                max_new_tokens: int, prefilled: PrefilledPrompt | None, meter: MemoryMeter,
-                on_layer=None) -> _Turn:
-    """The caches ``cache`` asks for, for ``prompt`` and up to ``max_new_tokens`` (as many as
-    the context leaves room for) plus the request's reserve, planned here unless ``cache`` is
-    a plan for them; prefilled by the model or from ``prefilled``."""
-    B, T = prompt.shape
-    if prefilled is not None and not torch.equal(prefilled.tokens, prompt):
-        raise ConfigError("prefilled holds another prompt than the one given")
+def cache_spec(model: Transformer, cache: CacheRequest | CachePlan | None, batch_size: int,
+               prompt_len: int, max_new_tokens: int) -> tuple[CacheSpec, int]:
+    """The caches' spec for ``batch_size`` prompts of ``prompt_len`` tokens and up to
+    ``max_new_tokens`` new ones (as many as the context leaves room for) plus the request's
+    reserve, and those new tokens: ``cache`` planned here unless it is a plan already (then
+    checked against this prompt and model). Shared by ``generate`` and the batch decoder.
+
+    Raises:
+        ConfigError: what planning refuses; a plan made for another prompt length or model.
+    """
+    T = prompt_len
     shard = getattr(model, "tp", None)  # the method's parameters are the whole model's
     args = shard["args"] if shard else model.args
     if isinstance(cache, CachePlan):
@@ -287,9 +289,22 @@ def _first_turn(model: Transformer, prompt: Tensor, cache: CacheRequest | CacheP
         request = CacheRequest() if cache is None else cache
         plan = request.plan(args, prompt_len=T, max_new_tokens=max_new_tokens)
         new_tokens = plan.new_tokens - request.reserve_tokens
-    spec = CacheSpec(method=request.method, budget=request.budget, batch_size=B, prompt_len=T,
-                     new_tokens=plan.new_tokens, dtype=model.dtype, device=model.device,
-                     options=dict(request.options), params=plan.params)
+    spec = CacheSpec(method=request.method, budget=request.budget, batch_size=batch_size,
+                     prompt_len=T, new_tokens=plan.new_tokens, dtype=model.dtype,
+                     device=model.device, options=dict(request.options), params=plan.params)
+    return spec, new_tokens
+
+
+def _first_turn(model: Transformer, prompt: Tensor, cache: CacheRequest | CachePlan | None,
+                max_new_tokens: int, prefilled: PrefilledPrompt | None, meter: MemoryMeter,
+                on_layer=None) -> _Turn:
+    """The caches ``cache`` asks for, for ``prompt`` and up to ``max_new_tokens`` (as many as
+    the context leaves room for) plus the request's reserve, planned here unless ``cache`` is
+    a plan for them; prefilled by the model or from ``prefilled``."""
+    B, T = prompt.shape
+    if prefilled is not None and not torch.equal(prefilled.tokens, prompt):
+        raise ConfigError("prefilled holds another prompt than the one given")
+    spec, new_tokens = cache_spec(model, cache, B, T, max_new_tokens)
     state = prepare_caches(model, spec, meter)
     if prefilled is not None and not all(c.shared_prefill for c in model.caches):
         prefilled = None  # the method prefills its own way (KeyDiff's blocks)

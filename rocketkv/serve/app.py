@@ -100,6 +100,15 @@ class _Cancelled(Exception):
     """Raised in the worker from ``on_token`` when the client of a stream went away."""
 
 
+def _stop_when(cancelled: threading.Event | None) -> Callable[[Any], None]:
+    """An ``on_token`` that ends the request (``_Cancelled``) at its next token once
+    ``cancelled`` is set (the client went away)."""
+    def on_token(_tokens: Any) -> None:
+        if cancelled is not None and cancelled.is_set():
+            raise _Cancelled
+    return on_token
+
+
 def model_id(engine: Engine) -> str:
     """The model's id: the checkpoint's file or folder name (``.gguf`` dropped), else the
     model's config name."""
@@ -374,15 +383,12 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
     def _generate(prompt: Any, kwargs: dict[str, Any], *, chat: bool | None,
                   on_text: Callable[[str], Any] | None = None,
                   cancelled: threading.Event | None = None) -> Result:
-        def on_token(_tokens: Any) -> None:
-            if cancelled is not None and cancelled.is_set():
-                raise _Cancelled
-
         if cancelled is not None and cancelled.is_set():  # gone while it waited: skipped
             metrics.abandoned.inc()
             raise _Cancelled
         t0 = time.perf_counter()
-        result = engine.generate(prompt, chat=chat, on_text=on_text, on_token=on_token,
+        result = engine.generate(prompt, chat=chat, on_text=on_text,
+                                 on_token=_stop_when(cancelled),
                                  **kwargs)
         _count(kwargs["method"], result, time.perf_counter() - t0)
         steps = len(result.metrics["decode_ms"])  # batch 1: a token per step
@@ -409,15 +415,12 @@ def create_app(engine: Engine, defaults: ServeDefaults | None = None, *,
             Busy: ``max_queue`` requests are waiting already.
             ConfigError: the engine refused the settings (nothing queued).
         """
-        def on_token(_tokens: Any) -> None:
-            if cancelled is not None and cancelled.is_set():
-                raise _Cancelled
-
         if max_queue is not None and batcher.waiting >= max_queue:
             metrics.refused.inc()
             raise Busy(f"the server is busy: {batcher.waiting} requests are waiting "
                        f"(--max-queue {max_queue}); try again later")
-        done = engine.submit(prompt, chat=chat, on_text=on_text, on_token=on_token, **kwargs)
+        done = engine.submit(prompt, chat=chat, on_text=on_text,
+                             on_token=_stop_when(cancelled), **kwargs)
 
         def counted(f: Any) -> None:
             if not f.cancelled() and f.exception() is None:
