@@ -49,17 +49,19 @@ activation dtype they are loaded with:
   its output back (``kernel_dtype``); scales are stored in that dtype.
 
 * CPU with int8 activations (``use_int8_activations``, ``--gguf-weights quantized-w8a8``):
-  decode-sized inputs of the int8 layers run fbgemm's dynamically quantized linear
-  (``torch.ops.quantized.linear_dynamic`` on ``linear_prepack``'s packed copy of the weight),
-  each input row (token) quantized on its own to 8-bit (asymmetric, one scale and zero point per
-  row, as fbgemm does per call; 7 bits on CPUs without VNNI, ``_reduce_range``, at a larger
-  cost in accuracy), so a row's result does not depend on the batch it is in. W8A8
-  as llama.cpp's CPU dot products are (which quantize activations to 8 bits in blocks of 32):
-  the integer dot products read the int8 weight at memory speed (Qwen2.5-0.5B's int8 layers and
-  classifier: 2.1x less time per step than ``_weight_int8pack_mm`` at 1 thread, 1.7x at 2,
-  docs/quantization.md) at a measured cost in accuracy (same page). The packed copy is held
-  beside the int8 weight (prefill still dequantizes it), so the int8 layers take twice their
-  memory.
+  the int8 layers run fbgemm's dynamically quantized linear (``torch.ops.quantized
+  .linear_dynamic`` on ``linear_prepack``'s packed copy of the weight, which replaces the int8
+  weight: one copy in memory), decode and prefill alike, one call per layer. fbgemm quantizes
+  a call's input with one scale and zero point; each row (token) is first divided by its
+  largest magnitude and two columns holding -1 and +1 pin the call's range, so every row is
+  quantized to 8 bits relative to its own range (7 bits on CPUs without VNNI,
+  ``_reduce_range``, at a larger cost in accuracy) and a row's result does not depend on the
+  rows beside it (``_int8_dynamic_linear``). W8A8 as llama.cpp's CPU dot products are (which
+  quantize activations to 8 bits in blocks of 32): the integer dot products read the int8
+  weight at memory speed at decode (Qwen2.5-0.5B's int8 layers and classifier: 2.1x less time
+  per step than ``_weight_int8pack_mm`` at 1 thread, 1.7x at 2) and run prefill's products in
+  VNNI instructions (3-10x faster than dequantizing into a float32 matmul at 33-2048 rows),
+  at a measured cost in accuracy (docs/quantization.md).
 
 The CUDA paths follow PyTorch's documented kernels; on the H200 (2026-11-27) 12 of their 16
 CUDA tests passed and the other 4 failed on the tests themselves (fixed, not yet rerun there);
@@ -69,6 +71,7 @@ references.
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 import weakref
@@ -271,10 +274,13 @@ def kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 CPU_KERNEL_ALIGN = 64  # bytes: torch's CPU int8 kernel segfaults on a weight not so aligned
 
 
-# fbgemm's packed weights of the int8 layers that run on int8 activations, by the address and
-# shape of their int8 weight (the custom op below receives the weight tensor: a compiled graph
-# lifts it into an input, so the module is not at hand); an entry leaves with its module
-_PACKED: dict[tuple[int, tuple[int, ...]], Any] = {}
+# fbgemm's packed weights of the int8 layers that run on int8 activations, by the key an
+# ``Int8Linear`` holds in its ``packed_key`` buffer (the custom ops below receive that tensor: a
+# compiled graph lifts it into an input, so the module is not at hand); an entry leaves with
+# its module
+_PACKED: dict[int, Any] = {}
+_PACKED_KEYS = itertools.count(1)
+PACKED_ROW_BYTES = 12  # fbgemm's per-row column offset, scale and zero point of a packed weight
 
 
 @cache
@@ -290,34 +296,49 @@ def _reduce_range() -> bool:
     return not ({"avx512_vnni", "avx_vnni"} & set(flags))
 
 
-def _int8_dynamic_linear(x: Tensor, q: Tensor) -> Tensor:
-    """W8A8 on the CPU: ``x`` (M, in) float32 with each row quantized to 8 bits on its own,
-    times the int8 weight ``q`` (out, in) whose fbgemm packing ``use_int8_activations`` made
-    (its per-channel scales are in it); (M, out) float32. One fbgemm call per row."""
-    packed = _PACKED[(q.data_ptr(), tuple(q.shape))]
-    rr = _reduce_range()
-    rows = [torch.ops.quantized.linear_dynamic(x[i:i + 1], packed, rr) for i in range(x.shape[0])]
-    return rows[0] if len(rows) == 1 else torch.cat(rows)
+def _int8_dynamic_linear(x: Tensor, key: Tensor, out: int) -> Tensor:
+    """W8A8 on the CPU: ``x`` (M, in) float32 times the packed int8 weight (``out``, in) of
+    ``key`` (its per-channel scales are in it); (M, out) float32, in one fbgemm call.
+
+    fbgemm quantizes its whole input with one scale and zero point (its range widened to hold
+    0). So that each row gets a step of its own, every row is divided by its largest magnitude
+    ``c`` (into [-1, 1]) and given two more columns, -1 and +1, which pin the call's range to
+    [-1, 1] (the packed weight has two zero columns for them: they add nothing): each row is
+    quantized on the same 8-bit grid (step 2 / 255; 2 / 127 with ``_reduce_range``) relative
+    to its own ``c``, whatever rows share the call, and its output row is multiplied back by
+    ``c``."""
+    c = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
+    y = torch.ops.quantized.linear_dynamic(torch.cat([x.div(c), _PIN.expand(x.shape[0], 2)], 1),
+                                           _PACKED[int(key)], _reduce_range())
+    return y.mul_(c)
 
 
-# the same as an opaque op for compiled graphs (eager calls the function: the op's dispatch
+_PIN = torch.tensor([[-1.0, 1.0]])  # the range pin's two columns (``_int8_dynamic_linear``)
+PIN_COLUMNS = 2
+
+
+# the same as an opaque op for compiled graphs (eager calls the function: an op's dispatch
 # costs about 40 µs a call, measured at one thread; 97 calls a step for Qwen2.5-0.5B)
 int8_dynamic_linear = torch.library.custom_op("rocketkv::int8_dynamic_linear",
                                               _int8_dynamic_linear, mutates_args=())
 
 
 @int8_dynamic_linear.register_fake
-def _(x: Tensor, q: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], q.shape[0])
+def _(x: Tensor, key: Tensor, out: int) -> Tensor:
+    return x.new_empty(x.shape[0], out)
 
 
 class Int8Linear(nn.Module):
     """``y = x W^T`` with ``W = q * scales[:, None]``: int8 ``weight`` (out, in) and ``scales``
     (out,) in ``kernel_dtype``. ``x`` (..., in) -> (..., out) in ``x``'s dtype.
-    ``int8_activations`` (set by ``use_int8_activations``): decode-sized CPU inputs run W8A8."""
+
+    After ``use_int8_activations`` (``int8_activations`` True) the layer holds fbgemm's packed
+    copy instead of ``weight`` (``packed_key`` names it, ``packed_bytes`` is its size), and
+    every input, decode or prefill, runs W8A8 on it (``_int8_dynamic_linear``)."""
 
     mode = "int8"
     int8_activations = False
+    packed_bytes = 0
 
     def __init__(self, q: Tensor, scales: Tensor, dtype: torch.dtype):
         super().__init__()
@@ -330,17 +351,19 @@ class Int8Linear(nn.Module):
                               .contiguous())
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.int8_activations and x.device.type == "cpu" and x.numel() <= KERNEL_ROWS * \
-                x.shape[-1]:
+        if self.int8_activations:
             x2, lead = _flat(x)
             mm = torch.ops.rocketkv.int8_dynamic_linear if torch.compiler.is_compiling() \
                 else _int8_dynamic_linear
-            y = mm(x2.float(), self.weight)
+            y = mm(x2.float(), self.packed_key, self.out_features)
             return y.to(x.dtype).reshape(*lead, self.out_features)
         return self._mm(x, self.weight, self.scales)
 
     def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
-        """Output features ``start:stop`` only (prefill's query or key/value rows)."""
+        """Output features ``start:stop`` only (prefill's query or key/value rows; on int8
+        activations all are computed, the packed weight being whole)."""
+        if self.int8_activations:
+            return self(x)[..., start:stop]
         return self._mm(x, self.weight[start:stop], self.scales[start:stop])
 
     @staticmethod
@@ -359,13 +382,14 @@ class Int8Linear(nn.Module):
             y = F.linear(x2, q.to(x.dtype)) * scales
         return y.to(x.dtype).reshape(*lead, q.shape[0])
 
-    def kernel_weight(self) -> tuple[Tensor, Tensor, int]:
+    def kernel_weight(self) -> tuple[Tensor, Tensor, int] | None:
         """(int8 weight (out, in), scales (out,), 0): what the dense decode kernels read
-        (``kernels.fuse.kernel_weight``)."""
-        return self.weight, self.scales, 0
+        (``kernels.fuse.kernel_weight``); None once the weight is packed for the CPU."""
+        return None if self.int8_activations else (self.weight, self.scales, 0)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        act = ", int8 activations (packed)" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8{act}"
 
 
 def check_int8_activations(device) -> None:
@@ -383,26 +407,30 @@ def check_int8_activations(device) -> None:
 @torch.no_grad()
 def use_int8_activations(model: nn.Module) -> int:
     """Run ``model``'s CPU ``Int8Linear`` layers on int8 activations at decode (W8A8, module
-    docstring): each gets fbgemm's packed copy of its weight (the weight dequantized with its
-    scales, requantized per channel with the same scales: the same int8 values). Returns the
-    number of layers switched.
+    docstring): each layer's int8 weight is replaced by fbgemm's packed copy of it (the weight
+    dequantized with its scales, requantized per channel with the same scales: the same int8
+    values), which decode and prefill read, so the layers hold one copy of their weights. Returns the number of layers switched.
 
     Raises:
         ConfigError: see ``check_int8_activations`` (for each layer's device)."""
     n = 0
     for m in model.modules():
-        if not isinstance(m, Int8Linear):
+        if not isinstance(m, Int8Linear) or m.int8_activations:
             continue
         check_int8_activations(m.weight.device)
-        q = m.weight
+        q = F.pad(m.weight, (0, PIN_COLUMNS))  # zero columns for the range pin
         scales = m.scales.double()
         with warnings.catch_warnings():  # torch 2.13: quantized tensors are "deprecated"
             warnings.simplefilter("ignore")
             wq = torch._make_per_channel_quantized_tensor(
                 q, scales, torch.zeros(q.shape[0], dtype=torch.long), 0)
-            key = (q.data_ptr(), tuple(q.shape))
+            key = next(_PACKED_KEYS)
             _PACKED[key] = torch.ops.quantized.linear_prepack(wq, None)
         weakref.finalize(m, _PACKED.pop, key, None)
+        del wq, q
+        del m.weight  # the packed copy is the layer's only one
+        m.register_buffer("packed_key", torch.tensor([key]), persistent=False)
+        m.packed_bytes = m.out_features * (m.in_features + PIN_COLUMNS + PACKED_ROW_BYTES)
         m.int8_activations = True
         n += 1
     if getattr(model, "quantization", None) is not None:

@@ -149,8 +149,10 @@ def weights_label(model: Transformer) -> str:
 
 def weight_bytes(model: Transformer) -> int:
     """Bytes of all of ``model``'s parameters (tied matrices counted once; int8/int4 layers
-    of ``quantize.py`` at their stored size)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    of ``quantize.py`` at their stored size), and of the int8 layers' packed weights where they
+    run W8A8 (``quantized.Int8Linear.packed_bytes``: int8 values and 12 bytes a row)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(getattr(m, "packed_bytes", 0) for m in model.modules())
 
 
 def weight_bytes_per_step(model: Transformer) -> int:

@@ -864,10 +864,10 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
     if gguf:  # the weights are built: the file's pages and parsed fields leave our RSS
         release_pages(open_gguf(resolve_checkpoint(checkpoint)))
         forget_readers()
-    if torch.device(device).type == "cpu":
-        _trim_heap()
     if gguf_weights == "quantized-w8a8":
         use_int8_activations(model)
+    if torch.device(device).type == "cpu":
+        _trim_heap()
     return tp.attach(model, rank, world, args) if world > 1 else model
 
 
