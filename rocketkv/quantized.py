@@ -52,9 +52,9 @@ activation dtype they are loaded with:
   the int8 layers run fbgemm's dynamically quantized linear (``torch.ops.quantized
   .linear_dynamic`` on ``linear_prepack``'s packed copy of the weight, which replaces the int8
   weight: one copy in memory), decode and prefill alike, one call per layer. fbgemm quantizes
-  a call's input with one scale and zero point; each row (token) is first divided by its
-  largest magnitude and two columns holding -1 and +1 pin the call's range, so every row is
-  quantized to 8 bits relative to its own range (7 bits on CPUs without VNNI,
+  a call's input with one scale and zero point; each row (token) is first mapped onto
+  [-1, 1] by its own range and two columns holding -1 and +1 pin the call's range, so every
+  row is quantized to 8 bits across its own range (7 bits on CPUs without VNNI,
   ``_reduce_range``, at a larger cost in accuracy) and a row's result does not depend on the
   rows beside it (``_int8_dynamic_linear``). W8A8 as llama.cpp's CPU dot products are (which
   quantize activations to 8 bits in blocks of 32): the integer dot products read the int8
@@ -296,21 +296,24 @@ def _reduce_range() -> bool:
     return not ({"avx512_vnni", "avx_vnni"} & set(flags))
 
 
-def _int8_dynamic_linear(x: Tensor, key: Tensor, out: int) -> Tensor:
-    """W8A8 on the CPU: ``x`` (M, in) float32 times the packed int8 weight (``out``, in) of
+def _int8_dynamic_linear(x: Tensor, key: Tensor, row_sums: Tensor) -> Tensor:
+    """W8A8 on the CPU: ``x`` (M, in) float32 times the packed int8 weight W (out, in) of
     ``key`` (its per-channel scales are in it); (M, out) float32, in one fbgemm call.
+    ``row_sums`` (out,) float32: the sums of W's dequantized rows.
 
     fbgemm quantizes its whole input with one scale and zero point (its range widened to hold
-    0). So that each row gets a step of its own, every row is divided by its largest magnitude
-    ``c`` (into [-1, 1]) and given two more columns, -1 and +1, which pin the call's range to
-    [-1, 1] (the packed weight has two zero columns for them: they add nothing): each row is
-    quantized on the same 8-bit grid (step 2 / 255; 2 / 127 with ``_reduce_range``) relative
-    to its own ``c``, whatever rows share the call, and its output row is multiplied back by
-    ``c``."""
-    c = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
-    y = torch.ops.quantized.linear_dynamic(torch.cat([x.div(c), _PIN.expand(x.shape[0], 2)], 1),
-                                           _PACKED[int(key)], _reduce_range())
-    return y.mul_(c)
+    0). So that each row gets a grid of its own, every row is mapped onto [-1, 1] by its own
+    range [lo, hi] (x' = (x - mid) / half, mid = (hi + lo) / 2, half = (hi - lo) / 2) and
+    given two more columns, -1 and +1, which pin the call's range to [-1, 1] (the packed
+    weight has two zero columns for them: they add nothing). Each row is then quantized to
+    8 bits across its own range (step 2 half / 255; 2 half / 127 with ``_reduce_range``),
+    whatever rows share the call, and ``W x = half W x' + mid W 1`` gives its output."""
+    lo, hi = torch.aminmax(x, dim=1, keepdim=True)
+    mid = (hi + lo).mul_(0.5)
+    half = (hi - lo).mul_(0.5).clamp_(min=torch.finfo(torch.float32).tiny)
+    xn = torch.cat([(x - mid).div_(half), _PIN.expand(x.shape[0], 2)], 1)
+    y = torch.ops.quantized.linear_dynamic(xn, _PACKED[int(key)], _reduce_range())
+    return y.mul_(half).addcmul_(mid, row_sums)
 
 
 _PIN = torch.tensor([[-1.0, 1.0]])  # the range pin's two columns (``_int8_dynamic_linear``)
@@ -324,8 +327,8 @@ int8_dynamic_linear = torch.library.custom_op("rocketkv::int8_dynamic_linear",
 
 
 @int8_dynamic_linear.register_fake
-def _(x: Tensor, key: Tensor, out: int) -> Tensor:
-    return x.new_empty(x.shape[0], out)
+def _(x: Tensor, key: Tensor, row_sums: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], row_sums.shape[0])
 
 
 class Int8Linear(nn.Module):
@@ -333,8 +336,9 @@ class Int8Linear(nn.Module):
     (out,) in ``kernel_dtype``. ``x`` (..., in) -> (..., out) in ``x``'s dtype.
 
     After ``use_int8_activations`` (``int8_activations`` True) the layer holds fbgemm's packed
-    copy instead of ``weight`` (``packed_key`` names it, ``packed_bytes`` is its size), and
-    every input, decode or prefill, runs W8A8 on it (``_int8_dynamic_linear``)."""
+    copy instead of ``weight`` (``packed_key`` names it, ``packed_bytes`` is its size;
+    ``row_sums`` (out,) float32 the dequantized rows' sums), and every input, decode or
+    prefill, runs W8A8 on it (``_int8_dynamic_linear``)."""
 
     mode = "int8"
     int8_activations = False
@@ -355,7 +359,7 @@ class Int8Linear(nn.Module):
             x2, lead = _flat(x)
             mm = torch.ops.rocketkv.int8_dynamic_linear if torch.compiler.is_compiling() \
                 else _int8_dynamic_linear
-            y = mm(x2.float(), self.packed_key, self.out_features)
+            y = mm(x2.float(), self.packed_key, self.row_sums)
             return y.to(x.dtype).reshape(*lead, self.out_features)
         return self._mm(x, self.weight, self.scales)
 
@@ -404,12 +408,26 @@ def check_int8_activations(device) -> None:
                           f"fbgemm engine, which this torch lacks (engines: {engines})")
 
 
+INT8_ACTIVATIONS_NOTE = ("note: int8 activations, this CPU's default for GGUF files (faster, at a "
+                         "small measured cost in accuracy: docs/quantization.md); --gguf-weights "
+                         "quantized keeps float activations, --gguf-weights float the float "
+                         "weights")
+
+
+def int8_activations_default() -> bool:
+    """Whether the CPU default for GGUF files runs int8 activations
+    (``checkpoint.default_gguf_weights``): fbgemm present and 8-bit activations (a CPU with
+    VNNI; 7-bit ones, ``_reduce_range``, cost 3-4x the KL: docs/quantization.md)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and not _reduce_range()
+
+
 @torch.no_grad()
 def use_int8_activations(model: nn.Module) -> int:
     """Run ``model``'s CPU ``Int8Linear`` layers on int8 activations at decode (W8A8, module
     docstring): each layer's int8 weight is replaced by fbgemm's packed copy of it (the weight
     dequantized with its scales, requantized per channel with the same scales: the same int8
-    values), which decode and prefill read, so the layers hold one copy of their weights. Returns the number of layers switched.
+    values), which decode and prefill read, so the layers hold one copy of their weights.
+    Returns the number of layers switched.
 
     Raises:
         ConfigError: see ``check_int8_activations`` (for each layer's device)."""
@@ -427,9 +445,12 @@ def use_int8_activations(model: nn.Module) -> int:
             key = next(_PACKED_KEYS)
             _PACKED[key] = torch.ops.quantized.linear_prepack(wq, None)
         weakref.finalize(m, _PACKED.pop, key, None)
+        # the dequantized rows' sums, scale_o sum_i q_oi (summed exactly in int32)
+        row_sums = m.weight.sum(dim=1, dtype=torch.int32).float() * m.scales.float()
         del wq, q
         del m.weight  # the packed copy is the layer's only one
         m.register_buffer("packed_key", torch.tensor([key]), persistent=False)
+        m.register_buffer("row_sums", row_sums, persistent=False)
         m.packed_bytes = m.out_features * (m.in_features + PIN_COLUMNS + PACKED_ROW_BYTES)
         m.int8_activations = True
         n += 1

@@ -16,9 +16,11 @@ Peers, on ``--threads`` threads each (default: the physical cores this process m
   ``llama.cpp not found (build: tools/build_llama_cpp.sh)`` and ours still run; a checkpoint
   that is not a GGUF file runs ours only, the peer's rows saying why (llama.cpp reads GGUF).
 * ours, in this process: ``checkpoint.load_model`` (a GGUF with ``--gguf-weights``, default
-  ``quantized``: its 4-bit blocks as int4, the rest int8; ``docs/quantization.md``; several
-  modes load one model each, measured in turn within each repeat), float32
-  activations, eager unless ``--compile``; per method (``--methods``, default ``full
+  ``default``: what ``generate.py`` loads without the flag on this CPU,
+  ``checkpoint.default_gguf_weights``; ``docs/quantization.md``; several modes load one model
+  each, measured in turn within each repeat), float32 activations, the decode step eager
+  (what a short ``generate.py`` run does) unless ``--compile`` (``--compile both``: each
+  weights mode eager, then compiled, two rows); per method (``--methods``, default ``full
   rocketkv``; compressing methods at each of ``--budgets``, default 256) one
   ``generate.generate`` of a random prompt of C token ids (``--seed``; one token at context
   0) and ``--warmup-steps`` + N decode steps, no stop tokens: decode tokens/s the N timed
@@ -65,6 +67,8 @@ import _here  # noqa: F401  (this checkout's engine: scripts/_here.py)
 
 from rocketkv.flags import GGUF_WEIGHTS, OneLineParser, add_time_limit_option
 
+COMPILE_CHOICES = ("off", "on", "both")
+
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
@@ -89,11 +93,15 @@ def build_parser() -> OneLineParser:
     p.add_argument("--threads", type=int,
                    help="CPU threads of both peers (torch.set_num_threads, llama-bench -t; "
                         "default: the physical cores)")
-    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, nargs="+", default=["quantized"],
-                   metavar="W", help="our weights of a GGUF, one model each, measured in turn: "
-                   f"{', '.join(GGUF_WEIGHTS)} (default quantized: the fair comparison; "
-                   "docs/quantization.md)")
-    p.add_argument("--compile", action="store_true", help="compile our decode step")
+    p.add_argument("--gguf-weights", choices=("default", *GGUF_WEIGHTS), nargs="+",
+                   default=["default"], metavar="W",
+                   help="our weights of a GGUF, one model each, measured in turn: default (what "
+                   "generate.py loads without --gguf-weights on this CPU), "
+                   f"{', '.join(GGUF_WEIGHTS)} (docs/quantization.md)")
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=COMPILE_CHOICES,
+                   help="our decode step eager (off, the default: what a short generate.py "
+                        "run does), compiled (on; --compile alone), or each weights mode both "
+                        "ways (both)")
     p.add_argument("--seed", type=int, default=0, help="seed of our random prompt ids")
     p.add_argument("--out", default=".", metavar="DIR",
                    help="results folder: files go to DIR/cpu/ (default: the current directory)")

@@ -15,11 +15,16 @@ together (``evals.harness.pad_to_equal``). Each task decodes its own ``max_new_t
 Samples are independent: each (task, length, sample) draws its own keys, values and words
 from a hashed seed, and no two prompts of a grid share a fact (``evals.ruler.build_items``).
 
-Scoring (``evals.ruler.score_task``): pass/fail on the first value stated for the one-answer
-tasks (niah_single_*, niah_multikey), F1 of the distinct values stated for the list tasks,
-whole numbers and words on boundaries; averaged per task, the average row being the mean over
-tasks. RULER's substring string_match_all is kept in the rows (``scores_substring``,
-``per_task_substring``) for comparison. The JSON records ``commit`` and ``provenance``.
+Scoring (``evals.ruler.score_item``, ``score_task``): pass/fail on the first value stated for
+the one-answer tasks (niah_single_*, niah_multikey), F1 of the distinct values stated for the
+list tasks (niah_multiquery's values each under its own key), whole numbers and words on
+boundaries; an answer that ran into its token cap (recorded per answer) has its last value,
+which the cap may have cut, counted neither right nor wrong (a one-answer task left with no
+complete value has no score and is left out of the means); averaged per task, the average row
+being the mean over tasks. RULER's substring string_match_all is kept in the rows
+(``scores_substring``, ``per_task_substring``) for comparison. The JSON records ``commit``
+and ``provenance``, and ``scoring``: ``boundary_f1_capped`` (these rules; files of earlier
+runs say ``boundary_f1``: no cap or key rule).
 
 Modes (``--modes``, default both): as in ``scripts/eval_needle.py``.
 
@@ -57,12 +62,13 @@ from rocketkv.evals.ruler import (
     TASKS,
     build_items,
     load_essays,
-    score_task,
+    score_item,
     task_rows,
 )
 from rocketkv.model import ConfigError
 
 DEFAULT_LENGTHS = (4096,)
+SCORING = "boundary_f1_capped"  # the rules score_item applies (the JSON's "scoring")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tasks = [t for t in tasks if any(it.meta["task"] == t for it in items)]
         configs, budgets = run_configurations(args)
         got = evaluate_items(model, tok, items, configs, 24,
-                             lambda a, it: score_task(it.meta["task"], a, it.outputs),
+                             score_item,
                              modes=args.modes,
                              options=given_options(args), batch_size=args.batch_size,
                              progress=not args.no_progress,
@@ -109,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     rows = report_modes(args, got, model, "ruler", {
         "tasks": tasks, "lengths": list(args.context), "samples": args.samples,
-        "budgets": budgets, "scoring": "boundary_f1",
+        "budgets": budgets, "scoring": SCORING,
         "pass_fail_tasks": [t for t in tasks if t in PASS_FAIL_TASKS],
         "items": [{k: v for k, v in it.meta.items() if k != "group"} | {"tokens": it.tokens}
                   for it in items]}, t0,

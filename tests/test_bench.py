@@ -422,8 +422,8 @@ def test_an_out_the_filesystem_refuses_is_one_line_before_loading(monkeypatch, c
 
 def test_a_gguf_loads_as_generate_loads_it(monkeypatch):
     """bench.py measures a GGUF file as ``generate.py`` runs it: on the CPU its blocks kept
-    quantized (``checkpoint.default_gguf_weights``), where it measured the dequantized float
-    weights; ``--weights int8`` quantizes the dequantized ones."""
+    quantized as the default says (``checkpoint.default_gguf_weights``), where it measured the
+    dequantized float weights; ``--weights int8`` quantizes the dequantized ones."""
     from conftest import SMOLLM2_GGUF, shared_file
 
     from rocketkv.evals import sweep as bench_script
@@ -439,4 +439,6 @@ def test_a_gguf_loads_as_generate_loads_it(monkeypatch):
     for spec in ("float", "int8"):
         with pytest.raises(KeyboardInterrupt):
             bench_script.load_weights(gguf, spec, torch.device("cpu"), torch.float32)
-    assert seen == ["quantized", "float"]
+    from rocketkv.formats.checkpoint import default_gguf_weights
+
+    assert seen == [default_gguf_weights(None, gguf, "cpu"), "float"]

@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT
 from test_gguf import write_gguf
 
+from rocketkv.formats.checkpoint import default_gguf_weights
 from rocketkv.model import ConfigError
 from scripts.bench_cpu import (
     LLAMA_NOT_FOUND,
@@ -188,9 +189,14 @@ def test_both_peers_alternate_on_one_gguf(tmp_path, fake_llama, capsys):
     assert prov["llama_cpp"]["build_commit"] == "fake123" and prov["threads"] == 1
     assert prov["checkpoint"]["sha256"] and prov["checkpoint_bytes"] == model.stat().st_size
     assert "commit" in prov and "dirty" in prov and prov["torch"] and prov["cpu_model"]
-    assert doc["settings"]["gguf_weights"] == ["quantized"]
-    assert {r["weights"] for r in ours} == {"quantized"}
-    assert "| 48 | ours rocketkv @32 [quantized] |" in printed.out and "fake123" in printed.out
+    # the default weights: what generate.py loads without --gguf-weights on this CPU
+    default = default_gguf_weights(None, str(model), "cpu")
+    assert doc["settings"]["gguf_weights"] == [default]
+    assert doc["settings"]["gguf_weights_default"] == default
+    assert {(r["weights"], r["weights_default"], r["compile"]) for r in ours} == \
+        {(default, True, False)}
+    assert f"| 48 | ours rocketkv @32 [default: {default}] |" in printed.out
+    assert "fake123" in printed.out
     assert (tmp_path / "r-decode.png").stat().st_size > 0
 
 
@@ -213,6 +219,27 @@ def test_several_weights_modes_are_measured_in_turn(tmp_path, fake_llama, capsys
     assert doc["settings"]["gguf_weights"] == ["quantized", "float"]
     printed = capsys.readouterr().out
     assert "| 0 | ours full [float] |" in printed and "| 0 | ours full [quantized] |" in printed
+
+
+def test_compile_both_measures_each_mode_eager_then_compiled(tmp_path, fake_llama, capsys):
+    """--compile both: per weights mode, the shared prefill once, then every method eager and
+    compiled, each its own summary row and label."""
+    model = tiny_gguf(tmp_path / "tiny-Q4_0.gguf")
+    out = tmp_path / "c.json"
+    assert main(["--checkpoint", str(model), "--context", "40", "--repeats", "1",
+                 "--max-new-tokens", "2", "--warmup-steps", "1", "--budgets", "32",
+                 "--threads", "1", "--gguf-weights", "quantized", "--compile", "both",
+                 "--no-plots", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    ours = [(r["method"], r["compile"]) for r in doc["runs"] if r["engine"] == "ours"]
+    assert ours == [(SHARED, False), ("full", False), ("rocketkv", False), ("full", True),
+                    ("rocketkv", True)]
+    runs = [r for r in doc["runs"] if r["engine"] == "ours" and r["method"] != SHARED]
+    assert [r["compiled"] for r in runs] == [False, False, True, True]
+    assert all(r["prefill_shared"] for r in runs)
+    printed = capsys.readouterr().out
+    assert "| 40 | ours full [quantized] compiled |" in printed
+    assert "| 40 | ours full [quantized] |" in printed
 
 
 def test_ours_alone_without_llama_bench_or_gguf(tmp_path, stories_dir, fake_llama, monkeypatch,

@@ -284,7 +284,7 @@ def test_ruler_cli_quick_run(tmp_path):
     assert all(abs(it["tokens"] - 600) <= 30 for it in result["items"])
     assert (tmp_path / "ruler_qa.png").exists() and (tmp_path / "ruler_qa.md").exists()
     # boundary-aware scores with the substring ones beside them, intervals in the table
-    assert result["scoring"] == "boundary_f1" and set(full["per_task_substring"]) == \
+    assert result["scoring"] == "boundary_f1_capped" and set(full["per_task_substring"]) == \
         {"niah_single_noise", "vt"}
     assert result["commit"] == result["provenance"]["commit"]
     full_line = (tmp_path / "ruler_qa.md").read_text().splitlines()[2]

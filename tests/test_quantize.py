@@ -303,33 +303,36 @@ def test_every_kv_method_runs_on_a_quantized_model(tiny_quantized, mode):
 
 
 def _w8a8_reference(x, q, w_scales, qmax):
-    """W8A8 as ``quantized._int8_dynamic_linear`` documents it, row by row: the row divided by
-    its largest magnitude c, quantized on the grid of [-1, 1] (step 2 / qmax, zero point
-    round(qmax / 2) added after rounding half to even, as fbgemm does in float32), the integer dot products with the int8
-    weight, then the grid's step, the weight's scales and c."""
+    """W8A8 as ``quantized._int8_dynamic_linear`` documents it, row by row: the row mapped
+    onto [-1, 1] by its range (mid, half), quantized on the grid of [-1, 1] (times the float32
+    inverse of the step 2 / qmax, rounded half to even, as fbgemm does; the zero point
+    cancels), the integer dot products with the int8 weight times the grid's step, the
+    weight's scales and half, plus mid times the dequantized weight's row sums."""
     step = 2.0 / qmax
-    zero = round(qmax / 2)
+    inv = 1 / torch.tensor(step, dtype=torch.float32)
+    w = q.double() * w_scales.float().double()[:, None]
     out = []
     for r in x.float():
-        c = r.abs().max().clamp(min=torch.finfo(torch.float32).tiny)
-        inv = 1 / torch.tensor(step, dtype=torch.float32)
-        xq = torch.clamp(torch.round((r / c) * inv) + zero, 0, qmax)
-        dots = (xq - zero).double() @ q.double().t()
-        out.append((c.double() * step * w_scales.float().double() * dots).float())
+        lo, hi = r.min(), r.max()
+        mid, half = (hi + lo) * 0.5, ((hi - lo) * 0.5).clamp(min=torch.finfo(torch.float32).tiny)
+        xq = torch.round(((r - mid) / half) * inv)
+        dots = xq.double() @ q.double().t()
+        out.append((half.double() * step * w_scales.float().double() * dots
+                    + mid.double() * w.sum(1)).float())
     return torch.stack(out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_activations_quantize_each_row_on_its_own(dtype):
-    """Every input, decode or prefill: each row quantized to 8 bits relative to its own
-    largest magnitude (the slow reference), a row's result the same alone as among others;
+    """Every input, decode or prefill: each row quantized to 8 bits across its own range
+    (the slow reference), a row's result the same alone as among others;
     the packed copy replaces the int8 weight (one copy held, counted by weight_bytes)."""
     q, s = quantize_int8(_weights(96, 128))
     layer = Int8Linear(q, s, dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 128, generator=g)
     x[1, 5] = 9.0  # an outlier widens its row's step only
-    x[2] = x[2].abs()  # a row without negatives
+    x[2] = x[2].abs() + 3.0  # a row far from 0: its grid spans its range, not [0, max]
     x = x.to(dtype)
     prefill = torch.randn(quantized.KERNEL_ROWS + 4, 128, generator=g).to(dtype)
     weight_only, weight_only_prefill = layer(x), layer(prefill)

@@ -34,6 +34,7 @@ from rocketkv.evals.harness import configurations
 from rocketkv.formats.checkpoint import (
     check_creatable,
     checkpoint_args,
+    default_gguf_weights,
     load_model,
     resolve_checkpoint,
 )
@@ -210,20 +211,21 @@ def _spread(values: list[float]) -> dict[str, float] | None:
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (context, peer, method, budget, our GGUF weights), in the order first run: the
-    runs' decode and prefill tokens/s as {median, min, max, n}, the load averages' {min,
-    max}, the errors and notes; for ours the ratios of time per token ours / llama.cpp of the
+    """Per (context, peer, method, budget, our GGUF weights, compiled), in the order first
+    run: the runs' decode and prefill tokens/s as {median, min, max, n}, the load averages'
+    {min, max}, the errors and notes; for ours the ratios of time per token ours / llama.cpp of the
     medians (None where either is missing)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["context"], r["engine"], r.get("method"), r.get("budget"),
-                           r.get("weights")), []).append(r)
+                           r.get("weights"), bool(r.get("compile"))), []).append(r)
     out = []
-    for (context, engine, method, budget, weights), rows in groups.items():
+    for (context, engine, method, budget, weights, compiled), rows in groups.items():
         ok = [r for r in rows if "error" not in r]
         loads = [r["load_average_1min"] for r in ok if r.get("load_average_1min") is not None]
         s = {"context": context, "engine": engine, "method": method, "budget": budget,
-             "weights": weights, "decode_tok_s": _spread([r["decode_tok_s"] for r in ok
+             "weights": weights, "weights_default": any(r.get("weights_default") for r in rows),
+             "compile": compiled, "decode_tok_s": _spread([r["decode_tok_s"] for r in ok
                                       if r.get("decode_tok_s") is not None]),
              "prefill_tok_s": _spread([r["prefill_tok_s"] for r in ok
                                        if r.get("prefill_tok_s") is not None]),
@@ -251,11 +253,15 @@ def context_label(tokens: int) -> str:
 
 
 def peer_label(s: dict[str, Any]) -> str:
-    """``llama.cpp``, or ``ours METHOD[ @BUDGET][ [WEIGHTS]]`` for a summary row."""
+    """``llama.cpp``, or ``ours METHOD[ @BUDGET][ [default: WEIGHTS]][ compiled]`` for a
+    summary row (``default:`` where the weights are ``generate.py``'s default)."""
     if s["engine"] == LLAMA:
         return LLAMA
+    weights = s.get("weights")
+    if weights and s.get("weights_default"):
+        weights = f"default: {weights}"
     return (f"ours {s['method']}" + (f" @{s['budget']}" if s["budget"] is not None else "")
-            + (f" [{s['weights']}]" if s.get("weights") else ""))
+            + (f" [{weights}]" if weights else "") + (" compiled" if s.get("compile") else ""))
 
 
 def _fmt(spread: dict[str, float] | None) -> str:
@@ -382,10 +388,14 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         for note in notes:
             print(note, file=sys.stderr)
         torch.set_num_threads(threads)
-        weights_modes = list(dict.fromkeys(args.gguf_weights)) if gguf else ["float"]
+        default = default_gguf_weights(None, args.checkpoint, "cpu")
+        weights_modes = list(dict.fromkeys(default if w == "default" else w
+                                           for w in args.gguf_weights)) if gguf else ["float"]
+        defaults = {w: w == default and "default" in args.gguf_weights for w in weights_modes}
         models = {w: load_model(args.checkpoint, "cpu", torch.float32, gguf_weights=w)
                   for w in weights_modes}
         model = models[weights_modes[0]]
+        compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -412,7 +422,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
                 "contexts": contexts, "context_notes": notes,
                 "methods": [list(c) for c in configs], "repeats": args.repeats,
                 "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup_steps,
-                "gguf_weights": weights_modes if gguf else None, "dtype": "float32",
+                "gguf_weights": weights_modes if gguf else None,
+                "gguf_weights_default": default if gguf else None, "dtype": "float32",
                 "compile": args.compile, "seed": args.seed, "prompt": "random token ids",
                 "peer_skipped": peer_skip}
     runs: list[dict[str, Any]] = []
@@ -456,8 +467,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
                 peer_skip = f"llama-bench warm-up failed: {e}"
                 settings["peer_skipped"] = peer_skip
         for m in models.values():
-            for method, budget in configs:
-                ours_run(m, ids[:min(16, len(ids))], method, budget, 2, warmup, args.compile)
+            for compiled in compiles:
+                for method, budget in configs:
+                    ours_run(m, ids[:min(16, len(ids))], method, budget, 2, warmup, compiled)
         for context in contexts:
             if peer_skip is not None:
                 record({"engine": LLAMA, "context": context, "repeat": None,
@@ -490,11 +502,14 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
                         record(row)
                 for weights, m in models.items():
                     pre = None
-                    shared = [(SHARED, None)] if sharing(context, configs) else []
-                    for method, budget in [*shared, *configs]:
+                    shared = [(SHARED, None, False)] if sharing(context, configs) else []
+                    for method, budget, compiled in [*shared, *((mb, bb, c) for c in compiles
+                                                                for mb, bb in configs)]:
                         row = {"engine": OURS, "context": context, "repeat": rep,
                                "method": method, "budget": budget,
-                               "weights": weights if gguf else None}
+                               "weights": weights if gguf else None,
+                               "weights_default": defaults.get(weights, False),
+                               "compile": compiled}
                         if over_time():
                             record({**row, "error": f"skipped: --time-limit "
                                                     f"{args.time_limit:g} s reached"})
@@ -506,7 +521,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
                                 row.update(figures, test="prefill")
                             else:
                                 row.update(ours_run(m, ids[:max(context, 1)], method, budget,
-                                                    steps, warmup, args.compile, pre))
+                                                    steps, warmup, compiled, pre))
                         except Exception as e:  # noqa: BLE001 (a failed run is a row)
                             row["error"] = row_error(e)
                         record(row)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import multiprocessing
 import os
@@ -204,8 +205,49 @@ def run_configurations(args: argparse.Namespace) -> tuple[list[tuple[str, Any]],
     return configs, columns
 
 
-def _texts(tok: Tokenizer, rows: Sequence[Sequence[int]], stop: set[int]) -> list[str]:
-    return [tok.decode([t for t in row if t not in stop]) for row in rows]
+class Answers(list):
+    """One configuration's greedy answers to a batch (``run_batch``): a ``list`` of the answer
+    texts, one ``str`` per item in batch order (stop tokens left out), as ``run_batch``
+    returned before, with two lists of the same length beside them:
+
+    * ``new_tokens``: per item, the tokens the answer generated, its stop token counted (an
+      answer the cap ended holds exactly its cap; the batch's cap where the item's is
+      smaller: answers are not cut to their item's cap); None where not recorded;
+    * ``capped``: per item, True when the answer ended at its token cap, not at a stop token:
+      no stop token and at least the item's ``max_new_tokens`` tokens (``evals.scoring``'s
+      cut rule: its last value may be cut mid-way); None where not recorded.
+
+    Equality, iteration and JSON see the texts alone (a list of strings equals it); pickling
+    (the worker processes) keeps both lists.
+
+    Raises:
+        ValueError: a list given whose length is not the number of texts.
+    """
+
+    def __init__(self, texts: Sequence[str] = (), new_tokens: Sequence[int | None] | None = None,
+                 capped: Sequence[bool | None] | None = None) -> None:
+        super().__init__(texts)
+        n = len(self)
+        self.new_tokens: list[int | None] = [None] * n if new_tokens is None else list(new_tokens)
+        self.capped: list[bool | None] = [None] * n if capped is None else list(capped)
+        if len(self.new_tokens) != n or len(self.capped) != n:
+            raise ValueError(f"{n} answers need {n} token counts and capped flags, got "
+                             f"{len(self.new_tokens)} and {len(self.capped)}")
+
+    def info(self) -> dict[str, list]:
+        """{"new_tokens", "capped"}: the per-item lists, as a partial file keeps them."""
+        return {"new_tokens": list(self.new_tokens), "capped": list(self.capped)}
+
+
+def _answers(tok: Tokenizer, rows: Sequence[Sequence[int]], stop: set[int],
+             caps: Sequence[int]) -> Answers:
+    """``Answers`` of ``generate``'s ``token_ids`` rows (each cut after its first stop token,
+    kept): the texts without stop tokens, each row's length, and capped = the row ends in no
+    stop token and holds at least its item's cap (``caps``, tokens)."""
+    return Answers([tok.decode([t for t in row if t not in stop]) for row in rows],
+                   [len(row) for row in rows],
+                   [bool(row) and row[-1] not in stop and len(row) >= cap
+                    for row, cap in zip(rows, caps)])
 
 
 @torch.no_grad()
@@ -222,13 +264,22 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     its own way (``Method.shared_prefill`` False: KeyDiff) prefills the prompt itself, and a
     batch of such methods alone skips the shared prefill. Question-agnostic runs
     store and compress the document alone, then append the question as the conversation's next
-    chunk. Returns {mode: {(method, budget): answers (one string per item) or "error
-    message" for a budget the method rejects}}.
+    chunk.
+
+    The batch decodes up to ``max_new_tokens`` (the largest of its items' caps, as
+    ``evaluate_items`` passes it); item i's own cap is ``min(meta["max_new_tokens"],
+    max_new_tokens)`` (``max_new_tokens`` without one), which decides its ``capped`` flag
+    only: answers are not cut to it.
+
+    Returns {mode: {(method, budget): answers (``Answers``: a list of one string per item,
+    with per item ``new_tokens`` and ``capped``) or "error message" for a budget the method
+    rejects}}.
     """
     options = dict(options or {})
     doc = torch.tensor([it.doc_ids for it in items])
     question = torch.tensor([it.question_ids for it in items])
     stop = tuple(sorted(set(tok.chat_stop_ids)))
+    caps = [min(it.meta.get("max_new_tokens", max_new_tokens), max_new_tokens) for it in items]
     model.prefill_chunk_size = max(model.prefill_chunk_size, doc.shape[1] + question.shape[1])
     pre_doc = None  # no shared prefill where no method uses one (KeyDiff alone)
     if any(METHODS[m].shared_prefill for m, _ in configs):
@@ -254,7 +305,7 @@ def run_batch(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                 else:
                     r = generate(model, prompt, CacheRequest(method, budget, options=opts),
                                  max_new_tokens=max_new_tokens, stop_ids=stop, prefilled=pre)
-                out[mode][(method, budget)] = _texts(tok, r["token_ids"], set(stop))
+                out[mode][(method, budget)] = _answers(tok, r["token_ids"], set(stop), caps)
             except ConfigError as e:
                 out[mode][(method, budget)] = str(e)
             tick()
@@ -432,6 +483,42 @@ def open_partial(path: Path, spec: dict[str, Any], restart: bool = False,
     return kept, path.open("a"), fingerprint
 
 
+def _saved_entry(method: str, budget: Any, ans: Any) -> list[Any]:
+    """A configuration's answers as a partial file's batch line keeps them: ``[method,
+    budget, texts, {"new_tokens", "capped"}]`` (``Answers.info``), or ``[method, budget,
+    answers]`` for an error message or answers with nothing recorded beside them."""
+    if isinstance(ans, Answers):
+        return [method, budget, list(ans), ans.info()]
+    return [method, budget, ans]
+
+
+def _saved_answers(entry: Sequence[Any]) -> Any:
+    """The answers of a partial file's ``[method, budget, answers(, info)]`` (``_saved_entry``):
+    ``Answers`` with the saved token counts and capped flags where the entry has them (lists
+    of the answers' length), else as saved (a line of three, written before they were
+    recorded, reads as texts alone; an error message stays a string)."""
+    ans = entry[2]
+    info = entry[3] if len(entry) > 3 else None
+    if not isinstance(ans, list) or not isinstance(info, dict):
+        return ans
+    n_tok, flags = info.get("new_tokens"), info.get("capped")
+    if not (isinstance(n_tok, list) and isinstance(flags, list)
+            and len(n_tok) == len(flags) == len(ans)):
+        return ans
+    return Answers(ans, n_tok, flags)
+
+
+def _takes_capped(score: Callable[..., Any]) -> bool:
+    """Whether ``score`` takes a ``capped`` keyword (a parameter of that name, or
+    ``**kwargs``); False when its signature cannot be read."""
+    try:
+        params = inspect.signature(score).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == "capped" and p.kind in (
+        p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)) for p in params)
+
+
 def degenerate(method: str, budget: int | None, margs: ModelArgs, items: Sequence[Item],
                max_new_tokens: int, options: dict[str, Any] | None) -> str | None:
     """Why ``method`` is degenerate at ``budget`` for these items (``Params.degenerate``,
@@ -449,7 +536,7 @@ def degenerate(method: str, budget: int | None, margs: ModelArgs, items: Sequenc
 
 def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                    configs: Sequence[tuple[str, Any]], max_new_tokens: int,
-                   score: Callable[[str, Item], float], *, modes: Sequence[str] = ("standard",),
+                   score: Callable[..., float | None], *, modes: Sequence[str] = ("standard",),
                    options: dict[str, Any] | None = None, batch_size: int = 10,
                    progress: bool = True, partial: str | Path | None = None,
                    run_key: Any = None, tag: Any = None, restart: bool = False,
@@ -459,24 +546,31 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                    header: str | None = None) -> dict[str, Any]:
     """Answers and scores of every configuration on every item in every mode
     (``max_new_tokens`` unless an item's ``meta["max_new_tokens"]`` says otherwise; a batch
-    decodes its items' largest).
+    decodes its items' largest, and each answer records whether its own cap ended it).
+
+    ``score(answer, item)`` gives an answer's score (None: no verdict, left out of the mean);
+    a ``score`` that takes a ``capped`` keyword (``ruler.score_item``) is called as
+    ``score(answer, item, capped=flag)`` with the flag the run recorded for that answer
+    (``Answers.capped``: True when the answer ended at its item's token cap, not at a stop
+    token; None where the batch recorded none: one saved by a ``run_batch`` that did not).
 
     A budget the method rejects for some items (a longer answer leaves less of the budget to
     the prompt) fails those items only: their ``scores`` and ``answers`` are None, ``score``
     is the mean over the items that ran, and the row adds ``items_run`` and ``item_errors``
     {item index: message}. A row is an error only when every item failed.
 
-    ``partial``: a JSON-lines file that keeps every finished batch's answers as the run goes
-    (a header line with the run's fingerprint, then one line per batch). A run that finds the
-    file with the same fingerprint skips the batches it holds, so a run that was killed (or
-    cut by a GPU lease's time limit) continues where it stopped with the same answers; a
-    file of another run (other prompts, settings or engine code) is a ConfigError naming the
-    commit that saved it, or with ``restart`` overwritten. The caller deletes it once the
-    results are written (and keeps it while some items are unfinished). ``complete``: the
-    result JSONs such a run writes; when the partial file holds nothing of this run and one
-    of them records this run's fingerprint (``spec_fingerprint`` of ``run_spec``, the result's
-    ``fingerprint``) with no item unfinished, the run is complete: a ConfigError, before any
-    batch, unless ``restart``.
+    ``partial``: a JSON-lines file that keeps every finished batch's answers as the run goes (a
+    header line with the run's fingerprint, then one line per batch: per configuration its
+    answers with their token counts and capped flags, ``_saved_entry``; a line saved without
+    them still loads, its flags None). A run that finds the file with the same fingerprint skips
+    the batches it holds, so a run that was killed (or cut by a GPU lease's time limit)
+    continues where it stopped with the same answers; a file of another run (other prompts,
+    settings or engine code) is a ConfigError naming the commit that saved it, or with
+    ``restart`` overwritten. The caller deletes it once the results are written (and keeps it
+    while some items are unfinished). ``complete``: the result JSONs such a run writes; when the
+    partial file holds nothing of this run and one of them records this run's fingerprint
+    (``spec_fingerprint`` of ``run_spec``, the result's ``fingerprint``) with no item
+    unfinished, the run is complete: a ConfigError, before any batch, unless ``restart``.
 
     ``stop``: asked before each batch; once it says True no new batch starts, and the items
     of the batches not run are unfinished: their scores and answers are None, and rows score
@@ -500,8 +594,11 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     overhead, which a second thread does not share.
 
     Returns {"modes": {mode: {"rows": [{"method", "budget", "score" (mean over the items that
-    ran, 0..1; None when none did), "scores", "answers"[, "items_run", "item_errors"]} or
-    {"method", "budget", "error"}]}}, "eval_s" (this process's seconds), "batches",
+    ran, 0..1; None when none did), "scores", "answers", "answer_tokens" (per item: the tokens
+    the answer generated, its stop token counted), "answer_capped" (per item: the answer
+    ended at its token cap, not at a stop token)[, "items_run", "item_errors"]} or {"method",
+    "budget", "error"}]}} (per-item lists in item order, None for an item not run or not
+    recorded), "eval_s" (this process's seconds), "batches",
     "batches_resumed", "unfinished" (items not run), "workers" (processes used), "item_tags",
     "partial", "fingerprint" (``spec_fingerprint`` of ``run_spec``, with ``partial``; else
     None)}."""
@@ -509,6 +606,8 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     pad_id = tok.encode("\n", bos=False)[-1]
     t0 = time.perf_counter()
     answers = {mode: {c: [None] * len(items) for c in configs} for mode in modes}
+    new_tokens = {mode: {c: [None] * len(items) for c in configs} for mode in modes}
+    capped = {mode: {c: [None] * len(items) for c in configs} for mode in modes}
     errors: dict[str, dict[tuple[str, Any], dict[int, str]]] = {
         mode: {c: {} for c in configs} for mode in modes}  # per item: the budget error
     item_tags: list[Any] = [None] * len(items)
@@ -519,8 +618,11 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                 if isinstance(ans, str):  # this batch's items only (their lengths, answers)
                     errors[mode][c].update({i: ans for i in idx})
                     continue
-                for i, a in zip(idx, ans):
+                info = ans if isinstance(ans, Answers) else Answers(ans)
+                for i, a, n, k in zip(idx, info, info.new_tokens, info.capped):
                     answers[mode][c][i] = a
+                    new_tokens[mode][c][i] = n
+                    capped[mode][c][i] = k
 
     saved = None
     done: set[tuple[int, ...]] = set()
@@ -530,7 +632,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
             partial, run_spec(items, configs, max_new_tokens, modes, options, batch_size,
                               run_key), restart, [Path(p) for p in complete])
         for line in kept:
-            record(line["batch"], {mode: {(m, b): ans for m, b, ans in res}
+            record(line["batch"], {mode: {(e[0], e[1]): _saved_answers(e) for e in res}
                                    for mode, res in line["got"].items()})
             done.add(tuple(line["batch"]))
             for i in line["batch"]:
@@ -547,7 +649,9 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     finished = {i for idx in done for i in idx}
 
     def batch_args(idx: list[int]) -> tuple:
-        batch = pad_to_equal([items[i] for i in idx], pad_id)
+        batch = pad_to_equal([items[i] for i in idx], pad_id)  # copies: meta is theirs
+        for it in batch:  # each item's own cap, for its capped flag (run_batch)
+            it.meta.setdefault("max_new_tokens", max_new_tokens)
         if bar is not None:
             bar.set_description(f"{batch[0].tokens} tokens x {len(batch)}")
         m = max(it.meta.get("max_new_tokens", max_new_tokens) for it in batch)
@@ -560,7 +664,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
             item_tags[i] = tag
         if saved is not None:
             saved.write(json.dumps({"batch": idx, "tag": tag, "got": {
-                mode: [[m_, b, ans] for (m_, b), ans in res.items()]
+                mode: [_saved_entry(m_, b, ans) for (m_, b), ans in res.items()]
                 for mode, res in got.items()}}) + "\n")
             saved.flush()
 
@@ -589,6 +693,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                               "partial": None if partial is None else str(partial),
                               "fingerprint": None if partial is None else fingerprint,
                               "item_tags": item_tags}
+    with_capped = _takes_capped(score)
     reasons = {} if model is None else {  # per configuration, whatever the mode
         (m, b): degenerate(m, b, model.args, items, max_new_tokens, options) for m, b in configs}
     for mode in modes:
@@ -602,11 +707,14 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                 row["error"] = next(iter(errs.values()))
             else:
                 ans = answers[mode][(method, budget)]
-                scores = [score(a, it) if i in finished and i not in errs else None
+                flags = capped[mode][(method, budget)]
+                scores = [(score(a, it, capped=flags[i]) if with_capped else score(a, it))
+                          if i in finished and i not in errs else None
                           for i, (a, it) in enumerate(zip(ans, items))]
                 ran = [x for x in scores if x is not None]
                 row.update(score=sum(ran) / len(ran) if ran else None, scores=scores,
-                           answers=ans)
+                           answers=ans, answer_tokens=new_tokens[mode][(method, budget)],
+                           answer_capped=flags)
                 if len(ran) < len(items):
                     row["items_run"] = len(ran)
                 if errs:

@@ -8,18 +8,29 @@ right nor wrong and niah_multiquery counts a value only under its own key.
 
 Input: result files of ``scripts/eval_ruler.py`` (``items``: each item's ``task``,
 ``outputs``, ``facts`` and ``max_new_tokens``; ``rows``: per method and budget the
-``answers`` and ``scores`` in item order). They are read, never written.
+``answers`` and ``scores`` in item order, and from files the harness wrote since it records
+them, ``answer_capped`` and ``answer_tokens``: ``harness.evaluate_items``). They are read,
+never written.
 
 Per answer:
 
-* **capped**: the answer, re-tokenized with the checkpoint's tokenizer (``encode(text,
-  bos=False)``), counts at least ``max_new_tokens - 1`` tokens. An answer that ended at a stop
-  token holds at most ``max_new_tokens - 1`` tokens of text (the stop token is not in the
-  text), one the cap ended holds ``max_new_tokens``. This is an approximation: the stored
-  text is the decoded answer, and re-tokenizing it may give a token more or fewer than were
-  generated (merges across token boundaries, a stop token's neighbours), so an answer that
-  stopped at a stop token one token short of the cap counts as capped too. Being capped
-  changes a score only when the answer's last value ends at the very end of its text.
+* **capped**, from one of two sources (each row counts its answers by source:
+  ``capped_recorded`` and ``capped_approximated``; the summary adds them up):
+
+  - **recorded**: the row's ``answer_capped`` holds True or False for the answer: the run's
+    own flag (``harness.Answers.capped``: no stop token ended the answer and it holds at
+    least its item's ``max_new_tokens`` tokens). Exact: used as it is.
+  - **approximated** (older files, without ``answer_capped`` or with None for the answer):
+    the answer, re-tokenized with the checkpoint's tokenizer (``encode(text, bos=False)``),
+    counts at least ``max_new_tokens - 1`` tokens. An answer that ended at a stop token holds
+    at most ``max_new_tokens - 1`` tokens of text (the stop token is not in the text), one
+    the cap ended holds ``max_new_tokens``. This is an approximation: the stored text is the
+    decoded answer, and re-tokenizing it may give a token more or fewer than were generated
+    (merges across token boundaries, a stop token's neighbours), so an answer that stopped at
+    a stop token one token short of the cap counts as capped too.
+
+  Being capped changes a score only when the answer's last value ends at the very end of its
+  text.
 * the new score: ``ruler.score_task(task, answer, outputs, capped=capped, facts=facts)``;
   also the old rules alone (``score_task(task, answer, outputs)``: equal to the file's
   ``scores`` when the file was scored with the current rules), the cut rule alone and the
@@ -27,8 +38,9 @@ Per answer:
 
 Per row (method, budget): the file's ``score``; the new score as ``ruler.task_rows`` makes
 it (the mean over tasks of the per-task means, items scored None left out; None unless every
-task has a score); the answers treated as capped, the cut values dropped, the items scored
-None, and per task the old and new means.
+task has a score); the answers treated as capped, how many capped flags were recorded and how
+many approximated, the cut values dropped, the items scored None, and per task the old and
+new means.
 """
 
 from __future__ import annotations
@@ -58,6 +70,14 @@ def is_capped(answer: str, max_new_tokens: int, count_tokens: CountTokens) -> bo
 
 def _is_text_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_list_of(value: Any, kind: type, n: int) -> bool:
+    """``value`` is a list of ``n`` entries, each None or a ``kind`` (bool excluded from
+    int)."""
+    return isinstance(value, list) and len(value) == n and all(
+        v is None or (isinstance(v, kind) and (kind is bool or not isinstance(v, bool)))
+        for v in value)
 
 
 def read_result(path: str | Path) -> dict[str, Any]:
@@ -107,6 +127,11 @@ def read_result(path: str | Path) -> dict[str, Any]:
                                   f"{len(items)} items")
         if not all(a is None or isinstance(a, str) for a in r["answers"]):
             raise ConfigError(f"{path}: row {j} ({r['method']}) has an answer that is not text")
+        for key, kind, what in (("answer_capped", bool, "true, false or null"),
+                                ("answer_tokens", int, "whole numbers or null")):
+            if key in r and not _is_list_of(r[key], kind, len(items)):
+                raise ConfigError(f"{path}: row {j} ({r['method']}): {key} must list "
+                                  f"{what} for its {len(items)} items")
     return res
 
 
@@ -145,7 +170,9 @@ def rescore_result(res: dict[str, Any], count_tokens: CountTokens) -> dict[str, 
 
     Returns:
         {"tasks", "mode", "rows": [per row: "method", "budget", "items" (answered),
-        "unanswered", "capped" (answers treated as capped), "cut" (values dropped as cut),
+        "unanswered", "capped" (answers treated as capped), "capped_recorded" (answers whose
+        capped flag is the run's, ``answer_capped``), "capped_approximated" (answers whose flag
+        is the re-tokenizing approximation), "cut" (values dropped as cut),
         "none" (items scored None), "score_old" (the file's), "score_old_rules",
         "score_new", "score_cut_only", "score_keys_only", "delta" (new - old, None when
         either is None), "per_task" {task: {"old", "new", "capped", "cut", "none"}},
@@ -173,13 +200,20 @@ def rescore_result(res: dict[str, Any], count_tokens: CountTokens) -> dict[str, 
         keys_only: list[float | None] = []
         old_rules: list[float | None] = []
         capped_items, cut_items, none_items = [], [], []
+        recorded_flags = r.get("answer_capped") or [None] * len(items)
+        recorded = approximated = 0
         for i, (it, a) in enumerate(zip(items, r["answers"])):
             if a is None:  # not run (an unfinished row)
                 for lst in (new, cut_only, keys_only, old_rules):
                     lst.append(None)
                 continue
             task, outputs, facts = it["task"], it["outputs"], it.get("facts")
-            capped = capped_answer(a, it)
+            if isinstance(recorded_flags[i], bool):  # the run's own flag
+                capped = recorded_flags[i]
+                recorded += 1
+            else:
+                capped = capped_answer(a, it)
+                approximated += 1
             new.append(score_task(task, a, outputs, capped=capped, facts=facts))
             cut_only.append(score_task(task, a, outputs, capped=capped))
             keys_only.append(score_task(task, a, outputs, facts=facts))
@@ -205,7 +239,8 @@ def rescore_result(res: dict[str, Any], count_tokens: CountTokens) -> dict[str, 
             "method": r["method"], "budget": r.get("budget"),
             "items": sum(a is not None for a in r["answers"]),
             "unanswered": sum(a is None for a in r["answers"]),
-            "capped": len(capped_items), "cut": len(cut_items), "none": len(none_items),
+            "capped": len(capped_items), "capped_recorded": recorded,
+            "capped_approximated": approximated, "cut": len(cut_items), "none": len(none_items),
             "score_old": score_old, "score_old_rules": _aggregate(old_rules, metas, tasks)[0],
             "score_new": score_new, "score_cut_only": _aggregate(cut_only, metas, tasks)[0],
             "score_keys_only": _aggregate(keys_only, metas, tasks)[0],
@@ -223,6 +258,9 @@ def _summary(files: Sequence[dict[str, Any]]) -> dict[str, Any]:
         moves[key] = {"mean": sum(d) / len(d) if d else None,
                       "min": min(d, default=None), "max": max(d, default=None)}
     return {"cells": len(deltas),
+            "capped_recorded": sum(r.get("capped_recorded", 0) for f in files for r in f["rows"]),
+            "capped_approximated": sum(r.get("capped_approximated", 0) for f in files
+                                       for r in f["rows"]),
             "delta_mean": sum(deltas) / len(deltas) if deltas else None,
             "delta_min": min(deltas, default=None), "delta_max": max(deltas, default=None),
             "cells_up": sum(d > 1e-12 for d in deltas),
@@ -237,9 +275,11 @@ def _summary(files: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def rescore_files(paths: Sequence[str | Path], count_tokens: CountTokens) -> dict[str, Any]:
     """``rescore_result`` of each file (read and checked first): {"files": [{"path", ...}],
-    "summary": {"cells", "delta_mean", "delta_min", "delta_max", "cells_up", "cells_down",
-    "cut_rule_alone", "key_rule_alone" (each rule's move from the old rules alone: mean, min,
-    max), "old_rules_differ" (rows whose file score the old rules do not reproduce)}}.
+    "summary": {"cells", "capped_recorded", "capped_approximated" (answers over every row
+    and file: those given the run's recorded flag, those given the approximation), "delta_mean",
+    "delta_min", "delta_max", "cells_up", "cells_down", "cut_rule_alone", "key_rule_alone"
+    (each rule's move from the old rules alone: mean, min, max), "old_rules_differ" (rows
+    whose file score the old rules do not reproduce)}}.
 
     Raises:
         ConfigError: as ``read_result`` and ``check_tasks``.
@@ -281,10 +321,13 @@ def markdown(report: dict[str, Any]) -> str:
              f"average ({_signed(s['cut_rule_alone']['min'])} to "
              f"{_signed(s['cut_rule_alone']['max'])}), the per-key rule alone by "
              f"{_signed(s['key_rule_alone']['mean'])} ({_signed(s['key_rule_alone']['min'])} "
-             f"to {_signed(s['key_rule_alone']['max'])}).",
+             f"to {_signed(s['key_rule_alone']['max'])}). Capped flags: "
+             f"{s['capped_recorded']} recorded by the run, "
+             f"{s['capped_approximated']} approximated from the re-tokenized text.",
              "",
              "Columns: old (the file's score), new (both rules), cut / keys (one rule alone), "
-             "capped (answers whose re-tokenized text reaches max_new_tokens - 1 tokens), "
+             "capped (answers the run recorded as capped, or, without a recorded flag, whose "
+             "re-tokenized text reaches max_new_tokens - 1 tokens), "
              "dropped (cut values dropped), None (items without a verdict, left out of the "
              "means); per task old -> new. Scores in percent."]
     if s["old_rules_differ"]:
@@ -343,7 +386,9 @@ def run(args: Any) -> int:
 
     argv = ["scripts/rescore_ruler.py", *sys.argv[1:]]
     report = {"tokenizer": str(args.tokenizer),
-              "capped_rule": "re-tokenized answer (bos=False) >= max_new_tokens - 1 tokens",
+              "capped_rule": "the run's recorded flag (the row's answer_capped) where the file "
+                             "has one; else re-tokenized answer (bos=False) >= "
+                             "max_new_tokens - 1 tokens",
               **_rescore_all(results, count),
               "provenance": provenance(None, argv)}
     md = markdown(report)

@@ -68,7 +68,9 @@ token cap), a last value ending at the very end of the answer may be cut and is 
 right nor wrong (unless it is a number no expected value starts with; a one-answer task
 left with no complete value scores None, left out of the means); given the item's
 ``facts``, niah_multiquery counts a value only under its own key (``evals.scoring``'s module
-docstring has both rules). ``rocketkv.evals.rescore`` rescores stored answers with both.
+docstring has both rules). The harness records each answer's ``capped`` flag
+(``harness.Answers``) and passes it to a score that takes it (``score_item``);
+``rocketkv.evals.rescore`` rescores stored answers with both rules.
 RULER's own ``string_match_all`` (``evals.metrics``: the fraction of the expected outputs
 that occur in the prediction as substrings, ignoring case) is kept as the ``substring``
 column for comparison; ``string_match_part`` is 1.0 when any of them occurs. Expected words
@@ -782,6 +784,21 @@ def score_task(task: str, prediction: str, outputs: Sequence[str], *, capped: bo
     kind, vocab = TASK_KINDS[task]
     keys = None if facts is None else asked_keys(task, facts, outputs)
     return score_answer(prediction, outputs, kind, vocab, capped=capped, keys=keys)
+
+
+def score_item(answer: str, item: Item, *, capped: bool | None = False) -> float | None:
+    """``score_task`` of a harness item's answer (the harness's ``score``,
+    ``evaluate_items``): the item's task (``meta["task"]``) and expected ``outputs``, with
+    ``capped`` as the run recorded it (``harness.Answers.capped``: the answer ended at its
+    ``max_new_tokens``, not at a stop token), so a value the cap cut is neither right nor
+    wrong; None (not recorded) scores as not capped. The item's ``facts`` (``meta["facts"]``,
+    where it has them) go along: niah_multiquery counts a value only under its own key.
+
+    Returns:
+        A score in [0, 1], or None when ``capped`` left a one-answer task no complete value.
+    """
+    return score_task(item.meta["task"], answer, item.outputs, capped=bool(capped),
+                      facts=item.meta.get("facts"))
 
 
 def task_rows(rows: Sequence[dict[str, Any]], items: Sequence[Item],

@@ -105,7 +105,11 @@ def item_commits(name: str, res: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _scorers(res: dict[str, Any]) -> tuple[bool, Callable[[str, dict], float] | None]:
-    """(binary by default, rescoring function or None when the stored scores are current)."""
+    """(binary by default, rescoring function or None when the stored scores are current).
+    RULER files are pooled under one rule, ``boundary_f1`` (``score_task`` without the token
+    cap's or niah_multiquery's key rule): files scored so (``"scoring": "boundary_f1"``) as
+    they are, others (older rules, or ``boundary_f1_capped`` from the answers' recorded caps)
+    rescored from their stored answers."""
     if res["task"] == "needle":
         if res.get("scoring") in ("first_number", "rouge1_recall"):
             return res["scoring"] != "rouge1_recall", None
