@@ -234,7 +234,10 @@ def test_cpu_fields_read_the_model_and_native_bf16_from_cpuinfo():
     epyc = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma\n"
     sapphire_no_bf16 = "model name\t: X\nflags\t\t: avx512f avx512_bf16x avx512_vnni\n"
     assert cpu_fields(xeon) == {"model": "Intel(R) Xeon(R) Platinum 8480+",
-                                "cores": os.cpu_count(), "native_bf16": True}
+                                "cores": os.cpu_count(), "native_bf16": True,
+                                "isa": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]}
+    assert cpu_fields(epyc)["isa"] == ["avx2", "fma"]
+    assert cpu_fields(sapphire_no_bf16)["isa"] == ["avx512f", "avx512_vnni"]
     assert cpu_fields(epyc)["model"] == "AMD EPYC" and not cpu_fields(epyc)["native_bf16"]
     assert not cpu_has_native_bf16(sapphire_no_bf16)  # a whole flag, not a prefix
     assert cpu_has_native_bf16("flags : amx_bf16\n") and not cpu_has_native_bf16("")

@@ -12,9 +12,10 @@ produced it, so that results of different code are never merged unknowingly
   or untracked change (None when unknown; a dirty tree's results are not those of the commit);
 * ``python``, ``torch``, ``transformers``, ``tokenizers`` and ``gguf`` (None when not
   installed) versions;
-* ``cpu``: the processor's ``model`` name, its ``cores`` (``os.cpu_count``) and
-  ``native_bf16`` (``cpu_has_native_bf16``): bfloat16 sums run in another order where it is
-  emulated, so a bfloat16 answer can differ, rarely, between machines;
+* ``cpu``: the processor's ``model`` name, its ``cores`` (``os.cpu_count``),
+  ``native_bf16`` (``cpu_has_native_bf16``: bfloat16 sums run in another order where it is
+  emulated, so a bfloat16 answer can differ, rarely, between machines) and ``isa``, the
+  instruction-set extensions among ``ISA_FLAGS`` it has (VNNI decides int8 activations' bits);
 * ``checkpoint``: the path, its ``sha256`` (of the file; of a directory, over its files' names
   and bytes in sorted order; None for ``random:`` configurations) and ``quantization``: for a
   GGUF file, the count of tensors per GGML type (e.g. {"Q4_K": 120, "F32": 121}) and the
@@ -93,16 +94,26 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return re.search(r"\b(amx_bf16|avx512_bf16)\b", cpuinfo) is not None
 
 
+# instruction-set extensions a result depends on: vector width and FMA (speed), VNNI (8-bit
+# int8 activations, quantized.int8_activations_default), bfloat16 and AMX (sums and speed)
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
+             "amx_int8")
+
+
 def cpu_fields(cpuinfo: str | None = None) -> dict[str, Any]:
     """{"model": the first ``model name`` of ``cpuinfo`` (default /proc/cpuinfo; else
     ``platform.processor()`` or ``platform.machine()``), "cores": ``os.cpu_count()``,
-    "native_bf16": ``cpu_has_native_bf16(cpuinfo)``}."""
+    "native_bf16": ``cpu_has_native_bf16(cpuinfo)``, "isa": the ``ISA_FLAGS`` among the
+    first ``flags`` line, in that order}."""
     if cpuinfo is None:
         cpuinfo = _cpuinfo()
     m = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
     model = m.group(1).strip() if m else platform.processor() or platform.machine()
+    f = re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
+    flags = set(f.group(1).split()) if f else set()
     return {"model": model, "cores": os.cpu_count(),
-            "native_bf16": cpu_has_native_bf16(cpuinfo)}
+            "native_bf16": cpu_has_native_bf16(cpuinfo),
+            "isa": [x for x in ISA_FLAGS if x in flags]}
 
 
 def cpu_model() -> str:
