@@ -420,19 +420,6 @@ def check_int8_activations(device) -> None:
                           f"fbgemm engine, which this torch lacks (engines: {engines})")
 
 
-INT8_ACTIVATIONS_NOTE = ("note: int8 activations, this CPU's default for GGUF files (faster, at a "
-                         "small measured cost in accuracy: docs/quantization.md); --gguf-weights "
-                         "quantized keeps float activations, --gguf-weights float the float "
-                         "weights")
-
-
-def int8_activations_default() -> bool:
-    """Whether the CPU default for GGUF files runs int8 activations
-    (``checkpoint.default_gguf_weights``): fbgemm present and 8-bit activations (a CPU with
-    VNNI; 7-bit ones, ``_reduce_range``, cost 3-4x the KL: docs/quantization.md)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and not _reduce_range()
-
-
 @torch.no_grad()
 def use_int8_activations(model: nn.Module) -> int:
     """Run ``model``'s CPU ``Int8Linear`` layers on int8 activations at decode (W8A8, module

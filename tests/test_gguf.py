@@ -683,39 +683,19 @@ def test_gguf_weights_are_checked(tmp_path):
         load_model("random:stories260K", "cpu", torch.float32, gguf_weights="quantized")
 
 
-def test_gguf_weights_default_to_int8_activations_on_a_vnni_cpu_only(monkeypatch):
-    """generate.py and rocketkv.load keep a GGUF's blocks quantized on the CPU unless told:
-    on int8 activations where fbgemm has 8 bits (VNNI), weight-only elsewhere; dequantize on
-    CUDA (kernels not yet run on a GPU), and leave other checkpoints float."""
-    from rocketkv.formats import checkpoint
-
+def test_gguf_weights_default_to_quantized_on_the_cpu_only():
+    """generate.py and rocketkv.load keep a GGUF's blocks quantized on the CPU unless told
+    (weight-only: int8 activations stay opt-in), dequantize on CUDA (kernels not yet run on a
+    GPU), and leave other checkpoints float."""
     gguf = str(shared_file(SMOLLM2_GGUF))
-    default = "quantized-w8a8" if quantized.int8_activations_default() else "quantized"
-    assert default_gguf_weights(None, gguf, "cpu") == default
+    assert default_gguf_weights(None, gguf, "cpu") == "quantized"
     assert default_gguf_weights(None, gguf, "cuda") == "float"
     assert default_gguf_weights(None, "random:stories260K", "cpu") == "float"
     assert default_gguf_weights("float", gguf, "cpu") == "float"
     engine = rocketkv.load(gguf, device="cpu")
     assert isinstance(engine.model.layers[0].feed_forward.w13, Int4Linear)
-    assert engine.model.output.int8_activations == (default == "quantized-w8a8")
+    assert not getattr(engine.model.output, "int8_activations", False)
     assert rocketkv.load(gguf, device="cpu", gguf_weights="float").model.quantization is None
-    monkeypatch.setattr(checkpoint, "int8_activations_default", lambda: False)  # no VNNI
-    assert default_gguf_weights(None, gguf, "cpu") == "quantized"
-
-
-def test_cli_says_when_the_default_runs_int8_activations():
-    """The default's int8 activations are named on stderr, with the flags that avoid them; a
-    run that chose its weights gets no such note."""
-    from rocketkv.quantized import INT8_ACTIVATIONS_NOTE
-
-    args = ("--checkpoint", str(shared_file(SMOLLM2_GGUF)), "-p", "Hello", "--max-new-tokens",
-            "2", "--threads", "1")
-    p = cli(*args)
-    assert p.returncode == 0, p.stderr
-    assert (INT8_ACTIVATIONS_NOTE in p.stderr) == quantized.int8_activations_default()
-    p = cli(*args, "--gguf-weights", "quantized-w8a8")
-    assert p.returncode == 0 and INT8_ACTIVATIONS_NOTE not in p.stderr
-    assert "int8 activations)" in p.stderr  # the weights line still says so
 
 
 def test_api_load_takes_gguf_weights():

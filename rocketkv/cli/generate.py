@@ -71,7 +71,6 @@ from rocketkv.formats.checkpoint import (
 )
 from rocketkv.formats.tokenizer import Tokenizer
 from rocketkv.model import ConfigError
-from rocketkv.quantized import INT8_ACTIVATIONS_NOTE
 
 
 def main(argv: Sequence[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -183,8 +182,6 @@ def _main(args: argparse.Namespace) -> int:
         load_s = time.perf_counter() - t_load
         if rank == 0:  # now, not after the prefill: a long prefill would hide a finished load
             print(f"load (weights and tokenizer) {load_s:.1f} s", file=sys.stderr, flush=True)
-            if args.gguf_weights is None and (model.quantization or {}).get("activations"):
-                print(INT8_ACTIVATIONS_NOTE, file=sys.stderr)
         room = margs.max_seq_len - len(ids)
         if room < args.max_new_tokens and rank == 0:
             print(f"note: --max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the "

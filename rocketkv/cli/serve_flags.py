@@ -53,9 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPE_NAMES),
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS,
-                   help="a GGUF's weights as float or kept quantized (default quantized-w8a8 on "
-                        "the CPU, quantized on CPUs without VNNI, float on CUDA; "
-                        "docs/quantization.md)")
+                   help="a GGUF's weights as float or kept quantized (default quantized on the "
+                        "CPU, float on CUDA; docs/quantization.md)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--max-batch", type=int, default=8, metavar="N",
                    help="requests decoded together at most, each with its own method, budget "

@@ -95,7 +95,7 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 
 
 # instruction-set extensions a result depends on: vector width and FMA (speed), VNNI (8-bit
-# int8 activations, quantized.int8_activations_default), bfloat16 and AMX (sums and speed)
+# int8 activations, quantized._reduce_range), bfloat16 and AMX (sums and speed)
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
              "amx_int8")
 

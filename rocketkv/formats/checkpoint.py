@@ -63,7 +63,6 @@ from rocketkv.quantized import (
     TORCH_DEQUANT,
     check_int8_activations,
     dequantize_blocks,
-    int8_activations_default,
     load_quantized,
     output_dim,
     use_int8_activations,
@@ -874,22 +873,19 @@ def load_model(checkpoint: str, device, dtype, shard: tuple[int, int] = (0, 1),
 
 def default_gguf_weights(gguf_weights: str | None, checkpoint: str, device) -> str:
     """``gguf_weights`` when given, else the default of ``generate.py --gguf-weights`` and
-    ``rocketkv.load`` for a GGUF checkpoint on the CPU: ``"quantized-w8a8"`` where fbgemm runs
-    8-bit activations (``quantized.int8_activations_default``: a CPU with VNNI), else
-    ``"quantized"``; ``"float"`` on CUDA (its quantized paths have not been timed on a GPU)
-    and for other checkpoints.
+    ``rocketkv.load``: ``"quantized"`` for a GGUF checkpoint on the CPU (its blocks read as
+    int4/int8 by torch's CPU kernels: about 1/3 to 1/2 of the float step's bytes, within 0.002
+    nats of mean KL of the float load, docs/quantization.md), else ``"float"`` (CUDA's
+    quantized paths have not been timed on a GPU).
 
-    The choice follows a rule fixed before its measurement: the fastest load whose mean KL to
-    the float load on the development split (``scripts/eval_quantized.py --split dev``, 8
-    windows of 2048 tokens) is at most 0.01 nats. ``quantized-w8a8`` met it on SmolLM2-135M
-    and Qwen2.5-0.5B (docs/quantization.md states the figures, its cost in greedy agreement
-    among them); with 7-bit activations (no VNNI) it did not, so ``"quantized"`` (weight-only,
-    within 0.002 nats) is the default there."""
+    ``"quantized-w8a8"`` (int8 activations) is faster but stays opt-in: it met a KL rule set for
+    a default (dev-split mean KL 0.0062 and 0.0055 nats on SmolLM2 and Qwen2.5-0.5B, under
+    0.01), yet on SmolLM2 it changes the README's chat answer from its first token
+    (docs/quantization.md)."""
     if gguf_weights is not None:
         return gguf_weights
-    if torch.device(device).type != "cpu" or not _is_gguf_path(checkpoint):
-        return "float"
-    return "quantized-w8a8" if int8_activations_default() else "quantized"
+    cpu = torch.device(device).type == "cpu"
+    return "quantized" if cpu and _is_gguf_path(checkpoint) else "float"
 
 
 def _trim_heap() -> None:
