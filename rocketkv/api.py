@@ -272,7 +272,7 @@ def load(checkpoint: str | None = None, *, device: str | torch.device | None = N
         gguf_weights: a GGUF's weights ``"float"`` (dequantized), ``"quantized"``,
             ``"quantized-int8-classifier"`` or ``"quantized-w8a8"`` (that on int8
             activations, CPU only) (``generate.py --gguf-weights``, ``gguf_quantized``);
-            default ``"quantized"`` on the CPU, ``"float"`` on CUDA
+            default ``"quantized-int8-classifier"`` on the CPU, ``"float"`` on CUDA
             (``checkpoint.default_gguf_weights``).
         prefix_cache_mib: keep prompts uncompressed between runs, up to this many MiB
             (``prefix_cache.PrefixCache``): a run whose prompt starts with a kept one (a

@@ -684,17 +684,19 @@ def test_gguf_weights_are_checked(tmp_path):
 
 
 def test_gguf_weights_default_to_quantized_on_the_cpu_only():
-    """generate.py and rocketkv.load keep a GGUF's blocks quantized on the CPU unless told
-    (weight-only: int8 activations stay opt-in), dequantize on CUDA (kernels not yet run on a
-    GPU), and leave other checkpoints float."""
+    """generate.py and rocketkv.load keep a GGUF's blocks quantized on the CPU unless told,
+    with an int8 classifier (weight-only: int8 activations stay opt-in), dequantize on CUDA
+    (kernels not yet run on a GPU), and leave other checkpoints float."""
+    from rocketkv.quantized import Int8Linear
+
     gguf = str(shared_file(SMOLLM2_GGUF))
-    assert default_gguf_weights(None, gguf, "cpu") == "quantized"
+    assert default_gguf_weights(None, gguf, "cpu") == "quantized-int8-classifier"
     assert default_gguf_weights(None, gguf, "cuda") == "float"
     assert default_gguf_weights(None, "random:stories260K", "cpu") == "float"
     assert default_gguf_weights("float", gguf, "cpu") == "float"
     engine = rocketkv.load(gguf, device="cpu")
     assert isinstance(engine.model.layers[0].feed_forward.w13, Int4Linear)
-    assert not getattr(engine.model.output, "int8_activations", False)
+    assert isinstance(engine.model.output, Int8Linear) and not engine.model.output.int8_activations
     assert rocketkv.load(gguf, device="cpu", gguf_weights="float").model.quantization is None
 
 

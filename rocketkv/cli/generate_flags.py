@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS,
                    help="a GGUF's weights dequantized to float, or kept quantized (4-bit blocks "
                         "as int4, others int8), with an int8 classifier, or that on int8 "
-                        "activations (quantized-w8a8, CPU); default quantized on the CPU, "
-                        "float on CUDA (docs/quantization.md)")
+                        "activations (quantized-w8a8, CPU); default quantized-int8-classifier "
+                        "on the CPU, float on CUDA (docs/quantization.md)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
     p.add_argument("--cuda-graphs", action="store_true",

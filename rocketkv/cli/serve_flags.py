@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPE_NAMES),
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS,
-                   help="a GGUF's weights as float or kept quantized (default quantized on the "
-                        "CPU, float on CUDA; docs/quantization.md)")
+                   help="a GGUF's weights as float or kept quantized (default "
+                        "quantized-int8-classifier on the CPU, float on CUDA; "
+                        "docs/quantization.md)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--max-batch", type=int, default=8, metavar="N",
                    help="requests decoded together at most, each with its own method, budget "
