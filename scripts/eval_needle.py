@@ -103,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs, budgets = run_configurations(args)
         rouge = fact is not None
         got = evaluate_items(model, tok, items, configs, args.max_new_tokens,
-                             lambda a, it: score_answer(a, it, rouge), modes=args.modes,
+                             lambda a, it, capped=None: score_answer(a, it, rouge),
+                             modes=args.modes,
                              options=given_options(args), batch_size=args.batch_size,
                              progress=not args.no_progress,
                              **resume_options(args, "needle", model, device))

@@ -167,7 +167,7 @@ def test_a_ruler_score_uses_the_recorded_flag_and_the_partial_file_keeps_it(monk
     row = evaluate(score_item)
     assert row["scores"] == [None, 0.0] and row["score"] == 0.0 and row["items_run"] == 1
     assert row["answer_capped"] == [True, False] and row["answer_tokens"] == [4, 3]
-    old = evaluate(lambda a, it: score_item(a, it))  # no capped keyword: not passed
+    old = evaluate(lambda a, it, capped=None: score_item(a, it))  # a score ignoring the flag
     assert old["scores"] == [0.0, 0.0] and old["answer_capped"] == [True, False]
 
     path = tmp_path / "ruler.partial.jsonl"

@@ -152,10 +152,11 @@ def test_question_agnostic_full_answers_like_one_prefill(smollm2_model, tok, hay
     full cache's answers of the single prefill; a compressing method answers either way."""
     items = build_items(tok, hay, [600], [0.2, 0.8], 1, seed=1)
     configs = configurations(["full", "snapkv_pp"], [96])
-    got = evaluate_items(smollm2_model, tok, items, configs, 12, lambda a, it: 0.0,
+    got = evaluate_items(smollm2_model, tok, items, configs, 12, lambda a, it, capped=None: 0.0,
                          modes=["standard", "question_agnostic"], progress=False)["modes"]
     std, qa = got["standard"]["rows"], got["question_agnostic"]["rows"]
-    alone = evaluate_items(smollm2_model, tok, items, configs[:1], 12, lambda a, it: 0.0,
+    alone = evaluate_items(smollm2_model, tok, items, configs[:1], 12,
+                           lambda a, it, capped=None: 0.0,
                            modes=["question_agnostic"], progress=False)["modes"]
     assert std[0]["answers"] == qa[0]["answers"] == alone["question_agnostic"]["rows"][0][
         "answers"]
@@ -364,7 +365,8 @@ def test_a_budget_error_fails_only_the_items_it_concerns(monkeypatch):
 
     monkeypatch.setattr(ec, "run_batch", run_batch)
     res = ec.evaluate_items(None, Tok(), items, [("snapkv", 128), ("full", None)], 8,
-                            lambda ans, it: float(ans == it.outputs[0]), progress=False)
+                            lambda ans, it, capped=None: float(ans == it.outputs[0]),
+                            progress=False)
     snap, full = res["modes"]["standard"]["rows"]
     assert snap["score"] == 0.5 and snap["scores"] == [1.0, 0.0, None]
     assert snap["items_run"] == 2 and snap["item_errors"] == {"2": "budget too small"}
@@ -380,7 +382,8 @@ def test_a_budget_error_fails_only_the_items_it_concerns(monkeypatch):
         return {"standard": {("snapkv", 128): "budget too small"}}
 
     monkeypatch.setattr(ec, "run_batch", all_fail)
-    row = ec.evaluate_items(None, Tok(), items, [("snapkv", 128)], 8, lambda a, it: 1.0,
+    row = ec.evaluate_items(None, Tok(), items, [("snapkv", 128)], 8,
+                            lambda a, it, capped=None: 1.0,
                             progress=False)["modes"]["standard"]["rows"][0]
     assert row == {"method": "snapkv", "budget": 128, "error": "budget too small"}
 
@@ -408,7 +411,7 @@ def test_a_killed_run_resumes_from_its_saved_batches(monkeypatch, tmp_path):
 
     def evaluate(path, configs=configs, restart=False):
         return ec.evaluate_items(None, Tok(), items, configs, 8,
-                                 lambda a, it: float(a.endswith(it.outputs[0])),
+                                 lambda a, it, capped=None: float(a.endswith(it.outputs[0])),
                                  modes=("standard", "question_agnostic"), batch_size=2,
                                  progress=False, partial=path, run_key=["x"],
                                  tag={"commit": "abcdef1234567890"}, restart=restart)
@@ -489,7 +492,8 @@ def test_a_complete_run_is_not_run_again_unless_restart(monkeypatch, tmp_path):
     partial, result = tmp_path / "needle.partial.jsonl", tmp_path / "needle.json"
 
     def evaluate(configs=(("full", None),), restart=False):
-        return ec.evaluate_items(None, Tok(), items, list(configs), 8, lambda a, it: 1.0,
+        return ec.evaluate_items(None, Tok(), items, list(configs), 8,
+                                 lambda a, it, capped=None: 1.0,
                                  batch_size=2, progress=False, partial=partial,
                                  run_key=["x"], restart=restart, complete=[result])
 
@@ -534,7 +538,7 @@ def test_a_stopped_run_scores_what_it_finished_and_the_same_call_finishes(monkey
 
     def evaluate(stop, tag=None):
         return ec.evaluate_items(None, Tok(), items, [("full", None)], 8,
-                                 lambda a, it: float(a == it.outputs[0]), batch_size=2,
+                                 lambda a, it, capped=None: float(a == it.outputs[0]), batch_size=2,
                                  progress=False, partial=path, stop=stop, tag=tag)
 
     cut = evaluate(lambda: len(calls) == 1, tag={"commit": "aaaa"})  # stops after a batch
@@ -573,18 +577,18 @@ def test_worker_processes_give_the_answers_of_one_process(smollm2_model, tok, ha
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = evaluate_items(smollm2_model, tok, items, configs, 6, lambda a, it: 0.0,
+        one = evaluate_items(smollm2_model, tok, items, configs, 6, lambda a, it, capped=None: 0.0,
                              modes=["standard", "question_agnostic"], progress=False)
     finally:
         torch.set_num_threads(threads)
-    two = evaluate_items(None, tok, items, configs, 6, lambda a, it: 0.0,
+    two = evaluate_items(None, tok, items, configs, 6, lambda a, it, capped=None: 0.0,
                          modes=["standard", "question_agnostic"], progress=False,
                          workers=opts["workers"], load_worker=opts["load_worker"])
     assert one["workers"] == 1 and two["workers"] == 2 and two["batches"] == 2
     assert two["modes"] == one["modes"]
     bad = dict(opts["load_worker"].args[0], checkpoint="/nonexistent.gguf")
     with pytest.raises(Exception, match="nonexistent"):  # a worker that cannot load: raised
-        evaluate_items(None, tok, items, configs, 6, lambda a, it: 0.0, progress=False,
+        evaluate_items(None, tok, items, configs, 6, lambda a, it, capped=None: 0.0, progress=False,
                        workers=2, load_worker=partial(ec._load_worker, bad))
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import json
 import multiprocessing
 import os
@@ -508,17 +507,6 @@ def _saved_answers(entry: Sequence[Any]) -> Any:
     return Answers(ans, n_tok, flags)
 
 
-def _takes_capped(score: Callable[..., Any]) -> bool:
-    """Whether ``score`` takes a ``capped`` keyword (a parameter of that name, or
-    ``**kwargs``); False when its signature cannot be read."""
-    try:
-        params = inspect.signature(score).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.kind is p.VAR_KEYWORD or (p.name == "capped" and p.kind in (
-        p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)) for p in params)
-
-
 def degenerate(method: str, budget: int | None, margs: ModelArgs, items: Sequence[Item],
                max_new_tokens: int, options: dict[str, Any] | None) -> str | None:
     """Why ``method`` is degenerate at ``budget`` for these items (``Params.degenerate``,
@@ -548,11 +536,11 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
     (``max_new_tokens`` unless an item's ``meta["max_new_tokens"]`` says otherwise; a batch
     decodes its items' largest, and each answer records whether its own cap ended it).
 
-    ``score(answer, item)`` gives an answer's score (None: no verdict, left out of the mean);
-    a ``score`` that takes a ``capped`` keyword (``ruler.score_item``) is called as
-    ``score(answer, item, capped=flag)`` with the flag the run recorded for that answer
-    (``Answers.capped``: True when the answer ended at its item's token cap, not at a stop
-    token; None where the batch recorded none: one saved by a ``run_batch`` that did not).
+    ``score(answer, item, capped=flag)`` gives an answer's score (None: no verdict, left out
+    of the mean), with the flag the run recorded for that answer (``Answers.capped``: True
+    when the answer ended at its item's token cap, not at a stop token; None where the batch
+    recorded none: one saved by a ``run_batch`` that did not); a score with no use for it
+    (the needle's) ignores it.
 
     A budget the method rejects for some items (a longer answer leaves less of the budget to
     the prompt) fails those items only: their ``scores`` and ``answers`` are None, ``score``
@@ -693,7 +681,6 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
                               "partial": None if partial is None else str(partial),
                               "fingerprint": None if partial is None else fingerprint,
                               "item_tags": item_tags}
-    with_capped = _takes_capped(score)
     reasons = {} if model is None else {  # per configuration, whatever the mode
         (m, b): degenerate(m, b, model.args, items, max_new_tokens, options) for m, b in configs}
     for mode in modes:
@@ -708,7 +695,7 @@ def evaluate_items(model: Transformer, tok: Tokenizer, items: Sequence[Item],
             else:
                 ans = answers[mode][(method, budget)]
                 flags = capped[mode][(method, budget)]
-                scores = [(score(a, it, capped=flags[i]) if with_capped else score(a, it))
+                scores = [score(a, it, capped=flags[i])
                           if i in finished and i not in errs else None
                           for i, (a, it) in enumerate(zip(ans, items))]
                 ran = [x for x in scores if x is not None]
